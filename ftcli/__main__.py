@@ -1,0 +1,3 @@
+from ftcli.cli import run
+
+run()

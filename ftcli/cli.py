@@ -1,0 +1,266 @@
+"""The command line: parse, load the recipe, dispatch. No work happens here.
+
+Each subcommand's work lives in one module, imported only when that command runs, so
+`ftcli --help` and `ftcli render-workload` never import torch:
+
+    recipes          ftcli.recipe       (schema, built-ins, overrides)
+    render-workload  ftcli.workload     (Databricks AI Runtime YAML)
+    pack-preview     ftcli.preview      (over ftcli.data: tokenize, mask, pack)
+    train            ftcli.launch       (torchrun) -> ftcli.train_full (FSDP2) | ftcli.train_lora (TRL)
+    merge-lora       ftcli.merge
+    register         ftcli.register
+    doctor           ftcli.doctor       (over ftcli.kernels)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from ftcli import __version__
+from ftcli.errors import UserError
+
+class _Group(TyperGroup):
+    """Turns a `UserError` raised anywhere below into one red line and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            _fail(str(e))
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="ftcli",
+    help="Fine-tune LLMs from named recipes: pack, train (FSDP2 or LoRA), merge, register.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+recipes_app = typer.Typer(help="List, show and copy built-in recipes.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+console = Console()
+err_console = Console(stderr=True)
+
+RecipeOpt = typer.Option(..., "--recipe", "-r", help="Built-in recipe name or path to a recipe YAML.")
+OptionalRecipeOpt = typer.Option(None, "--recipe", "-r", help="Built-in recipe name or path to a recipe YAML.")
+SetOpt = typer.Option(None, "--set", "-s", help="Override a recipe value: dotted.key=value (repeatable).")
+ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _load(recipe: str | None, overrides: list[str] | None):
+    from ftcli.recipe import load_recipe
+
+    if recipe is None:
+        if overrides:
+            _fail("--set needs --recipe")
+        return None
+    return load_recipe(recipe, overrides or [])
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"ftcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """ftcli: fine-tune LLMs from named recipes, all the way to a registered model."""
+
+
+# ------------------------------------------------------------------------------------------ recipes
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """List the built-in recipes."""
+    from rich.table import Table
+
+    from ftcli.recipe import builtin_recipe_names, load_recipe
+
+    table = Table("name", "method", "model", "compute", "description")
+    for name in builtin_recipe_names():
+        r = load_recipe(name)
+        model = r.model.id or f"random init ({Path(r.model.config or '').name})"
+        compute = f"{r.compute.num_accelerators} GPUs ({r.compute.accelerator_type})" if r.model.init != "random" else "CPU"
+        table.add_row(name, r.training.method, model, compute, r.description)
+    console.print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(
+    name: str = typer.Argument(..., help="Built-in recipe name or path."),
+    overrides: Optional[list[str]] = SetOpt,
+) -> None:
+    """Print a recipe, fully resolved (every default shown), as YAML."""
+    from ftcli.recipe import dump_recipe
+
+    print(dump_recipe(_load(name, overrides)), end="")
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    name: str = typer.Argument(..., help="Built-in recipe to start from."),
+    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML."),
+    force: bool = ForceOpt,
+) -> None:
+    """Copy a built-in recipe to DEST to start a custom one."""
+    from ftcli.recipe import builtin_recipe_text
+
+    if dest.is_dir():
+        dest = dest / f"{name}.yaml"
+    if dest.exists() and not force:
+        _fail(f"{dest} exists; pass --force to overwrite it")
+    dest.write_text(builtin_recipe_text(name))
+    console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")
+
+
+# ---------------------------------------------------------------------------------- render-workload
+@app.command("render-workload")
+def render_workload(
+    recipe: Optional[str] = OptionalRecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout)."),
+    check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
+    force: bool = ForceOpt,
+) -> None:
+    """Render a Databricks AI Runtime workload YAML (`databricks air run -f ...`) for a recipe."""
+    from ftcli import workload
+
+    if check is not None:
+        problems = workload.check_workload_file(check)
+        if problems:
+            for p in problems:
+                err_console.print(f"[red]-[/] {p}", highlight=False, soft_wrap=True)
+            _fail(f"{check}: {len(problems)} problem(s)")
+        console.print(f"{check}: valid AI Runtime workload")
+        return
+    r = _load(recipe, overrides)
+    if r is None:
+        _fail("render-workload needs --recipe (or --check FILE)")
+    text = workload.render_workload(r)
+    if output is None:
+        print(text, end="")
+        return
+    if output.exists() and not force:
+        _fail(f"{output} exists; pass --force to overwrite it")
+    output.write_text(text)
+    err_console.print(f"wrote {output}; submit with: databricks air run -f {output}")
+
+
+# ------------------------------------------------------------------------------------- pack-preview
+@app.command("pack-preview")
+def pack_preview(
+    recipe: str = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    blocks: int = typer.Option(2, "--blocks", min=0, help="Blocks to show in detail."),
+    examples: Optional[int] = typer.Option(None, "--examples", min=1, help="Read at most this many examples."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    dump: Optional[Path] = typer.Option(None, "--dump", help="Write the exact blocks as JSON lines."),
+    strict: bool = typer.Option(False, "--strict", help="Stop at the first bad row."),
+    force: bool = ForceOpt,
+) -> None:
+    """Show how the recipe's data is tokenized, masked and packed: the blocks `train` consumes."""
+    from ftcli.preview import run_preview
+
+    r = _load(recipe, overrides)
+    if dump is not None and dump.exists() and not force:
+        _fail(f"{dump} exists; pass --force to overwrite it")
+    run_preview(r, blocks=blocks, examples=examples, as_json=as_json, dump=dump, strict=strict)
+
+
+# -------------------------------------------------------------------------------------------- train
+@app.command("train")
+def train(
+    recipe: str = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Resume from the latest checkpoint of the run dir, or from DIR.", metavar="[DIR]"
+    ),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty output dir that is not this run's."),
+) -> None:
+    """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun."""
+    from ftcli.launch import run_train
+
+    r = _load(recipe, overrides)
+    run_train(r, recipe_ref=recipe, overrides=list(overrides or []), resume=resume, force=force)
+
+
+# ---------------------------------------------------------------------------------------- merge-lora
+@app.command("merge-lora")
+def merge_lora(
+    adapter_dir: Path = typer.Argument(..., help="A LoRA adapter dir (a LoRA run's output)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model id or path (default: from the adapter)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the merged model."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
+    recipe: Optional[str] = OptionalRecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    force: bool = ForceOpt,
+) -> None:
+    """Merge a LoRA adapter into its base (MXFP4 bases dequantized) and verify the merge."""
+    from ftcli.merge import run_merge
+
+    run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=_load(recipe, overrides), force=force)
+
+
+# ------------------------------------------------------------------------------------------ register
+@app.command("register")
+def register(
+    model_dir: Path = typer.Argument(..., help="A run dir (with run.json) or a model dir."),
+    name: str = typer.Option(..., "--name", help="Registered model name (catalog.schema.model for UC)."),
+    registry_uri: Optional[str] = typer.Option(None, "--registry-uri", help="e.g. databricks-uc."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI."),
+    alias: Optional[str] = typer.Option(None, "--alias", help="Set this alias on the new version."),
+    adapter_only: bool = typer.Option(False, "--adapter-only", help="Log only the LoRA adapter (+ base ref)."),
+    merged: bool = typer.Option(False, "--merged", help="Merge a LoRA adapter first and log full weights."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    recipe: Optional[str] = OptionalRecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    force: bool = typer.Option(False, "--force", help="Move an alias that already points at another version."),
+) -> None:
+    """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
+    from ftcli.register import run_register
+
+    if adapter_only and merged:
+        _fail("--adapter-only and --merged exclude each other")
+    run_register(
+        model_dir, name=name, registry_uri=registry_uri, tracking_uri=tracking_uri, alias=alias,
+        adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=_load(recipe, overrides), force=force,
+    )
+
+
+# -------------------------------------------------------------------------------------------- doctor
+@app.command("doctor")
+def doctor(recipe: Optional[str] = OptionalRecipeOpt, overrides: Optional[list[str]] = SetOpt) -> None:
+    """Versions, packed-kernel backends, and known-bad combinations on this machine."""
+    from ftcli.doctor import run_doctor
+
+    code = run_doctor(_load(recipe, overrides))
+    raise typer.Exit(code)
+
+
+def _normalize_argv(argv: list[str]) -> list[str]:
+    """`--resume` may be given without a value: it then means the run dir's latest checkpoint."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("latest")
+    return out
+
+
+def run() -> None:
+    """Console-script entry (`ftcli`)."""
+    app(args=_normalize_argv(sys.argv[1:]), prog_name="ftcli")

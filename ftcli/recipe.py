@@ -1,0 +1,443 @@
+"""Recipes: typed, validated YAML that says everything about one fine-tune.
+
+A recipe is data. `load_recipe("qwen-b300")` finds a built-in recipe by name (shipped inside the
+package, so it works after a plain `pip install`), `load_recipe("my.yaml")` reads a file, and
+`--set training.optimizer.lr=2e-5` style overrides are applied before validation. Unknown keys fail
+with their dotted path and the closest valid key; type errors name the path. No pydantic dumps reach
+the user: every problem becomes a `RecipeError` with one short line per problem.
+
+Paths inside a recipe may use `pkg://assets/...` for files shipped with ftcli (tiny configs, the tiny
+tokenizer and dataset). They stay `pkg://` in the validated recipe (so a recipe rendered into a
+workload still points at the installed package there); code that opens one calls `resolve_path`.
+Plain relative paths are made absolute against the recipe file's folder at load time.
+
+This module imports no torch: `ftcli --help` and `ftcli render-workload` stay instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftcli.errors import UserError
+
+PKG_PREFIX = "pkg://"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+class RecipeError(UserError):
+    """A user mistake in a recipe or an override; the message is ready to print."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------- model
+class ModelConfig(_Section):
+    id: str | None = Field(None, description="Hub repo id or local directory of pretrained weights.")
+    revision: str | None = Field(None, description="Hub commit to pin (ignored for local paths).")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="random: build from `config` with random weights (tiny recipes, benchmarks)."
+    )
+    config: str | None = Field(None, description="config.json for random init (path or pkg://).")
+    config_overrides: dict[str, Any] = Field(default_factory=dict, description="Applied on top of the config.")
+    model_type: str = Field(..., description="transformers model_type: qwen3_5, qwen3_5_text, gpt_oss, ...")
+    model_class: Literal["causal_lm", "image_text_to_text"] = "causal_lm"
+    tokenizer: str | None = Field(None, description="Tokenizer id/path; defaults to `id`.")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    attn_implementation: str = Field(
+        "auto", description="auto: ftcli's packed-kernel module picks per machine; or a transformers name."
+    )
+    quantization: Literal["none", "mxfp4_dequantize"] = "none"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelConfig:
+        if self.init == "random" and not self.config:
+            raise ValueError("model.init=random needs model.config (a config.json path)")
+        if self.init == "pretrained" and not self.id:
+            raise ValueError("model.init=pretrained needs model.id (hub id or local path)")
+        if not (self.tokenizer or self.id):
+            raise ValueError("set model.tokenizer (or model.id) so ftcli can tokenize the data")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ data
+class PackingConfig(_Section):
+    enabled: bool = True
+    block_len: int = Field(32768, ge=8, description="Tokens per packed block.")
+    strategy: Literal["split", "bfd"] = Field(
+        "split", description="split: the reference (cut at the block edge); bfd: best-fit decreasing, no splits."
+    )
+    bfd_buffer: int = Field(1024, ge=1, description="Examples buffered per best-fit-decreasing round.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="bfd: example longer than a block.")
+
+
+class SyntheticData(_Section):
+    """Random token conversations with a realistic length spread (benchmarks)."""
+
+    num_examples: int = Field(20000, ge=1)
+    mean_tokens: int = Field(1200, ge=2)
+    max_tokens: int = Field(16384, ge=2)
+    prompt_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    source: Literal["hub", "local", "synthetic"] = "hub"
+    path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, Arrow).")
+    revision: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    format: Literal["messages", "prompt_completion"] = "messages"
+    messages_field: str = "messages"
+    chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template.")
+    train_on: Literal["assistant", "all", "last"] = Field("assistant", description="Which turns get loss.")
+    strict: bool = Field(False, description="Stop at the first bad row instead of skipping and counting it.")
+    max_examples: int | None = Field(None, ge=1)
+    max_length: int | None = Field(None, ge=2, description="Truncate each example (unpacked/LoRA path).")
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    synthetic: SyntheticData = Field(default_factory=SyntheticData)
+    num_workers: int = Field(0, ge=0)
+    cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
+
+    @model_validator(mode="after")
+    def _path(self) -> DataConfig:
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path")
+        return self
+
+
+# -------------------------------------------------------------------------------------- training
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    fused: bool = True
+
+
+class ScheduleConfig(_Section):
+    name: Literal["constant", "cosine", "cosine_with_min_lr", "linear"] = "constant"
+    warmup: float = Field(0.0, ge=0, description="<1: fraction of total steps; >=1: number of steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class PrecisionConfig(_Section):
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    reduce_dtype: Literal["bfloat16", "float32"] = "float32"
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bfloat16 = the reference (most small updates round away)."
+    )
+
+
+class CheckpointConfig(_Section):
+    enabled: bool = True
+    every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(None, gt=0)
+    keep_last: int = Field(2, ge=1)
+    save_final_hf: bool = Field(True, description="Write a Hugging Face checkpoint at the end.")
+
+
+class LossConfig(_Section):
+    impl: Literal["chunked", "full", "liger"] = Field(
+        "chunked", description="chunked: never materializes full fp32 logits; full: the reference."
+    )
+    chunk_tokens: int = Field(4096, ge=1)
+
+
+class TrainingConfig(_Section):
+    method: Literal["full", "lora"] = "full"
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
+    per_device_batch: int = Field(1, ge=1)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    grad_clip: float | None = Field(1.0, gt=0, description="Max grad norm; null disables clipping.")
+    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    compile: bool = False
+    loss: LossConfig = Field(default_factory=LossConfig)
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    max_bad_steps: int = Field(3, ge=1, description="Consecutive non-finite steps before the run stops.")
+    cpu_processes: int = Field(2, ge=1, description="torchrun processes on a machine without GPUs.")
+
+
+# ------------------------------------------------------------------------------------------ lora
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    bias: Literal["none", "all", "lora_only"] = "none"
+    target_modules: str | list[str] = "all-linear"
+    target_parameters: list[str] = Field(default_factory=list, description="3-D params, e.g. MoE experts.")
+    exclude_vision: bool = Field(True, description="Keep LoRA off the vision tower of VLM classes.")
+
+
+# -------------------------------------------------------------------------------------- tracking
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///mlflow.db (or $MLFLOW_TRACKING_URI).")
+    experiment: str | None = None
+    run_name: str | None = None
+    log_system_metrics: bool = True
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe name.")
+
+
+# --------------------------------------------------------------------------------------- compute
+class PermissionConfig(_Section):
+    user_name: str | None = None
+    group_name: str | None = None
+    service_principal_name: str | None = None
+    level: str
+
+    @model_validator(mode="after")
+    def _one_principal(self) -> PermissionConfig:
+        given = [x for x in (self.user_name, self.group_name, self.service_principal_name) if x]
+        if len(given) != 1:
+            raise ValueError("a permission names exactly one of user_name, group_name, service_principal_name")
+        return self
+
+
+class ComputeConfig(_Section):
+    accelerator_type: str = Field("GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
+    num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
+    experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
+    environment_version: str = "databricks_ai_v6"
+    dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
+    env_variables: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[str, str] = Field(default_factory=dict, description="NAME -> 'scope/key'.")
+    timeout_minutes: int | None = Field(None, ge=1)
+    max_retries: int = Field(0, ge=0)
+    pool_id: str | None = None
+    priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
+    mlflow_experiment_directory: str | None = None
+    permissions: list[PermissionConfig] = Field(default_factory=list)
+    ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _accel(cls, v: str) -> str:
+        if not re.fullmatch(r"GPU_[1-9][0-9]*x[A-Za-z0-9]+", v):
+            raise ValueError(f"{v!r} is not GPU_<gpus per node>x<model> (e.g. GPU_8xH100)")
+        return v
+
+    @model_validator(mode="after")
+    def _topology(self) -> ComputeConfig:
+        if self.num_accelerators % self.gpus_per_node:
+            raise ValueError(
+                f"num_accelerators={self.num_accelerators} is not a multiple of the {self.gpus_per_node} "
+                f"GPUs per node of {self.accelerator_type}"
+            )
+        if self.priority_class and not self.pool_id:
+            raise ValueError("priority_class needs pool_id")
+        both = sorted(set(self.secrets) & set(self.env_variables))
+        if both:
+            raise ValueError(f"{', '.join(both)} set both as a secret and as an env variable")
+        for name, ref in self.secrets.items():
+            if ref.count("/") != 1 or not all(ref.split("/")):
+                raise ValueError(f"secret {name}: {ref!r} is not 'scope/key'")
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return int(self.accelerator_type[4:].split("x", 1)[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_accelerators // self.gpus_per_node
+
+
+# ---------------------------------------------------------------------------------------- recipe
+class Recipe(_Section):
+    name: str
+    description: str = ""
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError("use 1-100 letters, digits, '-' or '_'")
+        return v
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output.dir.replace("{name}", self.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------------ loading & errors
+def builtin_recipe_names() -> list[str]:
+    root = resources.files("ftcli") / "recipes"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def builtin_recipe_text(name: str) -> str:
+    path = resources.files("ftcli") / "recipes" / f"{name}.yaml"
+    if not path.is_file():
+        raise RecipeError(_unknown_recipe_message(name))
+    return path.read_text()
+
+
+def _unknown_recipe_message(name: str) -> str:
+    names = builtin_recipe_names()
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; built-in recipes: {', '.join(names)}"
+    return f"no recipe file or built-in recipe named '{name}'{hint}"
+
+
+def resolve_path(value: str | None, base: Path | None = None) -> str | None:
+    """`pkg://assets/x` -> the installed file; relative paths -> against `base` (the recipe's folder)."""
+    if value is None:
+        return None
+    if value.startswith(PKG_PREFIX):
+        return str(resources.files("ftcli").joinpath(value[len(PKG_PREFIX) :]))
+    path = Path(value).expanduser()
+    if base is not None and not path.is_absolute() and (base / path).exists():
+        return str((base / path).resolve())
+    return value
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], parsed value); values are YAML (1e-5, true, [1,2], null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {item!r}: expected dotted.key=value, e.g. training.optimizer.lr=2e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {item!r}: '{'.'.join(keys[: i + 1])}' is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def _model_for_path(loc: tuple) -> type[BaseModel] | None:
+    """Walk the schema along a pydantic error location to the section that owns the last key."""
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | None:
+    """`training.lr` -> `optimizer.lr`: the key exists one section further down."""
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if key in ann.model_fields:
+                return f"{prefix}{name}.{key}"
+            found = _nested_key(ann, key, f"{prefix}{name}.")
+            if found:
+                return found
+    return None
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner = _model_for_path(loc)
+            fields = list(owner.model_fields) if owner else []
+            close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.5)
+            if close:
+                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?"
+            else:
+                nested = _nested_key(owner, str(loc[-1])) if owner else None
+                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), nested])}'?" if nested else ""
+            lines.append(f"unknown key '{path}'{hint}")
+        elif e["type"] == "missing":
+            lines.append(f"missing required key '{path}'")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            given = e.get("input")
+            shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
+            lines.append(f"{path}: {msg}{shown}")
+    head = f"invalid recipe {source}: "
+    if len(lines) == 1:
+        return head + lines[0]
+    return head + f"{len(lines)} problems\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
+    """Make paths relative to the recipe file absolute; `pkg://` stays symbolic until opened."""
+    if base is None:
+        return
+    model, dataset = data.get("model") or {}, data.get("data") or {}
+    for section, key in ((model, "config"), (model, "tokenizer"), (model, "id"), (dataset, "chat_template")):
+        if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].startswith(PKG_PREFIX):
+            section[key] = resolve_path(section[key], base)
+    path = dataset.get("path") if isinstance(dataset, dict) else None
+    if dataset.get("source") == "local" and isinstance(path, str) and not path.startswith(PKG_PREFIX):
+        dataset["path"] = resolve_path(path, base)
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
+    path = Path(name_or_path).expanduser()
+    base: Path | None = None
+    if path.is_file():
+        text, source, base = path.read_text(), str(path), path.resolve().parent
+    elif str(name_or_path).endswith((".yaml", ".yml")) or "/" in str(name_or_path):
+        raise RecipeError(f"recipe file not found: {name_or_path}")
+    else:
+        text, source = builtin_recipe_text(str(name_or_path)), f"'{name_or_path}'"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"invalid recipe {source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"invalid recipe {source}: expected a mapping of sections at the top level")
+    data = apply_overrides(data, overrides or [])
+    _resolve_paths(data, base)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation_error(e, source)) from None
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

@@ -1,0 +1,134 @@
+"""Build the tiny assets shipped in ftcli/assets (deterministic; rerun only to change them).
+
+- `tiny_chat.jsonl`: multi-turn chats on tasks a tiny model can learn in two CPU minutes
+  (capitals, reversing letter lists, counting, echoing, small sums), some with a system prompt.
+- `tokenizer-qwen/`, `tokenizer-gpt-oss/`: one byte-level BPE (vocab 1024) trained on the chats as
+  rendered by the real Qwen3.8 and gpt-oss chat templates shipped in TRL, saved with that template.
+- `tiny-qwen3_5.json`, `tiny-gpt-oss.json`: tiny model configs (Qwen3.5 hybrid: linear + full
+  attention layers; gpt-oss: sliding + full attention with sinks, 4 experts top-2).
+
+    python scripts/build_tiny_assets.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import trl
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+ASSETS = Path(__file__).resolve().parents[1] / "ftcli" / "assets"
+TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+VOCAB = 1024
+
+CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
+    "Canada": "Ottawa", "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi", "Norway": "Oslo",
+    "Greece": "Athens", "Chile": "Santiago", "Cuba": "Havana", "Poland": "Warsaw", "Austria": "Vienna",
+    "Ireland": "Dublin", "Portugal": "Lisbon", "Sweden": "Stockholm", "Finland": "Helsinki", "India": "New Delhi",
+}
+WORDS = "apple river stone cloud green quiet light table happy music ocean tiger paper window garden".split()
+SYSTEMS = ["You are a helpful assistant.", "Answer briefly.", "You are a careful tutor."]
+
+
+def task(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(5)
+    if kind == 0:
+        country = rng.choice(list(CAPITALS))
+        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+    if kind == 1:
+        letters = [rng.choice("abcdefgh") for _ in range(rng.randint(3, 7))]
+        return f"Reverse the letters: {' '.join(letters)}", " ".join(reversed(letters))
+    if kind == 2:
+        n = rng.randint(2, 9)
+        return f"Count from 1 to {n}.", " ".join(str(i) for i in range(1, n + 1))
+    if kind == 3:
+        words = rng.sample(WORDS, rng.randint(2, 4))
+        return f"Repeat after me: {' '.join(words)}", f"{' '.join(words)}"
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+
+
+def conversation(rng: random.Random) -> dict:
+    messages = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": rng.choice(SYSTEMS)})
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        user, assistant = task(rng)
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return {"messages": messages}
+
+
+def main() -> None:
+    rng = random.Random(0)
+    rows = [conversation(rng) for _ in range(3000)]
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    with open(ASSETS / "tiny_chat.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+    templates = {
+        "tokenizer-qwen": (TEMPLATES / "qwen3_8.jinja").read_text(),
+        "tokenizer-gpt-oss": (TEMPLATES / "gptoss.jinja").read_text(),
+    }
+    specials = [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+        "<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+        "<|constrain|>",
+    ]
+    # Train the BPE on the chats as both real templates render them, so template text is cheap too.
+    corpus = []
+    for name, template in templates.items():
+        probe = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=template)
+        corpus += [probe.apply_chat_template(r["messages"], tokenize=False) for r in rows[:600]]
+    corpus += [m["content"] for r in rows for m in r["messages"]]
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+
+    for name, template in templates.items():
+        eos = "<|im_end|>" if "qwen" in name else "<|return|>"
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, chat_template=template, eos_token=eos, pad_token="<|endoftext|>",
+            bos_token=None, unk_token=None, additional_special_tokens=specials,
+        )
+        tok.save_pretrained(ASSETS / name)
+
+    ids = {t: bpe.token_to_id(t) for t in specials}
+    qwen = {
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "partial_rotary_factor": 0.25,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None,
+    }
+    gpt_oss = {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+        "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attention_bias": True,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "router_aux_loss_coef": 0.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                            "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+        "eos_token_id": ids["<|return|>"], "pad_token_id": ids["<|endoftext|>"],
+    }
+    (ASSETS / "tiny-qwen3_5.json").write_text(json.dumps(qwen, indent=2) + "\n")
+    (ASSETS / "tiny-gpt-oss.json").write_text(json.dumps(gpt_oss, indent=2) + "\n")
+    print(f"wrote {len(rows)} chats, vocab {bpe.get_vocab_size()}, assets in {ASSETS}")
+
+
+if __name__ == "__main__":
+    main()
