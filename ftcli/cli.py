@@ -90,7 +90,12 @@ def recipes_list() -> None:
 
     from ftcli.recipe import builtin_recipe_names, load_recipe
 
-    table = Table("name", "method", "model", "compute", "description")
+    table = Table()
+    table.add_column("name", no_wrap=True)
+    table.add_column("method")
+    table.add_column("model", overflow="fold")
+    table.add_column("compute")
+    table.add_column("description")
     for name in builtin_recipe_names():
         r = load_recipe(name)
         model = r.model.id or f"random init ({Path(r.model.config or '').name})"
@@ -173,9 +178,9 @@ def pack_preview(
     force: bool = ForceOpt,
 ) -> None:
     """Show how the recipe's data is tokenized, masked and packed: the blocks `train` consumes."""
+    r = _load(recipe, overrides)
     from ftcli.preview import run_preview
 
-    r = _load(recipe, overrides)
     if dump is not None and dump.exists() and not force:
         _fail(f"{dump} exists; pass --force to overwrite it")
     run_preview(r, blocks=blocks, examples=examples, as_json=as_json, dump=dump, strict=strict)
@@ -192,9 +197,9 @@ def train(
     force: bool = typer.Option(False, "--force", help="Write into a non-empty output dir that is not this run's."),
 ) -> None:
     """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun."""
+    r = _load(recipe, overrides)
     from ftcli.launch import run_train
 
-    r = _load(recipe, overrides)
     run_train(r, recipe_ref=recipe, overrides=list(overrides or []), resume=resume, force=force)
 
 
@@ -210,9 +215,10 @@ def merge_lora(
     force: bool = ForceOpt,
 ) -> None:
     """Merge a LoRA adapter into its base (MXFP4 bases dequantized) and verify the merge."""
+    r = _load(recipe, overrides)
     from ftcli.merge import run_merge
 
-    run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=_load(recipe, overrides), force=force)
+    run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=r, force=force)
 
 
 # ------------------------------------------------------------------------------------------ register
@@ -231,13 +237,14 @@ def register(
     force: bool = typer.Option(False, "--force", help="Move an alias that already points at another version."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
-    from ftcli.register import run_register
-
     if adapter_only and merged:
         _fail("--adapter-only and --merged exclude each other")
+    r = _load(recipe, overrides)
+    from ftcli.register import run_register
+
     run_register(
         model_dir, name=name, registry_uri=registry_uri, tracking_uri=tracking_uri, alias=alias,
-        adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=_load(recipe, overrides), force=force,
+        adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=r, force=force,
     )
 
 
@@ -245,9 +252,10 @@ def register(
 @app.command("doctor")
 def doctor(recipe: Optional[str] = OptionalRecipeOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """Versions, packed-kernel backends, and known-bad combinations on this machine."""
+    r = _load(recipe, overrides)
     from ftcli.doctor import run_doctor
 
-    code = run_doctor(_load(recipe, overrides))
+    code = run_doctor(r)
     raise typer.Exit(code)
 
 

@@ -29,6 +29,7 @@ from ftcli.errors import UserError
 
 PKG_PREFIX = "pkg://"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class RecipeError(UserError):
@@ -330,6 +331,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and _FLOAT_RE.fullmatch(raw.strip()):
+        value = float(raw)  # YAML 1.1 reads `1e-5` (no dot) as a string
     return key.strip().split("."), value
 
 
@@ -409,7 +412,7 @@ def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
         if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].startswith(PKG_PREFIX):
             section[key] = resolve_path(section[key], base)
     path = dataset.get("path") if isinstance(dataset, dict) else None
-    if dataset.get("source") == "local" and isinstance(path, str) and not path.startswith(PKG_PREFIX):
+    if isinstance(path, str) and dataset.get("source") == "local" and not path.startswith(PKG_PREFIX):
         dataset["path"] = resolve_path(path, base)
 
 

@@ -1,0 +1,127 @@
+"""The thin CLI: recipe commands, --version, and user mistakes as one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ftcli import __version__, cli
+from ftcli.recipe import builtin_recipe_text, load_recipe
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, list(args))
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_version():
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.output.strip() == f"ftcli {__version__}"
+
+
+def test_recipes_list_shows_the_four_builtins(monkeypatch):
+    monkeypatch.setattr(cli.console, "width", 200)
+    res = invoke("recipes", "list")
+    assert res.exit_code == 0, res.output
+    for name in ("qwen-b300", "gpt-oss-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu"):
+        assert f" {name} " in res.output
+    assert "GPU_8xB300" in res.output and "openai/gpt-oss-20b" in res.output
+
+
+@pytest.mark.parametrize("name", ["qwen-b300", "gpt-oss-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu"])
+def test_recipes_show_loads_back_to_equal_recipe(name, tmp_path):
+    res = invoke("recipes", "show", name, "--set", "training.grad_accum=3")
+    assert res.exit_code == 0, res.output
+    path = tmp_path / "shown.yaml"
+    path.write_text(res.output)
+    assert load_recipe(str(path)) == load_recipe(name, ["training.grad_accum=3"])
+    assert yaml.safe_load(res.output)["training"]["grad_accum"] == 3
+
+
+def test_recipes_cp_refuses_to_overwrite_without_force(tmp_path):
+    dest = tmp_path / "mine.yaml"
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest)).exit_code == 0
+    assert dest.read_text() == builtin_recipe_text("tiny-qwen-cpu")
+    dest.write_text("# edited\n")
+    res = invoke("recipes", "cp", "tiny-qwen-cpu", str(dest))
+    assert res.exit_code == 2 and "--force" in res.output
+    assert dest.read_text() == "# edited\n"
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest), "--force").exit_code == 0
+    assert dest.read_text() == builtin_recipe_text("tiny-qwen-cpu")
+
+
+def test_recipes_cp_into_a_folder(tmp_path):
+    assert invoke("recipes", "cp", "qwen-b300", str(tmp_path)).exit_code == 0
+    assert load_recipe(str(tmp_path / "qwen-b300.yaml")) == load_recipe("qwen-b300")
+
+
+def test_recipes_cp_unknown_recipe(tmp_path):
+    res = invoke("recipes", "cp", "qwen-b30", str(tmp_path / "x.yaml"))
+    assert res.exit_code == 2 and "did you mean 'qwen-b300'" in res.output
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["recipes", "show", "qwen-b300", "--set", "training.lr=1"],
+     "error: invalid recipe 'qwen-b300': unknown key 'training.lr'; did you mean 'training.optimizer.lr'?"),
+    (["recipes", "show", "qwen-b300", "--set", "training.epochs"],
+     "error: --set 'training.epochs': expected dotted.key=value, e.g. training.optimizer.lr=2e-5"),
+    (["recipes", "show", "qwen-b30"],
+     "error: no recipe file or built-in recipe named 'qwen-b30'; did you mean 'qwen-b300'?"),
+    (["render-workload", "--recipe", "gpt-oss-h100", "--set", "compute.num_accelerators=12"],
+     "error: invalid recipe 'gpt-oss-h100': compute: num_accelerators=12 is not a multiple of the 8 GPUs per node of GPU_8xH100"),
+    (["render-workload", "--set", "training.epochs=2"], "error: --set needs --recipe"),
+    (["render-workload"], "error: render-workload needs --recipe (or --check FILE)"),
+])
+def test_user_mistake_is_one_line_and_exit_2(args, expected):
+    res = invoke(*args)
+    assert res.exit_code == 2
+    assert _flat(res.output) == expected
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_bad_recipe_file_through_cli(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nmodel: [\n")
+    res = invoke("recipes", "show", str(path))
+    assert res.exit_code == 2
+    assert _flat(res.output).startswith(f"error: invalid recipe {path}: not valid YAML line")
+    assert "Traceback" not in res.output
+
+
+def _run_subprocess(argv: list[str]) -> tuple[int, str, list[str]]:
+    """Run the CLI in a fresh interpreter; return exit code, stderr and the heavy modules it imported."""
+    code = (
+        "import json, sys\n"
+        f"sys.argv = ['ftcli', *{argv!r}]\n"
+        "from ftcli.cli import run\n"
+        "try:\n    run()\n    code = 0\nexcept SystemExit as e:\n    code = e.code or 0\n"
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'mlflow') if m in sys.modules]\n"
+        "sys.stdout.write('\\nRESULT ' + json.dumps([code, heavy]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RESULT " in proc.stdout, proc.stderr
+    code_, heavy = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+    return code_, proc.stderr, heavy
+
+
+def test_help_is_light():
+    code, stderr, heavy = _run_subprocess(["--help"])
+    assert code == 0 and heavy == [], stderr
+
+
+def test_train_with_bad_recipe_fails_fast_without_heavy_imports():
+    code, stderr, heavy = _run_subprocess(["train", "--recipe", "qwen-b30"])
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert heavy == []

@@ -1,0 +1,458 @@
+"""AI Runtime workloads: golden renders, the check rules, shell quoting, and no heavy imports.
+
+Regenerate the golden files after an intended change with:
+    FTCLI_UPDATE_GOLDEN=1 pytest tests/test_workload.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ftcli import workload
+from ftcli.errors import UserError
+from ftcli.recipe import Recipe, builtin_recipe_names, load_recipe
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("FTCLI_UPDATE_GOLDEN") == "1"
+BASH = shutil.which("bash")
+
+CASES = {
+    "qwen-b300-1node": ("qwen-b300", []),
+    "qwen-b300-2nodes": ("qwen-b300", ["compute.num_accelerators=16"]),
+    "gpt-oss-h100-1node": ("gpt-oss-h100", []),
+    "gpt-oss-h100-2nodes": ("gpt-oss-h100", ["compute.num_accelerators=16"]),
+}
+
+
+def _render(name: str, overrides: list[str] | None = None) -> tuple[Recipe, str, dict]:
+    recipe = load_recipe(name, overrides or [])
+    text = workload.render_workload(recipe)
+    return recipe, text, yaml.safe_load(text)
+
+
+# ---------------------------------------------------------------------------------------- golden
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_render_matches_golden(case):
+    name, overrides = CASES[case]
+    _, text, _ = _render(name, overrides)
+    path = GOLDEN / f"{case}.yaml"
+    if UPDATE:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing {path}; create it with FTCLI_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{case} differs from {path}; if intended, regenerate with FTCLI_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_files_pass_check(case):
+    assert workload.check_workload_file(GOLDEN / f"{case}.yaml") == []
+
+
+@pytest.mark.parametrize("name", builtin_recipe_names())
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_render_passes_check(name, nodes, tmp_path):
+    recipe = load_recipe(name)
+    total = recipe.compute.gpus_per_node * nodes
+    _, text, _ = _render(name, [f"compute.num_accelerators={total}"])
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    assert workload.check_workload_file(path) == []
+
+
+def test_reference_workload_values():
+    _, _, qwen = _render("qwen-b300")
+    assert qwen["experiment_name"] == "air-b300-qwen3-8-27b-sft"
+    assert qwen["compute"] == {"accelerator_type": "GPU_8xB300", "num_accelerators": 8}
+    assert qwen["environment"] == {"version": "databricks_ai_v6"}
+    assert qwen["code_source"] == {"root_path": "."}
+    assert (qwen["max_retries"], qwen["timeout_minutes"]) == (0, 240)
+    assert qwen["env_variables"] == {
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+        "HF_HOME": "/tmp/.hf",
+        "NCCL_DEBUG": "WARN",
+        "TORCH_CUDA_ARCH_LIST": "10.0",
+    }
+    _, _, oss = _render("gpt-oss-h100", ["compute.num_accelerators=16"])
+    assert oss["experiment_name"] == "gpt-oss-20b-lora"
+    assert oss["compute"] == {"accelerator_type": "GPU_8xH100", "num_accelerators": 16}
+    assert (oss["max_retries"], oss["timeout_minutes"]) == (0, 120)
+
+
+# ------------------------------------------------------------------------------------ parameters
+@pytest.mark.parametrize("name", ["qwen-b300", "gpt-oss-h100"])
+def test_parameters_are_the_resolved_recipe(name):
+    recipe, _, data = _render(name, ["training.optimizer.lr=3.0e-5"])
+    assert data["parameters"] == recipe.to_dict()
+    assert Recipe.model_validate(data["parameters"]) == recipe
+    assert data["parameters"]["training"]["optimizer"]["lr"] == 3e-5
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json", "noext"])
+def test_parameters_file_loads_back_as_yaml_or_json(fmt, tmp_path):
+    """AI Runtime writes `parameters:` to $HYPERPARAMETERS_PATH; YAML or JSON, the loader reads it."""
+    recipe, _, data = _render("qwen-b300", ["compute.num_accelerators=16"])
+    path = tmp_path / {"yaml": "params.yaml", "json": "params.json", "noext": "params"}[fmt]
+    params = data["parameters"]
+    path.write_text(json.dumps(params) if fmt != "yaml" else yaml.safe_dump(params))
+    assert load_recipe(str(path)) == recipe
+
+
+def test_submit_time_override_of_parameters_reaches_training(tmp_path):
+    """`--override parameters.training.optimizer.lr=...` edits the map the job loads."""
+    _, _, data = _render("gpt-oss-h100")
+    params = copy.deepcopy(data["parameters"])
+    params["training"]["optimizer"]["lr"] = 5e-5
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    assert load_recipe(str(path)).training.optimizer.lr == 5e-5
+
+
+# -------------------------------------------------------------------------------- compute & env
+def test_experiment_name_defaults_to_recipe_name():
+    _, _, data = _render("tiny-qwen-cpu")
+    assert data["experiment_name"] == "tiny-qwen-cpu"
+
+
+def test_bad_experiment_name_fails_render_with_one_line():
+    recipe = load_recipe("qwen-b300", ["compute.experiment_name=my experiment!"])
+    with pytest.raises(UserError) as err:
+        workload.render_workload(recipe)
+    msg = str(err.value)
+    assert "\n" not in msg and "experiment_name" in msg and "letters, digits" in msg
+
+
+def test_hf_home_defaults_to_tmp_unless_set():
+    _, _, data = _render("gpt-oss-h100", ["compute.env_variables={}"])
+    assert data["env_variables"] == {"HF_HOME": "/tmp/.hf"}
+    _, _, data = _render("gpt-oss-h100", ["compute.env_variables.HF_HOME=/local_disk0/hf"])
+    assert data["env_variables"]["HF_HOME"] == "/local_disk0/hf"
+
+
+def test_secrets_only_as_scope_key_references():
+    recipe, text, data = _render("gpt-oss-h100", ["compute.secrets.HF_TOKEN=hf-scope/hf-token"])
+    assert data["secrets"] == {"HF_TOKEN": "hf-scope/hf-token"}
+    assert "HF_TOKEN" not in data["env_variables"]
+    assert data["parameters"]["compute"]["secrets"] == {}
+    assert text.count("hf-scope/hf-token") == 1
+    assert recipe.compute.secrets == {"HF_TOKEN": "hf-scope/hf-token"}
+
+
+def test_pool_and_priority_class_are_rendered():
+    _, _, data = _render("qwen-b300", ["compute.pool_id=pool-1", "compute.priority_class=CRITICAL"])
+    assert data["compute"] == {
+        "accelerator_type": "GPU_8xB300", "num_accelerators": 8, "pool_id": "pool-1", "priority_class": "CRITICAL",
+    }
+
+
+def test_optional_compute_keys_are_rendered():
+    _, _, data = _render("qwen-b300", [
+        "compute.mlflow_experiment_directory=/Workspace/Users/me@example.com",
+        "compute.permissions=[{group_name: ml-team, level: CAN_MANAGE}]",
+    ])
+    assert data["mlflow_experiment_directory"] == "/Workspace/Users/me@example.com"
+    assert data["permissions"] == [{"group_name": "ml-team", "level": "CAN_MANAGE"}]
+
+
+def test_bad_mlflow_experiment_directory_fails_render():
+    recipe = load_recipe("qwen-b300", ["compute.mlflow_experiment_directory=/Users/me"])
+    with pytest.raises(UserError, match="must start with /Workspace"):
+        workload.render_workload(recipe)
+
+
+def test_gpu_wheels_follow_model_and_hardware():
+    def reqs(name, *overrides):
+        return [r for r, _ in workload.gpu_requirements(load_recipe(name, list(overrides)))]
+
+    assert reqs("qwen-b300") == ["flash-linear-attention==0.6.0"]  # Blackwell: Triton backward is fine
+    assert reqs("qwen-b300", "compute.accelerator_type=GPU_8xH100") == ["flash-linear-attention==0.6.0", "tilelang==0.1.15"]
+    assert reqs("gpt-oss-h100") == []
+    assert reqs("gpt-oss-h100", "training.loss.impl=liger") == ["liger-kernel==0.8.5"]
+
+
+def test_no_source_builds_in_setup():
+    for case, (name, overrides) in CASES.items():
+        _, _, data = _render(name, overrides)
+        for forbidden in ("causal-conv1d", "flash-attn", "--no-build-isolation", "FORCE_BUILD"):
+            assert forbidden not in data["command"], (case, forbidden)
+
+
+# ------------------------------------------------------------------------------------ the command
+def _fake_bin(tmp_path: Path) -> Path:
+    """`pip` and `torchrun` that record their argv, one NUL-terminated argument each."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("pip", "torchrun"):
+        script = bin_dir / tool
+        script.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > "$FAKE_LOG/{tool}.args"\n')
+        script.chmod(0o755)
+    return bin_dir
+
+
+def _run_command(command: str, tmp_path: Path, **env: str) -> tuple[list[str], list[str]]:
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir(exist_ok=True)
+    (snapshot / "pyproject.toml").write_text("[project]\nname = 'ftcli'\n")
+    log = tmp_path / "log"
+    log.mkdir(exist_ok=True)
+    run_env = {
+        "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "FAKE_LOG": str(log),
+        "CODE_SOURCE_PATH": str(snapshot),
+        "HYPERPARAMETERS_PATH": str(tmp_path / "params.yaml"),
+        **env,
+    }
+    subprocess.run([BASH, "-c", command], env=run_env, check=True, cwd=tmp_path)
+    pip = (log / "pip.args").read_text().split("\0")[:-1]
+    torchrun = (log / "torchrun.args").read_text().split("\0")[:-1]
+    return pip, torchrun
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_torchrun_single_node_defaults(tmp_path):
+    _, _, data = _render("qwen-b300")
+    pip, torchrun = _run_command(data["command"], tmp_path)
+    assert torchrun == [
+        "--nnodes=1", "--node_rank=0", "--nproc_per_node=8", "--master_addr=127.0.0.1", "--master_port=29500",
+        "-m", "ftcli", "train", "--recipe", str(tmp_path / "params.yaml"),
+    ]
+    assert pip == ["install", "--progress-bar", "off", str(tmp_path / "ftcli-src"), "flash-linear-attention==0.6.0"]
+    assert (tmp_path / "ftcli-src" / "pyproject.toml").is_file()  # the writable copy of the snapshot
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_torchrun_takes_ai_runtime_multinode_variables(tmp_path):
+    _, _, data = _render("gpt-oss-h100", ["compute.num_accelerators=16"])
+    _, torchrun = _run_command(
+        data["command"], tmp_path,
+        NUM_NODES="2", NODE_RANK="1", LOCAL_WORLD_SIZE="8", MASTER_ADDR="10.0.0.5", MASTER_PORT="40000",
+    )
+    assert torchrun[:5] == [
+        "--nnodes=2", "--node_rank=1", "--nproc_per_node=8", "--master_addr=10.0.0.5", "--master_port=40000",
+    ]
+
+
+INJECT = "; touch {canary} #"
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_recipe_values_cannot_inject_shell_commands(tmp_path):
+    canary = tmp_path / "pwned"
+    evil_dep = "numpy" + INJECT.format(canary=canary)
+    evil_spec = "$CODE_SOURCE_PATH[gpu]" + INJECT.format(canary=canary)
+    evil_env = f"$(touch {canary}) `touch {canary}` ' \" ; rm -rf /"
+    recipe = load_recipe("qwen-b300", [
+        f"compute.dependencies={json.dumps([evil_dep, 'a b', 'rm -rf /'])}",
+        f"compute.ftcli_spec={json.dumps(evil_spec)}",
+        f"compute.env_variables.EVIL={json.dumps(evil_env)}",
+        f"description={json.dumps(evil_env)}",
+    ])
+    data = yaml.safe_load(workload.render_workload(recipe))
+    command = data["command"]
+    assert subprocess.run([BASH, "-n", "-c", command]).returncode == 0
+    assert evil_env not in command  # env values and the recipe itself never reach the shell
+    assert data["env_variables"]["EVIL"] == evil_env
+    pip, _ = _run_command(command, tmp_path)
+    assert not canary.exists()
+    assert pip[3:] == [
+        str(tmp_path / "ftcli-src") + "[gpu]" + INJECT.format(canary=canary),
+        "flash-linear-attention==0.6.0",
+        evil_dep,
+        "a b",
+        "rm -rf /",
+    ]
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_non_snapshot_ftcli_spec_is_one_quoted_argument(tmp_path):
+    recipe = load_recipe("gpt-oss-h100", ["compute.ftcli_spec=ftcli==0.1.0; echo hi"])
+    command = yaml.safe_load(workload.render_workload(recipe))["command"]
+    assert "cp -R" not in command
+    pip, _ = _run_command(command, tmp_path)
+    assert pip == ["install", "--progress-bar", "off", "ftcli==0.1.0; echo hi"]
+
+
+# ------------------------------------------------------------------------------- heavy imports
+HEAVY = ("torch", "transformers", "datasets", "mlflow", "trl", "peft")
+
+
+@pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"], ["--help"],
+                                  ["render-workload", "--check", str(GOLDEN / "qwen-b300-1node.yaml")]])
+def test_cli_does_not_import_heavy_modules(argv):
+    code = (
+        "import json, sys\n"
+        f"sys.argv = ['ftcli', *{argv!r}]\n"
+        "from ftcli.cli import run\n"
+        "try:\n    run()\nexcept SystemExit as e:\n    code = e.code or 0\n"
+        f"sys.stderr.write('RESULT ' + json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code_, heavy = json.loads(proc.stderr.rsplit("RESULT ", 1)[1])
+    assert code_ == 0, proc.stderr
+    assert heavy == []
+
+
+# ------------------------------------------------------------------------------------ check mode
+def _valid() -> dict:
+    return _render("qwen-b300")[2]
+
+
+def _check(tmp_path: Path, data) -> list[str]:
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return workload.check_workload_file(path)
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    *parents, last = dotted.split(".")
+    node = data
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        node.pop(last)
+    else:
+        node[last] = value
+    return data
+
+
+_DELETE = object()
+
+RULES = [
+    # (key, value, expected substring of the one problem)
+    ("run_name", "x", "unknown key 'run_name'; did you mean 'mlflow_run_name'?"),
+    ("image", "x", "unknown key 'image'; did you mean 'environment.unity_catalog_image'?"),
+    ("experimnt_name", "x", "did you mean 'experiment_name'?"),
+    ("dependencies", ["x"], "unknown key 'dependencies'; did you mean 'environment.dependencies'?"),
+    ("compute.num_gpus", 8, "unknown key 'compute.num_gpus'"),
+    ("experiment_name", _DELETE, "missing required key 'experiment_name'"),
+    ("compute", _DELETE, "missing required key 'compute'"),
+    ("command", _DELETE, "missing required key 'command'"),
+    ("command", "  ", "command: must not be empty"),
+    ("compute.accelerator_type", _DELETE, "missing required key 'compute.accelerator_type'"),
+    ("experiment_name", "has space", "experiment_name: use 1-100 letters, digits, '-' or '_'"),
+    ("experiment_name", "x" * 101, "experiment_name: use 1-100"),
+    ("mlflow_run_name", "run.1", "mlflow_run_name: use 1-100 letters"),
+    ("compute.accelerator_type", "gpu_8xh100", "compute.accelerator_type: expected GPU_<gpus per node>x<model>"),
+    ("compute.num_accelerators", 12, "compute.num_accelerators: 12 is not a multiple of the 8 GPUs per node"),
+    ("compute.num_accelerators", 0, "compute.num_accelerators: Input should be greater than or equal to 1"),
+    ("compute.num_accelerators", "8", "compute.num_accelerators: Input should be a valid integer"),
+    ("compute.priority_class", "NORMAL", "compute.priority_class needs compute.pool_id"),
+    ("compute", {"accelerator_type": "GPU_8xB300", "num_accelerators": 8, "pool_id": "p", "priority_class": "HIGH"},
+     "compute.priority_class: Input should be 'BEST_EFFORT', 'NORMAL' or 'CRITICAL'"),
+    ("secrets", {"HF_TOKEN": "no-slash"}, "secrets.HF_TOKEN: must be 'scope/key'"),
+    ("secrets", {"HF_TOKEN": "a/b/c"}, "secrets.HF_TOKEN: must be 'scope/key'"),
+    ("secrets", {"HF_HOME": "s/k"}, "secrets.HF_HOME: also set in env_variables"),
+    ("env_variables.BATCH", 32, "env_variables.BATCH: expected a string (got 32); quote the value"),
+    ("env_variables", {"1BAD": "x"}, "is not a valid environment variable name"),
+    ("environment.dependencies", "requirements.yaml", "environment.dependencies: Input should be a valid list"),
+    ("environment.version", "latest", "environment.version: expected an environment version"),
+    ("environment.version", "databricks_ai_v4", "environment.version: expected an environment version"),
+    ("environment", _DELETE, "environment.version: not set; set it explicitly"),
+    ("environment.version", _DELETE, "environment.version: not set; set it explicitly"),
+    ("environment.unity_catalog_image", "main.default.img", "environment.version: not allowed together with environment.unity_catalog_image"),
+    ("code_source", {"type": "snapshot", "snapshot": {"root_path": "."}}, "the current form is code_source: {root_path: .}"),
+    ("mlflow_experiment_directory", "/Users/me", "mlflow_experiment_directory: must start with /Workspace"),
+    ("permissions", [{"user_name": "a", "group_name": "b", "level": "CAN_MANAGE"}], "permissions.0: name exactly one of"),
+    ("permissions", [{"user_name": "a"}], "missing required key 'permissions.0.level'"),
+    ("permissions", [{"usr_name": "a", "level": "CAN_VIEW"}], "unknown key 'permissions.0.usr_name'; did you mean 'permissions.0.user_name'?"),
+    ("idempotency_token", "t" * 65, "idempotency_token: at most 64 characters, this one has 65"),
+    ("usage_policy_id", "1", None),  # set together with usage_policy_name below
+    ("max_retries", -1, "max_retries: Input should be greater than or equal to 0"),
+    ("timeout_minutes", 0, "timeout_minutes: Input should be greater than or equal to 1"),
+    ("parameters", ["not", "a", "map"], "parameters: Input should be a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize("key,value,expected", RULES, ids=[f"{k}={str(v)[:20]}" for k, v, _ in RULES])
+def test_check_rule(key, value, expected, tmp_path):
+    data = _set(_valid(), key, value)
+    if key == "usage_policy_id":
+        data["usage_policy_name"] = "team-policy"
+        expected = "usage_policy_name and usage_policy_id exclude each other"
+    problems = _check(tmp_path, data)
+    assert any(expected in p for p in problems), problems
+    # Only the key that was broken is reported (code_source's legacy form also lacks root_path).
+    assert all(key.split(".")[0].split("_")[0] in p for p in problems), problems
+
+
+@pytest.mark.parametrize("key,value", [
+    ("idempotency_token", "t" * 64), ("mlflow_run_name", "run-1_a"), ("environment.version", 6),
+    ("compute.pool_id", "p-1"), ("mlflow_experiment_directory", "/Workspace/Shared/x"),
+    ("usage_policy_name", "team-policy"), ("secrets", {"HF_TOKEN": "scope/key"}),
+    ("environment", {"unity_catalog_image": "main.default.img"}),
+])
+def test_check_accepts_valid_optional_keys(key, value, tmp_path):
+    assert _check(tmp_path, _set(_valid(), key, value)) == []
+
+
+def test_check_reports_every_violation_at_once(tmp_path):
+    data = _valid()
+    data["experiment_name"] = "bad name"
+    data["compute"]["num_accelerators"] = 12
+    data["compute"]["priority_class"] = "NORMAL"
+    data["secrets"] = {"HF_HOME": "nope"}
+    data["run_name"] = "x"
+    data["max_retries"] = -1
+    data["usage_policy_name"], data["usage_policy_id"] = "a", "b"
+    del data["command"]
+    problems = _check(tmp_path, data)
+    assert len(problems) == 9, problems
+    for expected in ("experiment_name:", "not a multiple", "needs compute.pool_id", "secrets.HF_HOME: must be",
+                     "also set in env_variables", "unknown key 'run_name'", "max_retries:", "exclude each other",
+                     "missing required key 'command'"):
+        assert any(expected in p for p in problems), (expected, problems)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("experiment_name: [unclosed\n", "not valid YAML (line 2)"),
+    ("- a\n- b\n", "expected a mapping of workload keys at the top level, got list"),
+    ("", "the file is empty"),
+])
+def test_check_bad_file_is_one_problem(text, expected, tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    problems = workload.check_workload_file(path)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_check_missing_file(tmp_path):
+    problems = workload.check_workload_file(tmp_path / "nope.yaml")
+    assert len(problems) == 1 and problems[0].startswith("cannot read"), problems
+
+
+def test_cli_check_exit_codes(tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(workload.render_workload(load_recipe("gpt-oss-h100")))
+    bad.write_text("experiment_name: [\n")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["render-workload", "--check", str(good)])
+    assert ok.exit_code == 0 and "valid AI Runtime workload" in " ".join(ok.output.split())
+    res = runner.invoke(app, ["render-workload", "--check", str(bad)])
+    assert res.exit_code == 2 and "not valid YAML" in res.output and "Traceback" not in res.output
+
+
+def test_cli_render_writes_file_and_refuses_overwrite(tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    out = tmp_path / "w.yaml"
+    runner = CliRunner()
+    assert runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)]).exit_code == 0
+    assert out.read_text() == (GOLDEN / "qwen-b300-1node.yaml").read_text()
+    again = runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output
