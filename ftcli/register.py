@@ -1,0 +1,853 @@
+"""`ftcli register`: log a trained model to MLflow as a chat model and register a new version.
+
+What is logged depends on what training wrote:
+
+    full run    <run>/final: HF checkpoint      -> logged as is (files copied byte for byte)
+    LoRA run    <run>/final: adapter, + a base  -> "merged" (default when the base is local or
+                                                   random-init): ftcli.merge.merge_lora writes
+                                                   <run>/merged, logged like a full checkpoint
+                                                -> "adapter" (--adapter-only, default for a hub
+                                                   base): the PEFT model; the base is referenced,
+                                                   not copied (hub id + pinned revision, or the
+                                                   local base dir)
+    model dir   any HF checkpoint or adapter    -> the same, with no training run to attach to
+
+Every version is logged with `mlflow.transformers.log_model(task="llm/v1/chat")`, so it carries a
+chat signature (inputs and outputs) and serves OpenAI-style chat completions. The model is logged
+into the training run recorded in run.json, so the version, the recipe params and the training
+metrics sit on one run; without one, a new run gets the (scrubbed) recipe params and run.json's
+summary metrics.
+
+Where: the tracking store is --tracking-uri, else the training run's (run.json), else
+$MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db; the registry is --registry-uri, else
+$MLFLOW_REGISTRY_URI, else the tracking store.
+
+Order of work: every cheap check runs before anything is merged or uploaded.
+
+    model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
+    -> alias free (or --force) -> [merge] -> log_model -> register_model -> set alias
+
+Unity Catalog (`--registry-uri databricks-uc`):
+- the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
+  characters; no period, space, '/', ASCII control character or DEL). UC stores names lowercase,
+  so ftcli lowercases the name.
+- a version needs a signature with inputs and outputs; checked after logging, before registering.
+- an adapter over a hub base makes UC download the base weights at registration (MLflow persists
+  them on the registering machine, then uploads the full model). That only happens when the user
+  asked for it by passing `--adapter-only` explicitly; by default such a registration is refused
+  with a pointer to `--merged`. An adapter over a local base cannot go to UC at all (UC cannot
+  read a local path): `--merged`.
+
+Two workarounds for the installed MLflow (3.17, tested up to transformers 5.17) live in
+`_mlflow_compat`, each applied only while logging and only when needed:
+- the installed transformers (5.24) lists pipeline classes lazily (a dotted string), which
+  MLflow's local-checkpoint path reads as a class; the string is resolved to the class.
+- for an adapter over a hub base, MLflow records the hub's *latest* commit of the base; ftcli pins
+  the revision the run trained on (run.json base_model.revision).
+An adapter over a local base is logged with `base_model_path` (adapter + tokenizer + a path to the
+base), so it loads only where that path exists (this machine, a shared disk): MLflow's other route
+for it saves the PEFT-wrapped base (`base_layer`/`lora_*` keys) as the base weights, which load
+back as a silently broken model.
+
+Secrets: no environment variable is logged; recipe `compute.secrets` and `compute.env_variables`
+values are replaced by "***" in logged params, and credentials in URIs are masked when printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from rich.console import Console
+
+from ftcli import __version__
+from ftcli.errors import UserError
+
+Mode = Literal["full", "merged", "adapter"]
+
+UC_REGISTRY = "databricks-uc"
+UC_MAX_NAME_LEN = 255
+_UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
+_ALIAS_RE = re.compile(r"^[\w-]+$")
+_ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
+PROBE_TIMEOUT_S = 5
+SCRUBBED = "***"
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+err_console = Console(stderr=True)
+
+
+# ------------------------------------------------------------------------------------ name rules
+def is_uc_registry(registry_uri: str | None) -> bool:
+    return bool(registry_uri) and registry_uri.split(":", 1)[0].lower() == UC_REGISTRY
+
+
+def validate_uc_name(name: str) -> str:
+    """`catalog.schema.model` under Unity Catalog's object-name rules; returns it lowercased."""
+    parts = name.split(".")
+    if len(parts) != 3:
+        raise UserError(
+            f"Unity Catalog model name {name!r} must be catalog.schema.model (three parts), e.g. main.default.my_model"
+        )
+    for label, part in zip(("catalog", "schema", "model"), parts):
+        if not part:
+            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is empty")
+        if len(part) > UC_MAX_NAME_LEN:
+            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is longer than 255 characters")
+        bad = _UC_BAD_CHARS.search(part)
+        if bad:
+            raise UserError(
+                f"Unity Catalog model name {name!r}: the {label} part contains {bad.group()!r}; "
+                "use letters, digits, '_' or '-' (no spaces, '/' or control characters)"
+            )
+    return name.lower()
+
+
+def validate_local_name(name: str) -> str:
+    """MLflow's own registry: any non-empty name without '/' or ':' (they break models:/ URIs)."""
+    if not name or not name.strip():
+        raise UserError("--name is empty")
+    if name != name.strip():
+        raise UserError(f"model name {name!r} has leading or trailing spaces")
+    for ch in "/:":
+        if ch in name:
+            raise UserError(f"model name {name!r} contains {ch!r}, which MLflow model names cannot contain")
+    return name
+
+
+def validate_model_name(name: str, registry_uri: str | None) -> str:
+    return validate_uc_name(name) if is_uc_registry(registry_uri) else validate_local_name(name)
+
+
+def validate_alias(alias: str) -> str:
+    """MLflow's alias rules: letters, digits, '_' and '-'; not 'latest'; not a version like 'v3'."""
+    if not _ALIAS_RE.fullmatch(alias) or len(alias) > 255:
+        raise UserError(f"alias {alias!r}: use 1-255 letters, digits, '_' or '-'")
+    if alias.lower() == "latest":
+        raise UserError("alias 'latest' is reserved by MLflow; pick another, e.g. champion")
+    if _ALIAS_VERSION_RE.fullmatch(alias):
+        raise UserError(f"alias {alias!r} looks like a version reference, which MLflow reserves; pick another")
+    return alias
+
+
+def require_uc_signature(signature) -> None:
+    """Unity Catalog refuses a version whose signature lacks inputs or outputs."""
+    if signature is None or signature.inputs is None:
+        raise UserError("Unity Catalog needs a model signature with inputs and outputs; this model has none")
+    if signature.outputs is None:
+        raise UserError("Unity Catalog needs a model signature with outputs; this model's signature has inputs only")
+
+
+# ----------------------------------------------------------------------------------- the source
+@dataclass
+class BaseRef:
+    """The base an adapter was trained on: a local dir, or a hub repo id at a revision."""
+
+    path: Path | None = None
+    id: str | None = None
+    revision: str | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.path is not None
+
+    def __str__(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        return f"{self.id}@{self.revision}" if self.revision else str(self.id)
+
+
+@dataclass
+class Source:
+    """What `ftcli register` was pointed at, resolved."""
+
+    model_dir: Path  # the HF checkpoint or the adapter
+    kind: Literal["checkpoint", "adapter"]
+    run_dir: Path | None = None
+    run: dict | None = None  # run.json
+    recipe: dict | None = None  # the recipe dict (--recipe, else run.json's)
+    base: BaseRef | None = None  # adapters only
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return bool(((self.recipe or {}).get("model") or {}).get("trust_remote_code", False))
+
+    @property
+    def dtype(self) -> str:
+        return ((self.recipe or {}).get("model") or {}).get("dtype") or "bfloat16"
+
+    @property
+    def model_class(self) -> str:
+        base = (self.run or {}).get("base_model") or {}
+        return base.get("model_class") or ((self.recipe or {}).get("model") or {}).get("model_class") or "causal_lm"
+
+
+def resolve_source(path: Path, recipe: dict | None = None) -> Source:
+    """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"{path} does not exist; pass a run dir (with run.json) or a model dir")
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory; pass a run dir (with run.json) or a model dir")
+    path = path.resolve()
+    run_dir = None
+    if (path / "run.json").is_file():
+        run_dir = path
+    elif (path.parent / "run.json").is_file():
+        run_dir = path.parent  # `ftcli register runs/x/final`
+    if run_dir is None:
+        kind = _model_kind(path)
+        if kind is None:
+            raise UserError(
+                f"{path} has no run.json (not a run dir) and no config.json or adapter_config.json "
+                "(not a model dir); pass the run dir that `ftcli train` wrote"
+            )
+        source = Source(model_dir=path, kind=kind, recipe=recipe)
+    else:
+        run = _read_run_json(run_dir / "run.json")
+        if run.get("method") not in ("full", "lora"):
+            raise UserError(f"{run_dir / 'run.json'}: method is {run.get('method')!r}, expected 'full' or 'lora'")
+        if path == run_dir and not run.get("model_dir"):
+            raise UserError(
+                f"{run_dir} has no final model (run.json model_dir is null: training.checkpoint.save_final_hf "
+                "was false); retrain with it on, or register a model dir"
+            )
+        model_dir = path if path != run_dir else run_dir / str(run["model_dir"])
+        kind = "adapter" if run.get("method") == "lora" else "checkpoint"
+        status = run.get("status")
+        if not model_dir.is_dir():
+            raise UserError(
+                f"{model_dir} is missing (run.json model_dir={run.get('model_dir')!r}, status={status!r}); "
+                "did `ftcli train` finish?"
+            )
+        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.get("recipe"))
+        if status not in (None, "completed"):
+            _warn(f"run.json status is {status!r}, not 'completed'; registering what {model_dir} holds")
+    _check_model_files(source)
+    if source.kind == "adapter":
+        source.base = _resolve_base(source)
+    return source
+
+
+def _read_run_json(path: Path) -> dict:
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read run.json ({e})") from None
+    if not isinstance(run, dict):
+        raise UserError(f"{path}: run.json is not a JSON object")
+    return run
+
+
+def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
+    if (d / "adapter_config.json").is_file():
+        return "adapter"
+    if (d / "config.json").is_file():
+        return "checkpoint"
+    return None
+
+
+def _check_model_files(source: Source) -> None:
+    """Every file log_model and a chat endpoint need, reported at once."""
+    d = source.model_dir
+    missing = []
+    if source.kind == "adapter":
+        if not (d / "adapter_config.json").is_file():
+            missing.append("adapter_config.json")
+        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+            missing.append("adapter_model.safetensors")
+    else:
+        if not (d / "config.json").is_file():
+            missing.append("config.json")
+        if not any(any(d.glob(g)) for g in WEIGHT_GLOBS):
+            missing.append("model weights (*.safetensors)")
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        missing.append("tokenizer (tokenizer.json)")
+    elif not _has_chat_template(d):
+        missing.append("chat template (chat_template.jinja)")
+    if missing:
+        where = f" (run.json status: {source.run.get('status')!r})" if source.run else ""
+        raise UserError(f"{d} is missing {', '.join(missing)}{where}; did training finish and save the final model?")
+
+
+def _has_chat_template(d: Path) -> bool:
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _resolve_base(source: Source) -> BaseRef:
+    """run.json base_model (path beats id), else adapter_config.json base_model_name_or_path."""
+    base = (source.run or {}).get("base_model") or {}
+    if base.get("path"):
+        p = Path(base["path"])
+        p = p if p.is_absolute() else source.run_dir / p
+        if not (p / "config.json").is_file():
+            raise UserError(f"base model dir {p} (run.json base_model.path) is missing or has no config.json")
+        return BaseRef(path=p)
+    if base.get("init") == "random":
+        raise UserError(
+            f"{source.run_dir}: the base was random-init but run.json has no base_model.path to rebuild it from"
+        )
+    ref = base.get("id")
+    revision = base.get("revision")
+    if not ref:
+        try:
+            cfg = json.loads((source.model_dir / "adapter_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{source.model_dir / 'adapter_config.json'}: cannot read it ({e})") from None
+        ref, revision = cfg.get("base_model_name_or_path"), revision or cfg.get("revision")
+    if not ref:
+        raise UserError(f"{source.model_dir}: cannot tell which base the adapter belongs to; no base_model anywhere")
+    from ftcli.recipe import resolve_path
+
+    local = Path(resolve_path(ref, source.run_dir)).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise UserError(f"base model dir {local} has no config.json")
+        return BaseRef(path=local.resolve())
+    return BaseRef(id=ref, revision=revision)
+
+
+# ---------------------------------------------------------------------------------------- modes
+def choose_mode(source: Source, *, adapter_only: bool, merged: bool, uc: bool) -> Mode:
+    """What to log. Raises for combinations that cannot work or that UC would turn expensive."""
+    if source.kind == "checkpoint":
+        if adapter_only:
+            raise UserError(f"--adapter-only needs a LoRA adapter; {source.model_dir} is a full checkpoint")
+        if merged:
+            _warn(f"--merged has no effect: {source.model_dir} already holds full weights")
+        return "full"
+    base = source.base
+    if merged:
+        return "merged"
+    if adapter_only:
+        if uc and base.local:
+            raise UserError(
+                f"Unity Catalog cannot reference the local base {base.path}; register merged weights with --merged"
+            )
+        if uc:
+            _warn(f"Unity Catalog will download the base weights of {base} at registration (you asked: --adapter-only)")
+        return "adapter"
+    if base.local:
+        return "merged"
+    if uc:
+        raise UserError(
+            f"an adapter over {base} makes Unity Catalog download the base weights at registration; "
+            "pass --merged (recommended), or --adapter-only to accept the download"
+        )
+    return "adapter"
+
+
+# -------------------------------------------------------------------------------------- secrets
+def scrub_recipe(recipe: dict | None) -> dict:
+    """A copy of the recipe dict with secret values and env values replaced by '***'."""
+    out = json.loads(json.dumps(recipe or {}))
+    compute = out.get("compute")
+    if isinstance(compute, dict):
+        for key in ("secrets", "env_variables"):
+            if isinstance(compute.get(key), dict):
+                compute[key] = {k: SCRUBBED for k in compute[key]}
+    tracking = out.get("tracking")
+    if isinstance(tracking, dict) and isinstance(tracking.get("tracking_uri"), str):
+        tracking["tracking_uri"] = mask_uri(tracking["tracking_uri"])
+    return out
+
+
+def mask_uri(uri: str) -> str:
+    """http://user:token@host -> http://***@host (for printing and logging)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"{SCRUBBED}@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return uri
+
+
+# ---------------------------------------------------------------------------------------- MLflow
+@dataclass
+class Result:
+    name: str
+    version: str
+    model_uri: str
+    alias: str | None
+    alias_uri: str | None
+    previous_alias_version: str | None
+    mode: str
+    source: str
+    base_model: str | None
+    run_id: str
+    experiment_id: str
+    attached_to_training_run: bool
+    tracking_uri: str
+    registry_uri: str
+    seconds: float
+
+
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def resolve_tracking_uri(source: Source, tracking_uri: str | None) -> str:
+    """--tracking-uri, else the training run's (run.json), else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
+    if tracking_uri:
+        return tracking_uri
+    recorded = ((source.run or {}).get("mlflow") or {}).get("tracking_uri")
+    if recorded:
+        if recorded.startswith("sqlite:///"):
+            db = Path(recorded[len("sqlite:///") :])
+            if not db.is_file():
+                raise UserError(
+                    f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri"
+                )
+        return recorded
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def _unreachable_reason(exc: BaseException) -> str:
+    text = str(exc)
+    low = text.lower()
+    if "connection refused" in low or "failed to establish a new connection" in low:
+        return "connection refused"
+    if "timed out" in low or "timeout" in low:
+        return f"no answer within {PROBE_TIMEOUT_S} s"
+    if "name or service not known" in low or "nodename nor servname" in low or "name resolution" in low:
+        return "unknown host"
+    if "401" in text or "403" in text or "unauthorized" in low or "permission" in low:
+        return "not authorized; check your credentials"
+    code = re.search(r"error code (\d{3})", text)
+    if code:
+        return f"HTTP {code.group(1)}; is this an MLflow tracking server?"
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def probe(tracking_uri: str, registry_uri: str) -> None:
+    """Fail in seconds, with the URI, when the tracking server or the registry cannot be reached."""
+    from mlflow import MlflowClient
+
+    fast = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}
+    with _env(**fast):
+        try:
+            MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
+        except Exception as e:  # any failure here is "cannot use this server"
+            raise UserError(
+                f"cannot reach the MLflow tracking server at {mask_uri(tracking_uri)} ({_unreachable_reason(e)}); "
+                "start it or pass --tracking-uri"
+            ) from None
+        if registry_uri != tracking_uri:
+            try:
+                MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri).search_registered_models(
+                    max_results=1
+                )
+            except Exception as e:
+                raise UserError(
+                    f"cannot reach the model registry at {mask_uri(registry_uri)} ({_unreachable_reason(e)}); "
+                    "check --registry-uri and your credentials"
+                ) from None
+
+
+def current_alias_version(client, name: str, alias: str) -> str | None:
+    """The version `alias` points at now, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def _training_run(client, source: Source):
+    """The training run from run.json if this tracking store has it, else None."""
+    from mlflow.exceptions import MlflowException
+
+    info = (source.run or {}).get("mlflow") or {}
+    run_id = info.get("run_id")
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        _warn(f"training run {run_id} (run.json) is not in this tracking store; logging into a new run")
+        return None
+    if run.info.lifecycle_stage == "deleted":
+        _warn(f"training run {run_id} is deleted; logging into a new run")
+        return None
+    return run
+
+
+def _new_run(client, source: Source, name: str):
+    """A run for a model without a training run: scrubbed recipe params + run.json summary metrics."""
+    from mlflow.entities import Metric, Param
+
+    from ftcli.tracking import flatten
+
+    recipe = source.recipe or {}
+    exp_name = ((recipe.get("tracking") or {}).get("experiment")) or recipe.get("name") or "ftcli-register"
+    exp = client.get_experiment_by_name(exp_name)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
+    run = client.create_run(exp_id, run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"})
+    params = flatten(scrub_recipe(recipe)) if recipe else {}  # as the trainers flatten them
+    run_json = source.run or {}
+    metrics = {
+        "final_loss": run_json.get("final_loss"),
+        "steps": run_json.get("steps"),
+        "tokens_trained": (run_json.get("tokens") or {}).get("trained"),
+        "tokens_seen": (run_json.get("tokens") or {}).get("seen"),
+        "tokens_per_s": (run_json.get("throughput") or {}).get("tokens_per_s"),
+        "s_per_step": (run_json.get("throughput") or {}).get("s_per_step"),
+    }
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run.info.run_id,
+        metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))],
+        params=[Param(k, v) for k, v in params.items()],
+    )
+    return run
+
+
+def _pip_requirements(adapter: bool) -> list[str]:
+    """Pinned to what is installed here (local tags like +cpu dropped: a GPU server has its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    reqs = []
+    for pkg in ("transformers", "torch", "accelerate", "safetensors") + (("peft",) if adapter else ()):
+        try:
+            reqs.append(f"{pkg}=={Version(version(pkg)).base_version}")
+        except PackageNotFoundError:
+            continue
+    return reqs
+
+
+@contextlib.contextmanager
+def _mlflow_uris(tracking_uri: str, registry_uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (log_model, register_model, set_experiment) at these stores for
+    the block only: its setters also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI /
+    MLFLOW_EXPERIMENT_ID, which would leak into the next in-process call."""
+    import mlflow
+    from mlflow.tracking import fluent
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    saved = tracking_utils._tracking_uri, registry_utils._registry_uri, fluent._active_experiment_id
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
+    saved_env = {k: os.environ.get(k) for k in names}
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(registry_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])
+        registry_utils._registry_uri = saved[1]
+        fluent._active_experiment_id = saved[2]
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _mlflow_compat(pinned_revision: str | None = None) -> Iterator[None]:
+    """The two MLflow workarounds described in the module docstring, active only inside the block."""
+    import mlflow.transformers.flavor_config as flavor_config
+    import transformers.pipelines as pipelines
+
+    original_check_task = pipelines.check_task
+    original_commit = flavor_config.get_latest_commit_for_repo
+
+    def check_task(task):
+        name, meta, options = original_check_task(task)
+        impl = meta.get("impl")
+        if isinstance(impl, str):  # "transformers.pipelines.text_generation.TextGenerationPipeline"
+            module, _, cls = impl.rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, options
+
+    pipelines.check_task = check_task
+    if pinned_revision:
+        flavor_config.get_latest_commit_for_repo = lambda repo: pinned_revision
+    try:
+        yield
+    finally:
+        pipelines.check_task = original_check_task
+        flavor_config.get_latest_commit_for_repo = original_commit
+
+
+def _checkpoint_dtype(model_dir: Path, fallback: str):
+    import torch
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    text_cfg = config.get("text_config") or {}
+    name = config.get("dtype") or config.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype")
+    dtype = getattr(torch, str(name or fallback), None)
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, fallback)
+
+
+def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose class is not in transformers unless the recipe trusts remote code
+    (MLflow would load it with trust_remote_code=True)."""
+    import transformers
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{model_dir / 'config.json'}: cannot read it ({e})") from None
+    archs = config.get("architectures") or []
+    if not archs:
+        raise UserError(f"{model_dir / 'config.json'} has no 'architectures'; MLflow needs the model class")
+    custom = bool(config.get("auto_map")) or not hasattr(transformers, archs[0])
+    if custom and not trust_remote_code:
+        raise UserError(
+            f"{model_dir} needs custom model code ({archs[0]}); loading it runs that code, so register it "
+            "only with a recipe that sets model.trust_remote_code: true"
+        )
+
+
+def merge_adapter(source: Source) -> Path:
+    """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
+    model_dir = source.model_dir
+    output = source.run_dir / "merged" if source.run_dir else model_dir.with_name(model_dir.name + "-merged")
+    adapter_files = [p for p in source.model_dir.glob("adapter_model.*") if p.is_file()]
+    done = output / "config.json"
+    if done.is_file() and any(output.glob("*.safetensors")) and all(
+        done.stat().st_mtime >= p.stat().st_mtime for p in adapter_files
+    ):
+        err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
+        return output
+    try:
+        from ftcli.merge import merge_lora
+    except ModuleNotFoundError as e:
+        if e.name != "ftcli.merge":
+            raise
+        raise UserError(
+            "merging needs ftcli.merge (merge-lora), which this install lacks; pass --adapter-only, "
+            "or merge with `ftcli merge-lora` and register the merged dir"
+        ) from None
+
+    # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
+    return Path(merge_lora(model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe, force=True))
+
+
+def _load_adapter_model(source: Source):
+    """The PEFT model MLflow logs in adapter mode. A hub base is built without its weights: MLflow
+    saves only the adapter and a reference to the base (checked after logging)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from ftcli.modeling import DTYPES, auto_class
+
+    base, trust = source.base, source.trust_remote_code
+    dtype = DTYPES.get(source.dtype, torch.bfloat16)
+    cls = auto_class(source.model_class)
+    if base.local:
+        model = cls.from_pretrained(str(base.path), dtype=dtype, trust_remote_code=trust)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust)
+        except OSError as e:
+            raise UserError(
+                f"cannot load the config of the base {base} ({str(e).splitlines()[0]}); "
+                "it must be on the hub or in the HF cache"
+            ) from None
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config  # no weights are loaded, so nothing to dequantize
+        with torch.device("meta"):
+            model = cls.from_config(config, dtype=dtype, trust_remote_code=trust)
+        model.to_empty(device="cpu")  # allocated, never written or saved
+        model.config._name_or_path = model.name_or_path = base.id  # MLflow references the base by this
+    return PeftModel.from_pretrained(model, str(source.model_dir))
+
+
+def log_and_register(
+    source: Source, mode: Mode, *, name: str, alias: str | None, force: bool,
+    tracking_uri: str, registry_uri: str, uc: bool,
+) -> Result:
+    """The MLflow half: nothing here runs before every check in run_register has passed."""
+    t0 = time.time()
+    import mlflow
+    from mlflow import MlflowClient
+
+    probe(tracking_uri, registry_uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+
+    previous = current_alias_version(client, name, alias) if alias else None
+    if previous is not None and not force:
+        raise UserError(
+            f"alias '{alias}' of {name} already points at version {previous}; "
+            "pass --force to move it to the new version"
+        )
+
+    model_dir = source.model_dir
+    if mode == "merged":
+        with err_console.status("merging the adapter into its base"):
+            model_dir = merge_adapter(source)
+        _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
+    if mode in ("full", "merged"):
+        check_remote_code(model_dir, source.trust_remote_code)
+
+    run = _training_run(client, source)
+    attached = run is not None
+    if run is None:
+        run = _new_run(client, source, name)
+    mlflow.set_experiment(experiment_id=run.info.experiment_id)  # the logged model lives with its run
+
+    base = source.base
+    metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
+    if base is not None:
+        metadata["ftcli_base_model"] = str(base.path or base.id)
+        if base.revision:
+            metadata["ftcli_base_revision"] = base.revision
+    version_tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
+    common = dict(
+        name="model", task="llm/v1/chat", run_id=run.info.run_id, metadata=dict(metadata),  # MLflow adds to it
+        pip_requirements=_pip_requirements(adapter=mode == "adapter"),
+    )
+    try:
+        with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
+            if mode == "adapter":
+                info = _log_adapter(source, common)
+            else:
+                with _mlflow_compat():
+                    info = mlflow.transformers.log_model(
+                        transformers_model=str(model_dir),
+                        torch_dtype=_checkpoint_dtype(model_dir, source.dtype),
+                        **common,
+                    )
+        if uc:
+            require_uc_signature(info.signature)
+        with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
+            version = mlflow.register_model(info.model_uri, name, tags=version_tags)
+        if alias:
+            client.set_registered_model_alias(name, alias, version.version)
+    except BaseException:
+        if not attached:
+            client.set_terminated(run.info.run_id, status="FAILED")
+        raise
+    if not attached:
+        client.set_terminated(run.info.run_id)
+    client.set_tag(run.info.run_id, "ftcli.registered_model", f"{name}/{version.version}")
+    return Result(
+        name=name, version=str(version.version), model_uri=f"models:/{name}/{version.version}",
+        alias=alias, alias_uri=f"models:/{name}@{alias}" if alias else None,
+        previous_alias_version=previous, mode=mode, source=str(model_dir),
+        base_model=str(base) if base is not None else None,
+        run_id=run.info.run_id, experiment_id=run.info.experiment_id, attached_to_training_run=attached,
+        tracking_uri=mask_uri(tracking_uri), registry_uri=mask_uri(registry_uri), seconds=round(time.time() - t0, 1),
+    )
+
+
+def _log_adapter(source: Source, common: dict):
+    import mlflow
+    from transformers import AutoTokenizer
+
+    base = source.base
+    if not base.local and not base.revision:
+        _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest commit")
+    model = _load_adapter_model(source)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.model_dir), trust_remote_code=source.trust_remote_code)
+    extra = {"base_model_path": str(base.path)} if base.local else {}
+    if not base.local:
+        tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
+    with _mlflow_compat(pinned_revision=None if base.local else base.revision):
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            torch_dtype=model.dtype, **common, **extra,
+        )
+    flavor = info.flavors.get("transformers", {})
+    assert "model_binary" not in flavor, "adapter mode must not save base weights"
+    return info
+
+
+# ---------------------------------------------------------------------------------------- entry
+def run_register(
+    model_dir: Path, *, name: str, registry_uri: str | None = None, tracking_uri: str | None = None,
+    alias: str | None = None, adapter_only: bool = False, merged: bool = False, as_json: bool = False,
+    recipe=None, force: bool = False,
+) -> Result:
+    """`ftcli register`: see the module docstring. Prints a summary (or JSON) and returns it."""
+    if adapter_only and merged:
+        raise UserError("--adapter-only and --merged exclude each other")
+    registry = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI")
+    uc = is_uc_registry(registry)
+    name = validate_model_name(name, registry)
+    if alias is not None:
+        alias = validate_alias(alias)
+    elif force:
+        _warn("--force has no effect without --alias")
+    recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
+    source = resolve_source(Path(model_dir), recipe_dict)
+    mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
+    tracking = resolve_tracking_uri(source, tracking_uri)
+
+    from mlflow.exceptions import MlflowException
+
+    # A short retry budget for the work itself (MLflow's default retries for minutes); the probe
+    # inside uses none. A value the user exported wins.
+    retries = {} if "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ else {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
+    try:
+        with contextlib.redirect_stdout(sys.stderr), _env(**retries):  # --json: only JSON reaches stdout
+            with _mlflow_uris(tracking, registry or tracking):
+                result = log_and_register(
+                    source, mode, name=name, alias=alias, force=force,
+                    tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
+                )
+    except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)
+        raise UserError(f"MLflow: {(e.message.strip().splitlines() or [type(e).__name__])[0]}") from None
+    _print(result, as_json)
+    return result
+
+
+def _print(result: Result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(result)))
+        return
+    out = Console(soft_wrap=True)
+    run = "training run" if result.attached_to_training_run else "new run"
+    out.print(
+        f"[bold green]registered[/] {result.name} version {result.version} "
+        f"({result.mode}; {run} {result.run_id})", highlight=False,
+    )
+    if result.alias:
+        moved = f" (moved from version {result.previous_alias_version})" if result.previous_alias_version else ""
+        out.print(f"  alias     {result.alias} -> version {result.version}{moved}", highlight=False)
+    out.print(f"  uri       {result.model_uri}", highlight=False)
+    if result.alias_uri:
+        out.print(f"            {result.alias_uri}", highlight=False)
+    out.print(f"  registry  {result.registry_uri}", highlight=False)

@@ -1,0 +1,461 @@
+"""`ftcli register` against a real local MLflow (a sqlite store and a `mlflow server` started here),
+on tiny random models: what is registered loads back by alias, generates, and has exactly the
+weights that training wrote. Unity Catalog rules are checked without Databricks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ftcli.errors import UserError
+from ftcli.recipe import load_recipe, resolve_path
+from ftcli.tracking import flatten
+from ftcli import register as reg
+
+
+HUB_BASE = "openai/gpt-oss-20b"
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+SECRET_VALUE = "s3cr3t-value-never-logged"
+CHAT = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}
+
+
+# ------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def _isolated_mlflow_uris(monkeypatch):
+    """Tests point MLflow at their own stores; nothing carries over to the next test."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    yield
+    if "mlflow" in sys.modules and sys.modules["mlflow"] is not None:
+        sys.modules["mlflow"].set_tracking_uri(None)
+        sys.modules["mlflow"].set_registry_uri(None)
+
+
+def _save_tokenizer(path: Path, asset: str) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(resolve_path(f"pkg://assets/{asset}")).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_full_final(tmp_path_factory) -> Path:
+    """What the full-SFT trainer leaves in <run>/final: an HF checkpoint + tokenizer + template."""
+    from ftcli.modeling import load_model
+
+    out = tmp_path_factory.mktemp("full") / "final"
+    torch.manual_seed(0)
+    load_model(load_recipe("tiny-qwen-cpu").model).save_pretrained(out)
+    _save_tokenizer(out, "tokenizer-qwen")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_files(tmp_path_factory) -> Path:
+    """What the LoRA trainer leaves: <run>/base (the random-init base) and <run>/final (adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ftcli.modeling import load_model
+
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    base = load_model(load_recipe("tiny-gpt-oss-cpu").model)
+    base.save_pretrained(root / "base")
+    _save_tokenizer(root / "base", "tokenizer-gpt-oss")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(root / "final")  # non-zero B: merging changes weights
+    _save_tokenizer(root / "final", "tokenizer-gpt-oss")
+    return root
+
+
+def _recipe_with_secrets(name: str) -> dict:
+    recipe = load_recipe(name).to_dict()
+    recipe["compute"]["env_variables"] = {"HF_HOME": SECRET_VALUE}
+    recipe["compute"]["secrets"] = {"HF_TOKEN": f"scope/{SECRET_VALUE}"}
+    return recipe
+
+
+def _training_run(tracking_uri: str, recipe: dict) -> dict:
+    """A finished training run with params and a loss curve, as the trainers log it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(recipe["name"])
+    exp_id = exp.experiment_id if exp else client.create_experiment(recipe["name"])
+    run = client.create_run(exp_id, run_name="train")
+    params = flatten(reg.scrub_recipe(recipe))
+    metrics = [Metric("loss", 5.0 - step, 0, step) for step in range(3)]
+    client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
+    client.set_terminated(run.info.run_id)
+    return {"tracking_uri": tracking_uri, "experiment_id": exp_id, "run_id": run.info.run_id}
+
+
+def _write_run_json(run_dir: Path, method: str, recipe: dict, mlflow_info: dict | None, base_model: dict) -> None:
+    run = {
+        "ftcli_version": "0.1.0", "method": method, "recipe": recipe, "model_dir": "final",
+        "base_model": base_model, "mlflow": mlflow_info, "steps": 3, "tokens": {"trained": 300, "seen": 900},
+        "final_loss": 2.5, "throughput": {"tokens_per_s": 1000.0, "s_per_step": 0.3}, "status": "completed",
+    }
+    (run_dir / "run.json").write_text(json.dumps(run))
+
+
+def make_full_run(tmp_path: Path, final: Path, tracking_uri: str | None) -> Path:
+    run_dir = tmp_path / "full-run"
+    shutil.copytree(final, run_dir / "final")
+    recipe = _recipe_with_secrets("tiny-qwen-cpu")
+    info = _training_run(tracking_uri, recipe) if tracking_uri else None
+    base = {"id": None, "revision": None, "init": "random", "model_type": "qwen3_5_text", "model_class": "causal_lm"}
+    _write_run_json(run_dir, "full", recipe, info, base)
+    return run_dir
+
+
+def make_lora_run(tmp_path: Path, files: Path, tracking_uri: str | None, hub_base: bool = False) -> Path:
+    run_dir = tmp_path / "lora-run"
+    shutil.copytree(files / "final", run_dir / "final")
+    recipe = _recipe_with_secrets("tiny-gpt-oss-cpu")
+    info = _training_run(tracking_uri, recipe) if tracking_uri else None
+    if hub_base:
+        base = {"id": HUB_BASE, "revision": HUB_REVISION, "init": "pretrained", "model_type": "gpt_oss",
+                "model_class": "causal_lm"}
+    else:
+        shutil.copytree(files / "base", run_dir / "base")
+        base = {"id": None, "revision": None, "init": "random", "model_type": "gpt_oss", "model_class": "causal_lm",
+                "path": "base"}
+    _write_run_json(run_dir, "lora", recipe, info, base)
+    return run_dir
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path, monkeypatch) -> str:
+    monkeypatch.chdir(tmp_path)  # the store's default artifact root (./mlruns) lands in tmp_path
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on loopback, killed (whole process group) at teardown."""
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--default-artifact-root", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"mlflow server did not come up: {(tmp_path / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield uri
+    finally:
+        try:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, 9)
+        log.close()
+
+
+def _safetensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_chat_completion(response) -> None:
+    response = response[0] if isinstance(response, list) else response
+    assert response["object"] == "chat.completion"
+    message = response["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert 1 <= response["usage"]["completion_tokens"] <= CHAT["max_tokens"]
+
+
+# --------------------------------------------------------------------- end to end, real MLflow
+def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path, tiny_full_final, mlflow_server):
+    import mlflow
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, mlflow_server)
+    training = json.loads((run_dir / "run.json").read_text())["mlflow"]
+
+    result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "tiny-qwen", "--alias", "champion", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)  # stdout holds the JSON and nothing else
+    assert (out["name"], out["version"], out["alias"], out["mode"]) == ("tiny-qwen", "1", "champion", "full")
+    assert out["alias_uri"] == "models:/tiny-qwen@champion" and out["model_uri"] == "models:/tiny-qwen/1"
+    assert out["run_id"] == training["run_id"] and out["attached_to_training_run"]
+
+    client = MlflowClient(mlflow_server)
+    version = client.get_model_version_by_alias("tiny-qwen", "champion")
+    assert version.version == "1" and version.run_id == training["run_id"]
+    run = client.get_run(training["run_id"])  # params, metrics and the model on one run
+    assert run.data.params["training.method"] == "full" and run.data.metrics["loss"] == 3.0
+    assert run.data.tags["ftcli.registered_model"] == "tiny-qwen/1"
+
+    mlflow.set_tracking_uri(mlflow_server)
+    mlflow.set_registry_uri(mlflow_server)
+    components = mlflow.transformers.load_model("models:/tiny-qwen@champion", return_type="components")
+    loaded = components["model"].state_dict()
+    trained = _safetensors(run_dir / "final")
+    assert trained.keys() == loaded.keys()
+    assert all(torch.equal(trained[k], loaded[k]) for k in trained)
+
+    chat = mlflow.pyfunc.load_model("models:/tiny-qwen@champion")
+    assert chat.metadata.get_input_schema() is not None and chat.metadata.get_output_schema() is not None
+    _assert_chat_completion(chat.predict(CHAT))
+
+
+def test_lora_run_registers_merged_weights_by_default(tmp_path, tiny_lora_files, sqlite_uri, monkeypatch):
+    """Merged by ftcli.merge.merge_lora into <run>/merged. No training run in MLflow (tracking was
+    off): a new run gets the scrubbed recipe and run.json's summary metrics."""
+    import mlflow
+    from mlflow import MlflowClient
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SOME_TOKEN", SECRET_VALUE)
+    run_dir = make_lora_run(tmp_path, tiny_lora_files, tracking_uri=None)
+    result = reg.run_register(run_dir, name="tiny-oss", alias="champion", tracking_uri=sqlite_uri)
+    assert (result.mode, result.version, result.attached_to_training_run) == ("merged", "1", False)
+
+    mlflow.set_tracking_uri(sqlite_uri)
+    mlflow.set_registry_uri(sqlite_uri)
+    model = mlflow.transformers.load_model("models:/tiny-oss@champion", return_type="components")["model"]
+    merged_files = _safetensors(run_dir / "merged")
+    loaded = model.state_dict()
+    assert merged_files.keys() == loaded.keys()
+    assert all(torch.equal(merged_files[k], loaded[k]) for k in merged_files)
+
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(run_dir / "base", dtype=torch.float32), str(run_dir / "final")
+    )
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, peft(ids).logits, rtol=1e-4, atol=1e-4)
+    _assert_chat_completion(mlflow.pyfunc.load_model("models:/tiny-oss@champion").predict(CHAT))
+
+    run = MlflowClient(sqlite_uri).get_run(result.run_id)
+    logged = json.dumps({**run.data.params, **run.data.tags})
+    assert SECRET_VALUE not in logged
+    assert run.data.params["compute.env_variables.HF_HOME"] == "***"
+    assert run.data.params["compute.secrets.HF_TOKEN"] == "***"
+    assert run.data.metrics["final_loss"] == 2.5
+
+
+def test_adapter_only_local_base_loads_back_with_identical_logits(tmp_path, tiny_lora_files, sqlite_uri):
+    import mlflow
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = make_lora_run(tmp_path, tiny_lora_files, tracking_uri=sqlite_uri)
+    result = reg.run_register(run_dir, name="tiny-oss-adapter", adapter_only=True, alias="dev")
+    assert result.mode == "adapter" and result.attached_to_training_run  # tracking URI taken from run.json
+
+    mlflow.set_tracking_uri(sqlite_uri)
+    mlflow.set_registry_uri(sqlite_uri)
+    local = Path(mlflow.artifacts.download_artifacts("models:/tiny-oss-adapter@dev"))
+    assert not (local / "model").exists()  # the base is referenced, not copied
+    logged, trained = _safetensors(local / "peft"), _safetensors(run_dir / "final")
+    assert logged.keys() == trained.keys() and all(torch.equal(logged[k], trained[k]) for k in trained)
+
+    loaded = mlflow.transformers.load_model("models:/tiny-oss-adapter@dev", return_type="components")["model"]
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(run_dir / "base", dtype=torch.float32), str(run_dir / "final")
+    )
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, peft(ids).logits)
+
+
+def test_adapter_over_hub_base_references_the_pinned_revision(tmp_path, tiny_lora_files, sqlite_uri, monkeypatch):
+    """The base is never loaded or saved: MLflow records repo id + the revision run.json pinned."""
+    import mlflow
+    import transformers
+    from mlflow.models import Model
+
+    tiny_config = transformers.AutoConfig.from_pretrained(tiny_lora_files / "base")
+    real = transformers.AutoConfig.from_pretrained
+
+    def from_pretrained(ref, *args, **kwargs):
+        if ref == HUB_BASE:
+            assert kwargs.get("revision") == HUB_REVISION
+            return tiny_config
+        return real(ref, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    run_dir = make_lora_run(tmp_path, tiny_lora_files, tracking_uri=sqlite_uri, hub_base=True)
+    result = reg.run_register(run_dir, name="oss-hub-adapter")
+    assert result.mode == "adapter" and result.base_model == f"{HUB_BASE}@{HUB_REVISION}"
+
+    mlflow.set_tracking_uri(sqlite_uri)
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/oss-hub-adapter/{result.version}"))
+    flavor = Model.load(local).flavors["transformers"]
+    assert flavor["source_model_name"] == HUB_BASE and flavor["source_model_revision"] == HUB_REVISION
+    assert "model_binary" not in flavor and not (local / "model").exists()
+    assert (flavor["tokenizer_name"], flavor["tokenizer_revision"]) == (HUB_BASE, HUB_REVISION)
+    logged, trained = _safetensors(local / "peft"), _safetensors(run_dir / "final")
+    assert logged.keys() == trained.keys() and all(torch.equal(logged[k], trained[k]) for k in trained)
+
+
+def test_alias_is_moved_only_with_force(tmp_path, tiny_full_final, sqlite_uri):
+    from mlflow import MlflowClient
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, sqlite_uri)
+    first = reg.run_register(run_dir, name="q", alias="champion")
+    assert first.version == "1"
+    with pytest.raises(UserError, match=r"alias 'champion' of q already points at version 1; pass --force") as err:
+        reg.run_register(run_dir, name="q", alias="champion")
+    assert "\n" not in str(err.value)
+    client = MlflowClient(sqlite_uri, registry_uri=sqlite_uri)
+    assert [str(v.version) for v in client.search_model_versions("name='q'")] == ["1"]  # refused before upload
+
+    moved = reg.run_register(run_dir, name="q", alias="champion", force=True)
+    assert (moved.version, moved.previous_alias_version) == ("2", "1")
+    assert str(client.get_model_version_by_alias("q", "champion").version) == "2"
+
+
+# ------------------------------------------------------------------------------ errors, no MLflow
+def test_unreachable_server_fails_fast_in_one_line_with_the_uri(tmp_path, tiny_full_final):
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    uri = f"http://127.0.0.1:{_free_port()}"
+    start = time.time()
+    with pytest.raises(UserError) as err:
+        reg.run_register(run_dir, name="q", tracking_uri=uri)
+    assert time.time() - start < 15
+    message = str(err.value)
+    assert "\n" not in message and uri in message and "connection refused" in message
+
+
+def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_full_final):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match=r"has no run.json \(not a run dir\)"):
+        reg.resolve_source(empty)
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    shutil.rmtree(run_dir / "final")
+    with pytest.raises(UserError, match=r"final is missing .*status='completed'.*did `ftcli train` finish"):
+        reg.resolve_source(run_dir)
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"missing model weights .*tokenizer"):
+        reg.resolve_source(run_dir)
+    with pytest.raises(UserError, match="does not exist"):
+        reg.resolve_source(tmp_path / "nope")
+    run = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**run, "model_dir": None}))
+    with pytest.raises(UserError, match="no final model .*save_final_hf"):
+        reg.resolve_source(run_dir)
+
+
+def test_checkpoint_needing_remote_code_is_refused_unless_recipe_trusts_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyCustomLM"], "auto_map": {"x": "y"}}))
+    with pytest.raises(UserError, match="trust_remote_code: true"):
+        reg.check_remote_code(tmp_path, trust_remote_code=False)
+    reg.check_remote_code(tmp_path, trust_remote_code=True)
+
+
+# ------------------------------------------------------------------------------- Unity Catalog
+@pytest.mark.parametrize(
+    "name, expected",
+    [("main.default.my_model", "main.default.my_model"), ("Main.ML.Tiny-Qwen", "main.ml.tiny-qwen")],
+)
+def test_uc_names_are_three_valid_parts_lowercased(name, expected):
+    assert reg.validate_uc_name(name) == expected
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [("my_model", "three parts"), ("main.my_model", "three parts"), ("a.b.c.d", "three parts"),
+     ("main..m", "schema part is empty"), ("main.default.my model", "contains ' '"),
+     ("main.default.m\x07", "contains"), ("main.default." + "m" * 256, "longer than 255")],
+)
+def test_uc_bad_names_are_refused(name, problem):
+    with pytest.raises(UserError, match=problem) as err:
+        reg.validate_model_name(name, "databricks-uc")
+    assert "\n" not in str(err.value)
+
+
+def test_uc_signature_needs_inputs_and_outputs():
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    inputs = Schema([ColSpec("string", "prompt")])
+    with pytest.raises(UserError, match="inputs and outputs"):
+        reg.require_uc_signature(None)
+    with pytest.raises(UserError, match="outputs"):
+        reg.require_uc_signature(ModelSignature(inputs=inputs))
+    reg.require_uc_signature(ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string", "text")])))
+
+
+def test_uc_bad_name_fails_before_any_mlflow_call(tmp_path, tiny_full_final, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    for module in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # any `import mlflow` now raises
+    result = CliRunner().invoke(
+        app, ["register", str(run_dir), "--name", "my_model", "--registry-uri", "databricks-uc"]
+    )
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "catalog.schema.model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_uc_adapter_rules(tmp_path):
+    adapter = lambda base: reg.Source(model_dir=tmp_path, kind="adapter", base=base)  # noqa: E731
+    hub, local = reg.BaseRef(id=HUB_BASE, revision=HUB_REVISION), reg.BaseRef(path=tmp_path)
+    choose = reg.choose_mode
+    with pytest.raises(UserError, match="download the base weights.*--merged"):
+        choose(adapter(hub), adapter_only=False, merged=False, uc=True)
+    assert choose(adapter(hub), adapter_only=True, merged=False, uc=True) == "adapter"  # asked for it
+    with pytest.raises(UserError, match="cannot reference the local base.*--merged"):
+        choose(adapter(local), adapter_only=True, merged=False, uc=True)
+    assert choose(adapter(local), adapter_only=False, merged=False, uc=False) == "merged"
+    assert choose(adapter(hub), adapter_only=False, merged=False, uc=False) == "adapter"
+    assert choose(adapter(hub), adapter_only=False, merged=True, uc=True) == "merged"
+    with pytest.raises(UserError, match="needs a LoRA adapter"):
+        choose(reg.Source(model_dir=tmp_path, kind="checkpoint"), adapter_only=True, merged=False, uc=False)
+
+
+def test_scrub_recipe_hides_secret_and_env_values():
+    recipe = _recipe_with_secrets("tiny-qwen-cpu")
+    recipe["tracking"]["tracking_uri"] = f"https://user:{SECRET_VALUE}@mlflow.example.com"
+    params = flatten(reg.scrub_recipe(recipe))
+    assert SECRET_VALUE not in json.dumps(params)
+    assert params["compute.secrets.HF_TOKEN"] == "***" and params["tracking.tracking_uri"].startswith("https://***@")
+    assert recipe["compute"]["env_variables"]["HF_HOME"] == SECRET_VALUE  # the input is not modified
