@@ -103,7 +103,7 @@ class DataConfig(_Section):
     train_on: Literal["assistant", "all", "last"] = Field("assistant", description="Which turns get loss.")
     strict: bool = Field(False, description="Stop at the first bad row instead of skipping and counting it.")
     max_examples: int | None = Field(None, ge=1)
-    max_length: int | None = Field(None, ge=2, description="Truncate each example (unpacked/LoRA path).")
+    max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
     packing: PackingConfig = Field(default_factory=PackingConfig)
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
     num_workers: int = Field(0, ge=0)

@@ -1,0 +1,44 @@
+"""ftcli.data: the one data path both trainers and `pack-preview` use.
+
+    load_tokenizer(recipe)                   the recipe's tokenizer (+ data.chat_template override)
+    prepare_blocks(recipe, tokenizer)        tokenize + mask + pack, or load from the cache -> PackedDataset
+    prepare(...) / open_prepared(...)        the same split for distributed runs: rank 0, barrier, others
+    BlockStream(packed, rank, world_size)    each rank's equal, disjoint, resumable share of the blocks
+    block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
+    iter_examples(recipe, tokenizer)         unpacked examples (LoRA reference mode)
+
+Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this package.
+"""
+
+from ftcli.data.cache import PackedDataset
+from ftcli.data.chat import ChatEncoder, load_tokenizer, reference_encode
+from ftcli.data.packing import Block, make_block, padding_block
+from ftcli.data.pipeline import Example, iter_examples, open_prepared, prepare, prepare_blocks
+from ftcli.data.stats import DataStats
+from ftcli.data.stream import BlockStream
+
+
+def block_to_model_inputs(block, device="cpu"):
+    """See ftcli.data.collate (imported lazily: torch is only needed by the trainers)."""
+    from ftcli.data.collate import block_to_model_inputs as impl
+
+    return impl(block, device)
+
+
+__all__ = [
+    "Block",
+    "BlockStream",
+    "ChatEncoder",
+    "DataStats",
+    "Example",
+    "PackedDataset",
+    "block_to_model_inputs",
+    "iter_examples",
+    "load_tokenizer",
+    "make_block",
+    "open_prepared",
+    "padding_block",
+    "prepare",
+    "prepare_blocks",
+    "reference_encode",
+]

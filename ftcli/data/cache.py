@@ -1,0 +1,154 @@
+"""The on-disk packed dataset: written once (atomically), then memory-mapped by every rank and command.
+
+Layout of one entry, `<cache root>/packed/<key>/` (key = sha256 of everything that changes the bytes):
+
+    meta.json          format version, key parts, block_len, pad id, counts, DataStats
+    input_ids.bin      int32, the real tokens of all blocks end to end (padding is not stored)
+    loss_mask.bin      uint8, 1 where the example trains the token
+    seg_lens.bin       int32, the real segments of all blocks end to end
+    block_tokens.bin   int64 [N+1] offsets of each block's tokens
+    block_segs.bin     int64 [N+1] offsets of each block's segments
+    block_trained.bin  int32 [N]   num_trained_tokens of each block (as the loss sees it)
+
+Writers fill a private temp dir next to the entry and `rename` it into place: readers see a complete
+entry or none, and when several ranks race, the first rename wins and the others discard their copy.
+Readers `np.memmap` the files, so a 27B-scale dataset costs page cache, not process memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ftcli.data.packing import Block, make_block, num_trained
+from ftcli.data.stats import DataStats
+
+DATA_FORMAT_VERSION = 1
+_ARRAYS = {
+    "input_ids": np.int32,
+    "loss_mask": np.uint8,
+    "seg_lens": np.int32,
+    "block_tokens": np.int64,
+    "block_segs": np.int64,
+    "block_trained": np.int32,
+}
+
+
+def cache_root(data) -> Path:
+    """data.cache_dir, else $FTCLI_CACHE, else ~/.cache/ftcli."""
+    root = data.cache_dir or os.environ.get("FTCLI_CACHE") or "~/.cache/ftcli"
+    from ftcli.recipe import resolve_path
+
+    return Path(resolve_path(root)).expanduser()
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    blob = json.dumps({"format_version": DATA_FORMAT_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class BlockWriter:
+    """Streams packed blocks into a temp dir; `commit` renames it into place."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self._files = {name: open(self.tmp / f"{name}.bin", "wb") for name in ("input_ids", "loss_mask", "seg_lens")}
+        self.block_tokens, self.block_segs, self.block_trained = [0], [0], []
+
+    def add(self, ids: np.ndarray, mask: np.ndarray, seg_lens: list[int]) -> int:
+        self._files["input_ids"].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+        self._files["loss_mask"].write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
+        self._files["seg_lens"].write(np.asarray(seg_lens, dtype=np.int32).tobytes())
+        self.block_tokens.append(self.block_tokens[-1] + len(ids))
+        self.block_segs.append(self.block_segs[-1] + len(seg_lens))
+        trained = num_trained(np.asarray(mask, dtype=bool), list(seg_lens))
+        self.block_trained.append(trained)
+        return trained
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        for f in self._files.values():
+            f.close()
+        for name, values in (
+            ("block_tokens", self.block_tokens),
+            ("block_segs", self.block_segs),
+            ("block_trained", self.block_trained),
+        ):
+            np.asarray(values, dtype=_ARRAYS[name]).tofile(self.tmp / f"{name}.bin")
+        meta = {**meta, "num_blocks": len(self.block_trained), "num_tokens": self.block_tokens[-1]}
+        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:
+            if not (self.final / "meta.json").exists():
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)  # another rank/process won the race: same bytes
+        return self.final
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class PackedDataset:
+    """A packed dataset on disk: `len()`, `block(i)` (or `ds[i]`), `stats`, memory-mapped."""
+
+    def __init__(self, path: Path, from_cache: bool = True):
+        self.path = Path(path)
+        self.meta = json.loads((self.path / "meta.json").read_text())
+        if self.meta.get("format_version") != DATA_FORMAT_VERSION:
+            raise ValueError(f"{self.path}: data format {self.meta.get('format_version')} != {DATA_FORMAT_VERSION}")
+        self.key: str = self.meta["key"]
+        self.block_len: int | None = self.meta["block_len"]  # None: packing disabled (variable-length blocks)
+        self.pad_id: int = self.meta["pad_id"]
+        self.stats = DataStats.from_dict(self.meta["stats"])
+        self.from_cache = from_cache
+        self._arrays = {name: self._map(name, dtype) for name, dtype in _ARRAYS.items()}
+
+    def _map(self, name: str, dtype) -> np.ndarray:
+        f = self.path / f"{name}.bin"
+        n = f.stat().st_size // np.dtype(dtype).itemsize
+        return np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype=dtype)
+
+    def __len__(self) -> int:
+        return int(self.meta["num_blocks"])
+
+    @property
+    def block_trained(self) -> np.ndarray:
+        return self._arrays["block_trained"]
+
+    def segments(self, i: int) -> np.ndarray:
+        """Real segment lengths of block i (without the padding segment)."""
+        s = self._arrays["block_segs"]
+        return np.asarray(self._arrays["seg_lens"][s[i] : s[i + 1]])
+
+    def num_tokens(self, i: int) -> int:
+        t = self._arrays["block_tokens"]
+        return int(t[i + 1] - t[i])
+
+    @property
+    def pad_block_len(self) -> int:
+        """Length of rank-balancing padding blocks."""
+        return self.block_len or max(1, self.meta.get("max_example_len", 1))
+
+    def block(self, i: int) -> Block:
+        if not 0 <= i < len(self):
+            raise IndexError(f"block {i} of {len(self)}")
+        t = self._arrays["block_tokens"]
+        a, b = int(t[i]), int(t[i + 1])
+        ids = np.array(self._arrays["input_ids"][a:b], dtype=np.int32)
+        mask = np.array(self._arrays["loss_mask"][a:b], dtype=bool)
+        return make_block(ids, mask, list(self.segments(i)), self.block_len or (b - a), self.pad_id, index=i)
+
+    def __getitem__(self, i: int) -> Block:
+        return self.block(i)

@@ -1,0 +1,199 @@
+"""Where rows come from: hub datasets (id + revision + split, streamed or not), local JSONL / Parquet /
+Arrow files or directories (a Unity Catalog volume is a local path), or `datasets.save_to_disk` dirs.
+
+Local files are read directly (json / pyarrow), not through `datasets`: each row arrives exactly as
+written, so a malformed row is counted by the validator instead of failing the whole load, and nothing
+is written to the HF cache. Rows are numbered 0, 1, ... across files in sorted path order; these are
+the indices the pipeline reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from ftcli.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+
+
+class InvalidRow:
+    """A row that could not even be parsed (bad JSON line)."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason, self.detail = reason, detail
+
+
+def _local_path(data) -> Path:
+    from ftcli.recipe import resolve_path
+
+    path = Path(resolve_path(data.path)).expanduser()
+    if not path.exists():
+        raise UserError(f"data.path {data.path!r} does not exist")
+    return path
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / n).exists() for n in ("dataset_dict.json", "state.json"))
+
+
+def local_files(data) -> list[Path]:
+    path = _local_path(data)
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise UserError(f"data.path {path}: unsupported file type {path.suffix!r} (use {', '.join(SUFFIXES)})")
+        return [path]
+    if _is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith("."))
+    if not files:
+        raise UserError(f"data.path {path}: no {', '.join(SUFFIXES)} files in this directory")
+    return files
+
+
+def fingerprint(data) -> dict[str, Any]:
+    """What identifies the rows without reading them (a cache-key part)."""
+    if data.source == "synthetic":
+        return {"source": "synthetic", **data.synthetic.model_dump()}
+    if data.source == "hub":
+        return {"source": "hub", "path": data.path, "revision": data.revision, "split": data.split}
+    root = _local_path(data)
+    files = []
+    for f in local_files(data):
+        st = f.stat()
+        files.append([str(f.relative_to(root)) if f != root else f.name, st.st_size, st.st_mtime_ns])
+    return {"source": "local", "path": str(root.resolve()), "split": data.split, "files": files}
+
+
+def open_rows(data, limit: int | None = None) -> tuple[Iterator[tuple[int, Any]], int | None]:
+    """(iterator of (row index, row), total rows if known cheaply)."""
+    if data.source == "hub":
+        rows, total = _hub_rows(data)
+    else:
+        path = _local_path(data)
+        if _is_saved_dataset(path):
+            rows, total = _saved_rows(path, data.split)
+        else:
+            files = local_files(data)
+            rows, total = _file_rows(files), _count_or_none(files)
+    if limit is not None:
+        total = limit if total is None else min(total, limit)
+        rows = _take(rows, limit)
+    return rows, total
+
+
+def _take(rows, limit):
+    for index, row in rows:
+        if index >= limit:
+            return
+        yield index, row
+
+
+def _hub_rows(data):
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(data.path, revision=data.revision, split=data.split, streaming=data.streaming)
+    except Exception as e:  # noqa: BLE001 - network / hub / split errors become one line
+        first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise UserError(f"cannot load hub dataset {data.path!r} (split {data.split!r}): {first}") from None
+    total = None if data.streaming else len(ds)
+    return enumerate(ds), total
+
+
+def _saved_rows(path: Path, split: str):
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UserError(f"data.path {path}: no split {split!r} (has {', '.join(ds)})")
+        ds = ds[split]
+    return enumerate(ds), len(ds)
+
+
+def _file_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
+    index = 0
+    for f in files:
+        try:
+            for row in _read_file(f):
+                yield index, row
+                index += 1
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # pyarrow's errors are ValueErrors / OSErrors
+            if isinstance(e, UserError):
+                raise
+            first = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise UserError(f"cannot read {f}: {first}") from None
+
+
+def _read_file(f: Path) -> Iterator[Any]:
+    if f.suffix in (".jsonl", ".json"):
+        with open(f, encoding="utf-8") as fh:
+            head = fh.read(1)
+            while head and head.isspace():
+                head = fh.read(1)
+            fh.seek(0)
+            if head == "[":  # a JSON array file
+                try:
+                    rows = json.load(fh)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from None
+                yield from rows
+                return
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield InvalidRow("invalid JSON", f"{f.name} line {lineno}: {e.msg}")
+    elif f.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    elif f.suffix == ".arrow":
+        import pyarrow as pa
+
+        try:
+            reader = pa.ipc.open_stream(pa.memory_map(str(f)))
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(pa.memory_map(str(f)))
+            for i in range(reader.num_record_batches):
+                yield from reader.get_batch(i).to_pylist()
+            return
+        for batch in reader:
+            yield from batch.to_pylist()
+
+
+def _count_or_none(files: list[Path]) -> int | None:
+    try:
+        return _count(files)
+    except (OSError, ValueError):  # an unreadable file is reported when it is read
+        return None
+
+
+def _count(files: list[Path]) -> int | None:
+    """Row count for a progress bar, when it is cheap (JSONL line counts, Parquet metadata)."""
+    total = 0
+    for f in files:
+        if f.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(f).metadata.num_rows
+        elif f.suffix == ".jsonl" and f.stat().st_size < (8 << 30):
+            with open(f, "rb") as fh:
+                total += sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 24), b""))
+            if f.stat().st_size and not _ends_with_newline(f):
+                total += 1
+        else:
+            return None
+    return total
+
+
+def _ends_with_newline(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"

@@ -1,0 +1,230 @@
+"""The data path end to end: sources, row validation, strict mode, cache hits, synthetic data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _data_common import ASSETS, recipe, tokenizer, write_jsonl
+
+from ftcli.data import iter_examples, open_prepared, prepare, prepare_blocks
+from ftcli.data import pipeline
+from ftcli.data.cache import BlockWriter
+from ftcli.data.stats import DataStats
+from ftcli.errors import UserError
+
+U = {"role": "user", "content": "What is 7 plus 6?"}
+A = {"role": "assistant", "content": "13"}
+S = {"role": "system", "content": "Be brief."}
+
+BAD_ROWS = [
+    {"messages": [U, A]},  # 0 ok
+    '{"messages": [',  # 1 invalid JSON
+    {"conversation": [U, A]},  # 2 messages missing
+    {"messages": "hello"},  # 3 not a list
+    {"messages": [U, {"role": "robot", "content": "beep"}]},  # 4 unknown role
+    {"messages": [U, {"role": "assistant", "content": 13}]},  # 5 content not a string
+    {"messages": [U, {"role": "assistant", "content": "  "}]},  # 6 empty content
+    {"messages": [S, U]},  # 7 no assistant turn
+    {"messages": [U, A, U]},  # 8 ends on a user turn
+    {"messages": [U, S, A]},  # 9 system not first
+    {"messages": [S, U, A, U, A]},  # 10 ok
+    {"messages": []},  # 11 no messages
+    {"messages": [U, {"role": "robot", "content": "x"}]},  # 12 unknown role
+]
+
+
+def test_bad_rows_are_counted_by_reason_with_first_indices(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
+    r = recipe(tmp_path, data__path=path, data__packing__block_len=64)
+    packed = prepare_blocks(r, tokenizer("qwen"))
+    stats = packed.stats
+    assert stats.examples_read == 13 and stats.examples_kept == 2
+    assert stats.skipped == {
+        "invalid JSON": 1, "messages missing": 1, "messages not a list": 1, "unknown role": 2,
+        "content not a string": 1, "empty content": 1, "no assistant turn": 1, "ends on a user turn": 1,
+        "system not first": 1, "no messages": 1,
+    }
+    assert stats.first_skipped["unknown role"] == [4, 12] and stats.first_skipped["invalid JSON"] == [1]
+
+
+def test_strict_stops_at_first_bad_row_with_index_and_reason(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS[:1] + BAD_ROWS[4:])
+    r = recipe(tmp_path, data__path=path, data__strict="true")
+    with pytest.raises(UserError) as e:
+        prepare_blocks(r, tokenizer("qwen"))
+    assert str(e.value) == (
+        "data row 1: unknown role: message 1 has role 'robot'; expected one of system, developer, user, "
+        "assistant, tool (data.strict is on; turn it off to skip and count bad rows)"
+    )
+    # a lenient run caches the result; a strict run on that cache still stops at the first bad row
+    prepare_blocks(recipe(tmp_path, data__path=path), tokenizer("qwen"))
+    with pytest.raises(UserError, match=r"^data row 1: unknown role: message 1 has role .robot."):
+        prepare_blocks(r, tokenizer("qwen"))
+
+
+def test_zero_trained_examples_are_counted_not_trained(tmp_path):
+    long_user = {"role": "user", "content": "count " * 200}
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [U, A]}, {"messages": [long_user, A]}])
+    r = recipe(tmp_path, data__path=path, data__max_length=64, data__packing__enabled="false")
+    stats = DataStats()
+    examples = list(iter_examples(r, tokenizer("qwen"), stats))
+    assert [e.index for e in examples] == [0]
+    assert stats.skipped == {"zero trained tokens": 1} and stats.first_skipped == {"zero trained tokens": [1]}
+    assert stats.truncated == 1 and stats.zero_trained == 1
+
+
+def test_iter_examples_labels_are_unshifted_masked_ids(tmp_path):
+    r = recipe(tmp_path, data__max_examples=5, data__packing__enabled="false")
+    tok = tokenizer("qwen")
+    for ex in iter_examples(r, tok):
+        assert len(ex.input_ids) == len(ex.labels) == len(ex["input_ids"])
+        trained = [t for t, lab in zip(ex.input_ids, ex.labels) if lab != -100]
+        assert trained == [lab for lab in ex.labels if lab != -100]
+        assert tok.decode(trained).endswith("<|im_end|>\n")
+
+
+def test_cache_hit_on_second_call_does_not_retokenize(tmp_path):
+    r = recipe(tmp_path, data__max_examples=200)
+    tok = tokenizer("qwen")
+    builds = pipeline.BUILDS["count"]
+    first = prepare_blocks(r, tok)
+    mtime = (first.path / "meta.json").stat().st_mtime_ns
+    second = prepare_blocks(r, tok)
+    assert pipeline.BUILDS["count"] == builds + 1
+    assert not first.from_cache and second.from_cache and second.path == first.path
+    assert (second.path / "meta.json").stat().st_mtime_ns == mtime
+    assert [second.block(i).input_ids.tolist() for i in range(len(second))] == [
+        first.block(i).input_ids.tolist() for i in range(len(first))
+    ]
+    # everything that changes the bytes changes the key
+    for change in (dict(data__train_on="all"), dict(data__packing__block_len=512), dict(data__max_examples=100)):
+        assert prepare(recipe(tmp_path, **{"data__max_examples": 200, **change}), tok) != first.path
+    assert pipeline.BUILDS["count"] == builds + 4
+
+
+def test_cache_key_follows_local_file_changes(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [U, A]}])
+    r = recipe(tmp_path, data__path=path)
+    before = prepare(r, tokenizer("qwen"))
+    write_jsonl(path, [{"messages": [U, A]}, {"messages": [S, U, A]}])
+    os.utime(path, ns=(1, 2))
+    after = prepare(r, tokenizer("qwen"))
+    assert after != before and open_prepared(r, tokenizer("qwen")).stats.examples_read == 2
+
+
+def test_other_ranks_read_what_rank0_prepared(tmp_path):
+    r = recipe(tmp_path, data__max_examples=50)
+    with pytest.raises(UserError, match="no prepared data"):
+        open_prepared(r, tokenizer("qwen"))
+    path = prepare(r, tokenizer("qwen"))
+    assert open_prepared(r, tokenizer("qwen")).path == path
+
+
+def test_concurrent_cache_writes_keep_one_complete_entry(tmp_path):
+    final = tmp_path / "entry"
+    writers = [BlockWriter(final) for _ in range(2)]
+    for k, w in enumerate(writers):
+        w.add(np.array([1, 2, 3], np.int32) + k, np.ones(3, bool), [3])
+    for k, w in enumerate(writers):
+        assert w.commit({"format_version": 1, "key": "entry", "writer": k}) == final
+    assert json.loads((final / "meta.json").read_text())["writer"] == 0  # the first rename won
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # the loser's temp dir is gone
+
+
+def test_local_jsonl_parquet_arrow_and_directory_give_the_same_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (ASSETS / "tiny_chat.jsonl").read_text().splitlines()[:40]]
+    table = pa.Table.from_pylist(rows)
+    (tmp_path / "dir").mkdir()
+    pq.write_table(table.slice(0, 25), tmp_path / "dir" / "a.parquet")
+    with pa.ipc.new_stream(str(tmp_path / "dir" / "b.arrow"), table.schema) as w:
+        w.write_table(table.slice(25))
+    write_jsonl(tmp_path / "all.jsonl", rows)
+    tok = tokenizer("qwen")
+    got = {}
+    for name in ("all.jsonl", "dir", "dir/a.parquet"):
+        r = recipe(tmp_path, data__path=tmp_path / name, data__packing__enabled="false")
+        got[name] = [e.input_ids for e in iter_examples(r, tok)]
+    assert len(got["all.jsonl"]) == 40 and got["dir"] == got["all.jsonl"] and got["dir/a.parquet"] == got["dir"][:25]
+
+
+def test_prompt_completion_rows(tmp_path):
+    rows = [
+        {"prompt": "What is 7 plus 6?", "completion": " 13."},
+        {"prompt": [U], "completion": [A]},
+        {"prompt": "x", "completion": ["y"]},
+        {"prompt": "x"},
+    ]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    r = recipe(tmp_path, data__path=path, data__format="prompt_completion", data__packing__enabled="false")
+    tok = tokenizer("qwen")
+    stats = DataStats()
+    text, chat = list(iter_examples(r, tok, stats))
+    assert stats.skipped == {"prompt/completion types differ": 1, "completion missing": 1}
+    assert tok.decode([t for t, lab in zip(text.input_ids, text.labels) if lab != -100]) == " 13.<|im_end|>"
+    assert tok.decode([lab for lab in chat.labels if lab != -100]) == "\n</think>\n\n13<|im_end|>\n"
+
+
+def test_synthetic_data_is_seeded_long_tailed_and_masked(tmp_path):
+    def lengths(seed):
+        r = recipe(tmp_path, data__source="synthetic", data__synthetic__num_examples=2000,
+                   data__synthetic__mean_tokens=400, data__synthetic__seed=seed, data__packing__enabled="false")
+        ex = list(iter_examples(r, tokenizer("qwen")))
+        return np.array([len(e.input_ids) for e in ex]), ex
+
+    a, ex_a = lengths(0)
+    b, _ = lengths(0)
+    c, _ = lengths(1)
+    assert (a == b).all() and not (a == c).all()
+    assert abs(a.mean() / 400 - 1) < 0.1 and np.median(a) < 0.7 * a.mean() and a.max() > 4 * a.mean()
+    masked = np.mean([np.mean(np.array(e.labels) == -100) for e in ex_a])
+    assert abs(masked - 0.3) < 0.05  # prompt_fraction
+    special = set(tokenizer("qwen").added_tokens_decoder)
+    assert not special & {t for e in ex_a[:200] for t in e.input_ids}
+
+
+def test_data_package_is_pure_data_code():
+    root = Path(__file__).resolve().parents[1] / "ftcli" / "data"
+    for f in root.glob("*.py"):
+        text = f.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(torch\.distributed|mlflow|typer|ftcli\.cli)", text, re.M), f
+        if f.name != "collate.py":
+            assert not re.search(r"^\s*(import|from)\s+torch\b", text, re.M), f
+
+
+def test_hub_source_streams_rows_like_a_local_file(tmp_path):
+    """The hub path (`datasets.load_dataset(path, revision, split, streaming)`), on a local dataset dir."""
+    rows = [{"messages": [U, A]}, {"messages": [S, U, A, U, A]}, {"messages": [U]}]
+    (tmp_path / "ds").mkdir()
+    write_jsonl(tmp_path / "ds" / "train.jsonl", rows)
+    tok = tokenizer("qwen")
+    hub = recipe(tmp_path, data__source="hub", data__path=tmp_path / "ds", data__split="train",
+                 data__streaming="true", data__packing__enabled="false")
+    local = recipe(tmp_path, data__path=tmp_path / "ds" / "train.jsonl", data__packing__enabled="false")
+    stats = DataStats()
+    assert [e.input_ids for e in iter_examples(hub, tok, stats)] == [e.input_ids for e in iter_examples(local, tok)]
+    assert stats.examples_read == 3 and stats.skipped == {"no assistant turn": 1}
+    with pytest.raises(UserError, match="cannot load hub dataset"):
+        missing = recipe(tmp_path, data__source="hub", data__path=tmp_path / "nope", data__streaming="true")
+        list(iter_examples(missing, tok))
+
+
+def test_num_workers_give_the_same_blocks_and_counts(tmp_path):
+    rows = BAD_ROWS * 3 + [json.loads(x) for x in (ASSETS / "tiny_chat.jsonl").read_text().splitlines()[:300]]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    tok = tokenizer("qwen")
+    serial = prepare_blocks(recipe(tmp_path / "a", data__path=path, data__packing__block_len=256), tok)
+    parallel = prepare_blocks(recipe(tmp_path / "b", data__path=path, data__packing__block_len=256,
+                                     data__num_workers=2), tok)
+    assert parallel.stats.skipped == serial.stats.skipped and parallel.stats.first_skipped == serial.stats.first_skipped
+    assert len(parallel) == len(serial) == 113
+    for i in range(len(serial)):
+        assert parallel.block(i).input_ids.tolist() == serial.block(i).input_ids.tolist()
+        assert parallel.block(i).labels.tolist() == serial.block(i).labels.tolist()
