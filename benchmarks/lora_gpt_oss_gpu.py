@@ -1,0 +1,181 @@
+"""LoRA throughput of gpt-oss-20b on one GPU: the reference recipe next to ftcli's default, one run.
+
+Both modes go through ftcli's real LoRA path (`ftcli.train_lora.build_trainer`: TRL SFTTrainer + PEFT,
+ftcli's data rows and collator, token-normalized loss), on the gpt-oss-h100 recipe with random weights
+at the real shape (benchmarks/gpt-oss-20b.json: 20.9B params, 19.1B of them experts) and synthetic chat
+data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linear (attention):
+
+    reference  one unpacked example per micro-batch, truncated to 2,048; batch 1, grad accum 2;
+               eager attention; experts as transformers' per-expert loop ("eager")
+    ftcli      packed 2,048-token blocks (best-fit decreasing); batch 1, grad accum 2;
+               ftcli's packed attention (flex attention + sinks on CUDA); experts through
+               grouped_mm when transformers offers it
+    (--modes may add packed-eager-experts: ftcli's packing and attention, experts "eager")
+
+Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
+steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
+padding included), s/step, and peak GPU memory over the whole mode (torch max_memory_allocated).
+
+H200 (project root; .gpu staged with ../shared/gpu/stage.sh and carried):
+    source .gpu/activate.sh && python benchmarks/lora_gpt_oss_gpu.py --out $OUT/lora_gpt_oss.json
+CPU logic check (tiny gpt-oss, same code path; numbers mean nothing):
+    python benchmarks/lora_gpt_oss_gpu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = {
+    "reference": {"attn": "eager", "packing": False, "experts": "eager"},
+    "ftcli": {"attn": "auto", "packing": True, "experts": "grouped_mm"},
+    "packed-eager-experts": {"attn": "auto", "packing": True, "experts": "eager"},
+}
+
+
+def mode_recipe(mode: str, args, work: Path):
+    from ftcli.recipe import load_recipe
+
+    m = MODES[mode]
+    length = 256 if args.tiny else 2048
+    sets = [
+        "model.init=random", "model.quantization=none", "model.tokenizer=pkg://assets/tokenizer-gpt-oss",
+        f"model.config={'pkg://assets/tiny-gpt-oss.json' if args.tiny else ROOT / 'benchmarks' / 'gpt-oss-20b.json'}",
+        f"model.attn_implementation={m['attn']}",
+        "data.source=synthetic", f"data.synthetic.num_examples={args.examples}",
+        f"data.synthetic.mean_tokens={120 if args.tiny else 1200}", f"data.max_length={length}",
+        f"data.packing.enabled={str(m['packing']).lower()}", f"data.packing.block_len={length}",
+        f"data.cache_dir={work / 'cache'}", f"output.dir={work / mode}",
+        "tracking.enabled=false", "training.checkpoint.enabled=false",
+        f"training.max_steps={args.warmup + args.steps}",
+    ]
+    if args.tiny:
+        sets += ["model.dtype=float32", "training.optimizer.fused=false"]
+    return load_recipe("gpt-oss-h100", sets)
+
+
+def run_mode(mode: str, args, work: Path) -> dict:
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from ftcli import data
+    from ftcli.modeling import load_model
+    from ftcli.train_lora import _attn_implementation, build_trainer, sft_config_kwargs, training_rows
+
+    recipe = mode_recipe(mode, args, work)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    attn = _attn_implementation(recipe, device)
+    tokenizer = data.load_tokenizer(recipe)
+    rows = training_rows(recipe, tokenizer)
+
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t_build = time.perf_counter()
+    model = load_model(recipe.model, attn_implementation=attn, device=device)
+    experts = MODES[mode]["experts"]
+    if hasattr(model, "set_experts_implementation"):
+        try:
+            model.set_experts_implementation(experts)
+        except (ValueError, ImportError) as e:  # e.g. grouped_mm unavailable on this torch / device
+            print(f"{mode}: experts_implementation={experts} refused ({str(e).splitlines()[0]}); keeping the default")
+    experts = getattr(model.config, "_experts_implementation", None) or "eager"
+    build_s = time.perf_counter() - t_build
+
+    kwargs = sft_config_kwargs(recipe, work / mode)
+    kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=max(1, args.steps // 4),
+                  use_cpu=device.type == "cpu")
+    trainer, counter = build_trainer(recipe, model, tokenizer, rows, SFTConfig(**kwargs))
+
+    marks = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step in (args.warmup, args.warmup + args.steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                marks[state.global_step] = (time.perf_counter(), counter.trained, counter.seen)
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    (t0, trained0, seen0), (t1, trained1, seen1) = marks[args.warmup], marks[args.warmup + args.steps]
+    seconds = t1 - t0
+    result = {
+        "mode": mode, "attention": attn or "default", "packing": recipe.data.packing.enabled, "experts": experts,
+        "steps": args.steps, "tokens_per_step": (seen1 - seen0) / args.steps,
+        "trained_tokens_per_s": (trained1 - trained0) / seconds, "seen_tokens_per_s": (seen1 - seen0) / seconds,
+        "s_per_step": seconds / args.steps,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "build_s": build_s,
+    }
+    del trainer, model, counter
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(results: list[dict], args) -> str:
+    import transformers
+    import trl
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+    shape = "tiny gpt-oss (CPU logic check)" if args.tiny else "gpt-oss-20b shape, random weights"
+    lines = [
+        f"LoRA r8 all-linear, {shape}, {gpu}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, batch 1 x grad accum 2",
+        "",
+        "| mode | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step | peak GiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+        lines.append(
+            f"| {r['mode']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | {r['experts']} | "
+            f"{r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | {r['seen_tokens_per_s']:,.0f} | "
+            f"{r['s_per_step']:.3f} | {mem} |"
+        )
+    if len(results) > 1 and results[0]["mode"] == "reference":
+        base = results[0]["trained_tokens_per_s"]
+        for r in results[1:]:
+            lines.append(f"\n{r['mode']}: {r['trained_tokens_per_s'] / base:.2f}x the reference's trained tokens/s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="reference,ftcli", help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
+    p.add_argument("--examples", type=int, default=400, help="synthetic examples to draw from")
+    p.add_argument("--tiny", action="store_true", help="tiny gpt-oss on CPU: checks the script, not the speed")
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = p.parse_args()
+    if args.tiny:
+        args.steps, args.warmup, args.examples = min(args.steps, 4), min(args.warmup, 1), min(args.examples, 80)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="ftcli-lora-bench-") as tmp:
+        results = [run_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
+    text = markdown(results, args)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"results": results, "markdown": text}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,562 @@
+"""LoRA training: a thin adapter from a recipe to TRL's SFTTrainer + PEFT.
+
+`train(recipe, run_dir, resume)` runs inside torchrun (one process per GPU, gloo on CPU), started by
+`ftcli.launch`. TRL/accelerate own the loop (DDP, gradient accumulation, clipping, the optimizer and
+schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
+
+1. the model, loaded like everywhere else in ftcli (`ftcli.modeling.load_model`: hub id + revision or
+   a local path, MXFP4 dequantized, the packed attention from `ftcli.kernels` when "auto");
+2. the data: the exact blocks `ftcli pack-preview` shows (`ftcli.data`), handed to TRL pre-tokenized
+   (`skip_prepare_dataset`) with a collator that emits each block as one padding-free row, so TRL
+   neither re-tokenizes nor re-packs;
+3. the recipe -> SFTConfig mapping (`sft_config_kwargs`, pure, tested value by value);
+4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`).
+
+Outputs follow the run-dir contract: <run>/checkpoints/checkpoint-N (resumable), <run>/final (adapter
++ tokenizer + chat template), <run>/run.json, and <run>/base for random-init bases.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ftcli.errors import UserError
+from ftcli.recipe import Recipe
+
+
+@functools.cache
+def checkpointing_arg() -> str:
+    """transformers 5.24 calls it `activation_checkpointing(_kwargs)` and keeps `gradient_checkpointing(_kwargs)`
+    as a deprecated alias (with a FutureWarning); older 5.x releases may only know the old name. Use
+    the name the installed TrainingArguments defines."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+# Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
+_VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+
+
+# ------------------------------------------------------------------------------- recipe -> SFTConfig
+def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    """The SFTConfig for a LoRA recipe (transformers 5 / TRL 1.x names). Pure: no I/O, no torch state
+    (only the installed TrainingArguments' field names decide the checkpointing keyword).
+
+    transformers 5 has no `warmup_ratio`: `warmup_steps` < 1 is read as a fraction of the total steps,
+    which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
+    """
+    t = recipe.training
+    opt, sched, ckpt = t.optimizer, t.schedule, t.checkpoint
+    dtype = recipe.model.dtype
+    ckpt_arg = checkpointing_arg()
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(Path(run_dir) / "checkpoints"),
+        run_name=recipe.tracking.run_name or recipe.name,
+        seed=t.seed,
+        data_seed=t.seed,
+        # schedule of steps
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        per_device_train_batch_size=t.per_device_batch,
+        gradient_accumulation_steps=t.grad_accum,
+        # optimizer
+        optim="adamw_torch_fused" if opt.fused else "adamw_torch",
+        learning_rate=opt.lr,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        weight_decay=opt.weight_decay,
+        max_grad_norm=t.grad_clip or 0.0,  # 0 disables clipping
+        lr_scheduler_type=sched.name,
+        lr_scheduler_kwargs={"min_lr_rate": sched.min_lr_ratio} if sched.name == "cosine_with_min_lr" else {},
+        warmup_steps=sched.warmup if sched.warmup < 1 else int(sched.warmup),
+        # precision and memory
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        **{ckpt_arg: t.activation_checkpointing != "none", f"{ckpt_arg}_kwargs": (
+            {"use_reentrant": False, **({"selective": True} if t.activation_checkpointing == "selective" else {})}
+            if t.activation_checkpointing != "none" else None
+        )},
+        torch_compile=t.compile,
+        # DDP: every LoRA parameter gets a gradient on every step
+        ddp_find_unused_parameters=False,
+        # loss: sum of token losses / trained tokens of the whole step, across accumulation and ranks
+        average_tokens_across_devices=True,
+        loss_type="nll",
+        router_aux_loss_coef=0.0,  # (ref) the reference trained without the MoE load-balancing loss
+        # data: ftcli tokenizes, masks and packs; TRL must not touch the rows
+        dataset_kwargs={"skip_prepare_dataset": True},
+        packing=False,
+        padding_free=False,
+        max_length=None,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_num_workers=0,
+        # logging, checkpoints, tracking
+        logging_steps=t.log_every,
+        logging_first_step=True,
+        disable_tqdm=False,
+        save_strategy="steps" if ckpt.enabled and ckpt.every_steps else "no",
+        save_steps=ckpt.every_steps or 500,
+        save_total_limit=ckpt.keep_last,
+        report_to=["mlflow"] if recipe.tracking.enabled else "none",
+    )
+    return kwargs
+
+
+def lora_config(recipe: Recipe, model: torch.nn.Module):
+    """PEFT LoraConfig: target modules, expert parameters, vision tower excluded on VLM classes."""
+    from peft import LoraConfig
+
+    lora = recipe.lora
+    if lora.target_parameters and lora.dropout:
+        raise UserError(
+            f"lora.dropout={lora.dropout} cannot be used with lora.target_parameters (PEFT applies no dropout to "
+            "3-D expert parameters); set --set lora.dropout=0 or drop lora.target_parameters"
+        )
+    names = {name for name, _ in model.named_parameters()}
+    for target in lora.target_parameters:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            raise UserError(f"lora.target_parameters: no parameter named '{target}' in {type(model).__name__}")
+    exclude = None
+    if lora.exclude_vision and recipe.model.model_class == "image_text_to_text":
+        towers = set()
+        for name, _ in model.named_modules():
+            parts = name.split(".")
+            hit = next((i for i, part in enumerate(parts) if part in _VISION_MODULES), None)
+            if hit is not None:
+                towers.add(".".join(parts[: hit + 1]))
+        if towers:  # PEFT full-matches a string against module names: everything inside a tower
+            exclude = r"(" + "|".join(t.replace(".", r"\.") for t in sorted(towers)) + r")(\..*)?"
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        bias=lora.bias,
+        target_modules=lora.target_modules,
+        target_parameters=list(lora.target_parameters) or None,
+        exclude_modules=exclude,
+        revision=recipe.model.revision,
+        task_type="CAUSAL_LM",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- data
+def training_rows(recipe: Recipe, tokenizer):
+    """The rows TRL trains on: one per block of `ftcli.data.prepare_blocks`, exactly what
+    `ftcli pack-preview --dump` writes, as a `datasets.Dataset` of (input_ids, labels, position_ids).
+
+    Packing on: fixed-length packed blocks. Packing off (the reference): one example per row,
+    truncated to `data.max_length` by the data path.
+    """
+    import datasets
+
+    from ftcli.data import prepare_blocks
+
+    packed = prepare_blocks(recipe, tokenizer)
+    blocks = [packed[i] for i in range(len(packed))]
+    if not blocks:
+        raise UserError(f"data: no example with trained tokens in {recipe.data.path}")
+    columns = {
+        "input_ids": [b.input_ids.astype(np.int64) for b in blocks],
+        "labels": [b.labels.astype(np.int64) for b in blocks],
+        "position_ids": [b.position_ids.astype(np.int64) for b in blocks],
+    }
+    return datasets.Dataset.from_dict(columns).with_format("numpy")
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows -> one padding-free row, the model inputs of a packed block.
+
+    One row gives exactly `ftcli.data.block_to_model_inputs` of its block. Several rows
+    (per_device_batch > 1) are laid end to end; a segment starts wherever position_ids restart, and a
+    row's first label is dropped when another row precedes it (it would be predicted across rows):
+
+        position_ids   0 1 2 3 0 1 | 0 1 2 0 1 2 3      <- two rows of the dataset
+        cu_seq_lens    0       4   6     9         13   (int32; the same tensor for q and k)
+        seq_idx        0 0 0 0 1 1   2 2 2 3 3 3 3      (int32)
+        labels         . - x x - x   - x x - - x x      (- = -100; . = label[0], never used by the loss)
+    """
+    def cat(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(r[key], dtype=np.int64) for r in rows]))
+
+    input_ids, labels, position_ids = cat("input_ids"), cat("labels"), cat("position_ids")
+    row_starts = np.cumsum([0] + [len(r["input_ids"]) for r in rows[:-1]])
+    labels[row_starts[1:]] = -100
+    starts = torch.nonzero(position_ids == 0).flatten()
+    if starts.numel() == 0 or starts[0] != 0:
+        raise ValueError("a packed row must start a segment (position_ids[0] == 0)")
+    bounds = torch.cat([starts, torch.tensor([input_ids.numel()])])
+    lengths = bounds[1:] - bounds[:-1]
+    cu_seqlens = bounds.to(torch.int32)
+    max_len = int(lengths.max())
+    return {
+        "input_ids": input_ids[None],
+        "labels": labels[None],
+        "position_ids": position_ids[None],
+        "seq_idx": torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None],
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+
+
+def _token_counter(model: torch.nn.Module):
+    """Trained and seen tokens of the whole run, summed over ranks.
+
+    A forward pre-hook counts what this rank feeds the model (so batches the data loader prefetches
+    but never trains on are not counted); each step end all-reduces the step's counts (two numbers).
+    Checkpoints carry the totals (`ftcli_tokens.json`), so a resumed run keeps counting from there."""
+    from transformers import TrainerCallback
+
+    class TokenCounter(TrainerCallback):
+        FILE = "ftcli_tokens.json"
+
+        def __init__(self) -> None:
+            self.trained = self.seen = 0
+            self._pending = [0, 0]
+            model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+        def _count(self, module, args, kwargs):
+            if module.training and kwargs.get("labels") is not None:
+                self._pending[0] += int((kwargs["labels"][:, 1:] != -100).sum())
+                self._pending[1] += kwargs["input_ids"].numel()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = torch.tensor(self._pending, dtype=torch.float64)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(step)
+            self.trained, self.seen = self.trained + int(step[0]), self.seen + int(step[1])
+            self._pending = [0, 0]
+
+        def on_save(self, args, state, control, **kwargs):
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if state.is_world_process_zero and ckpt.is_dir():
+                (ckpt / self.FILE).write_text(json.dumps({"trained": self.trained, "seen": self.seen}))
+
+        def load(self, checkpoint: str | None) -> None:
+            path = Path(checkpoint or "") / self.FILE
+            if checkpoint and path.is_file():
+                saved = json.loads(path.read_text())
+                self.trained, self.seen = saved["trained"], saved["seen"]
+
+    return TokenCounter()
+
+
+# ------------------------------------------------------------------------------------------- loss
+def normalize_loss_by_tokens(trainer) -> None:
+    """Make every optimizer step minimize (sum of token losses) / (trained tokens of the whole step).
+
+    TRL computes the loss with its fused LM head as `-sum(log p) / num_items_in_batch`, where
+    `num_items_in_batch` is the trained-token count of all micro-batches of the step, all-gathered over
+    ranks (`average_tokens_across_devices`), and multiplies by the world size to undo DDP's gradient
+    mean. Summed over accumulation and averaged by DDP, that is exactly the token mean of the step.
+
+    transformers only counts `num_items_in_batch` when the model class "accepts loss kwargs"; classes
+    that declare `accepts_loss_kwargs = False` (Qwen3_5ForConditionalGeneration) would get a mean per
+    micro-batch, averaged over accumulation steps, so a short block weighs as much as a long one. The
+    flag is about the model's own loss, which TRL's fused head never calls, so it is safe to set it
+    for the trainer; the loss is then already scaled for accumulation.
+    """
+    trainer.model_accepts_loss_kwargs = True
+    trainer.loss_is_scaled_for_ga = True
+
+
+# ---------------------------------------------------------------------------------------- callbacks
+def _step_log_callback(counter, model, metrics_path: Path | None):
+    """TRL's progress bar, with ftcli's step line instead of a dict dump. It runs first among the
+    callbacks, so the numbers it adds to the logs (tokens/s, MFU, memory, token counts) also reach
+    MLflow; rank 0 appends every step line to <run>/metrics.jsonl."""
+    from transformers.trainer_callback import ProgressCallback
+
+    from ftcli.train_full import format_step, peak_flops, peak_memory_gib
+
+    flops_per_token = 4 * active_params(model)  # LoRA: forward + input-gradient backward (no weight grads)
+    device = next(model.parameters()).device
+    peak = peak_flops(device)
+
+    class StepLog(ProgressCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t0, self.seen0, self.steps0 = time.perf_counter(), 0.0, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not args.disable_tqdm:
+                super().on_train_begin(args, state, control, **kwargs)
+            self.t0, self.seen0, self.steps0 = time.perf_counter(), counter.seen, state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.training_bar is not None:
+                super().on_step_end(args, state, control, **kwargs)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.training_bar is not None:
+                super().on_train_end(args, state, control, **kwargs)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is None or "loss" not in logs:  # the end-of-training summary: printed by TRL as is
+                return super().on_log(args, state, control, logs=logs, **kwargs)
+            now = time.perf_counter()
+            seconds, steps = now - self.t0, max(state.global_step - self.steps0, 1)
+            tokens_per_s = (counter.seen - self.seen0) / seconds
+            per_device = tokens_per_s / args.world_size
+            mem, reserved, unit = peak_memory_gib(device)
+            m = {"step": state.global_step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm") or 0.0,
+                 "lr": logs.get("learning_rate", 0.0), "tokens_per_s": tokens_per_s,
+                 "tokens_per_s_per_device": per_device, "mfu": flops_per_token * per_device / peak if peak else None,
+                 "peak_mem": mem, "peak_mem_reserved": reserved, "mem_unit": unit, "s_per_step": seconds / steps,
+                 "tokens_trained": counter.trained, "tokens_seen": counter.seen}
+            logs.update({k: v for k, v in m.items() if k not in ("step", "loss", "grad_norm", "lr", "mem_unit")
+                         and v is not None})
+            self.t0, self.seen0, self.steps0 = now, counter.seen, state.global_step
+            if state.is_world_process_zero:
+                line = format_step(m, state.max_steps)
+                self.training_bar.write(line) if self.training_bar is not None else print(line, flush=True)
+                if metrics_path is not None:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(m) + "\n")
+
+    return StepLog()
+
+
+def _save_every_minutes_callback(minutes: float):
+    from transformers import TrainerCallback
+
+    class SaveEveryMinutes(TrainerCallback):
+        def __init__(self) -> None:
+            self.last = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            # rank 0's clock decides, so every rank saves at the same step
+            due = torch.tensor([float(time.monotonic() - self.last >= minutes * 60)])
+            if torch.distributed.is_initialized():
+                torch.distributed.broadcast(due, src=0)
+            if due.item():
+                control.should_save, self.last = True, time.monotonic()
+
+    return SaveEveryMinutes()
+
+
+def active_params(model) -> int:
+    """Non-embedding parameters one token goes through: MoE experts count top-k / num_experts."""
+    from ftcli.modeling import count_params, text_config
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _, non_embedding = count_params(base)
+    cfg = text_config(base.config)
+    experts, k = getattr(cfg, "num_local_experts", None), getattr(cfg, "num_experts_per_tok", None)
+    if experts and k:
+        expert_params = sum(p.numel() for n, p in base.named_parameters() if ".experts." in n and "lora_" not in n)
+        non_embedding -= expert_params - expert_params * k // experts
+    return non_embedding
+
+
+# -------------------------------------------------------------------------------------------- model
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _attn_implementation(recipe: Recipe, device: torch.device) -> str | None:
+    """ftcli's packed kernels for "auto" (they keep the segments of a block apart; refuse where they
+    cannot); a named implementation is only allowed unpacked, since e.g. gpt-oss eager would let the
+    documents of a block attend to each other."""
+    if recipe.model.attn_implementation != "auto":
+        if recipe.data.packing.enabled:
+            raise UserError(
+                f"model.attn_implementation={recipe.model.attn_implementation} cannot keep packed documents apart; "
+                "use model.attn_implementation=auto, or --set data.packing.enabled=false"
+            )
+        return recipe.model.attn_implementation
+    from ftcli.kernels import check_packing_safe, enable_packed_kernels
+
+    if not recipe.data.packing.enabled and check_packing_safe(recipe.model.model_type, device):
+        return None  # unpacked rows need no packed kernels; transformers' default for this model
+    name, _ = enable_packed_kernels(recipe.model.model_type, device)
+    return name
+
+
+def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | None, *, resume: bool):
+    """The base model on `device`. A random-init base is saved once to <run>/base (rank 0), so that
+    resume, merge-lora and register rebuild the exact weights the adapter was trained on."""
+    from ftcli.modeling import load_model
+
+    base_dir = run_dir / "base"
+    if recipe.model.init == "random" and resume and (base_dir / "config.json").exists():
+        cfg = recipe.model.model_copy(update={"init": "pretrained", "id": str(base_dir), "quantization": "none"})
+        return load_model(cfg, attn_implementation=attn, device=device)
+    if recipe.model.init == "random":
+        torch.manual_seed(recipe.training.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    return load_model(recipe.model, attn_implementation=attn, device=device)
+
+
+# -------------------------------------------------------------------------------------------- train
+def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None):
+    """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's step line; returns
+    (trainer, token counter). Shared by `train` and benchmarks/lora_gpt_oss_gpu.py."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import SFTTrainer
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
+                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    normalize_loss_by_tokens(trainer)
+    counter = _token_counter(trainer.model)
+    trainer.add_callback(counter)
+    trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
+    trainer.remove_callback(PrinterCallback)
+    trainer.callback_handler.callbacks.insert(0, _step_log_callback(counter, trainer.model, metrics_path))
+    if recipe.training.checkpoint.enabled and recipe.training.checkpoint.every_minutes:
+        trainer.add_callback(_save_every_minutes_callback(recipe.training.checkpoint.every_minutes))
+    return trainer, counter
+
+
+def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
+    """One LoRA run under torchrun; see the module docstring."""
+    from trl import SFTConfig
+
+    from ftcli import data
+    from ftcli.rundir import FINAL, METRICS_FILE
+    from ftcli.tracking import start_tracking
+
+    run_dir = Path(run_dir)
+    if recipe.training.method != "lora":
+        raise UserError(f"train_lora got training.method={recipe.training.method}")
+    rank = int(os.environ.get("RANK", 0))
+    checkpoint = _resolve_resume(resume, run_dir)
+    if rank == 0:
+        for message in ignored_settings(recipe):
+            print(f"warning: {message}", flush=True)
+
+    # MLflow (rank 0): ftcli.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
+    # tracking.json on resume) and logs the recipe; transformers' MLflowCallback (report_to) then logs
+    # into that active run. MLFLOW_RUN_ID is consumed here: the callback would try to start it again.
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=checkpoint is not None)
+    if tracker.info:
+        os.environ.pop("MLFLOW_RUN_ID", None)
+    try:
+        device = _device()
+        # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
+        args = SFTConfig(**sft_config_kwargs(recipe, run_dir), use_cpu=device.type == "cpu")
+        attn = _attn_implementation(recipe, device)
+        tokenizer = data.load_tokenizer(recipe)
+        with args.main_process_first(local=False, desc="tokenize and pack"):  # rank 0 fills the cache first
+            rows = training_rows(recipe, tokenizer)
+
+        model = load_base(recipe, run_dir, device, attn, resume=checkpoint is not None)
+        if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
+            _save_base(model, tokenizer, run_dir / "base")
+
+        trainer, counter = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE)
+        if args.process_index == 0:
+            trainable, total = _count_params(trainer.model)
+            print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "
+                  f"{len(rows)} rows ({'packed blocks' if recipe.data.packing.enabled else 'examples'}), "
+                  f"{args.world_size} x {device.type}, attention {attn or 'default'}, run dir {run_dir}", flush=True)
+
+        counter.load(checkpoint)
+        seen_before, steps_before = counter.seen, _checkpoint_step(checkpoint)
+        start = time.perf_counter()
+        trainer.train(resume_from_checkpoint=checkpoint)
+        wall = time.perf_counter() - start
+        steps_run = trainer.state.global_step - steps_before
+        throughput = {"tokens_per_s": (counter.seen - seen_before) / wall, "s_per_step": wall / max(steps_run, 1)}
+        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+
+        if args.process_index == 0:
+            path = _write_run_json(recipe, run_dir, trainer, counter, throughput, tracker.info)
+            tracker.log_artifact(path)
+            tracker.log_artifact(run_dir / "recipe.yaml")
+            print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
+        tracker.finish()
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # run.json is written before any rank exits
+
+
+def ignored_settings(recipe: Recipe) -> list[str]:
+    """Recipe settings the LoRA path has no use for (warned, not silently dropped)."""
+    t, out = recipe.training, []
+    if t.loss.impl != "chunked":
+        out.append(f"training.loss.impl={t.loss.impl} has no effect on LoRA: TRL's fused (chunked) LM head computes the loss")
+    if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
+        out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
+    return out
+
+
+def _resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+    """None | "latest" | a checkpoint dir -> the TRL checkpoint-N dir to resume from."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is None:
+        return None
+    if resume == "latest":
+        ckpt_dir = run_dir / "checkpoints"
+        last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+        if last is None:
+            raise UserError(f"--resume: no checkpoint-N in {ckpt_dir}; train without --resume to start fresh")
+        return last
+    path = Path(resume)
+    if path.is_dir() and not (path / "trainer_state.json").is_file():
+        last = get_last_checkpoint(str(path))  # a run dir's checkpoints/ folder is accepted too
+        path = Path(last) if last else path
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(f"--resume {resume}: not a LoRA checkpoint (no trainer_state.json)")
+    return str(path)
+
+
+def _save_base(model, tokenizer, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _count_params(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _checkpoint_step(checkpoint: str | None) -> int:
+    if checkpoint is None:
+        return 0
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+
+
+def _write_run_json(recipe: Recipe, run_dir: Path, trainer, counter, throughput: dict, mlflow_info) -> Path:
+    from ftcli import __version__
+    from ftcli.rundir import FINAL, write_run_json
+
+    steps = trainer.state.global_step
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    m = recipe.model
+    base = {"id": m.id, "revision": m.revision, "init": m.init, "config": m.config, "model_type": m.model_type,
+            "model_class": m.model_class}
+    if m.init == "random":
+        base["path"] = "base"
+    return write_run_json(run_dir, {
+        "ftcli_version": __version__,
+        "method": "lora",
+        "recipe": recipe.to_dict(),
+        "model_dir": FINAL,
+        "base_model": base,
+        "mlflow": mlflow_info,
+        "steps": steps,
+        "tokens": {"trained": counter.trained, "seen": counter.seen},
+        "final_loss": losses[-1] if losses else None,
+        "throughput": throughput,  # of this invocation (a resumed run: the part after the checkpoint)
+        "status": "completed",
+    })

@@ -1,0 +1,49 @@
+"""Shared helpers of the LoRA / merge / MXFP4 tests (tiny gpt-oss on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(*overrides: str, output_dir: Path | None = None):
+    from ftcli.recipe import load_recipe
+
+    sets = list(overrides)
+    if output_dir is not None:
+        sets.append(f"output.dir={output_dir}")
+    return load_recipe("tiny-gpt-oss-cpu", sets)
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | None = None):
+    from ftcli.modeling import load_model
+
+    torch.manual_seed(seed)
+    return load_model(tiny_recipe().model, dtype=dtype, attn_implementation=attn)
+
+
+def packed_row(rng: np.random.Generator, segment_lengths: list[int], trained_fraction: float, vocab: int = 700):
+    """One packed block: segments end to end, the last `trained_fraction` of every segment trained."""
+    ids, labels, pos = [], [], []
+    for n in segment_lengths:
+        seg = rng.integers(20, vocab, size=n)
+        lab = np.full(n, -100)
+        first_trained = max(1, int(round(n * (1 - trained_fraction))))
+        lab[first_trained:] = seg[first_trained:]
+        ids.append(seg), labels.append(lab), pos.append(np.arange(n))
+    return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels), "position_ids": np.concatenate(pos)}
+
+
+def run_ftcli(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`ftcli ...` in a subprocess with one thread per process (2 shared cores)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "FTCLI_CACHE": str(cwd / "cache"), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ftcli", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)

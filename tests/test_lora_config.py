@@ -1,0 +1,152 @@
+"""Recipe -> SFTConfig and recipe -> PEFT LoraConfig for the LoRA path (exact values)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _lora_common import tiny_model, tiny_recipe
+
+RUN = Path("/runs/x")
+
+
+def test_gpt_oss_h100_sft_config_is_the_reference():
+    from ftcli.recipe import load_recipe
+    from ftcli.train_lora import sft_config_kwargs
+
+    kw = sft_config_kwargs(load_recipe("gpt-oss-h100"), RUN)
+    assert kw == {
+        "output_dir": "/runs/x/checkpoints",
+        "run_name": "gpt-oss-h100",
+        "seed": 0,
+        "data_seed": 0,
+        "num_train_epochs": 1.0,
+        "max_steps": -1,
+        "per_device_train_batch_size": 1,  # (ref)
+        "gradient_accumulation_steps": 2,  # (ref)
+        "optim": "adamw_torch_fused",
+        "learning_rate": 2e-4,  # (ref)
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "cosine_with_min_lr",  # (ref)
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},  # (ref)
+        "warmup_steps": 0.03,  # (ref: warmup_ratio 0.03; transformers 5 reads warmup_steps < 1 as a ratio)
+        "bf16": True,
+        "fp16": False,
+        "activation_checkpointing": True,  # (ref: gradient_checkpointing, non-reentrant)
+        "activation_checkpointing_kwargs": {"use_reentrant": False},
+        "torch_compile": False,
+        "ddp_find_unused_parameters": False,  # (ref)
+        "average_tokens_across_devices": True,
+        "loss_type": "nll",
+        "router_aux_loss_coef": 0.0,
+        "dataset_kwargs": {"skip_prepare_dataset": True},
+        "packing": False,
+        "padding_free": False,
+        "max_length": None,
+        "remove_unused_columns": False,
+        "label_names": ["labels"],
+        "dataloader_num_workers": 0,
+        "logging_steps": 1,  # (ref)
+        "logging_first_step": True,
+        "disable_tqdm": False,  # (ref: progress bars on)
+        "save_strategy": "steps",
+        "save_steps": 500,
+        "save_total_limit": 2,
+        "report_to": ["mlflow"],  # (ref)
+    }
+
+
+def test_tiny_sft_config_builds_and_keeps_values():
+    """The tiny recipe's kwargs build a real SFTConfig here (CPU, float32) and the values survive
+    TrainingArguments' post-init (e.g. the warmup ratio and the deprecated gradient_checkpointing alias)."""
+    from trl import SFTConfig
+
+    from ftcli.train_lora import sft_config_kwargs
+
+    kw = sft_config_kwargs(tiny_recipe(), RUN)
+    assert {k: kw[k] for k in ("optim", "learning_rate", "warmup_steps", "lr_scheduler_kwargs", "bf16", "fp16",
+                               "activation_checkpointing", "activation_checkpointing_kwargs", "logging_steps",
+                               "save_steps", "save_total_limit", "gradient_accumulation_steps")} == {
+        "optim": "adamw_torch", "learning_rate": 3e-3, "warmup_steps": 0.03,
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "bf16": False, "fp16": False,
+        "activation_checkpointing": False, "activation_checkpointing_kwargs": None, "logging_steps": 10,
+        "save_steps": 50, "save_total_limit": 2, "gradient_accumulation_steps": 1,
+    }
+    args = SFTConfig(**kw)
+    assert args.warmup_steps == 0.03 and args.get_warmup_steps(200) == 6
+    assert args.gradient_checkpointing is False and args.bf16 is False
+    assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    assert args.average_tokens_across_devices is True and args.dataset_kwargs == {"skip_prepare_dataset": True}
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["training.schedule.warmup=25"], {"warmup_steps": 25}),
+    (["training.schedule.name=constant"], {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}),
+    (["training.grad_clip=null"], {"max_grad_norm": 0.0}),
+    (["training.activation_checkpointing=selective"],
+     {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False, "selective": True}}),
+    (["training.checkpoint.enabled=false"], {"save_strategy": "no"}),
+    (["tracking.enabled=false"], {"report_to": "none"}),
+    (["training.max_steps=7", "model.dtype=float16"], {"max_steps": 7, "fp16": True, "bf16": False}),
+])
+def test_sft_config_follows_recipe_knobs(overrides, expected):
+    from ftcli.train_lora import sft_config_kwargs
+
+    kw = sft_config_kwargs(tiny_recipe(*overrides), RUN)
+    assert {k: kw[k] for k in expected} == expected
+
+
+def _lora_targets(recipe, model):
+    from peft import get_peft_model
+
+    from ftcli.train_lora import lora_config
+
+    peft_model = get_peft_model(model, lora_config(recipe, model))
+    return sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in peft_model.named_parameters()
+                   if "lora_" in n})
+
+
+def test_all_linear_misses_gpt_oss_experts_target_parameters_adds_them():
+    attention_only = _lora_targets(tiny_recipe("lora.target_parameters=[]"), tiny_model())
+    assert attention_only == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in
+                              ("k_proj", "o_proj", "q_proj", "v_proj")]
+    with_experts = _lora_targets(tiny_recipe(), tiny_model())
+    experts = [t for t in with_experts if ".mlp." in t]
+    # gate_up_proj and down_proj of every layer: PEFT nests one ParamWrapper per targeted parameter
+    assert experts == [f"model.layers.{i}.mlp.experts{s}" for i in range(2) for s in ("", ".base_layer")]
+
+
+def test_target_parameters_with_dropout_is_a_one_line_error():
+    from ftcli.errors import UserError
+    from ftcli.train_lora import lora_config
+
+    with pytest.raises(UserError, match="lora.dropout=0.05 cannot be used with lora.target_parameters"):
+        lora_config(tiny_recipe("lora.dropout=0.05"), tiny_model())
+    with pytest.raises(UserError, match="no parameter named 'mlp.experts.nope'"):
+        lora_config(tiny_recipe("lora.target_parameters=[mlp.experts.nope]"), tiny_model())
+
+
+def test_vision_tower_excluded_on_vlm_classes():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from ftcli.recipe import resolve_path
+
+    text = json.loads(Path(resolve_path("pkg://assets/tiny-qwen3_5.json")).read_text())
+    text.pop("model_type", None)
+    config = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                                num_heads=2, out_hidden_size=text["hidden_size"]))
+    base = ["model.model_type=qwen3_5", "model.model_class=image_text_to_text", "lora.target_parameters=[]",
+            "lora.target_modules=all-linear"]
+    torch.manual_seed(0)
+    excluded = _lora_targets(tiny_recipe(*base), Qwen3_5ForConditionalGeneration(config))
+    assert excluded and not any("visual" in t for t in excluded)
+    assert all(t.startswith("model.language_model.layers.") for t in excluded)
+    included = _lora_targets(tiny_recipe(*base, "lora.exclude_vision=false"), Qwen3_5ForConditionalGeneration(config))
+    assert any(t.startswith("model.visual.") for t in included)

@@ -1,0 +1,166 @@
+"""`ftcli train` with a LoRA recipe, end to end on 2 CPU processes (gloo): a tiny gpt-oss written in
+MXFP4 by the fixture is loaded dequantized, trained with LoRA on attention and experts, saved, reloaded,
+resumed and merged."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from _lora_common import run_ftcli, tiny_model
+
+STEPS, SAVE_EVERY, LOG_EVERY = 30, 15, 5
+
+
+@pytest.fixture(scope="module")
+def mxfp4_base(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from ftcli import mxfp4
+    from ftcli.recipe import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
+    return mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), tmp_path_factory.mktemp("base") / "tiny-mxfp4",
+                            tokenizer=tok)
+
+
+def _train_args(base, run_dir, *extra):
+    return ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", "model.init=pretrained", "--set", f"model.id={base}",
+            "--set", "model.quantization=mxfp4_dequantize", "--set", f"training.max_steps={STEPS}",
+            "--set", f"training.checkpoint.every_steps={SAVE_EVERY}", "--set", "training.checkpoint.keep_last=3",
+            "--set", f"training.log_every={LOG_EVERY}", "--set", "data.max_examples=800", "--set", f"output.dir={run_dir}",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, mxfp4_base):
+    work = tmp_path_factory.mktemp("lora-train")
+    run_dir = work / "run"
+    proc = run_ftcli(_train_args(mxfp4_base, run_dir), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return work, run_dir, proc
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+
+
+def test_mxfp4_base_loads_dequantized_through_ftcli_modeling(mxfp4_base):
+    from safetensors.torch import load_file
+
+    from ftcli import mxfp4
+    from ftcli.modeling import load_model
+    from ftcli.recipe import ModelConfig
+
+    model = load_model(ModelConfig(id=str(mxfp4_base), model_type="gpt_oss", dtype="float32",
+                                   quantization="mxfp4_dequantize"))
+    stored = load_file(str(mxfp4_base / "model.safetensors"))
+    param = model.model.layers[1].mlp.experts.down_proj
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert param.dtype == torch.float32
+    assert torch.equal(param, mxfp4.dequantize_mxfp4(stored[f"{name}_blocks"], stored[f"{name}_scales"], torch.float32))
+
+
+def test_lora_training_loss_falls(trained):
+    _, run_dir, proc = trained
+    assert "2 x cpu" in proc.stdout
+    m = _metrics(run_dir)
+    assert [r["step"] for r in m] == [1, *range(LOG_EVERY, STEPS + 1, LOG_EVERY)]
+    first, last = m[0]["loss"], m[-1]["loss"]
+    print(f"loss {first:.3f} -> {last:.3f} over {STEPS} steps")
+    assert 6.0 < first < 7.5  # ~ln(796 tokens) at random init
+    assert last < first - 1.0
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in m)
+
+
+def test_expert_lora_weights_exist_and_are_trained(trained):
+    _, run_dir, _ = trained
+    adapter = _adapter(run_dir)
+    for layer in range(2):
+        prefix = f"base_model.model.model.layers.{layer}"
+        for module in ("self_attn.q_proj", "self_attn.v_proj", "mlp.experts", "mlp.experts.base_layer"):
+            a, b = adapter[f"{prefix}.{module}.lora_A.weight"], adapter[f"{prefix}.{module}.lora_B.weight"]
+            assert a.abs().sum() > 0
+            assert b.abs().max() > 1e-4, module  # lora_B starts at zero: nonzero means it was trained
+    # experts: gate_up_proj [E=4, in=128, out=256] -> A [r*E, 128], B [256, r*E] with r=16
+    assert adapter["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (64, 128)
+    assert adapter["base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"].shape == (256, 64)
+    config = json.loads((run_dir / "final" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert (run_dir / "final" / "chat_template.jinja").is_file() and (run_dir / "final" / "tokenizer.json").is_file()
+
+
+def test_adapter_reloads_onto_the_base(trained, mxfp4_base):
+    from peft import PeftModel
+
+    from ftcli.modeling import load_model
+    from ftcli.recipe import ModelConfig
+
+    _, run_dir, _ = trained
+    cfg = ModelConfig(id=str(mxfp4_base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize")
+    ids = torch.randint(0, 700, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = load_model(cfg)(input_ids=ids).logits
+        model = PeftModel.from_pretrained(load_model(cfg), str(run_dir / "final"))
+        adapted = model(input_ids=ids).logits
+    saved = _adapter(run_dir)
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert (adapted - base_logits).abs().max() > 0.1
+
+
+def test_run_json_and_mlflow(trained, mxfp4_base):
+    import mlflow
+
+    work, run_dir, _ = trained
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["method"] == "lora" and run["model_dir"] == "final" and run["status"] == "completed"
+    assert run["steps"] == STEPS
+    assert run["base_model"]["id"] == str(mxfp4_base) and run["base_model"]["model_type"] == "gpt_oss"
+    assert run["tokens"]["seen"] == STEPS * 2 * 1024  # 2 ranks x one 1024-token block per step
+    assert 0 < run["tokens"]["trained"] < run["tokens"]["seen"]
+    assert run["final_loss"] == _metrics(run_dir)[-1]["loss"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    history = client.get_metric_history(run["mlflow"]["run_id"], "loss")
+    assert [h.step for h in history] == [r["step"] for r in _metrics(run_dir)]
+    params = client.get_run(run["mlflow"]["run_id"]).data.params
+    assert params["lora.r"] == "16" and params["learning_rate"] == "0.003"  # ftcli recipe + TRL's args
+
+
+def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):
+    """--resume DIR picks up at step 15 and ends where the uninterrupted run ended."""
+    work, run_dir, _ = trained
+    before = _metrics(run_dir)
+    adapter_before = _adapter(run_dir)
+    proc = run_ftcli(_train_args(mxfp4_base, run_dir, "--resume", str(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY}")),
+                     cwd=work)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    resumed = _metrics(run_dir)[len(before):]
+    assert [r["step"] for r in resumed] == list(range(SAVE_EVERY + LOG_EVERY, STEPS + 1, LOG_EVERY))
+    for r in resumed:
+        original = next(b for b in before if b["step"] == r["step"])
+        assert r["loss"] == pytest.approx(original["loss"], rel=1e-4), r["step"]
+    adapter_after = _adapter(run_dir)
+    assert max((adapter_after[k] - adapter_before[k]).abs().max().item() for k in adapter_before) < 1e-4
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["steps"] == STEPS and run["tokens"]["seen"] == STEPS * 2 * 1024  # counts carried over the resume
+
+
+def test_merge_lora_of_the_trained_run(trained):
+    from ftcli.merge import merge_lora
+
+    _, run_dir, _ = trained
+    out = merge_lora(run_dir, dtype="float32")
+    assert out == run_dir / "merged"
+    report = json.loads((out / "merge.json").read_text())
+    assert report["passed"] and report["max_abs_diff"] < 1e-4 and report["adapter_effect"] > 0.1
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -1,0 +1,136 @@
+"""`ftcli merge-lora`: merged weights behave like base + adapter; user mistakes are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _lora_common import tiny_model, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base."""
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+
+    from ftcli import mxfp4
+    from ftcli.modeling import load_model
+    from ftcli.recipe import ModelConfig, resolve_path
+    from ftcli.train_lora import lora_config
+
+    root = tmp_path_factory.mktemp("merge")
+    tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
+    base = mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), root / "base-mxfp4", tokenizer=tok)
+    model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize"))
+    peft_model = get_peft_model(model, lora_config(tiny_recipe(), model))
+    torch.manual_seed(3)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.01)
+    run = root / "run"
+    peft_model.save_pretrained(run / "final")
+    tok.save_pretrained(run / "final")
+    (run / "run.json").write_text(json.dumps({
+        "method": "lora", "model_dir": "final", "status": "completed",
+        "base_model": {"id": str(base), "revision": None, "init": "pretrained", "model_type": "gpt_oss",
+                       "model_class": "causal_lm"},
+    }))
+    return run, base
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", 2 * 2**-8)])
+def test_merged_model_logits_equal_base_plus_adapter(lora_run, tmp_path, dtype, tol):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ftcli.merge import merge_lora
+    from ftcli.modeling import load_model
+    from ftcli.recipe import ModelConfig
+
+    run, base = lora_run
+    out = merge_lora(run, output=tmp_path / "merged", dtype=dtype)
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "merge.json"} <= set(names)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "gpt_oss"
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype))  # a plain checkpoint now
+    assert merged.model.layers[0].mlp.experts.gate_up_proj.dtype == getattr(torch, dtype)
+    reference = PeftModel.from_pretrained(
+        load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype=dtype, quantization="mxfp4_dequantize")),
+        str(run / "final"))
+    ids = torch.randint(0, 700, (2, 40), generator=torch.Generator().manual_seed(1))
+    got, want = _logits(merged, ids), _logits(reference, ids)
+    per_token = (got - want).abs().amax(-1).flatten()
+    report = json.loads((out / "merge.json").read_text())
+    print(f"{dtype}: merged vs base+adapter max abs diff {per_token.max():.3g} (median {per_token.median():.3g}); "
+          f"merge.json: {report['max_abs_diff']:.3g}, adapter effect {report['adapter_effect']:.3g}")
+    assert report["passed"] and report["adapter_effect"] > 0.1
+    if dtype == "float32":
+        assert per_token.max() < tol
+    else:  # bf16 rounds every merged weight once; near-tied MoE routers may pick other experts for a few tokens
+        assert per_token.median() < tol
+
+
+def _cli(args):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    return CliRunner().invoke(app, args)
+
+
+def _one_error_line(output: str) -> bool:
+    """The CLI's one red line (transformers' loading bars may share the captured stream)."""
+    return "Traceback" not in output and len([ln for ln in output.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_refuses_to_overwrite_output_without_force(lora_run, tmp_path):
+    run, _ = lora_run
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32"])
+    assert result.exit_code == 2
+    assert "exists and is not empty; pass --force" in result.output and _one_error_line(result.output)
+    assert (out / "keep.txt").exists()
+    result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32", "--force"])
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):
+    """A base of another model_type, a base of the right type with other shapes, and a missing base."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcli.recipe import resolve_path
+
+    run, _ = lora_run
+    qwen = tmp_path / "qwen"
+    cfg = json.loads(open(resolve_path("pkg://assets/tiny-qwen3_5.json")).read())
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(qwen)
+    narrow = tmp_path / "narrow-gpt-oss"
+    tiny = tiny_model()
+    narrow_cfg = tiny.config
+    narrow_cfg.hidden_size, narrow_cfg.head_dim = 64, 16
+    AutoModelForCausalLM.from_config(narrow_cfg).save_pretrained(narrow)
+
+    cases = [
+        (["--base", str(qwen)], "is a 'qwen3_5_text' model but the adapter was trained on 'gpt_oss'"),
+        (["--base", str(narrow)], "does not fit base"),
+        (["--base", str(tmp_path / "missing")], "cannot load its config"),
+    ]
+    for extra, message in cases:
+        result = _cli(["merge-lora", str(run), "--output", str(tmp_path / "out"), "--dtype", "float32", *extra])
+        assert result.exit_code == 2, result.output
+        assert message in result.output, result.output
+        assert _one_error_line(result.output), result.output
+        assert not (tmp_path / "out").exists()
