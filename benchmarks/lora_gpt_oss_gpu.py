@@ -1,16 +1,16 @@
-"""LoRA throughput of gpt-oss-20b on one GPU: the reference recipe next to ftcli's default, one run.
+"""LoRA throughput of gpt-oss-20b on one GPU: the reference recipe next to ftcli's packed modes, one run.
 
-Both modes go through ftcli's real LoRA path (`ftcli.train_lora.build_trainer`: TRL SFTTrainer + PEFT,
+All modes go through ftcli's real LoRA path (`ftcli.train_lora.build_trainer`: TRL SFTTrainer + PEFT,
 ftcli's data rows and collator, token-normalized loss), on the gpt-oss-h100 recipe with random weights
 at the real shape (benchmarks/gpt-oss-20b.json: 20.9B params, 19.1B of them experts) and synthetic chat
 data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linear (attention):
 
-    reference  one unpacked example per micro-batch, truncated to 2,048; batch 1, grad accum 2;
-               eager attention; experts as transformers' per-expert loop ("eager")
-    ftcli      packed 2,048-token blocks (best-fit decreasing); batch 1, grad accum 2;
-               ftcli's packed attention (flex attention + sinks on CUDA); experts through
-               grouped_mm when transformers offers it
-    (--modes may add packed-eager-experts: ftcli's packing and attention, experts "eager")
+    reference                one unpacked example per micro-batch, truncated to 2,048; batch 1, grad
+                             accum 2; eager attention; experts grouped_mm (transformers' CUDA default,
+                             which is what the reference ran)
+    reference-eager-experts  the same with transformers' per-expert Python loop (informational)
+    ftcli-2k / -8k / -16k    packed blocks of that many tokens (best-fit decreasing), grad accum 2 / 1 / 1;
+                             ftcli's packed attention (flex attention + sinks on CUDA); experts grouped_mm
 
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
 steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
@@ -39,10 +39,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# block: tokens per micro-batch (max_length when unpacked); ga: gradient accumulation steps.
+# The reference ran transformers' default experts implementation, which is grouped_mm on CUDA;
+# "reference-eager-experts" shows what the per-expert Python loop would cost.
 MODES = {
-    "reference": {"attn": "eager", "packing": False, "experts": "eager"},
-    "ftcli": {"attn": "auto", "packing": True, "experts": "grouped_mm"},
-    "packed-eager-experts": {"attn": "auto", "packing": True, "experts": "eager"},
+    "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2},
+    "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2},
+    "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2},
+    "ftcli-8k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1},
+    "ftcli-16k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1},
 }
 
 
@@ -50,7 +55,7 @@ def mode_recipe(mode: str, args, work: Path):
     from ftcli.recipe import load_recipe
 
     m = MODES[mode]
-    length = 256 if args.tiny else 2048
+    length = 256 if args.tiny else m["block"]
     sets = [
         "model.init=random", "model.quantization=none", "model.tokenizer=pkg://assets/tokenizer-gpt-oss",
         f"model.config={'pkg://assets/tiny-gpt-oss.json' if args.tiny else ROOT / 'benchmarks' / 'gpt-oss-20b.json'}",
@@ -60,7 +65,8 @@ def mode_recipe(mode: str, args, work: Path):
         f"data.packing.enabled={str(m['packing']).lower()}", f"data.packing.block_len={length}",
         f"data.cache_dir={work / 'cache'}", f"output.dir={work / mode}",
         "tracking.enabled=false", "training.checkpoint.enabled=false",
-        f"training.max_steps={args.warmup + args.steps}",
+        f"training.max_steps={args.warmup + args.steps}", f"training.grad_accum={m['ga']}",
+        f"data.synthetic.max_tokens={max(length, 16384)}",
     ]
     if args.tiny:
         sets += ["model.dtype=float32", "training.optimizer.fused=false"]
@@ -83,6 +89,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
 
     torch.manual_seed(0)
     if device.type == "cuda":
+        torch.zeros(1, device=device)  # reset_peak_memory_stats raises "Invalid device argument" before CUDA is up
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t_build = time.perf_counter()
@@ -137,7 +144,7 @@ def markdown(results: list[dict], args) -> str:
     shape = "tiny gpt-oss (CPU logic check)" if args.tiny else "gpt-oss-20b shape, random weights"
     lines = [
         f"LoRA r8 all-linear, {shape}, {gpu}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, batch 1 x grad accum 2",
+        f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, per-mode block and grad accum in the table",
         "",
         "| mode | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step | peak GiB |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
@@ -158,7 +165,7 @@ def markdown(results: list[dict], args) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="reference,ftcli", help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--modes", default="reference,ftcli-2k,ftcli-8k", help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     p.add_argument("--examples", type=int, default=400, help="synthetic examples to draw from")

@@ -77,9 +77,6 @@ def doctor_checks(recipe, m) -> list[Check]:
         checks.append(Check("packing keeps segments apart", NA, "data.packing.enabled is false"))
     else:
         problems = kernels.check_packing_safe(model_type, m)
-        if recipe.model.attn_implementation != "auto":
-            problems.append(f"model.attn_implementation={recipe.model.attn_implementation} cannot keep packed "
-                            "documents apart; use model.attn_implementation=auto, or --set data.packing.enabled=false")
         checks.append(Check("packing keeps segments apart", FAIL if problems else OK,
                             problems[0] if problems else "every op has a segment-aware backend", blocks_recipe=True))
 

@@ -282,6 +282,16 @@ class Recipe(_Section):
             raise ValueError("use 1-100 letters, digits, '-' or '_'")
         return v
 
+    @model_validator(mode="after")
+    def _packing(self) -> Recipe:
+        """Packed blocks need attention that keeps their documents apart: ftcli's packed kernels ("auto")."""
+        if self.data.packing.enabled and self.model.attn_implementation != "auto":
+            raise ValueError(
+                f"model.attn_implementation={self.model.attn_implementation} cannot keep packed documents apart; "
+                "use model.attn_implementation=auto (or, for LoRA, data.packing.enabled=false)"
+            )
+        return self
+
     @property
     def output_dir(self) -> Path:
         return Path(self.output.dir.replace("{name}", self.name))
@@ -396,7 +406,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             given = e.get("input")
             shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
-            lines.append(f"{path}: {msg}{shown}")
+            lines.append(f"{path}: {msg}{shown}" if loc else msg)  # top-level rules name their own keys
     head = f"invalid recipe {source}: "
     if len(lines) == 1:
         return head + lines[0]

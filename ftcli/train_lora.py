@@ -372,14 +372,9 @@ def _device() -> torch.device:
 
 def _attn_implementation(recipe: Recipe, device: torch.device) -> str | None:
     """ftcli's packed kernels for "auto" (they keep the segments of a block apart; refuse where they
-    cannot); a named implementation is only allowed unpacked, since e.g. gpt-oss eager would let the
-    documents of a block attend to each other."""
+    cannot); a named implementation is only allowed unpacked (the recipe schema enforces it), since e.g.
+    gpt-oss eager would let the documents of a block attend to each other."""
     if recipe.model.attn_implementation != "auto":
-        if recipe.data.packing.enabled:
-            raise UserError(
-                f"model.attn_implementation={recipe.model.attn_implementation} cannot keep packed documents apart; "
-                "use model.attn_implementation=auto, or --set data.packing.enabled=false"
-            )
         return recipe.model.attn_implementation
     from ftcli.kernels import check_packing_safe, enable_packed_kernels
 

@@ -26,7 +26,7 @@ def test_gpt_oss_h100_sft_config_is_the_reference():
         "num_train_epochs": 1.0,
         "max_steps": -1,
         "per_device_train_batch_size": 1,  # (ref)
-        "gradient_accumulation_steps": 2,  # (ref)
+        "gradient_accumulation_steps": 1,  # (fix: one packed 8k block per step; the reference took 2 unpacked examples)
         "optim": "adamw_torch_fused",
         "learning_rate": 2e-4,  # (ref)
         "adam_beta1": 0.9,

@@ -172,8 +172,11 @@ def test_gpu_wheels_follow_model_and_hardware():
     def reqs(name, *overrides):
         return [r for r, _ in workload.gpu_requirements(load_recipe(name, list(overrides)))]
 
-    assert reqs("qwen-b300") == ["flash-linear-attention==0.6.0"]  # Blackwell: Triton backward is fine
-    assert reqs("qwen-b300", "compute.accelerator_type=GPU_8xH100") == ["flash-linear-attention==0.6.0", "tilelang==0.1.15"]
+    # Blackwell: fla's Triton backward is fine; the recipe's fused loss brings liger-kernel
+    assert reqs("qwen-b300") == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5"]
+    assert reqs("qwen-b300", "training.loss.impl=chunked") == ["flash-linear-attention==0.6.0"]
+    assert reqs("qwen-b300", "compute.accelerator_type=GPU_8xH100", "training.loss.impl=chunked") == [
+        "flash-linear-attention==0.6.0", "tilelang==0.1.15"]
     assert reqs("gpt-oss-h100") == []
     assert reqs("gpt-oss-h100", "training.loss.impl=liger") == ["liger-kernel==0.8.5"]
 
@@ -226,7 +229,8 @@ def test_torchrun_single_node_defaults(tmp_path):
         "--nnodes=1", "--node_rank=0", "--nproc_per_node=8", "--master_addr=127.0.0.1", "--master_port=29500",
         "-m", "ftcli", "train", "--recipe", str(tmp_path / "params.yaml"),
     ]
-    assert pip == ["install", "--progress-bar", "off", str(tmp_path / "ftcli-src"), "flash-linear-attention==0.6.0"]
+    assert pip == ["install", "--progress-bar", "off", str(tmp_path / "ftcli-src"), "flash-linear-attention==0.6.0",
+                   "liger-kernel==0.8.5"]
     assert (tmp_path / "ftcli-src" / "pyproject.toml").is_file()  # the writable copy of the snapshot
 
 
@@ -267,6 +271,7 @@ def test_recipe_values_cannot_inject_shell_commands(tmp_path):
     assert pip[3:] == [
         str(tmp_path / "ftcli-src") + "[gpu]" + INJECT.format(canary=canary),
         "flash-linear-attention==0.6.0",
+        "liger-kernel==0.8.5",
         evil_dep,
         "a b",
         "rm -rf /",

@@ -1,0 +1,118 @@
+"""The run directory: what a training run writes, and when `ftcli train` may write there.
+
+    <run>/                        recipe.output_dir, made absolute (default runs/<recipe name>)
+      recipe.yaml                 the resolved recipe; the torchrun workers load this file
+      run.json                    summary written at the end (contracts: read by merge-lora, register)
+      tracking.json               the MLflow run this dir logs to (so --resume continues it)
+      metrics.jsonl               one JSON object per logged step (rank 0): what benchmarks and tests read
+      checkpoints/step_XXXXXXXX/  resumable sharded checkpoints (ftcli.checkpoint)
+      final/                      the Hugging Face checkpoint
+
+The rule: a directory is "ours" when it holds recipe.yaml of a recipe with the same name. Training
+refuses a non-empty directory that is not ours unless --force. In our own directory, a fresh start
+(no --resume) that would mix with an earlier run's checkpoints or final model also needs --force,
+which then clears what the earlier run left (checkpoints, final, run.json; never foreign files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ftcli.errors import UserError
+
+RECIPE_FILE = "recipe.yaml"
+RUN_JSON = "run.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+_RUN_OUTPUTS = (CHECKPOINTS, FINAL, RUN_JSON, METRICS_FILE, "tracking.json")
+
+
+def run_dir_of(recipe) -> Path:
+    return recipe.output_dir.expanduser().resolve()
+
+
+def saved_recipe_name(run_dir: Path) -> str | None:
+    path = Path(run_dir) / RECIPE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+    return data.get("name") if isinstance(data, dict) else None
+
+
+def is_own_run(run_dir: Path, recipe) -> bool:
+    return saved_recipe_name(run_dir) == recipe.name
+
+
+def _has_outputs(run_dir: Path) -> bool:
+    ckpts = run_dir / CHECKPOINTS
+    return (ckpts.is_dir() and any(ckpts.iterdir())) or (run_dir / FINAL).exists() or (run_dir / RUN_JSON).exists()
+
+
+def recipe_differences(run_dir: Path, recipe) -> list[str]:
+    """Dotted keys whose value differs from the run's saved recipe.yaml (output.dir ignored)."""
+    from ftcli.tracking import flatten
+
+    path = Path(run_dir) / RECIPE_FILE
+    if not path.is_file():
+        return []
+    old = flatten(yaml.safe_load(path.read_text()) or {})
+    new = flatten(recipe.to_dict())
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "output.dir")
+
+
+def prepare_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
+    """Apply the refusal rule, then write <run>/recipe.yaml (output.dir made absolute). Returns the dir."""
+    run_dir = run_dir_of(recipe)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"output dir {run_dir} is a file; set output.dir to a directory")
+    non_empty = run_dir.is_dir() and any(run_dir.iterdir())
+    own = non_empty and is_own_run(run_dir, recipe)
+    if non_empty and not own and not force:
+        other = saved_recipe_name(run_dir)
+        what = f"a run of recipe '{other}'" if other else "files that are not an ftcli run"
+        raise UserError(
+            f"output dir {run_dir} holds {what}; set output.dir to a new or empty dir, or pass --force to write there"
+        )
+    if resume is None and non_empty and _has_outputs(run_dir):
+        if own and not force:
+            raise UserError(
+                f"{run_dir} already holds a run of '{recipe.name}'; pass --resume to continue it, or --force to "
+                "start over (deletes its checkpoints and final model)"
+            )
+        for name in _RUN_OUTPUTS:  # --force: start over; only what a run writes is removed
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    if resume == "latest" and not (own and (run_dir / CHECKPOINTS).is_dir()):  # the trainer picks the checkpoint
+        raise UserError(f"--resume: {run_dir} holds no checkpoint of '{recipe.name}'; train without --resume")
+    if resume not in (None, "latest") and not Path(resume).is_dir():
+        raise UserError(f"--resume {resume}: no such checkpoint dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = recipe.model_copy(deep=True)
+    resolved.output.dir = str(run_dir)
+    write_atomic(run_dir / RECIPE_FILE, yaml.safe_dump(resolved.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_run_json(run_dir: Path, payload: dict[str, Any]) -> Path:
+    path = Path(run_dir) / RUN_JSON
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,167 @@
+"""Experiment tracking: MLflow from rank 0, nothing anywhere else. Shared by both trainers.
+
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=resume is not None)
+    tracker.log_metrics({"loss": 2.1, "lr": 1e-5}, step=10)
+    tracker.log_artifact(run_dir / "run.json")
+    tracker.finish()                  # or finish("FAILED")
+    tracker.info                      # {"tracking_uri", "experiment_id", "run_id"} for run.json, or None
+
+Where the run goes:
+- $MLFLOW_RUN_ID set (Databricks AI Runtime gives every job one): log into that run.
+- resuming a run dir that was tracked before: log into the same MLflow run (`<run>/tracking.json`), so
+  the metrics continue on one chart.
+- otherwise a new run in experiment `tracking.experiment` (default: the recipe name).
+The store is `tracking.tracking_uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db`
+(an absolute path, so every process of the job writes the same file). Params are the resolved recipe,
+flattened, with secret and env values replaced by "***" (ftcli.register.scrub_recipe).
+
+Failure policy (chosen): a tracking server that cannot be reached when the run starts is a
+`UserError` naming the URI, before any compute is spent (a run you believe is tracked but is not is
+the worse surprise). Once training runs, a failed logging call prints one warning and turns tracking
+off for the rest of the run: hours of training are worth more than the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ftcli.errors import UserError
+
+TRACKING_FILE = "tracking.json"
+
+
+def resolve_tracking_uri(recipe) -> str:
+    """recipe.tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///<abs cwd>/mlflow.db."""
+    uri = recipe.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"training": {"optimizer": {"lr": 1e-5}}} -> {"training.optimizer.lr": "1e-05"} (MLflow params)."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    return out
+
+
+class NoTracking:
+    """Tracking turned off, or a rank other than 0: every call does nothing."""
+
+    info: dict[str, str] | None = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path) -> None:
+        pass
+
+    def finish(self, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracking(NoTracking):
+    """An active MLflow run; logging errors warn once and switch tracking off (see the module doc)."""
+
+    def __init__(self, mlflow, run, tracking_uri: str):
+        self._mlflow = mlflow
+        self._live = True
+        self.info = {"tracking_uri": tracking_uri, "experiment_id": run.info.experiment_id, "run_id": run.info.run_id}
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        if not self._live:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
+            self._live = False
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            from ftcli.register import mask_uri
+
+            print(f"warning: MLflow logging to {mask_uri(self.info['tracking_uri'])} failed ({first}); "
+                  "tracking is off for the rest of this run", file=sys.stderr)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._call(self._mlflow.log_metrics, {k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self._call(self._mlflow.log_artifact, str(path))
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self._call(self._mlflow.end_run, status=status)
+
+
+def _check_reachable(uri: str) -> None:
+    """http(s) stores only: one quick request, so a wrong URI fails in seconds, not after retries."""
+    from ftcli.register import mask_uri
+
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).close()
+    except urllib.error.HTTPError:
+        return  # it answered: reachable (auth or routing is MLflow's to report)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise UserError(
+            f"cannot reach the MLflow tracking server at {mask_uri(uri)} ({reason}); start it, fix "
+            "tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+        ) from None
+
+
+def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume: bool = False) -> NoTracking:
+    """Start (or attach to) the MLflow run on rank 0 and log the resolved recipe as params."""
+    if rank != 0 or not recipe.tracking.enabled:
+        return NoTracking()
+    from ftcli.register import mask_uri, scrub_recipe  # secrets and env values never reach MLflow params
+
+    uri = resolve_tracking_uri(recipe)
+    _check_reachable(uri)
+    import logging
+
+    import mlflow
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
+    mlflow.set_tracking_uri(uri)
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    saved = Path(run_dir) / TRACKING_FILE if run_dir is not None else None
+    if not run_id and resume and saved is not None and saved.is_file():
+        previous = json.loads(saved.read_text())
+        if previous.get("tracking_uri") == uri:
+            run_id = previous.get("run_id")
+    try:
+        if run_id:
+            run = mlflow.start_run(run_id=run_id, log_system_metrics=recipe.tracking.log_system_metrics)
+        else:
+            experiment = mlflow.set_experiment(recipe.tracking.experiment or recipe.name)
+            run = mlflow.start_run(
+                experiment_id=experiment.experiment_id,
+                run_name=recipe.tracking.run_name,
+                log_system_metrics=recipe.tracking.log_system_metrics,
+            )
+    except Exception as e:  # noqa: BLE001 - MLflow raises many types; the user needs one line
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first}; set tracking.enabled=false to train "
+                        "without tracking") from None
+    tracker = MlflowTracking(mlflow, run, uri)
+    try:
+        mlflow.log_params(flatten(scrub_recipe(recipe.to_dict())))
+    except Exception as e:  # noqa: BLE001 - e.g. a resumed run whose recipe changed: params are immutable
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        print(f"warning: MLflow kept the params it had for this run ({first})", file=sys.stderr)
+    if run_dir is not None:
+        tracker._call(mlflow.set_tag, "ftcli.run_dir", str(Path(run_dir).resolve()))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(tracker.info, indent=2) + "\n")
+    return tracker

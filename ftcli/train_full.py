@@ -1,0 +1,691 @@
+"""Full-parameter fine-tuning with FSDP2: one loop, read top to bottom.
+
+`train(recipe, run_dir, resume)` runs in every torchrun worker (ftcli.launch starts them):
+
+    1. distributed   one process per GPU (NCCL), or recipe.training.cpu_processes on CPU (gloo)
+    2. data          rank 0 tokenizes and packs (cached on disk), then every rank streams its blocks
+    3. model         built on the meta device, `fully_shard` per decoder layer then the root, then
+                     only this rank's shard is materialized: random init or pretrained weights
+    4. optimizer     AdamW over the sharded fp32 master weights; warmup + schedule
+    5. resume        model, optimizer, scheduler, data position and RNG from a DCP checkpoint
+    6. loop          count trained tokens -> all-reduce -> forward/backward every micro-batch with
+                     the loss divided by the GLOBAL count -> grad norm, clip -> step (or skip) -> log
+                     -> checkpoint
+    7. finish        last checkpoint, Hugging Face export to <run>/final, run.json
+
+Precision: the sharded parameters are the master weights, in `precision.master_dtype` (float32 by
+default). FSDP2's MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16) for compute and
+reduce-scatters gradients in `reduce_dtype` (fp32); AdamW then updates the fp32 shards, so an update
+of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the reference's setup (weights loaded
+in bf16): an update smaller than half a bf16 ulp of its weight rounds away (see
+tests/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
+
+Random init (`model.init: random`) must not depend on the world size: a 1-rank and a 2-rank run start
+from the same weights, and a 27B model never exists whole on one device, nor on rank 0 to broadcast.
+So the weights are generated group by group (one decoder layer, then everything else): every rank
+materializes the group in full on its own device, seeds the RNG from (training.seed, group name), runs
+the model's own Hugging Face init on it, keeps its shard and frees the rest. Same seed, same group,
+same values, whatever the sharding; the peak extra memory is the largest group (for the 27B shape,
+embeddings + LM head + vision tower, ~3B values). Pretrained weights are read by rank 0 and
+broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
+
+Activation checkpointing: `full` recomputes every decoder layer in backward (the reference);
+`selective` recomputes every other layer, keeping about half the activations for about half the
+recompute (a layer-level choice works the same for the linear-attention and full-attention layers
+of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
+logits unless `loss.impl: full` asks for the reference behaviour; see `token_loss_sum`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import resource
+import time
+import traceback
+import types
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch import nn
+
+from ftcli import __version__, data, kernels
+from ftcli.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_hf_checkpoint,
+                              set_rng_state)
+from ftcli.errors import UserError
+from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
+from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, write_run_json
+from ftcli.tracking import start_tracking
+
+IGNORE_INDEX = -100
+
+# Peak dense bf16 tensor-core FLOP/s per GPU, for MFU. Datasheet numbers without sparsity; B200/B300
+# ~2.25 PFLOP/s dense bf16 (HGX). Matched by substring of torch.cuda.get_device_name(), longest first.
+PEAK_BF16_FLOPS = {
+    "B300": 2250e12, "B200": 2250e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+    "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
+}
+
+
+class TrainingStopped(UserError):
+    """A stop every rank decides together (same numbers on all ranks): only rank 0 reports it."""
+
+
+# ===================================================================================== distributed
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: Any
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> World:
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; multi-node works the same way."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # Generous: rank 0 may tokenize and pack a whole dataset while the others wait at a barrier.
+    timeout = timedelta(minutes=60)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    mesh = init_device_mesh(device.type, (world_size,))
+    return World(rank, world_size, local_rank, device, mesh)
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+# ========================================================================================== model
+def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
+    """The recipe's model with parameters on the meta device and real buffers (rotary inv_freq is a
+    non-persistent buffer computed in __init__: it is in no checkpoint, so it must stay real)."""
+    from accelerate import init_empty_weights
+
+    config = load_config(cfg)
+    config.use_cache = False
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = False
+    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        return auto_class(cfg.model_class).from_config(config, **kwargs)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
+    """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
+    tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    tcfg = recipe.training
+    layers = decoder_layers(model)
+    if tcfg.activation_checkpointing != "none":
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = tcfg.activation_checkpointing == "full" or i % 2 == 0
+    if tcfg.compile:
+        for layer in layers:
+            layer.compile()  # in place: parameter names (and so checkpoints) stay the same
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
+    )
+    for layer in layers:
+        fully_shard(layer, mesh=world.mesh, mp_policy=mp_policy)
+    visual = vision_tower(model)
+    if visual is not None:
+        visual.requires_grad_(False)
+        fully_shard(visual, mesh=world.mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
+    return model
+
+
+def _group_seed(seed: int, group: str) -> int:
+    return zlib.crc32(f"{seed}/{group}".encode()) & 0x7FFFFFFF
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
+    """Fill the sharded `model` with a random init that does not depend on the sharding (module doc).
+    `template` is an unsharded meta copy of the same model; one group at a time is made real in it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    names = {id(m): n for n, m in template.named_modules()}
+    layers_prefix = names[id(decoder_layers(template))] + "."
+    groups = [f"{layers_prefix}{i}." for i in range(len(decoder_layers(template)))] + ["<rest>"]
+    sharded = dict(model.named_parameters())
+    for group in groups:
+        def in_group(name: str, group=group) -> bool:
+            return name.startswith(group) if group != "<rest>" else not name.startswith(layers_prefix)
+
+        members = [m for n, m in template.named_modules() if in_group(n + ".")]
+        for m in members:
+            m.to_empty(device=device, recurse=False)
+        for m in template.modules():  # HF skips modules it has initialized once
+            m.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(_group_seed(seed, group))
+        template.initialize_weights()  # the model's own init; meta tensors of other groups are no-ops
+        for name, full in template.named_parameters():
+            if in_group(name):
+                target = sharded[name]
+                if isinstance(target, DTensor):
+                    full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                target.copy_(full)
+        for m in members:
+            m.to_empty(device="meta", recurse=False)
+
+
+def load_pretrained_weights(model: nn.Module, cfg, dtype: torch.dtype, world: World) -> None:
+    """Rank 0 reads the checkpoint (CPU); every rank receives its shards by broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = load_model(cfg, dtype=dtype).state_dict() if world.is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Module:
+    """Meta build -> shard -> materialize this rank's shard -> weights. Returns the FSDP2 model."""
+    cfg, tcfg = recipe.model, recipe.training
+    master_dtype = DTYPES[tcfg.precision.master_dtype]
+    model = build_empty_model(cfg, master_dtype, attn_implementation)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    shard_model(model, recipe, world)
+    model.to_empty(device=world.device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    if cfg.init == "random":
+        init_random_weights(model, build_empty_model(cfg, master_dtype), tcfg.seed, world.device)
+    else:
+        load_pretrained_weights(model, cfg, master_dtype, world)
+    model.train()
+    return model
+
+
+# =========================================================================================== loss
+def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of rows of `hidden` against `targets`; logits in fp32, then freed."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int):
+    """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
+
+    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
+    (HF convention: position t predicts labels[t + 1]; -100 = no loss).
+      chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
+               recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
+      full     the reference: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
+      liger    liger-kernel's fused linear cross-entropy (GPU).
+    """
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if impl == "full":
+        return _ce_sum(hidden, weight, targets)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
+    if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
+        return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
+    if impl == "liger":
+        return _liger_loss()(weight, hidden, targets).float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + torch.utils.checkpoint.checkpoint(
+            _ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False
+        )
+    return total
+
+
+def _liger_loss():
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        raise UserError(
+            "training.loss.impl=liger needs liger-kernel (GPU only: pip install 'ftcli[gpu]'); "
+            "or set training.loss.impl=chunked"
+        ) from None
+    import inspect
+
+    kwargs = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
+    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
+        kwargs["accum_dtype"] = torch.float32  # the LM head gradient adds up over chunks in fp32
+    return LigerFusedLinearCrossEntropyLoss(**kwargs)
+
+
+def attach_loss(model: nn.Module, impl: str, chunk_tokens: int) -> None:
+    """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
+    `token_loss_sum` with the LM head's weight. Registered with FSDP as a forward method, so the root's
+    parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def loss_sum(self, input_ids, labels, **inputs):
+        hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+        return token_loss_sum(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
+
+    model.loss_sum = types.MethodType(loss_sum, model)
+    register_fsdp_forward_method(model, "loss_sum")
+
+
+def count_trained_tokens(labels) -> int:
+    """Trained tokens of one block after the shift (labels[0] is never a target)."""
+    return int(np.count_nonzero(np.asarray(labels).reshape(-1)[1:] != IGNORE_INDEX))
+
+
+# ================================================================================ loss algebra
+# One optimizer step covers W ranks x M micro-batches (blocks). The objective is the mean token loss
+# over every trained token of the step, wherever it sits:
+#
+#     L = (1 / N) * sum_{r, m} S_{r,m}          S_{r,m} = summed token CE of block m on rank r
+#                                               N = global_valid_tokens = sum_{r,m} n_{r,m}
+#
+# N is known before any backward: every rank counts its trained tokens n_{r,m} from the labels and
+# one all_reduce(SUM) adds them up. Each rank then backpropagates, per micro-batch,
+#
+#     l_{r,m} = S_{r,m} * W / N
+#
+# Gradients of the micro-batches add up in the sharded .grad (FSDP2 reduce-scatters after every
+# backward and accumulates), and the reduce-scatter AVERAGES over the W ranks, i.e. divides by W:
+#
+#     grad = (1/W) * sum_r sum_m grad(S_{r,m}) * W / N = grad(L)
+#
+# so 1 rank x 4 micro-batches, 2 ranks x 2 and one 4-block batch give the same gradient, however
+# unevenly the trained tokens are spread. Averaging per-block means instead would weight a block
+# with 3 trained tokens like one with 3,000, and an all-masked block would give 0/0 = NaN. A step
+# with N = 0 (every block masked: padding at the end of the data) is skipped on every rank.
+def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int):
+    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss."""
+    summed_loss = torch.zeros((), dtype=torch.float64)
+    for inputs in micro_batches:
+        loss_sum = model.loss_sum(**inputs)
+        (loss_sum * (world_size / global_valid_tokens)).backward()
+        summed_loss += loss_sum.detach().double().cpu()
+    return float(summed_loss)
+
+
+# ====================================================================================== optimizer
+def build_optimizer(model: nn.Module, recipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases, or 1-D gates like A_log)."""
+    ocfg = recipe.training.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": ocfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+        fused=True if ocfg.fused and device.type == "cuda" else None,
+    )
+
+
+def lr_factor(step: int, total_steps: int, schedule) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based). Linear warmup to 1 over the warmup
+    steps, then: constant; cosine / cosine_with_min_lr (to min_lr_ratio); linear (to min_lr_ratio)."""
+    warmup = int(schedule.warmup) if schedule.warmup >= 1 else int(round(schedule.warmup * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.name.startswith("cosine") else 1 - progress
+    return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
+    """Global L2 norm of the sharded gradients (same value on every rank); clips when max_norm is set
+    and the norm is finite."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    norm = float(total)
+    if max_norm is not None and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
+    return norm
+
+
+# ======================================================================================== logging
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, float | None, str]:
+    """(peak allocated, peak reserved by the caching allocator, unit); on CPU the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30, "GiB"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None, "GiB rss"
+
+
+def format_step(m: dict[str, Any], total_steps: int) -> str:
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "n/a"
+    reserved = f" (reserved {m['peak_mem_reserved']:.2f})" if m.get("peak_mem_reserved") is not None else ""
+    return (
+        f"step {m['step']}/{total_steps} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+        f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/dev) | MFU {mfu} | "
+        f"mem {m['peak_mem']:.2f}{reserved} {m['mem_unit']} | {m['s_per_step']:.3f} s/step"
+    )
+
+
+def _padding_inputs(like: dict | None, device: torch.device) -> dict:
+    """A micro-batch with no trained token: lets a rank that ran out of blocks still join the FSDP
+    collectives of a step. It contributes 0 to the summed loss and 0 to the token count."""
+    if like is not None:
+        out = dict(like)
+        out["labels"] = torch.full_like(like["labels"], IGNORE_INDEX)
+        return out
+    n = 8
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return {
+        "input_ids": torch.zeros(1, n, dtype=torch.long, device=device),
+        "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long, device=device),
+        "position_ids": torch.arange(n, device=device).unsqueeze(0),
+        "seq_idx": torch.zeros(1, n, dtype=torch.int32, device=device),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n,
+    }
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0  # data steps (windows of grad_accum blocks per rank), skipped ones included
+    optimizer_steps: int = 0
+    skipped_empty: int = 0
+    skipped_nonfinite: int = 0
+    tokens_trained: int = 0
+    tokens_seen: int = 0
+    final_loss: float | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+# ========================================================================================= train
+def train(recipe, run_dir: Path, resume: str | None) -> TrainResult:
+    """The entry point in every torchrun worker: set up torch.distributed, train, always tear it down."""
+    world = init_distributed()
+    try:
+        return run_training(recipe, Path(run_dir), resume, world)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # let the model go (below) while the exception propagates
+        raise
+    finally:
+        # FSDP state holds collective work objects in reference cycles; free them while the process group
+        # and the interpreter are alive (freed at exit instead, gloo can abort the process).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> TrainResult:
+    tcfg = recipe.training
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(highlight=False, soft_wrap=True)
+
+    # ---- 1. setup --------------------------------------------------------------------------------
+    say = console.print if world.is_main else (lambda *a, **k: None)
+    torch.manual_seed(tcfg.seed)
+    if tcfg.per_device_batch != 1:
+        say(f"warning: training.per_device_batch={tcfg.per_device_batch} has no effect here (one packed block "
+            "per micro-batch); use training.grad_accum")
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
+
+    # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it ----
+    tokenizer = data.load_tokenizer(recipe)
+    if world.is_main:
+        packed = data.prepare_blocks(recipe, tokenizer)
+    dist.barrier()
+    if not world.is_main:
+        packed = data.open_prepared(recipe, tokenizer)
+    stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+    windows = math.ceil(len(stream) / tcfg.grad_accum)
+    total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
+    if total_steps == 0:
+        raise UserError("the data gave no packed block; check data.path / data.max_examples")
+
+    # ---- 3. model: meta -> shard -> materialize this rank's shard ---------------------------------
+    attn = None
+    if recipe.model.attn_implementation == "auto":
+        attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
+        say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
+    model = build_model(recipe, world, attn)
+    attach_loss(model, tcfg.loss.impl, tcfg.loss.chunk_tokens)
+    if tcfg.loss.impl == "liger":
+        _liger_loss()  # fail now, not after the first forward
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _, non_embedding = count_params(model)
+    visual = vision_tower(model)
+    non_embedding -= sum(p.numel() for p in visual.parameters()) if visual is not None else 0
+    flops_per_token = 6 * non_embedding  # MFU convention: 6 x non-embedding params per token processed
+    # (attention scores and recomputation are not counted: model FLOPs, not hardware FLOPs)
+    peak = peak_flops(world.device)
+
+    # ---- 4. optimizer + schedule -----------------------------------------------------------------
+    optimizer = build_optimizer(model, recipe, world.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, tcfg.schedule))
+
+    # ---- 5. resume -------------------------------------------------------------------------------
+    result = TrainResult()
+    ckpt_root = run_dir / CHECKPOINTS
+    start = resolve_resume(run_dir, resume)
+    if start is not None:
+        rank_state, meta = load_checkpoint(start, model, optimizer)
+        scheduler.load_state_dict(rank_state["scheduler"])
+        stream.load_state_dict(rank_state["data"])
+        set_rng_state(rank_state["rng"])
+        for key in ("steps", "optimizer_steps", "skipped_empty", "skipped_nonfinite", "tokens_trained", "tokens_seen"):
+            setattr(result, key, meta["result"][key])
+        result.final_loss = meta["result"]["final_loss"]
+        result.checkpoint = str(start)
+        say(f"resumed from {start} at step {result.steps}")
+
+    say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
+        f"{world.world_size} x {world.device.type}, {total_steps} steps of {tcfg.grad_accum} block(s) per rank, "
+        f"run dir {run_dir}")
+
+    def checkpoint_now() -> Path:
+        rank_state = {"scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rng": rng_state()}
+        meta = {"result": {k: v for k, v in vars(result).items() if k not in ("losses", "checkpoint")}}
+        path = save_checkpoint(ckpt_root, result.steps, model, optimizer, rank_state, meta,
+                               keep_last=tcfg.checkpoint.keep_last)
+        result.checkpoint = str(path)
+        return path
+
+    # ---- 6. the loop -----------------------------------------------------------------------------
+    metrics_file = open(run_dir / METRICS_FILE, "a") if world.is_main else None
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not world.is_main)
+    task = progress.add_task("train", total=total_steps, completed=result.steps)
+    batches = iter(stream)
+    first_step = result.steps + 1
+    last_inputs: dict | None = None
+    bad_in_a_row = 0
+    last_save_step, last_save_time = result.steps, time.monotonic()
+    window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
+    timed_tokens, timed_seconds, timed_steps = 0.0, 0.0, 0
+    try:
+        progress.start()
+        while result.steps < total_steps:
+            step_start = time.perf_counter()
+            # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
+            blocks = list(islice(batches, tcfg.grad_accum))
+            minutes_due = int(
+                world.is_main and tcfg.checkpoint.every_minutes is not None
+                and time.monotonic() - last_save_time >= 60 * tcfg.checkpoint.every_minutes
+            )
+            num_micro_batches, save_by_time = all_reduce([len(blocks), minutes_due], dist.ReduceOp.MAX, world.device)
+            if num_micro_batches == 0:
+                break  # every rank is out of data
+            micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
+            if micro_batches:
+                last_inputs = micro_batches[-1]
+            while len(micro_batches) < num_micro_batches:  # this rank ran out first
+                micro_batches.append(_padding_inputs(last_inputs, world.device))
+
+            # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
+            num_valid_tokens = sum(count_trained_tokens(b.labels) for b in blocks)
+            num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+            global_valid_tokens, global_seen_tokens = map(
+                int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
+            result.steps += 1
+            result.tokens_seen += global_seen_tokens
+            if global_valid_tokens == 0:
+                result.skipped_empty += 1
+                say(f"step {result.steps}: no trained token on any rank; skipped")
+                progress.advance(task)
+                continue
+
+            # 6c. forward + backward, grad norm, then step or skip
+            lr = scheduler.get_last_lr()[0]
+            summed_loss = forward_backward(model, micro_batches, global_valid_tokens, world.world_size)
+            (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
+            loss = global_loss_sum / global_valid_tokens
+            grad_norm = grad_norm_and_clip(model, tcfg.grad_clip)
+            loss_is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            if loss_is_finite:
+                optimizer.step()
+                scheduler.step()
+                bad_in_a_row = 0
+                result.optimizer_steps += 1
+                result.tokens_trained += global_valid_tokens
+                result.final_loss = loss
+                result.losses.append((result.steps, loss))
+            else:
+                bad_in_a_row += 1
+                result.skipped_nonfinite += 1
+                say(f"[yellow]step {result.steps}: non-finite loss ({loss}) or grad norm ({grad_norm}); skipped, "
+                    f"no optimizer step ({bad_in_a_row}/{tcfg.max_bad_steps} in a row)[/]")
+                tracker.log_metrics({"skipped_nonfinite": result.skipped_nonfinite}, step=result.steps)
+            optimizer.zero_grad(set_to_none=True)
+            if bad_in_a_row >= tcfg.max_bad_steps:
+                latest = result.checkpoint or "none was saved"
+                raise TrainingStopped(
+                    f"stopped at step {result.steps}: {bad_in_a_row} consecutive steps had a non-finite loss or "
+                    f"gradient norm (training.max_bad_steps={tcfg.max_bad_steps}); no update was applied from them. "
+                    f"Last good checkpoint: {latest}"
+                )
+
+            # 6d. log
+            step_seconds = time.perf_counter() - step_start
+            window_tokens += global_seen_tokens
+            window_steps += 1
+            if result.steps > first_step:  # the first step of a process pays for warm-up: not timed
+                timed_tokens += global_seen_tokens
+                timed_seconds += step_seconds
+                timed_steps += 1
+            progress.advance(task)
+            if loss_is_finite and (result.steps % tcfg.log_every == 0 or result.steps == total_steps):
+                seconds = time.perf_counter() - window_start
+                tokens_per_s = window_tokens / seconds
+                per_device = tokens_per_s / world.world_size
+                mem, reserved, unit = peak_memory_gib(world.device)
+                m = {
+                    "step": result.steps, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+                    "mfu": flops_per_token * per_device / peak if peak else None,
+                    "peak_mem": mem, "peak_mem_reserved": reserved, "mem_unit": unit,
+                    "s_per_step": seconds / window_steps,
+                    "tokens_trained": result.tokens_trained, "tokens_seen": result.tokens_seen,
+                }
+                say(format_step(m, total_steps))
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(m) + "\n")
+                    metrics_file.flush()
+                tracker.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"},
+                                    step=result.steps)
+                window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
+
+            # 6e. checkpoint (never in the middle of a run of bad steps: the last good one must survive)
+            every = tcfg.checkpoint.every_steps
+            due = (every is not None and result.steps % every == 0) or save_by_time
+            if tcfg.checkpoint.enabled and due and bad_in_a_row == 0 and result.steps < total_steps:
+                path = checkpoint_now()
+                last_save_step, last_save_time = result.steps, time.monotonic()
+                say(f"checkpoint: {path}")
+
+        # ---- 7. finish: last checkpoint, Hugging Face export, run.json ----------------------------
+        progress.stop()
+        if tcfg.checkpoint.enabled and last_save_step != result.steps:
+            say(f"checkpoint: {checkpoint_now()}")
+        final_dir = run_dir / FINAL
+        if tcfg.checkpoint.save_final_hf:
+            save_hf_checkpoint(
+                model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), tokenizer, final_dir,
+                DTYPES[recipe.model.dtype],
+            )
+        if world.is_main:
+            tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
+            summary = {
+                "ftcli_version": __version__,
+                "method": "full",
+                "recipe": recipe.to_dict(),
+                "model_dir": FINAL if tcfg.checkpoint.save_final_hf else None,
+                "base_model": {
+                    "id": recipe.model.id, "revision": recipe.model.revision, "init": recipe.model.init,
+                    "config": recipe.model.config, "model_type": recipe.model.model_type,
+                    "model_class": recipe.model.model_class,
+                },
+                "mlflow": tracker.info,
+                "steps": result.steps,
+                "tokens": {"trained": result.tokens_trained, "seen": result.tokens_seen},
+                "final_loss": result.final_loss,
+                "throughput": {
+                    "tokens_per_s": tokens_per_s,
+                    "s_per_step": timed_seconds / timed_steps if timed_steps else None,
+                },
+                "status": "completed",
+            }
+            path = write_run_json(run_dir, summary)
+            tracker.log_artifact(path)
+            tracker.log_artifact(run_dir / "recipe.yaml")
+            tracker.finish()
+            where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
+            loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+            say(f"done: {result.steps} steps, final loss {loss}{where}")
+        dist.barrier()  # leave together: a rank that tears down its process group early aborts the others
+        return result
+    except BaseException:
+        progress.stop()
+        tracker.finish("FAILED")
+        raise
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
