@@ -42,7 +42,6 @@ import gc
 import json
 import math
 import os
-import resource
 import time
 import traceback
 import types
@@ -65,19 +64,12 @@ from ftcli import __version__, data, kernels
 from ftcli.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_hf_checkpoint,
                               set_rng_state)
 from ftcli.errors import UserError
+from ftcli.metrics import format_step, peak_flops, peak_memory_gib
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
 from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, write_run_json
 from ftcli.tracking import start_tracking
 
 IGNORE_INDEX = -100
-
-# Peak dense bf16 tensor-core FLOP/s per GPU, for MFU. Datasheet numbers without sparsity; B200/B300
-# ~2.25 PFLOP/s dense bf16 (HGX). Matched by substring of torch.cuda.get_device_name(), longest first.
-PEAK_BF16_FLOPS = {
-    "B300": 2250e12, "B200": 2250e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-    "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
-}
-
 
 class TrainingStopped(UserError):
     """A stop every rank decides together (same numbers on all ranks): only rank 0 reports it."""
@@ -381,33 +373,6 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
 
 
 # ======================================================================================== logging
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_FLOPS[key]
-    return None
-
-
-def peak_memory_gib(device: torch.device) -> tuple[float, float | None, str]:
-    """(peak allocated, peak reserved by the caching allocator, unit); on CPU the process's max RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30, "GiB"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None, "GiB rss"
-
-
-def format_step(m: dict[str, Any], total_steps: int) -> str:
-    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "n/a"
-    reserved = f" (reserved {m['peak_mem_reserved']:.2f})" if m.get("peak_mem_reserved") is not None else ""
-    return (
-        f"step {m['step']}/{total_steps} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-        f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/dev) | MFU {mfu} | "
-        f"mem {m['peak_mem']:.2f}{reserved} {m['mem_unit']} | {m['s_per_step']:.3f} s/step"
-    )
-
-
 def _padding_inputs(like: dict | None, device: torch.device) -> dict:
     """A micro-batch with no trained token: lets a rank that ran out of blocks still join the FSDP
     collectives of a step. It contributes 0 to the summed loss and 0 to the token count."""

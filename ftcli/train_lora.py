@@ -281,7 +281,7 @@ def _step_log_callback(counter, model, metrics_path: Path | None):
     MLflow; rank 0 appends every step line to <run>/metrics.jsonl."""
     from transformers.trainer_callback import ProgressCallback
 
-    from ftcli.train_full import format_step, peak_flops, peak_memory_gib
+    from ftcli.metrics import format_step, peak_flops, peak_memory_gib
 
     flops_per_token = 4 * active_params(model)  # LoRA: forward + input-gradient backward (no weight grads)
     device = next(model.parameters()).device
