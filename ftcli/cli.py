@@ -55,7 +55,9 @@ ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
 
 
 def _fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

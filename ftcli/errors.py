@@ -4,3 +4,8 @@ refusing to overwrite). The CLI prints its message as one line and exits 2; anyt
 
 class UserError(Exception):
     """A user-fixable problem; `str(err)` is one line that says what to do."""
+
+
+class TrainingStopped(UserError):
+    """A stop every rank of a training job decides together (same numbers on all ranks): only rank 0
+    reports it, the other ranks exit quietly with the same code."""

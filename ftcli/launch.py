@@ -2,6 +2,7 @@
 
     ftcli train --recipe R            (no RANK in the environment: the launcher)
       -> refusal rule + <run>/recipe.yaml            ftcli.rundir.prepare_run_dir
+      -> tokenizer, data tokenized + packed into the on-disk cache (errors are one line here)
       -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
            (inside torchrun, RANK is set: the worker)
            -> method full: ftcli.train_full.train(recipe, run_dir, resume)
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ftcli.errors import UserError
+from ftcli.errors import TrainingStopped, UserError
 from ftcli.rundir import RECIPE_FILE, is_own_run, prepare_run_dir, recipe_differences, run_dir_of
 
 
@@ -58,6 +59,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
+    _preflight(recipe)
     nproc, unit = _processes_per_node(recipe)
     if unit == "CPU process":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -80,19 +82,37 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {unit}(s), "
           f"run dir {run_dir}", file=sys.stderr)
 
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from ftcli.rundir import CHECKPOINTS
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is reported below
     try:
         run(parse_args([*torchrun_args, *worker]))
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = sorted(e.failures)  # global ranks
-        hint = " (--resume continues from the last checkpoint)" if recipe.training.checkpoint.enabled else ""
+        ckpts = run_dir / CHECKPOINTS
+        hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
         raise UserError(
             f"training stopped: rank(s) {', '.join(map(str, ranks))} exited with code(s) "
             f"{', '.join(map(str, codes))}; the reason is printed above{hint}"
         ) from None
+
+
+def _preflight(recipe) -> None:
+    """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
+    from ftcli import data
+
+    if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
+        from ftcli.train_full import liger_loss
+
+        liger_loss()
+    tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
+    data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
 
 
 # -------------------------------------------------------------------------------------------- worker
@@ -107,9 +127,29 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         from ftcli.train_full import train
     try:
         train(recipe, run_dir, resume)
-    except UserError as e:
-        from ftcli.train_full import TrainingStopped
-
-        if isinstance(e, TrainingStopped) and rank != 0:
+    except TrainingStopped:
+        if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
+
+
+def rank0_first(first, then=None):
+    """Run `first()` on rank 0 (it downloads, or fills the on-disk data cache), then `then()` (default:
+    `first`) on every other rank. If rank 0 fails with a UserError, every rank stops with it and only
+    rank 0 reports it, instead of the others dying at a barrier with a traceback."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = first()
+        except UserError as e:
+            error = e
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise TrainingStopped(str(error) if error is not None else "rank 0 failed")
+    return result if rank == 0 else (then or first)()

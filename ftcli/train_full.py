@@ -63,17 +63,14 @@ from torch import nn
 from ftcli import __version__, data, kernels
 from ftcli.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_hf_checkpoint,
                               set_rng_state)
-from ftcli.errors import UserError
+from ftcli.errors import TrainingStopped, UserError
+from ftcli.launch import rank0_first
 from ftcli.metrics import format_step, peak_flops, peak_memory_gib
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
 from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, write_run_json
 from ftcli.tracking import start_tracking
 
 IGNORE_INDEX = -100
-
-class TrainingStopped(UserError):
-    """A stop every rank decides together (same numbers on all ranks): only rank 0 reports it."""
-
 
 # ===================================================================================== distributed
 @dataclass
@@ -253,7 +250,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
         return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
     if impl == "liger":
-        return _liger_loss()(weight, hidden, targets).float()
+        return liger_loss()(weight, hidden, targets).float()
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
@@ -263,7 +260,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return total
 
 
-def _liger_loss():
+def liger_loss():
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except ImportError:
@@ -434,12 +431,8 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
     tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
 
     # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it ----
-    tokenizer = data.load_tokenizer(recipe)
-    if world.is_main:
-        packed = data.prepare_blocks(recipe, tokenizer)
-    dist.barrier()
-    if not world.is_main:
-        packed = data.open_prepared(recipe, tokenizer)
+    tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+    packed = rank0_first(lambda: data.prepare_blocks(recipe, tokenizer), then=lambda: data.open_prepared(recipe, tokenizer))
     stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
     windows = math.ceil(len(stream) / tcfg.grad_accum)
     total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
@@ -454,7 +447,7 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
     model = build_model(recipe, world, attn)
     attach_loss(model, tcfg.loss.impl, tcfg.loss.chunk_tokens)
     if tcfg.loss.impl == "liger":
-        _liger_loss()  # fail now, not after the first forward
+        liger_loss()  # fail now, not after the first forward
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     _, non_embedding = count_params(model)
     visual = vision_tower(model)

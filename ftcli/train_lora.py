@@ -110,7 +110,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
         save_strategy="steps" if ckpt.enabled and ckpt.every_steps else "no",
         save_steps=ckpt.every_steps or 500,
         save_total_limit=ckpt.keep_last,
-        report_to=["mlflow"] if recipe.tracking.enabled else "none",
+        report_to="none",  # (ref: mlflow) ftcli's tracker logs every step line, synchronously, like the full path
     )
     return kwargs
 
@@ -275,10 +275,9 @@ def normalize_loss_by_tokens(trainer) -> None:
 
 
 # ---------------------------------------------------------------------------------------- callbacks
-def _step_log_callback(counter, model, metrics_path: Path | None):
-    """TRL's progress bar, with ftcli's step line instead of a dict dump. It runs first among the
-    callbacks, so the numbers it adds to the logs (tokens/s, MFU, memory, token counts) also reach
-    MLflow; rank 0 appends every step line to <run>/metrics.jsonl."""
+def _step_log_callback(counter, model, metrics_path: Path | None, tracker=None):
+    """TRL's progress bar, with ftcli's step line instead of a dict dump. Rank 0 appends every step line
+    to <run>/metrics.jsonl and logs it to MLflow through ftcli's tracker (ftcli.tracking)."""
     from transformers.trainer_callback import ProgressCallback
 
     from ftcli.metrics import format_step, peak_flops, peak_memory_gib
@@ -327,6 +326,9 @@ def _step_log_callback(counter, model, metrics_path: Path | None):
                 if metrics_path is not None:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(m) + "\n")
+                if tracker is not None:
+                    tracker.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"},
+                                        step=state.global_step)
 
     return StepLog()
 
@@ -399,7 +401,7 @@ def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | N
 
 
 # -------------------------------------------------------------------------------------------- train
-def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None):
+def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's step line; returns
     (trainer, token counter). Shared by `train` and benchmarks/lora_gpt_oss_gpu.py."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -412,7 +414,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     trainer.add_callback(counter)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
-    trainer.callback_handler.callbacks.insert(0, _step_log_callback(counter, trainer.model, metrics_path))
+    trainer.callback_handler.callbacks.insert(0, _step_log_callback(counter, trainer.model, metrics_path, tracker))
     if recipe.training.checkpoint.enabled and recipe.training.checkpoint.every_minutes:
         trainer.add_callback(_save_every_minutes_callback(recipe.training.checkpoint.every_minutes))
     return trainer, counter
@@ -423,6 +425,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
+    from ftcli.launch import rank0_first
     from ftcli.rundir import FINAL, METRICS_FILE
     from ftcli.tracking import start_tracking
 
@@ -436,25 +439,22 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             print(f"warning: {message}", flush=True)
 
     # MLflow (rank 0): ftcli.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
-    # tracking.json on resume) and logs the recipe; transformers' MLflowCallback (report_to) then logs
-    # into that active run. MLFLOW_RUN_ID is consumed here: the callback would try to start it again.
+    # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
     tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=checkpoint is not None)
-    if tracker.info:
-        os.environ.pop("MLFLOW_RUN_ID", None)
     try:
         device = _device()
         # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
         args = SFTConfig(**sft_config_kwargs(recipe, run_dir), use_cpu=device.type == "cpu")
         attn = _attn_implementation(recipe, device)
-        tokenizer = data.load_tokenizer(recipe)
-        with args.main_process_first(local=False, desc="tokenize and pack"):  # rank 0 fills the cache first
-            rows = training_rows(recipe, tokenizer)
+        tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
 
         model = load_base(recipe, run_dir, device, attn, resume=checkpoint is not None)
         if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
             _save_base(model, tokenizer, run_dir / "base")
 
-        trainer, counter = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE)
+        trainer, counter = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE,
+                                         tracker=tracker)
         if args.process_index == 0:
             trainable, total = _count_params(trainer.model)
             print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "

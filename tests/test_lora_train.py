@@ -133,7 +133,9 @@ def test_run_json_and_mlflow(trained, mxfp4_base):
     history = client.get_metric_history(run["mlflow"]["run_id"], "loss")
     assert [h.step for h in history] == [r["step"] for r in _metrics(run_dir)]
     params = client.get_run(run["mlflow"]["run_id"]).data.params
-    assert params["lora.r"] == "16" and params["learning_rate"] == "0.003"  # ftcli recipe + TRL's args
+    assert params["lora.r"] == "16" and params["training.optimizer.lr"] == "0.003"  # the resolved recipe
+    grad_norms = client.get_metric_history(run["mlflow"]["run_id"], "grad_norm")
+    assert [h.value for h in grad_norms] == pytest.approx([r["grad_norm"] for r in _metrics(run_dir)])
 
 
 def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):

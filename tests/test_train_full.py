@@ -131,9 +131,9 @@ def test_all_masked_block_loss_is_zero_with_zero_grads():
     assert loss.item() == 0 and torch.count_nonzero(w.grad) == 0 and h.grad is not None
 
 
-def test_liger_loss_without_liger_is_a_one_line_error():
+def testliger_loss_without_liger_is_a_one_line_error():
     from ftcli.errors import UserError
-    from ftcli.train_full import _liger_loss, token_loss_sum
+    from ftcli.train_full import liger_loss, token_loss_sum
 
     try:
         import liger_kernel  # noqa: F401
@@ -141,7 +141,7 @@ def test_liger_loss_without_liger_is_a_one_line_error():
         with pytest.raises(UserError, match="loss.impl=liger needs liger-kernel .* or set training.loss.impl=chunked"):
             token_loss_sum(torch.randn(1, 4, 8), torch.randn(16, 8), torch.ones(1, 4, dtype=torch.long), "liger", 0)
         with pytest.raises(UserError, match="liger-kernel"):  # also at startup, before any compute
-            _liger_loss()
+            liger_loss()
     else:
         pytest.skip("liger-kernel is installed here")
 
@@ -234,6 +234,23 @@ def test_full_training_without_packing_is_a_one_line_error(tmp_path):
     assert res.exit_code == 2
     assert res.output.strip() == "error: training.method=full trains on packed blocks; set data.packing.enabled=true"
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_path, env):
+    """The launcher prepares the data before torchrun starts; under a torchrun started by hand, rank 0
+    reports the error and the other ranks stop quietly instead of dying at a barrier with a traceback."""
+    res = ftcli(train_args(tmp_path / "run", "data.path=/nonexistent.jsonl", "tracking.enabled=false"), tmp_path, env)
+    assert res.returncode == 2 and res.stderr.strip() == "error: data.path '/nonexistent.jsonl' does not exist"
+
+    recipe = recipe_file(tmp_path / "bad.yaml", "data.path=/nonexistent.jsonl", "tracking.enabled=false",
+                         f"output.dir={tmp_path / 'bare'}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ftcli", "train", "--recipe", str(recipe)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode != 0
+    worker_lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert worker_lines == ["error: data.path '/nonexistent.jsonl' does not exist"]
+    assert "gloo" not in res.stderr and "[rank1]" not in res.stderr
 
 
 def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server(tmp_path, monkeypatch):
