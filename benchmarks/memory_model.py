@@ -113,6 +113,15 @@ def predict(layers_p: dict, p4: dict, *, tokens: int, world: int, master: str, a
     return {"state": state, "transient": transient, "total": state + transient}
 
 
+def layers_to_keep(layers_p: dict, p4: dict, *, tokens: int, master: str, capacity: float, world: int = 8) -> int:
+    """With full checkpointing, how many layers may keep their activations (training.activation_checkpointing_keep)
+    and still fit the card: each kept layer stores A(T) instead of its bf16 input."""
+    base = predict(layers_p, p4, tokens=tokens, world=world, master=master, ac="full", loss="chunked")["total"]
+    spare = USABLE * capacity / GiB - base
+    per_layer = stored_layer_gib(tokens) - tokens * HIDDEN * 2 / GiB
+    return max(0, min(layers_p["layers"], int(spare // per_layer))) if spare > 0 else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="print the calibration and the cross-checks")
@@ -143,6 +152,12 @@ def main() -> None:
         fits = ["yes" if r["total"] <= USABLE * cap / GiB else "no" for cap in CARDS.values()]
         print(f"| {tokens // 1024}k | {master} | {ac} | {loss} | {r['state']:.1f} | {r['transient']:.1f} | "
               f"{r['total']:.1f} | {' | '.join(fits)} |")
+    print("\nFull checkpointing, 32k blocks: layers that can keep their activations "
+          "(training.activation_checkpointing_keep) and still fit\n")
+    print("| master | " + " | ".join(CARDS) + " |\n|---|" + "---|" * len(CARDS))
+    for master in ("fp32", "bf16"):
+        keep = [layers_to_keep(p64, p4, tokens=32768, master=master, capacity=cap) for cap in CARDS.values()]
+        print(f"| {master} | " + " | ".join(map(str, keep)) + " |")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ class TrainingConfig(_Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     grad_clip: float | None = Field(1.0, gt=0, description="Max grad norm; null disables clipping.")
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    activation_checkpointing_keep: int = Field(
+        0, ge=0, description="With full checkpointing: keep the activations of this many decoder layers (the "
+        "last ones) instead of recomputing them; spare memory for speed (benchmarks/memory_model.py says how "
+        "many fit per card)."
+    )
     compile: bool = False
     loss: LossConfig = Field(default_factory=LossConfig)
     seed: int = 0
@@ -173,6 +178,12 @@ class TrainingConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     max_bad_steps: int = Field(3, ge=1, description="Consecutive non-finite steps before the run stops.")
     cpu_processes: int = Field(2, ge=1, description="torchrun processes on a machine without GPUs.")
+
+    @model_validator(mode="after")
+    def _keep_needs_full(self) -> TrainingConfig:
+        if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
+            raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
+        return self
 
 
 # ------------------------------------------------------------------------------------------ lora

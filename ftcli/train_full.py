@@ -29,8 +29,9 @@ same values, whatever the sharding; the peak extra memory is the largest group (
 embeddings + LM head + vision tower, ~3B values). Pretrained weights are read by rank 0 and
 broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
 
-Activation checkpointing: `full` recomputes every decoder layer in backward (the reference);
-`selective` recomputes every other layer, keeping about half the activations for about half the
+Activation checkpointing: `full` recomputes every decoder layer in backward (the reference), except
+the last `activation_checkpointing_keep` layers, which keep their activations (memory traded for speed
+where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
 recompute (a layer-level choice works the same for the linear-attention and full-attention layers
 of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
 logits unless `loss.impl: full` asks for the reference behaviour; see `token_loss_sum`.
@@ -132,6 +133,25 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "visual", None)
 
 
+def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
+    """Which decoder layers recompute their activations in backward (the module doc); returns the flags."""
+    layers = decoder_layers(model)
+    if tcfg.activation_checkpointing == "none":
+        flags = [False] * len(layers)
+    elif tcfg.activation_checkpointing == "full":  # the last `keep` layers keep their activations
+        flags = [i < len(layers) - tcfg.activation_checkpointing_keep for i in range(len(layers))]
+    else:  # selective
+        flags = [i % 2 == 0 for i in range(len(layers))]
+    if any(flags):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer, flag in zip(layers, flags):
+        layer.gradient_checkpointing = flag
+    return flags
+
+
 def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
     """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
     tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
@@ -139,13 +159,7 @@ def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
 
     tcfg = recipe.training
     layers = decoder_layers(model)
-    if tcfg.activation_checkpointing != "none":
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = tcfg.activation_checkpointing == "full" or i % 2 == 0
+    set_activation_checkpointing(model, tcfg)
     if tcfg.compile:
         for layer in layers:
             layer.compile()  # in place: parameter names (and so checkpoints) stay the same

@@ -275,3 +275,10 @@ def test_packing_needs_packed_kernels():
         "model.attn_implementation=eager cannot keep packed documents apart; use model.attn_implementation=auto "
         "(or, for LoRA, data.packing.enabled=false)")
     assert load_recipe("tiny-gpt-oss-cpu", ["model.attn_implementation=eager", "data.packing.enabled=false"])
+
+
+def test_activation_checkpointing_keep_needs_full():
+    assert load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=full",
+                                         "training.activation_checkpointing_keep=2"]).training.activation_checkpointing_keep == 2
+    with pytest.raises(RecipeError, match="training: activation_checkpointing_keep applies to activation_checkpointing=full only"):
+        load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing_keep=2"])  # the tiny recipe checkpoints none

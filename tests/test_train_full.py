@@ -120,6 +120,34 @@ def test_chunked_loss_equals_full_loss():
             assert float((got - want).norm() / want.norm()) < 1e-6, chunk
 
 
+def test_activation_checkpointing_modes_give_the_same_gradients():
+    """none, full, full keeping the last 2 layers, selective: which layers recompute differs, the gradient
+    of a packed block does not."""
+    from ftcli import data, kernels
+    from ftcli.modeling import load_model
+    from ftcli.recipe import load_recipe
+    from ftcli.train_full import set_activation_checkpointing
+    from _full_worker import hand_made_blocks
+
+    recipe = load_recipe("tiny-qwen-cpu")
+    attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = load_model(recipe.model, attn_implementation=attn, dtype=torch.float32).train()
+    inputs = data.block_to_model_inputs(hand_made_blocks()[0])
+    grads, flags = {}, {}
+    for mode, keep in [("none", 0), ("full", 0), ("full", 2), ("selective", 0)]:
+        tcfg = load_recipe("tiny-qwen-cpu", [f"training.activation_checkpointing={mode}",
+                                             f"training.activation_checkpointing_keep={keep}"]).training
+        flags[mode, keep] = set_activation_checkpointing(model, tcfg)
+        model.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+        grads[mode, keep] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert flags == {("none", 0): [False] * 4, ("full", 0): [True] * 4, ("full", 2): [True, True, False, False],
+                     ("selective", 0): [True, False, True, False]}
+    for key in grads:
+        assert relative_error(grads[key], grads["none", 0]) < 1e-6, key
+
+
 def test_all_masked_block_loss_is_zero_with_zero_grads():
     """The reference's 0/0: a block without trained tokens gives loss 0 and zero (not missing) grads."""
     from ftcli.train_full import token_loss_sum
