@@ -134,13 +134,14 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
 
 
 def rank0_first(first, then=None):
-    """Run `first()` on rank 0 (it downloads, or fills the on-disk data cache), then `then()` (default:
-    `first`) on every other rank. If rank 0 fails with a UserError, every rank stops with it and only
-    rank 0 reports it, instead of the others dying at a barrier with a traceback."""
+    """Run `first()` on global rank 0 (it downloads, or fills the on-disk data cache), then on local rank 0
+    of every other node (a node-local disk gets its own cache, a shared one is a cache hit), then `then()`
+    (default: `first`) on all remaining ranks. If global rank 0 fails with a UserError, every rank stops
+    with it and only rank 0 reports it, instead of the others dying at a barrier with a traceback."""
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
     result, error = None, None
     if rank == 0:
         try:
@@ -152,4 +153,9 @@ def rank0_first(first, then=None):
     dist.broadcast(failed, src=0)
     if failed.item():
         raise TrainingStopped(str(error) if error is not None else "rank 0 failed")
-    return result if rank == 0 else (then or first)()
+    if rank != 0 and local_rank == 0:
+        result = first()
+    dist.barrier()
+    if local_rank != 0:
+        result = (then or first)()
+    return result

@@ -99,8 +99,6 @@ class MlflowTracking(NoTracking):
         self._call(self._mlflow.log_artifact, str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
-        # transformers' MLflowCallback (LoRA path) logs asynchronously; end_run does not wait for that queue
-        self._call(self._mlflow.flush_async_logging)
         self._call(self._mlflow.end_run, status=status)
 
 

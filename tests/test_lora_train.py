@@ -129,7 +129,8 @@ def test_run_json_and_mlflow(trained, mxfp4_base):
     assert run["tokens"]["seen"] == STEPS * 2 * 1024  # 2 ranks x one 1024-token block per step
     assert 0 < run["tokens"]["trained"] < run["tokens"]["seen"]
     assert run["final_loss"] == _metrics(run_dir)[-1]["loss"]
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    assert run["mlflow"]["tracking_uri"] == f"sqlite:///{work / 'mlflow.db'}"  # the local default store
+    client = mlflow.MlflowClient(tracking_uri=run["mlflow"]["tracking_uri"])
     history = client.get_metric_history(run["mlflow"]["run_id"], "loss")
     assert [h.step for h in history] == [r["step"] for r in _metrics(run_dir)]
     params = client.get_run(run["mlflow"]["run_id"]).data.params

@@ -281,6 +281,31 @@ def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_
     assert "gloo" not in res.stderr and "[rank1]" not in res.stderr
 
 
+def test_two_nodes_with_node_local_data_caches(tmp_path, env):
+    """Two torchrun agents as two nodes (one process each) whose data caches are separate directories, as on
+    nodes without a shared disk: each node's local rank 0 prepares its own cache and the run trains to the end."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recipe = recipe_file(tmp_path / "r.yaml", "training.max_steps=2", "training.log_every=1", "tracking.enabled=false",
+                         "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false",
+                         f"output.dir={tmp_path / 'run'}")
+    nodes = []
+    for node in (0, 1):
+        node_env = {**env, "FTCLI_CACHE": str(tmp_path / f"cache-node{node}")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+               "-m", "ftcli", "train", "--recipe", str(recipe)]
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=node_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]
+    assert all(any((tmp_path / f"cache-node{node}").rglob("meta.json")) for node in (0, 1))
+
+
 def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server(tmp_path, monkeypatch):
     import mlflow
 
