@@ -22,6 +22,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from rich.markup import escape
+
 from ftcli import __version__
 from ftcli.errors import UserError
 
@@ -55,8 +57,6 @@ ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
 
 
 def _fail(message: str) -> None:
-    from rich.markup import escape
-
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
@@ -158,6 +158,8 @@ def render_workload(
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
     text = workload.render_workload(r)
+    for warning in workload.render_warnings(r):
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is None:
         print(text, end="")
         return

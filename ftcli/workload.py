@@ -478,6 +478,20 @@ def _setup_comment(recipe: Recipe) -> list[str]:
     return lines
 
 
+def render_warnings(recipe: Recipe) -> list[str]:
+    """What renders fine but would likely go wrong on the cluster."""
+    out = []
+    t = recipe.training
+    writes = t.checkpoint.enabled or t.checkpoint.save_final_hf
+    if recipe.compute.num_nodes > 1 and writes and not recipe.output.dir.startswith(("/Volumes/", "/dbfs/")):
+        out.append(
+            f"output.dir={recipe.output.dir} is on each node's own disk, but the {recipe.compute.num_nodes} nodes "
+            "write one checkpoint together: set output.dir to a path every node sees (e.g. /Volumes/<catalog>/"
+            "<schema>/<volume>/...)"
+        )
+    return out
+
+
 def render_workload(recipe: Recipe) -> str:
     """The workload YAML for `databricks air run -f`, validated against `WorkloadFile` before it is returned."""
     data = build_workload(recipe)

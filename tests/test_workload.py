@@ -461,3 +461,16 @@ def test_cli_render_writes_file_and_refuses_overwrite(tmp_path):
     assert out.read_text() == (GOLDEN / "qwen-b300-1node.yaml").read_text()
     again = runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)])
     assert again.exit_code == 2 and "--force" in again.output
+
+
+def test_multi_node_render_warns_when_checkpoints_go_to_a_node_local_dir():
+    def warnings(name, *overrides):
+        return workload.render_warnings(load_recipe(name, list(overrides)))
+
+    assert warnings("qwen-b300") == []  # one node
+    assert warnings("qwen-b300", "compute.num_accelerators=16") == [
+        "output.dir=runs/{name} is on each node's own disk, but the 2 nodes write one checkpoint together: set "
+        "output.dir to a path every node sees (e.g. /Volumes/<catalog>/<schema>/<volume>/...)"]
+    assert warnings("gpt-oss-h100", "compute.num_accelerators=16") == []  # a Unity Catalog volume
+    assert warnings("qwen-b300", "compute.num_accelerators=16", "training.checkpoint.enabled=false",
+                    "training.checkpoint.save_final_hf=false") == []
