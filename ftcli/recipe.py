@@ -28,7 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ftcli.errors import UserError
 
 PKG_PREFIX = "pkg://"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+# Shared with ftcli.workload (experiment and workload names, accelerator types follow the same rules).
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
+NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
+ACCELERATOR_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")  # group 1: GPUs per node
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -244,7 +247,7 @@ class ComputeConfig(_Section):
     @field_validator("accelerator_type")
     @classmethod
     def _accel(cls, v: str) -> str:
-        if not re.fullmatch(r"GPU_[1-9][0-9]*x[A-Za-z0-9]+", v):
+        if not ACCELERATOR_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not GPU_<gpus per node>x<model> (e.g. GPU_8xH100)")
         return v
 
@@ -289,8 +292,8 @@ class Recipe(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v):
-            raise ValueError("use 1-100 letters, digits, '-' or '_'")
+        if not NAME_RE.fullmatch(v):
+            raise ValueError(NAME_RULE)
         return v
 
     @model_validator(mode="after")

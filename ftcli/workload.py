@@ -44,19 +44,16 @@ from pydantic import (
 )
 
 from ftcli.errors import UserError
-from ftcli.recipe import Recipe
+from ftcli.recipe import ACCELERATOR_RE, NAME_RE, NAME_RULE, Recipe
 
 # ------------------------------------------------------------------------------------------- schema
-_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
 _VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ACCEL_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")
 _ENV_VERSION_RE = re.compile(r"(databricks_ai_v)?([1-9][0-9]*)")
-_NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
 
 
 def _name(v: str) -> str:
-    if not _NAME_RE.fullmatch(v):
-        raise ValueError(_NAME_RULE)
+    if not NAME_RE.fullmatch(v):
+        raise ValueError(NAME_RULE)
     return v
 
 
@@ -102,7 +99,7 @@ class WorkloadCompute(_Strict):
     @field_validator("accelerator_type")
     @classmethod
     def _accel(cls, v: str) -> str:
-        if not _ACCEL_RE.fullmatch(v):
+        if not ACCELERATOR_RE.fullmatch(v):
             raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
         return v
 
@@ -168,7 +165,7 @@ def _cross_field_problems(data: dict[str, Any]) -> list[str]:
     problems = []
     compute = data.get("compute") if isinstance(data.get("compute"), dict) else {}
     accel, total = compute.get("accelerator_type"), compute.get("num_accelerators")
-    m = _ACCEL_RE.fullmatch(accel) if isinstance(accel, str) else None
+    m = ACCELERATOR_RE.fullmatch(accel) if isinstance(accel, str) else None
     if m and isinstance(total, int) and not isinstance(total, bool) and total >= 1 and total % int(m.group(1)):
         problems.append(
             f"compute.num_accelerators: {total} is not a multiple of the {m.group(1)} GPUs per node of {accel}"
