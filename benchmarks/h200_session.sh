@@ -21,7 +21,7 @@ full reference-32k 180 $S --variant reference
 full default-32k 120 $S --variant ftcli --set $AC=none --set $LOSS=liger
 full bf16-full-chunked-32k 120 $S --variant ftcli --set $MASTER=bfloat16 --set $AC=full --set $LOSS=chunked
 full fp32-full-chunked-32k 120 $S --variant ftcli --set $AC=full --set $LOSS=chunked
-timeout 280 python3 benchmarks/lora_gpt_oss_gpu.py --modes reference,ftcli-8k,ftcli-8k-no-ac --steps 6 --warmup 2 > "$OUT/cur.log" 2>&1
+timeout 280 python3 benchmarks/lora_gpt_oss_gpu.py --modes reference,default,ftcli-8k-no-ac --steps 6 --warmup 2 > "$OUT/cur.log" 2>&1
 echo "lora exit $?" >> "$SUM"; sed -n '/^LoRA r8/,$p' "$OUT/cur.log" >> "$SUM"; cat "$OUT/cur.log" >> "$LOG"
 full fp32-selective-chunked-32k 100 $S --variant ftcli --set $AC=selective --set $LOSS=chunked
 full bf16-selective-chunked-32k 100 $S --variant ftcli --set $MASTER=bfloat16 --set $AC=selective --set $LOSS=chunked

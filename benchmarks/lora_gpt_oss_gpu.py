@@ -9,8 +9,11 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
                              accum 2; eager attention; experts grouped_mm (transformers' CUDA default,
                              which is what the reference ran)
     reference-eager-experts  the same with transformers' per-expert Python loop (informational)
-    ftcli-2k / -8k / -16k    packed blocks of that many tokens (best-fit decreasing), grad accum 2 / 1 / 1;
-                             ftcli's packed attention (flex attention + sinks on CUDA); experts grouped_mm
+    default                  the gpt-oss-h100 recipe's own settings: packed 4k blocks (best-fit decreasing),
+                             grad accum 1, no activation checkpointing; ftcli's packed attention (flex
+                             attention + sinks on CUDA); experts grouped_mm
+    ftcli-2k / -8k / -16k    packed blocks of that many tokens, grad accum 2 / 1 / 1, full checkpointing
+    ftcli-Nk-no-ac           packed N-k blocks, grad accum 1, no activation checkpointing
 
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
 steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
@@ -43,13 +46,17 @@ sys.path.insert(0, str(ROOT))
 # The reference ran transformers' default experts implementation, which is grouped_mm on CUDA;
 # "reference-eager-experts" shows what the per-expert Python loop would cost.
 MODES = {
-    "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2},
-    "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2},
-    "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2},
-    "ftcli-8k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1},
-    "ftcli-16k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1},
-    # not measured yet: the 8k default without activation checkpointing (43 of 141 GiB used with it)
+    "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # the gpt-oss-h100 recipe as it is
+    "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
+    "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2,
+                                "ac": "full"},
+    "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
+    "ftcli-8k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1, "ac": "full"},
+    "ftcli-16k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1, "ac": "full"},
+    "ftcli-4k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 4096, "ga": 1, "ac": "none"},
+    "ftcli-6k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 6144, "ga": 1, "ac": "none"},
     "ftcli-8k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1, "ac": "none"},
+    "ftcli-16k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1, "ac": "none"},
 }
 
 
@@ -57,7 +64,8 @@ def mode_recipe(mode: str, args, work: Path):
     from ftcli.recipe import load_recipe
 
     m = MODES[mode]
-    length = 256 if args.tiny else m["block"]
+    recipe = load_recipe("gpt-oss-h100")
+    length = 256 if args.tiny else m.get("block", recipe.data.packing.block_len)
     sets = [
         "model.init=random", "model.quantization=none", "model.tokenizer=pkg://assets/tokenizer-gpt-oss",
         f"model.config={'pkg://assets/tiny-gpt-oss.json' if args.tiny else ROOT / 'benchmarks' / 'gpt-oss-20b.json'}",
@@ -67,9 +75,10 @@ def mode_recipe(mode: str, args, work: Path):
         f"data.packing.enabled={str(m['packing']).lower()}", f"data.packing.block_len={length}",
         f"data.cache_dir={work / 'cache'}", f"output.dir={work / mode}",
         "tracking.enabled=false", "training.checkpoint.enabled=false",
-        f"training.max_steps={args.warmup + args.steps}", f"training.grad_accum={m['ga']}",
+        f"training.max_steps={args.warmup + args.steps}",
+        f"training.grad_accum={m.get('ga', recipe.training.grad_accum)}",
         f"data.synthetic.max_tokens={max(length, 16384)}",
-        f"training.activation_checkpointing={m.get('ac', 'full')}",
+        f"training.activation_checkpointing={m.get('ac', recipe.training.activation_checkpointing)}",
     ]
     if args.tiny:
         sets += ["model.dtype=float32", "training.optimizer.fused=false"]
@@ -94,7 +103,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
     if device.type == "cuda":
         torch.zeros(1, device=device)  # reset_peak_memory_stats raises "Invalid device argument" before CUDA is up
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_memory_stats(device)  # allocated and reserved peaks
     t_build = time.perf_counter()
     model = load_model(recipe.model, attn_implementation=attn, device=device)
     experts = MODES[mode]["experts"]
@@ -130,6 +139,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "trained_tokens_per_s": (trained1 - trained0) / seconds, "seen_tokens_per_s": (seen1 - seen0) / seconds,
         "s_per_step": seconds / args.steps,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "build_s": build_s,
     }
     del trainer, model, counter
@@ -149,11 +159,11 @@ def markdown(results: list[dict], args) -> str:
         f"LoRA r8 all-linear, {shape}, {gpu}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, per-mode block and grad accum in the table",
         "",
-        "| mode | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step | peak GiB |",
+        "| mode | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step | peak GiB (reserved) |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+        mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if r["peak_mem_gib"] is not None else "n/a"
         lines.append(
             f"| {r['mode']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | {r['experts']} | "
             f"{r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | {r['seen_tokens_per_s']:,.0f} | "
@@ -168,7 +178,7 @@ def markdown(results: list[dict], args) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="reference,ftcli-2k,ftcli-8k", help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--modes", default="reference,default", help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     p.add_argument("--examples", type=int, default=400, help="synthetic examples to draw from")
@@ -179,7 +189,10 @@ def main() -> None:
         args.steps, args.warmup, args.examples = min(args.steps, 4), min(args.warmup, 1), min(args.examples, 80)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="ftcli-lora-bench-") as tmp:
-        results = [run_mode(mode, args, Path(tmp)) for mode in args.modes.split(",")]
+        results = []
+        for mode in args.modes.split(","):
+            results.append(run_mode(mode, args, Path(tmp)))
+            print(f"RESULT {json.dumps(results[-1])}", flush=True)  # kept if a later mode runs out of time
     text = markdown(results, args)
     print(text)
     if args.out:

@@ -19,10 +19,10 @@ front of an otherwise padding block of the same length; gradients summed over th
 every op alone (output and input gradients) on random inputs of the model's shapes.
 MoE routing is recorded on the fast run and replayed in the others (bf16 flips near-tied experts,
 which is not kernel error). It also times fast fwd+bwd. Both models start from the same weights (the fp32
-reference holds the bf16-rounded values, so weight rounding is not counted as kernel error). The vocab
-is cut to 32,768 (the kernels do not depend on it; the real 248k vocab alone would need 32 GB of fp32
-logits). Prints a markdown table for BENCHMARKS.md; exits 1 when a check fails, or when a fast
-backend turns out to be a CPU reference on CUDA (unless --allow-reference).
+reference holds the bf16-rounded values, so weight rounding is not counted as kernel error) and the same
+fp32 rotary buffers (as in training). The vocab is cut to 32,768 (the kernels do not depend on it; the
+real 248k vocab alone would need 32 GB of fp32 logits). Prints a markdown table for BENCHMARKS.md; exits 1
+when a check fails, or when a fast backend turns out to be a CPU reference on CUDA (unless --allow-reference).
 
 H200 (from the project root, .gpu staged with ../shared/gpu/stage.sh and carried):
     source .gpu/activate.sh && python benchmarks/packed_kernels_gpu.py
@@ -316,6 +316,12 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
         for p in ref.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     fast = copy.deepcopy(ref).to(torch.bfloat16)
+    # `.to()` also rounds the rotary inv_freq buffers to bf16, which from_pretrained(dtype=bf16) and ftcli's
+    # trainers never do: at position p that rounding moves the angle by ~p * 4e-3 rad (gpt-oss's whole-model
+    # error went from 2.4e-2 to 8.0e-2 on CPU with it). Training keeps them fp32, so the check does too.
+    for fast_module, ref_module in zip(fast.modules(), ref.modules()):
+        for name, buffer in ref_module.named_buffers(recurse=False):
+            fast_module._buffers[name] = buffer.clone()
     keep_fp32 = getattr(fast, "_keep_in_fp32_modules", None) or []
     for name, module in fast.named_modules():
         if any(name.endswith(k) for k in keep_fp32):
@@ -329,6 +335,7 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
     fast.set_attn_implementation(attn)
     print(f"{label}: {'; '.join(f'{b.op}={b.name} ({b.reason})' for b in backends)}")
     handles = tape.record(fast)
+    started = time.perf_counter()
     fast_logits, fast_grads = fwd_bwd(fast, batch, lengths)
     unhook(handles)
     fast_grads = {n: g.detach().clone() for n, g in fast_grads.items()}
@@ -345,6 +352,7 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
     ref_seconds = time.perf_counter() - t0
     unhook(handles)
     logits_err = rel(fast_logits, ref_logits)
+    print(f"{label}: fast + fp32 reference runs done after {time.perf_counter() - started:.0f} s", flush=True)
     grad_err, grad_worst, grad_worst_name = grad_errors(fast_grads, ref_grads)
     del ref, ref_grads, ref_logits
     if device.type == "cuda":
@@ -355,6 +363,7 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
     sep_logits_err = rel(fast_logits[:, : sep_logits.shape[1]], sep_logits)
     sep_grad_err, _, _ = grad_errors(fast_grads, sep_grads)
     del sep_grads, fast_grads, sep_logits
+    print(f"{label}: separate runs done after {time.perf_counter() - started:.0f} s", flush=True)
 
     ops = op_checks(model_type, fast_fns, ref_fns, fast, batch, args.seed)
     for op, out_err, in_err, in_name in ops:
@@ -382,6 +391,13 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
                 logits_err=logits_err, grad_err=grad_err, sep_logits_err=sep_logits_err, sep_grad_err=sep_grad_err,
                 op_err=max(max(o, i) for _, o, i, _ in ops), seconds=seconds, ref_seconds=ref_seconds, peak=peak,
                 failures=failures)
+
+
+def table_row(r: dict) -> str:
+    return (f"| {r['label']} | {r['tokens']} / {r['segments']} | {r['backends']} | {r['logits_err']:.1e} "
+            f"| {r['grad_err']:.1e} | {r['sep_logits_err']:.1e} / {r['sep_grad_err']:.1e} | {r['op_err']:.1e} "
+            f"| {r['seconds'] * 1e3:.0f} ms | {r['tokens'] / r['seconds']:,.0f} | {r['ref_seconds'] * 1e3:.0f} ms "
+            f"| {r['peak']} | {'PASS' if not r['failures'] else 'FAIL'} |")
 
 
 def main(argv=None) -> int:
@@ -413,9 +429,11 @@ def main(argv=None) -> int:
     if args.only in (None, "qwen3_5"):
         rows.append(check(f"qwen3_5_text {'tiny' if args.small else '27B width'}", "qwen3_5_text",
                           qwen_config(args.small), tokens(32768), args))
+        print(f"ROW {table_row(rows[-1])}", flush=True)  # kept if the next model runs out of time
     if args.only in (None, "gpt_oss"):
         rows.append(check(f"gpt_oss {'tiny' if args.small else '20b width'}", "gpt_oss",
                           gpt_oss_config(args.small), tokens(16384), args))
+        print(f"ROW {table_row(rows[-1])}", flush=True)
 
     print()
     print(f"Command: `python benchmarks/packed_kernels_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
@@ -425,10 +443,7 @@ def main(argv=None) -> int:
           "(logits / grads) | worst op error | fast fwd+bwd | tokens/s | fp32 ref fwd+bwd | peak GiB | result |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['tokens']} / {r['segments']} | {r['backends']} | {r['logits_err']:.1e} "
-              f"| {r['grad_err']:.1e} | {r['sep_logits_err']:.1e} / {r['sep_grad_err']:.1e} | {r['op_err']:.1e} "
-              f"| {r['seconds'] * 1e3:.0f} ms | {r['tokens'] / r['seconds']:,.0f} | {r['ref_seconds'] * 1e3:.0f} ms "
-              f"| {r['peak']} | {'PASS' if not r['failures'] else 'FAIL'} |")
+        print(table_row(r))
     failures = [f"{r['label']}: {f}" for r in rows for f in r["failures"]]
     for f in failures:
         print(f"FAIL {f}")

@@ -84,11 +84,12 @@ def test_gpt_oss_h100_reproduces_reference_1b():
     assert lora.target_parameters == []
     t = r.training
     assert (t.method, t.epochs, t.per_device_batch, t.grad_accum, t.log_every) == ("lora", 1.0, 1, 1, 1)
-    # the fix: packed 8k blocks (the measured fastest H100-safe setting) instead of 2 unpacked examples
-    assert (r.data.packing.enabled, r.data.packing.block_len, r.data.packing.strategy) == (True, 8192, "bfd")
+    # the fix: packed 4k blocks without activation checkpointing (the fastest measured setting that fits an
+    # 80 GB H100: 63 GiB on one H200) instead of 2 unpacked examples with full checkpointing
+    assert (r.data.packing.enabled, r.data.packing.block_len, r.data.packing.strategy) == (True, 4096, "bfd")
     assert (t.optimizer.lr, t.optimizer.betas, t.optimizer.weight_decay) == (2e-4, (0.9, 0.999), 0.0)
     assert (t.schedule.name, t.schedule.warmup, t.schedule.min_lr_ratio) == ("cosine_with_min_lr", 0.03, 0.1)
-    assert (t.activation_checkpointing, t.grad_clip) == ("full", 1.0)
+    assert (t.activation_checkpointing, t.grad_clip) == ("none", 1.0)
     assert r.output.dir == "/Volumes/main/default/checkpoints/gpt-oss-20b-peft"
     c = r.compute
     assert (c.accelerator_type, c.num_accelerators, c.num_nodes) == ("GPU_8xH100", 8, 1)

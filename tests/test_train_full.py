@@ -224,6 +224,24 @@ def test_bf16_master_loses_small_updates():
     assert all(int((fp32[n] == 0).sum()) == 0 for n in matrices)  # fp32 master keeps every one
 
 
+def test_bf16_models_keep_fp32_rotary_frequencies():
+    """Both trainers build bf16 models with the rotary inv_freq buffers still fp32. Rounded to bf16 they
+    move the rotary angle at position p by ~p * 4e-3 rad (on gpt-oss 20b width, 2 layers, 512 tokens, CPU:
+    bf16-vs-fp32 logits error 2.4e-2 -> 8.0e-2). `model.to(bfloat16)` does that rounding; from_config and
+    from_pretrained with dtype=bfloat16 do not."""
+    from ftcli.modeling import load_model
+    from ftcli.recipe import load_recipe
+    from ftcli.train_full import build_empty_model
+
+    full = build_empty_model(load_recipe("tiny-qwen-cpu").model, torch.bfloat16)  # the FSDP2 loop's build
+    lora = load_model(load_recipe("tiny-gpt-oss-cpu").model, dtype=torch.bfloat16)  # the LoRA path's load
+    for model in (full, lora):
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+        rotary = {n: b.dtype for n, b in model.named_buffers() if n.endswith("inv_freq")}
+        assert rotary and set(rotary.values()) == {torch.float32}, rotary
+        assert model.model.rotary_emb.inv_freq.device.type == "cpu"  # real, not meta: no checkpoint holds it
+
+
 def test_refuses_nonempty_output_dir(tmp_path):
     from ftcli import cli
     from ftcli.recipe import load_recipe
