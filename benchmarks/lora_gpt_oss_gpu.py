@@ -9,12 +9,13 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
                              accum 2; eager attention; experts grouped_mm (transformers' CUDA default,
                              which is what the reference ran)
     reference-eager-experts  the same with transformers' per-expert Python loop (informational)
-    default                  the gpt-oss-h100 recipe's own settings: packed 4k blocks (best-fit decreasing),
-                             grad accum 1, no activation checkpointing; ftcli's packed attention (flex
-                             attention + sinks on CUDA); experts grouped_mm
+    default                  the gpt-oss-h100 recipe's own block length, grad accum and checkpointing: packed
+                             4k blocks (best-fit decreasing), grad accum 1, none; ftcli's packed attention
+                             (flex attention + sinks on CUDA); experts grouped_mm
     ftcli-2k / -8k / -16k    packed blocks of that many tokens, grad accum 2 / 1 / 1, full checkpointing
     ftcli-Nk-no-ac           packed N-k blocks, grad accum 1, no activation checkpointing
 
+In every mode data.max_length is the mode's block length (2,048 for the reference, as in the recipe).
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
 steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
 padding included), s/step, and peak GPU memory over the whole mode (torch max_memory_allocated).
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 # The reference ran transformers' default experts implementation, which is grouped_mm on CUDA;
 # "reference-eager-experts" shows what the per-expert Python loop would cost.
 MODES = {
-    "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # the gpt-oss-h100 recipe as it is
+    "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # gpt-oss-h100's block, ga, checkpointing
     "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
     "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2,
                                 "ac": "full"},
@@ -56,7 +57,8 @@ MODES = {
     "ftcli-4k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 4096, "ga": 1, "ac": "none"},
     "ftcli-6k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 6144, "ga": 1, "ac": "none"},
     "ftcli-8k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1, "ac": "none"},
-    "ftcli-16k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1, "ac": "none"},
+    "ftcli-16k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1,
+                        "ac": "none"},
 }
 
 

@@ -489,7 +489,8 @@ def ignored_settings(recipe: Recipe) -> list[str]:
     if t.loss.impl != "chunked":
         out.append(f"training.loss.impl={t.loss.impl} has no effect on LoRA: TRL's fused (chunked) LM head computes the loss")
     if t.activation_checkpointing_keep:
-        out.append("training.activation_checkpointing_keep has no effect on LoRA: TRL checkpoints every layer or none")
+        out.append("training.activation_checkpointing_keep has no effect on LoRA: "
+                   "the LoRA path checkpoints every layer or none")
     if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
         out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
     return out
