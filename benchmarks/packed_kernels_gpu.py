@@ -317,8 +317,8 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
             p.copy_(p.to(torch.bfloat16).float())
     fast = copy.deepcopy(ref).to(torch.bfloat16)
     # `.to()` also rounds the rotary inv_freq buffers to bf16, which from_pretrained(dtype=bf16) and ftcli's
-    # trainers never do: at position p that rounding moves the angle by ~p * 4e-3 rad (gpt-oss's whole-model
-    # error went from 2.4e-2 to 8.0e-2 on CPU with it). Training keeps them fp32, so the check does too.
+    # trainers never do: at position p that rounding moves the angle by up to p * 2e-3 rad (gpt-oss's
+    # whole-model error went from 2.4e-2 to 8.0e-2 on CPU with it). Training keeps them fp32; so does the check.
     for fast_module, ref_module in zip(fast.modules(), ref.modules()):
         for name, buffer in ref_module.named_buffers(recurse=False):
             fast_module._buffers[name] = buffer.clone()
