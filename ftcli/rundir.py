@@ -20,9 +20,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ftcli.errors import UserError
 
@@ -112,7 +113,85 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_run_json(run_dir: Path, payload: dict[str, Any]) -> Path:
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="allow")  # a newer ftcli may add fields; an older reader keeps them
+
+
+class BaseModelRecord(_Record):
+    """The base the run trained from: enough to load it again (merge-lora, register, generate)."""
+
+    id: str | None = None
+    revision: str | None = None
+    init: str = "pretrained"
+    config: str | None = None
+    model_type: str | None = None
+    model_class: str | None = None
+    path: str | None = None  # relative to the run dir: a random-init base saved beside the run (LoRA)
+
+
+class MlflowRecord(_Record):
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+    run_id: str | None = None
+
+
+class TokenCounts(_Record):
+    trained: int = 0  # tokens with a label (what the loss is averaged over)
+    seen: int = 0  # tokens fed to the model, padding excluded
+
+
+class Throughput(_Record):
+    """Of this invocation: a resumed run counts the part after its checkpoint."""
+
+    tokens_per_s: float | None = None
+    s_per_step: float | None = None
+
+
+class RunRecord(_Record):
+    """run.json: the one typed record of a training run. Both trainers write it; merge-lora, register and
+    generate read it (through `read_run_record`), never as a raw dict."""
+
+    ftcli_version: str | None = None
+    method: Literal["full", "lora"]
+    recipe: dict[str, Any] = Field(default_factory=dict)  # the resolved recipe, secrets masked
+    model_dir: str | None = FINAL  # relative to the run dir; None when no final model was exported
+    base_model: BaseModelRecord = Field(default_factory=BaseModelRecord)
+    mlflow: MlflowRecord | None = None
+    steps: int = 0
+    tokens: TokenCounts = Field(default_factory=TokenCounts)
+    final_loss: float | None = None
+    throughput: Throughput = Field(default_factory=Throughput)
+    status: str = "completed"
+
+    def model_path(self, run_dir: Path) -> Path | None:
+        return Path(run_dir) / self.model_dir if self.model_dir else None
+
+
+def read_run_record(run_dir: Path) -> RunRecord:
+    """<run_dir>/run.json as a RunRecord; a missing or malformed file is one UserError naming the path."""
     path = Path(run_dir) / RUN_JSON
-    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist; pass a run dir written by `ftcli train`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read run.json ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: run.json is not a JSON object")
+    try:
+        return RunRecord.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "run.json"
+        raise UserError(f"{path}: {where}: {first['msg']}") from None
+
+
+def write_run_record(run_dir: Path, record: RunRecord) -> Path:
+    path = Path(run_dir) / RUN_JSON
+    write_atomic(path, record.model_dump_json(indent=2, exclude_none=False) + "\n")
     return path
+
+
+def write_run_json(run_dir: Path, payload: dict[str, Any]) -> Path:
+    """Deprecated shim while the trainers move to RunRecord: validates the payload, then writes it."""
+    return write_run_record(run_dir, RunRecord.model_validate(payload))
