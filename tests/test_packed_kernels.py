@@ -363,7 +363,7 @@ def test_flex_sinks_forward_equals_separate_gpt_oss():
 
 # ------------------------------------------------------------------------------------------ decisions
 def test_backends_on_this_cpu():
-    names = lambda model_type: [(b.op, b.name) for b in kernels.select_backends(model_type, "cpu")]  # noqa: E731
+    names = lambda model_type: [(b.op, b.name) for b in kernels.decide_backends(model_type, "cpu")]  # noqa: E731
     expected = [("attention", "sdpa_segments"), ("gated_delta_rule", "torch_segments"),
                 ("causal_conv1d", "torch_segments")]
     assert names("qwen3_5") == names("qwen3_5_text") == expected
