@@ -375,28 +375,51 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _model_for_path(loc: tuple) -> type[BaseModel] | None:
-    """Walk the schema along a pydantic error location to the section that owns the last key."""
-    model: type[BaseModel] | None = Recipe
-    for part in loc[:-1]:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
+# ------------------------------------------------------------------------------------ did you mean
+# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.workload`).
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The schema sections a field holds: `X`, `X | None`, `list[X]` -> [X]."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return [t for a in args for t in _sections_in(a)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def schema_section(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """Walk the schema from `root` along a pydantic error location to the section it names (None: not one)."""
+    model = root
+    for part in path:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        field = model.model_fields.get(part)
+        sections = _sections_in(field.annotation) if field else []
+        if not sections:
             return None
-        ann = model.model_fields[part].annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = sections[0]
     return model
 
 
 def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | None:
     """`training.lr` -> `optimizer.lr`: the key exists one section further down."""
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            if key in ann.model_fields:
+        for section in _sections_in(field.annotation):
+            if key in section.model_fields:
                 return f"{prefix}{name}.{key}"
-            found = _nested_key(ann, key, f"{prefix}{name}.")
+            found = _nested_key(section, key, f"{prefix}{name}.")
             if found:
                 return found
     return None
+
+
+def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
+    """"; did you mean 'a.b'?" for the unknown key at `loc` under the schema `root`: the closest key of its
+    section, else the same key one section further down; "" when there is neither."""
+    owner = schema_section(root, loc[:-1])
+    if owner is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
+    found = close[0] if close else _nested_key(owner, str(loc[-1]))
+    return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
@@ -405,15 +428,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
         path = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            owner = _model_for_path(loc)
-            fields = list(owner.model_fields) if owner else []
-            close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.5)
-            if close:
-                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?"
-            else:
-                nested = _nested_key(owner, str(loc[-1])) if owner else None
-                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), nested])}'?" if nested else ""
-            lines.append(f"unknown key '{path}'{hint}")
+            lines.append(f"unknown key '{path}'{did_you_mean(Recipe, loc)}")
         elif e["type"] == "missing":
             lines.append(f"missing required key '{path}'")
         else:

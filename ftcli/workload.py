@@ -24,7 +24,6 @@ This module imports no torch, transformers, datasets or mlflow.
 
 from __future__ import annotations
 
-import difflib
 import re
 import shlex
 import textwrap
@@ -44,7 +43,7 @@ from pydantic import (
 )
 
 from ftcli.errors import UserError
-from ftcli.recipe import ACCELERATOR_RE, NAME_RE, NAME_RULE, Recipe
+from ftcli.recipe import ACCELERATOR_RE, NAME_RE, NAME_RULE, Recipe, did_you_mean
 
 # ------------------------------------------------------------------------------------------- schema
 _VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -221,45 +220,9 @@ _KEY_HINTS = {
 }
 
 
-def _section(loc: tuple) -> type[BaseModel] | None:
-    """The schema section that owns the last key of an error location."""
-    model: type[BaseModel] | None = WorkloadFile
-    for part in loc[:-1]:
-        if isinstance(part, int) and model is WorkloadFile:
-            return None
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if model else None
-        if field is None:
-            return None
-        model = next((t for t in _types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)), None)
-    return model
-
-
-def _types(annotation: Any) -> list[Any]:
-    args = getattr(annotation, "__args__", None)
-    if not args:
-        return [annotation]
-    return [t for a in args for t in _types(a)]
-
-
 def _did_you_mean(loc: tuple) -> str:
     path = ".".join(str(p) for p in loc)
-    if path in _KEY_HINTS:
-        return _KEY_HINTS[path]
-    owner = _section(loc)
-    if owner is None:
-        return ""
-    prefix = ".".join(str(p) for p in loc[:-1])
-    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean '{f'{prefix}.' if prefix else ''}{close[0]}'?"
-    if owner is WorkloadFile:  # a section's key written at the top level: `dependencies:`, `accelerator_type:`
-        for name, field in WorkloadFile.model_fields.items():
-            for t in _types(field.annotation):
-                if isinstance(t, type) and issubclass(t, BaseModel) and loc[-1] in t.model_fields:
-                    return f"; did you mean '{name}.{loc[-1]}'?"
-    return ""
+    return _KEY_HINTS[path] if path in _KEY_HINTS else did_you_mean(WorkloadFile, loc)
 
 
 def _format_error(e: dict) -> str:

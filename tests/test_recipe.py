@@ -104,6 +104,9 @@ def test_gpt_oss_h100_reproduces_reference_1b():
     ("data.packing.block_length=4096", "unknown key 'data.packing.block_length'; did you mean 'data.packing.block_len'?"),
     ("lora.alph=4", "unknown key 'lora.alph'; did you mean 'lora.alpha'?"),
     ("compute.gpus_per_node=8", "unknown key 'compute.gpus_per_node'"),
+    ("compute.permissions=[{user_nam: a, level: CAN_VIEW}]",
+     "unknown key 'compute.permissions.0.user_nam'; did you mean 'compute.permissions.0.user_name'?"),
+    ("level=CAN_VIEW", "unknown key 'level'; did you mean 'compute.permissions.level'?"),
 ])
 def test_unknown_key_names_path_and_suggestion(override, expected):
     msg = _error("qwen-b300", [override])
