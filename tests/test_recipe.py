@@ -146,7 +146,9 @@ def test_cross_field_error_names_section():
         "invalid recipe 'qwen-b300': compute: num_accelerators=12 is not a multiple of the 8 GPUs per node of GPU_8xB300"
     )
     assert "priority_class needs pool_id" in _error("qwen-b300", ["compute.priority_class=NORMAL"])
-    assert "is not 'scope/key'" in _error("qwen-b300", ["compute.secrets.HF_TOKEN=nokey"])
+    assert _error("qwen-b300", ["compute.secrets.HF_TOKEN=nokey"]) == (
+        "invalid recipe 'qwen-b300': compute.secrets.HF_TOKEN: must be 'scope/key' (exactly one '/') (got 'nokey')"
+    )
     assert "HF_HOME set both as a secret and as an env variable" in _error("qwen-b300", ["compute.secrets.HF_HOME=s/k"])
 
 
