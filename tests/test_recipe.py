@@ -1,4 +1,4 @@
-"""Recipes: the built-ins load and reproduce the reference workloads; mistakes fail loudly and precisely."""
+"""Recipes: the built-ins load and reproduce the two published Databricks examples; mistakes fail loudly and precisely."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_tiny_recipes_point_at_shipped_assets(name):
         assert Path(resolve_path(ref)).exists(), ref
 
 
-def test_qwen_b300_reproduces_reference_1a():
+def test_qwen_b300_reproduces_published_qwen_full_sft_example():
     r = load_recipe("qwen-b300")
     assert (r.model.id, r.model.revision) == ("Qwen/Qwen3.8-27B", "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0")
     assert (r.model.model_type, r.model.model_class, r.model.dtype) == ("qwen3_5", "image_text_to_text", "bfloat16")
@@ -74,7 +74,7 @@ def test_qwen_b300_reproduces_reference_1a():
     }
 
 
-def test_gpt_oss_h100_reproduces_reference_1b():
+def test_gpt_oss_h100_reproduces_published_gpt_oss_lora_example():
     r = load_recipe("gpt-oss-h100")
     assert (r.model.id, r.model.model_type, r.model.dtype) == ("openai/gpt-oss-20b", "gpt_oss", "bfloat16")
     assert r.model.quantization == "mxfp4_dequantize"

@@ -68,7 +68,7 @@ def test_every_render_passes_check(name, nodes, tmp_path):
     assert workload.check_workload_file(path) == []
 
 
-def test_reference_workload_values():
+def test_render_keeps_published_examples_compute_and_env():
     _, _, qwen = _render("qwen-b300")
     assert qwen["experiment_name"] == "air-b300-qwen3-8-27b-sft"
     assert qwen["compute"] == {"accelerator_type": "GPU_8xB300", "num_accelerators": 8}
@@ -291,9 +291,9 @@ def test_non_snapshot_ftcli_spec_is_one_quoted_argument(tmp_path):
 HEAVY = ("torch", "transformers", "datasets", "mlflow", "trl", "peft")
 
 
-@pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"], ["--help"],
+@pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"],  # `--help`: tests/test_cli.py
                                   ["render-workload", "--check", str(GOLDEN / "qwen-b300-1node.yaml")]])
-def test_cli_does_not_import_heavy_modules(argv):
+def test_render_workload_imports_no_heavy_modules(argv):
     code = (
         "import json, sys\n"
         f"sys.argv = ['ftcli', *{argv!r}]\n"
