@@ -1,4 +1,4 @@
-"""Recipes: the built-ins load and reproduce the two published Databricks examples; mistakes fail loudly and precisely."""
+"""Recipes: the built-ins reproduce the two published Databricks examples; mistakes fail loudly and precisely."""
 
 from __future__ import annotations
 

@@ -179,7 +179,8 @@ def _gated_delta(m: Machine, fast: bool, slow_why: str) -> Backend:
 
 def _conv(m: Machine, fast: bool, slow_why: str) -> Backend:
     if fast and "causal_conv1d" in m.importable:
-        return Backend("causal_conv1d", "causal_conv1d", f"causal-conv1d {m.versions.get('causal-conv1d')} with seq_idx")
+        return Backend("causal_conv1d", "causal_conv1d",
+                       f"causal-conv1d {m.versions.get('causal-conv1d')} with seq_idx")
     if fast and "fla" in m.importable:
         return Backend("causal_conv1d", "fla_conv_varlen", f"no causal-conv1d: {_fla_name(m)} Triton varlen conv")
     return _exact("causal_conv1d", "torch_segments", "torch conv per seq_idx segment",
