@@ -384,3 +384,25 @@ def test_chat_cli_streams_replies_with_history(model_dirs):
     for completion in (first, second):
         view = generate.ReplyView(loaded.tokenizer, "harmony").render(completion.raw)
         assert f"assistant> {view}\n[4 tokens in " in res.stdout
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def test_sample_greedy_under_fsdp2_equals_unsharded(model_dirs, tmp_path):
+    """The way trainers sample: every rank calls sample_greedy on its FSDP2-sharded model with
+    synced_gpus=True. Same prompts on both ranks give the unsharded replies; uneven work (rank 0 done
+    after 3 tokens, rank 1 after 8) does not hang and each rank still gets the unsharded replies."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/_generate_fsdp_worker.py", str(model_dirs["qwen"]), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    loaded = _load(model_dirs["qwen"])
+    conversations = [PROMPTS[0], PROMPTS[2]]
+    expected = generate.sample_greedy(loaded.model, loaded.tokenizer, conversations, max_new_tokens=6)
+    assert ranks[0]["same"] == ranks[1]["same"] == expected
+    for r in range(2):
+        alone = generate.sample_greedy(loaded.model, loaded.tokenizer, [conversations[r]], max_new_tokens=3 + 5 * r)
+        assert ranks[r]["uneven"] == alone and ranks[r]["training"] is True
