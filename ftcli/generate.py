@@ -702,6 +702,11 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         _single(loaded, conversation(prompt, system_prompt(system, reasoning_language)), sampling, kwargs,
                 as_json=as_json, err=err)
         return
+    total = len(rows) + len(bad)
+    rows, refused = _renderable(loaded.tokenizer, rows, kwargs)
+    if not rows:  # e.g. a --reasoning-effort the template does not know: the same error for every row
+        raise UserError(refused[0][1])
+    bad = sorted(bad + refused)
     completions = _batched(loaded, rows, sampling, kwargs, batch_size, err)
     lines = [json.dumps({"line": r.line, "messages": r.messages, "completion": c.text, "reasoning": c.reasoning,
                          **({"reference": r.reference} if r.reference is not None else {}),
@@ -714,7 +719,19 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         output.write_text(text, encoding="utf-8")
         err.print(f"wrote {len(lines)} completions to {output}")
     if bad:
-        raise UserError(_bad_rows_summary(input_path, bad, len(rows) + len(bad)))
+        raise UserError(_bad_rows_summary(input_path, bad, total))
+
+
+def _renderable(tokenizer, rows: list[PromptRow], kwargs: dict) -> tuple[list[PromptRow], list[tuple[int, str]]]:
+    """The rows the chat template renders, and (line, reason) for those it refuses."""
+    good, refused = [], []
+    for row in rows:
+        try:
+            render_prompt(tokenizer, row.messages, kwargs)
+            good.append(row)
+        except UserError as e:
+            refused.append((row.line, str(e)))
+    return good, refused
 
 
 def _single(loaded: LoadedModel, messages: list[dict], sampling: Sampling, kwargs: dict, *, as_json: bool, err):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -256,6 +257,8 @@ def test_cli_input_file_bad_rows_are_counted_and_the_rest_written(model_dirs, tm
         "",
         json.dumps({"messages": PROMPTS[2] + [{"role": "assistant", "content": "Hello!"}]}),
         json.dumps([1, 2]),
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                                 {"role": "user", "content": "c"}]}),
     ]
     src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(rows) + "\n")
@@ -265,8 +268,9 @@ def test_cli_input_file_bad_rows_are_counted_and_the_rest_written(model_dirs, tm
     assert "Traceback" not in res.output
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert " ".join(" ".join(errors).split()) == (
-        f"error: {src}: 3 of 5 rows skipped (line 2: not valid JSON; line 3: 'messages' is not a non-empty list; "
-        "line 6: a list, not an object)")
+        f"error: {src}: 4 of 6 rows skipped (line 2: not valid JSON; line 3: 'messages' is not a non-empty list; "
+        "line 6: a list, not an object; line 7: the chat template refused this conversation: System message must "
+        "be at the beginning.)")
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert [w["line"] for w in written] == [1, 5]
     assert written[1]["messages"] == PROMPTS[2] and written[1]["reference"] == "Hello!"
@@ -332,6 +336,26 @@ def test_cli_bad_model_fails_before_heavy_imports(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_hub_id_resolves_with_its_revision_and_fails_offline_in_one_line(tmp_path):
+    source = generate.resolve_source("openai/gpt-oss-20b", "abc123")
+    assert source == generate.ModelSource(model="openai/gpt-oss-20b", revision="abc123")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ftcli", "generate", "no-such-org/no-such-model", "-p", "hi"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: no-such-org/no-such-model: cannot load its config (")
+
+
+def test_reasoning_effort_the_template_refuses_is_one_line(model_dirs):
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", "hi", "--reasoning-effort", "high",
+                                  "--device", "cpu"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines()[-1] == ("error: the chat template refused this conversation: Unexpected "
+                                                   "reasoning effort high. Supported types are xhigh (default), "
+                                                   "medium, and low.")
+
+
 @pytest.mark.parametrize("args,expected", [
     ([], "pass either --prompt TEXT or --input FILE.jsonl"),
     (["-p", "hi", "-o", "x.jsonl"], "--output goes with --input FILE.jsonl"),
@@ -391,8 +415,6 @@ def test_sample_greedy_under_fsdp2_equals_unsharded(model_dirs, tmp_path):
     """The way trainers sample: every rank calls sample_greedy on its FSDP2-sharded model with
     synced_gpus=True. Same prompts on both ranks give the unsharded replies; uneven work (rank 0 done
     after 3 tokens, rank 1 after 8) does not hang and each rank still gets the unsharded replies."""
-    import os
-
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/_generate_fsdp_worker.py", str(model_dirs["qwen"]), str(tmp_path)],
