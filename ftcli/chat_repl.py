@@ -4,6 +4,7 @@
     /system TEXT     set the system prompt (kept for the next turns; `/system` alone clears it)
     /reset           forget the conversation (the system prompt stays)
     /exit            leave (so does end of input, Ctrl-D)
+    Ctrl-C           while a reply streams: stop it (that turn is not kept)
 
 The history is the list of messages sent to the chat template on every turn: the system prompt,
 then user and assistant turns. An assistant turn is stored as its answer only (gpt-oss's template
@@ -65,11 +66,14 @@ def run_chat(loaded: LoadedModel, sampling: Sampling, *, system: str | None, tem
     write = write or _stdout
     chat = Chat(system)
     interactive = stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401 - line editing and history for input()
     write(f"chatting with {loaded.source.describe()}; {HELP}\n")
     while True:
-        if interactive:
-            write("you> ")
-        line = stdin.readline()
+        try:
+            line = input("you> ") if interactive else stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            line = ""
         if not line:  # end of input
             write("\n" if interactive else "")
             return
@@ -82,10 +86,14 @@ def run_chat(loaded: LoadedModel, sampling: Sampling, *, system: str | None, tem
                 return
             write(said + "\n")
             continue
-        chat.turns.append({"role": "user", "content": line})
         write("assistant> ")
-        completion, stats = reply(loaded, chat.messages(), sampling, write=write, template_kwargs=template_kwargs)
-        chat.turns.append({"role": "assistant", "content": completion.text})
+        messages = chat.messages() + [{"role": "user", "content": line}]
+        try:
+            completion, stats = reply(loaded, messages, sampling, write=write, template_kwargs=template_kwargs)
+        except KeyboardInterrupt:  # Ctrl-C stops this reply; the turn is left out of the history
+            write("\n[interrupted]\n")
+            continue
+        chat.turns += [messages[-1], {"role": "assistant", "content": completion.text}]
         write(f"\n[{stats.line()}]\n")
 
 

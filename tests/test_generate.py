@@ -371,12 +371,14 @@ def test_chat_keeps_history_and_handles_commands():
     sent = []
 
     def fake_reply(loaded, messages, sampling, *, write, template_kwargs):
+        if messages[-1]["content"] == "interrupt me":
+            raise KeyboardInterrupt  # Ctrl-C while the reply streams
         sent.append([dict(m) for m in messages])
         write(f"reply{len(sent)}")
         return generate.Completion(text=f"reply{len(sent)}", reasoning=None, raw=""), generate.StreamStats(3, 1.0, None)
 
     loaded = generate.LoadedModel(model=None, tokenizer=None, stop_ids=[], source=generate.ModelSource(model="m"))
-    stdin = io.StringIO("hello\n/system Be brief.\nagain\n/reset\nfresh\n/bogus\n/system\nlast\n/exit\nnever\n")
+    stdin = io.StringIO("hello\ninterrupt me\n/system Be brief.\nagain\n/reset\nfresh\n/bogus\n/system\nlast\n/exit\nnever\n")
     out = []
     run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=stdin, write=out.append, reply=fake_reply)
     sys_msg = {"role": "system", "content": "Be brief."}
@@ -390,7 +392,7 @@ def test_chat_keeps_history_and_handles_commands():
     ]
     text = "".join(out)
     assert "system prompt set: Be brief." in text and "conversation reset" in text and "system prompt cleared" in text
-    assert "unknown command /bogus" in text and "3 tokens in 1.00 s (3.0 tokens/s)" in text
+    assert "unknown command /bogus" in text and "[interrupted]" in text and "3 tokens in 1.00 s (3.0 tokens/s)" in text
     assert Chat("x").command("/quit") is None
 
 
