@@ -265,7 +265,9 @@ def doctor(recipe: Optional[str] = OptionalRecipeOpt, overrides: Optional[list[s
 
 
 # ---------------------------------------------------------------------------------- generate, chat
-ModelArg = typer.Argument(..., help="A run dir, a merged/model dir, a LoRA adapter dir, or a hub id.", metavar="RUN_OR_MODEL")
+ModelArg = typer.Argument(
+    ..., help="A run dir, a merged/model dir, a LoRA adapter dir, or a hub id.", metavar="RUN_OR_MODEL"
+)
 SystemOpt = typer.Option(None, "--system", help="System prompt.")
 MaxNewOpt = typer.Option(256, "--max-new-tokens", min=1, help="Generate at most this many tokens per reply.")
 TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy).")
@@ -274,8 +276,10 @@ TopKOpt = typer.Option(None, "--top-k", min=0, help="Sample among the k most lik
 GreedyOpt = typer.Option(False, "--greedy", help="Greedy decoding (overrides sampling options).")
 SeedOpt = typer.Option(None, "--seed", help="Seed the sampling (reproducible replies).")
 EffortOpt = typer.Option(None, "--reasoning-effort", help="Chat-template reasoning effort (gpt-oss: low|medium|high).")
-LanguageOpt = typer.Option(None, "--reasoning-language", help="gpt-oss: adds 'reasoning language: LANG' to the system prompt.")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32.")
+LanguageOpt = typer.Option(
+    None, "--reasoning-language", help="gpt-oss: adds 'reasoning language: LANG' to the system prompt."
+)
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32")
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N | mps.")
 RevisionOpt = typer.Option(None, "--revision", help="Hub revision (commit, tag, branch) for a hub id.")
 
@@ -293,7 +297,9 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One user prompt; the reply streams."),
     system: Optional[str] = SystemOpt,
     input_path: Optional[Path] = typer.Option(None, "--input", "-i", help="JSONL of conversations to complete."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="With --input: write completions here (default: stdout)."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="With --input: write completions here (default: stdout)."
+    ),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="With --input: conversations per batch."),
     max_new_tokens: int = MaxNewOpt,
     temperature: Optional[float] = TemperatureOpt,

@@ -418,7 +418,8 @@ def _complete(tokenizer, token_ids: list[int], stop_ids: list[int], kind: str) -
 
 
 def _special_strings(tokenizer) -> list[str]:
-    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special] + list(tokenizer.all_special_tokens)
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return added + list(tokenizer.all_special_tokens)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device):

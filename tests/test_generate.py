@@ -67,7 +67,8 @@ def full_run(tmp_path_factory, model_dirs):
     run = tmp_path_factory.mktemp("full-run")
     _save(_tiny("qwen"), _tokenizer("qwen"), run / "final")
     (run / "recipe.yaml").write_text("name: tiny-qwen-cpu\n")
-    write_run_record(run, RunRecord(method="full", base_model=BaseModelRecord(init="random", model_type="qwen3_5_text")))
+    base = BaseModelRecord(init="random", model_type="qwen3_5_text")
+    write_run_record(run, RunRecord(method="full", base_model=base))
     return run
 
 
@@ -378,7 +379,9 @@ def test_chat_keeps_history_and_handles_commands():
         return generate.Completion(text=f"reply{len(sent)}", reasoning=None, raw=""), generate.StreamStats(3, 1.0, None)
 
     loaded = generate.LoadedModel(model=None, tokenizer=None, stop_ids=[], source=generate.ModelSource(model="m"))
-    stdin = io.StringIO("hello\ninterrupt me\n/system Be brief.\nagain\n/reset\nfresh\n/bogus\n/system\nlast\n/exit\nnever\n")
+    lines = ["hello", "interrupt me", "/system Be brief.", "again", "/reset", "fresh", "/bogus", "/system", "last",
+             "/exit", "never"]
+    stdin = io.StringIO("".join(line + "\n" for line in lines))
     out = []
     run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=stdin, write=out.append, reply=fake_reply)
     sys_msg = {"role": "system", "content": "Be brief."}
