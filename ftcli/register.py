@@ -25,7 +25,7 @@ $MLFLOW_REGISTRY_URI, else the tracking store.
 Order of work: every cheap check runs before anything is merged or uploaded.
 
     model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
-    -> alias free (or --force) -> [merge] -> log_model -> register_model -> set alias
+    -> alias free (or --force) -> [merge] -> log_model -> create_model_version -> set alias
 
 Unity Catalog (`--registry-uri databricks-uc`):
 - the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
@@ -49,8 +49,12 @@ base), so it loads only where that path exists (this machine, a shared disk): ML
 for it saves the PEFT-wrapped base (`base_layer`/`lora_*` keys) as the base weights, which load
 back as a silently broken model.
 
+MLflow is driven through one `MlflowClient(tracking_uri, registry_uri)`; the only fluent call,
+`mlflow.transformers.log_model` (it takes no client), runs inside `_active_run` (why: there).
+
 Secrets: no environment variable is logged; recipe `compute.secrets` and `compute.env_variables`
-values are replaced by "***" in logged params, and credentials in URIs are masked when printed.
+values are replaced by "***" in logged params, and credentials in URIs are masked when printed
+(ftcli.redact).
 """
 
 from __future__ import annotations
@@ -65,12 +69,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 
 from ftcli import __version__
 from ftcli.errors import UserError
+from ftcli.merge import BaseRef, recipe_model, resolve_base
+from ftcli.redact import mask_uri, scrub_recipe
+from ftcli.rundir import RUN_JSON, RunRecord, read_run_record
+from ftcli.tracking import check_reachable, first_line, flatten, resolve_tracking_uri
 
 Mode = Literal["full", "merged", "adapter"]
 
@@ -80,7 +87,6 @@ _UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
 _ALIAS_RE = re.compile(r"^[\w-]+$")
 _ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
 PROBE_TIMEOUT_S = 5
-SCRUBBED = "***"
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 err_console = Console(stderr=True)
@@ -149,46 +155,28 @@ def require_uc_signature(signature) -> None:
 
 # ----------------------------------------------------------------------------------- the source
 @dataclass
-class BaseRef:
-    """The base an adapter was trained on: a local dir, or a hub repo id at a revision."""
-
-    path: Path | None = None
-    id: str | None = None
-    revision: str | None = None
-
-    @property
-    def local(self) -> bool:
-        return self.path is not None
-
-    def __str__(self) -> str:
-        if self.path is not None:
-            return str(self.path)
-        return f"{self.id}@{self.revision}" if self.revision else str(self.id)
-
-
-@dataclass
 class Source:
     """What `ftcli register` was pointed at, resolved."""
 
     model_dir: Path  # the HF checkpoint or the adapter
     kind: Literal["checkpoint", "adapter"]
     run_dir: Path | None = None
-    run: dict | None = None  # run.json
+    run: RunRecord | None = None  # run.json
     recipe: dict | None = None  # the recipe dict (--recipe, else run.json's)
     base: BaseRef | None = None  # adapters only
 
     @property
     def trust_remote_code(self) -> bool:
-        return bool(((self.recipe or {}).get("model") or {}).get("trust_remote_code", False))
+        return bool(recipe_model(self.recipe).get("trust_remote_code", False))
 
     @property
     def dtype(self) -> str:
-        return ((self.recipe or {}).get("model") or {}).get("dtype") or "bfloat16"
+        return recipe_model(self.recipe).get("dtype") or "bfloat16"
 
     @property
     def model_class(self) -> str:
-        base = (self.run or {}).get("base_model") or {}
-        return base.get("model_class") or ((self.recipe or {}).get("model") or {}).get("model_class") or "causal_lm"
+        recorded = self.run.base_model.model_class if self.run is not None else None
+        return recorded or recipe_model(self.recipe).get("model_class") or "causal_lm"
 
 
 def resolve_source(path: Path, recipe: dict | None = None) -> Source:
@@ -199,11 +187,7 @@ def resolve_source(path: Path, recipe: dict | None = None) -> Source:
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; pass a run dir (with run.json) or a model dir")
     path = path.resolve()
-    run_dir = None
-    if (path / "run.json").is_file():
-        run_dir = path
-    elif (path.parent / "run.json").is_file():
-        run_dir = path.parent  # `ftcli register runs/x/final`
+    run_dir = next((d for d in (path, path.parent) if (d / RUN_JSON).is_file()), None)  # parent: `register x/final`
     if run_dir is None:
         kind = _model_kind(path)
         if kind is None:
@@ -213,39 +197,26 @@ def resolve_source(path: Path, recipe: dict | None = None) -> Source:
             )
         source = Source(model_dir=path, kind=kind, recipe=recipe)
     else:
-        run = _read_run_json(run_dir / "run.json")
-        if run.get("method") not in ("full", "lora"):
-            raise UserError(f"{run_dir / 'run.json'}: method is {run.get('method')!r}, expected 'full' or 'lora'")
-        if path == run_dir and not run.get("model_dir"):
+        run = read_run_record(run_dir)
+        if path == run_dir and not run.model_dir:
             raise UserError(
                 f"{run_dir} has no final model (run.json model_dir is null: training.checkpoint.save_final_hf "
                 "was false); retrain with it on, or register a model dir"
             )
-        model_dir = path if path != run_dir else run_dir / str(run["model_dir"])
-        kind = "adapter" if run.get("method") == "lora" else "checkpoint"
-        status = run.get("status")
+        model_dir = path if path != run_dir else run.model_path(run_dir)
         if not model_dir.is_dir():
             raise UserError(
-                f"{model_dir} is missing (run.json model_dir={run.get('model_dir')!r}, status={status!r}); "
+                f"{model_dir} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
                 "did `ftcli train` finish?"
             )
-        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.get("recipe"))
-        if status not in (None, "completed"):
-            _warn(f"run.json status is {status!r}, not 'completed'; registering what {model_dir} holds")
+        kind = "adapter" if run.method == "lora" else "checkpoint"
+        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
+        if run.status != "completed":
+            _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {model_dir} holds")
     _check_model_files(source)
     if source.kind == "adapter":
-        source.base = _resolve_base(source)
+        source.base = resolve_base(source.model_dir, source.run_dir, source.run)
     return source
-
-
-def _read_run_json(path: Path) -> dict:
-    try:
-        run = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot read run.json ({e})") from None
-    if not isinstance(run, dict):
-        raise UserError(f"{path}: run.json is not a JSON object")
-    return run
 
 
 def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
@@ -275,7 +246,7 @@ def _check_model_files(source: Source) -> None:
     elif not _has_chat_template(d):
         missing.append("chat template (chat_template.jinja)")
     if missing:
-        where = f" (run.json status: {source.run.get('status')!r})" if source.run else ""
+        where = f" (run.json status: {source.run.status!r})" if source.run else ""
         raise UserError(f"{d} is missing {', '.join(missing)}{where}; did training finish and save the final model?")
 
 
@@ -286,39 +257,6 @@ def _has_chat_template(d: Path) -> bool:
         return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
     except (OSError, ValueError):
         return False
-
-
-def _resolve_base(source: Source) -> BaseRef:
-    """run.json base_model (path beats id), else adapter_config.json base_model_name_or_path."""
-    base = (source.run or {}).get("base_model") or {}
-    if base.get("path"):
-        p = Path(base["path"])
-        p = p if p.is_absolute() else source.run_dir / p
-        if not (p / "config.json").is_file():
-            raise UserError(f"base model dir {p} (run.json base_model.path) is missing or has no config.json")
-        return BaseRef(path=p)
-    if base.get("init") == "random":
-        raise UserError(
-            f"{source.run_dir}: the base was random-init but run.json has no base_model.path to rebuild it from"
-        )
-    ref = base.get("id")
-    revision = base.get("revision")
-    if not ref:
-        try:
-            cfg = json.loads((source.model_dir / "adapter_config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{source.model_dir / 'adapter_config.json'}: cannot read it ({e})") from None
-        ref, revision = cfg.get("base_model_name_or_path"), revision or cfg.get("revision")
-    if not ref:
-        raise UserError(f"{source.model_dir}: cannot tell which base the adapter belongs to; no base_model anywhere")
-    from ftcli.recipe import resolve_path
-
-    local = Path(resolve_path(ref, source.run_dir)).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise UserError(f"base model dir {local} has no config.json")
-        return BaseRef(path=local.resolve())
-    return BaseRef(id=ref, revision=revision)
 
 
 # ---------------------------------------------------------------------------------------- modes
@@ -351,34 +289,6 @@ def choose_mode(source: Source, *, adapter_only: bool, merged: bool, uc: bool) -
     return "adapter"
 
 
-# -------------------------------------------------------------------------------------- secrets
-def scrub_recipe(recipe: dict | None) -> dict:
-    """A copy of the recipe dict with secret values and env values replaced by '***'."""
-    out = json.loads(json.dumps(recipe or {}))
-    compute = out.get("compute")
-    if isinstance(compute, dict):
-        for key in ("secrets", "env_variables"):
-            if isinstance(compute.get(key), dict):
-                compute[key] = {k: SCRUBBED for k in compute[key]}
-    tracking = out.get("tracking")
-    if isinstance(tracking, dict) and isinstance(tracking.get("tracking_uri"), str):
-        tracking["tracking_uri"] = mask_uri(tracking["tracking_uri"])
-    return out
-
-
-def mask_uri(uri: str) -> str:
-    """http://user:token@host -> http://***@host (for printing and logging)."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return uri
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{SCRUBBED}@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return uri
-
-
 # ---------------------------------------------------------------------------------------- MLflow
 @dataclass
 class Result:
@@ -404,9 +314,11 @@ def _warn(message: str) -> None:
 
 
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
+def _env(**values: str | None) -> Iterator[None]:
+    """Set these environment variables for the block (None: leave it as it is); afterwards every one
+    has its old value, or is absent again, whatever the block did to it."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    os.environ.update({k: v for k, v in values.items() if v is not None})
     try:
         yield
     finally:
@@ -417,62 +329,29 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def resolve_tracking_uri(source: Source, tracking_uri: str | None) -> str:
+def _tracking_uri(source: Source, tracking_uri: str | None) -> str:
     """--tracking-uri, else the training run's (run.json), else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    if tracking_uri:
-        return tracking_uri
-    recorded = ((source.run or {}).get("mlflow") or {}).get("tracking_uri")
-    if recorded:
-        if recorded.startswith("sqlite:///"):
-            db = Path(recorded[len("sqlite:///") :])
-            if not db.is_file():
-                raise UserError(
-                    f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri"
-                )
-        return recorded
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    recorded = source.run.mlflow.tracking_uri if source.run is not None and source.run.mlflow else None
+    if not tracking_uri and recorded and recorded.startswith("sqlite:///"):
+        if not Path(recorded[len("sqlite:///") :]).is_file():
+            raise UserError(f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri")
+    return resolve_tracking_uri(tracking_uri or recorded)
 
 
-def _unreachable_reason(exc: BaseException) -> str:
-    text = str(exc)
-    low = text.lower()
-    if "connection refused" in low or "failed to establish a new connection" in low:
-        return "connection refused"
-    if "timed out" in low or "timeout" in low:
-        return f"no answer within {PROBE_TIMEOUT_S} s"
-    if "name or service not known" in low or "nodename nor servname" in low or "name resolution" in low:
-        return "unknown host"
-    if "401" in text or "403" in text or "unauthorized" in low or "permission" in low:
-        return "not authorized; check your credentials"
-    code = re.search(r"error code (\d{3})", text)
-    if code:
-        return f"HTTP {code.group(1)}; is this an MLflow tracking server?"
-    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+def _check_registry(client, registry_uri: str) -> None:
+    """One registry call with no retries: a wrong URI or missing credentials fail here, in seconds,
+    before anything is merged or uploaded."""
+    from mlflow.exceptions import MlflowException
 
-
-def probe(tracking_uri: str, registry_uri: str) -> None:
-    """Fail in seconds, with the URI, when the tracking server or the registry cannot be reached."""
-    from mlflow import MlflowClient
-
-    fast = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}
-    with _env(**fast):
+    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(PROBE_TIMEOUT_S)):
         try:
-            MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
-        except Exception as e:  # any failure here is "cannot use this server"
+            client.search_registered_models(max_results=1)
+        except Exception as e:  # noqa: BLE001 - whatever the store raises, this registry cannot be used
+            denied = isinstance(e, MlflowException) and e.error_code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
             raise UserError(
-                f"cannot reach the MLflow tracking server at {mask_uri(tracking_uri)} ({_unreachable_reason(e)}); "
-                "start it or pass --tracking-uri"
+                f"cannot use the model registry at {mask_uri(registry_uri)} "
+                f"({'not authorized' if denied else first_line(e)}); check --registry-uri and your credentials"
             ) from None
-        if registry_uri != tracking_uri:
-            try:
-                MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri).search_registered_models(
-                    max_results=1
-                )
-            except Exception as e:
-                raise UserError(
-                    f"cannot reach the model registry at {mask_uri(registry_uri)} ({_unreachable_reason(e)}); "
-                    "check --registry-uri and your credentials"
-                ) from None
 
 
 def current_alias_version(client, name: str, alias: str) -> str | None:
@@ -491,8 +370,7 @@ def _training_run(client, source: Source):
     """The training run from run.json if this tracking store has it, else None."""
     from mlflow.exceptions import MlflowException
 
-    info = (source.run or {}).get("mlflow") or {}
-    run_id = info.get("run_id")
+    run_id = source.run.mlflow.run_id if source.run is not None and source.run.mlflow else None
     if not run_id:
         return None
     try:
@@ -510,22 +388,18 @@ def _new_run(client, source: Source, name: str):
     """A run for a model without a training run: scrubbed recipe params + run.json summary metrics."""
     from mlflow.entities import Metric, Param
 
-    from ftcli.tracking import flatten
-
     recipe = source.recipe or {}
-    exp_name = ((recipe.get("tracking") or {}).get("experiment")) or recipe.get("name") or "ftcli-register"
+    tracking = recipe.get("tracking") or {}
+    exp_name = tracking.get("experiment") or recipe.get("name") or "ftcli-register"
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
     run = client.create_run(exp_id, run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"})
     params = flatten(scrub_recipe(recipe)) if recipe else {}  # as the trainers flatten them
-    run_json = source.run or {}
-    metrics = {
-        "final_loss": run_json.get("final_loss"),
-        "steps": run_json.get("steps"),
-        "tokens_trained": (run_json.get("tokens") or {}).get("trained"),
-        "tokens_seen": (run_json.get("tokens") or {}).get("seen"),
-        "tokens_per_s": (run_json.get("throughput") or {}).get("tokens_per_s"),
-        "s_per_step": (run_json.get("throughput") or {}).get("s_per_step"),
+    record = source.run
+    metrics = {} if record is None else {
+        "final_loss": record.final_loss, "steps": record.steps,
+        "tokens_trained": record.tokens.trained, "tokens_seen": record.tokens.seen,
+        "tokens_per_s": record.throughput.tokens_per_s, "s_per_step": record.throughput.s_per_step,
     }
     now = int(time.time() * 1000)
     client.log_batch(
@@ -552,31 +426,27 @@ def _pip_requirements(adapter: bool) -> list[str]:
 
 
 @contextlib.contextmanager
-def _mlflow_uris(tracking_uri: str, registry_uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API (log_model, register_model, set_experiment) at these stores for
-    the block only: its setters also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI /
-    MLFLOW_EXPERIMENT_ID, which would leak into the next in-process call."""
+def _active_run(tracking_uri: str, run) -> Iterator[None]:
+    """`run` as MLflow's active run at `tracking_uri`, for mlflow.transformers.log_model only: it takes
+    no client (Model.log opens the store at the fluent tracking URI) and files the LoggedModel under
+    the active run's experiment (with no active run: the default experiment, not the run's). So the
+    block sets the fluent URI and resumes the run with mlflow.start_run(run_id=...). Afterwards:
+    the fluent URI is what it was (mlflow.set_tracking_uri exports the URI it sets as
+    $MLFLOW_TRACKING_URI, so that variable's old value is the old URI); $MLFLOW_RUN_ID, which
+    end_run clears, is back; the run has its own status and end time again (resuming marks it
+    RUNNING, ending it FINISHED or FAILED)."""
     import mlflow
-    from mlflow.tracking import fluent
-    from mlflow.tracking._model_registry import utils as registry_utils
-    from mlflow.tracking._tracking_service import utils as tracking_utils
+    from mlflow import MlflowClient
 
-    saved = tracking_utils._tracking_uri, registry_utils._registry_uri, fluent._active_experiment_id
-    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
-    saved_env = {k: os.environ.get(k) for k in names}
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(registry_uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(saved[0])
-        registry_utils._registry_uri = saved[1]
-        fluent._active_experiment_id = saved[2]
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    previous_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    with _env(MLFLOW_RUN_ID=None):
+        mlflow.set_tracking_uri(tracking_uri)
+        try:
+            with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=False):
+                yield
+        finally:
+            MlflowClient(tracking_uri).set_terminated(run.info.run_id, run.info.status, run.info.end_time)
+            mlflow.set_tracking_uri(previous_uri)
 
 
 @contextlib.contextmanager
@@ -641,6 +511,8 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
 
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
+    from ftcli.merge import merge_lora
+
     model_dir = source.model_dir
     output = source.run_dir / "merged" if source.run_dir else model_dir.with_name(model_dir.name + "-merged")
     adapter_files = [p for p in source.model_dir.glob("adapter_model.*") if p.is_file()]
@@ -650,16 +522,6 @@ def merge_adapter(source: Source) -> Path:
     ):
         err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
         return output
-    try:
-        from ftcli.merge import merge_lora
-    except ModuleNotFoundError as e:
-        if e.name != "ftcli.merge":
-            raise
-        raise UserError(
-            "merging needs ftcli.merge (merge-lora), which this install lacks; pass --adapter-only, "
-            "or merge with `ftcli merge-lora` and register the merged dir"
-        ) from None
-
     # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
     return Path(merge_lora(model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe, force=True))
 
@@ -683,8 +545,7 @@ def _load_adapter_model(source: Source):
             config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust)
         except OSError as e:
             raise UserError(
-                f"cannot load the config of the base {base} ({str(e).splitlines()[0]}); "
-                "it must be on the hub or in the HF cache"
+                f"cannot load the config of the base {base} ({first_line(e)}); it must be on the hub or in the HF cache"
             ) from None
         if getattr(config, "quantization_config", None) is not None:
             del config.quantization_config  # no weights are loaded, so nothing to dequantize
@@ -695,17 +556,63 @@ def _load_adapter_model(source: Source):
     return PeftModel.from_pretrained(model, str(source.model_dir))
 
 
+def _log_model(source: Source, mode: Mode, model_dir: Path, run, tracking_uri: str, metadata: dict):
+    """mlflow.transformers.log_model as a chat model (task llm/v1/chat) into `run`: a checkpoint dir
+    as is, or in adapter mode the PEFT model + tokenizer with the base referenced."""
+    import mlflow
+
+    base = source.base
+    extra = {}
+    pinned_revision = None
+    if mode == "adapter":
+        from transformers import AutoTokenizer
+
+        if not base.local and not base.revision:
+            _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest commit")
+        model = _load_adapter_model(source)
+        tokenizer = AutoTokenizer.from_pretrained(str(source.model_dir), trust_remote_code=source.trust_remote_code)
+        if base.local:
+            extra["base_model_path"] = str(base.path)
+        else:
+            tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
+            pinned_revision = base.revision
+        transformers_model, torch_dtype = {"model": model, "tokenizer": tokenizer}, model.dtype
+    else:
+        transformers_model, torch_dtype = str(model_dir), _checkpoint_dtype(model_dir, source.dtype)
+    with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision):
+        info = mlflow.transformers.log_model(
+            transformers_model=transformers_model, torch_dtype=torch_dtype, name="model", task="llm/v1/chat",
+            run_id=run.info.run_id, metadata=dict(metadata),  # a copy: MLflow adds to it
+            pip_requirements=_pip_requirements(adapter=mode == "adapter"), **extra,
+        )
+    if mode == "adapter":
+        assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
+    return info
+
+
+def _register_version(client, name: str, info, tags: dict[str, str]):
+    """A new version of `name` (created on first use) from the logged model, ready when this returns."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    return client.create_model_version(name, source=info.model_uri, tags=tags, model_id=info.model_id)
+
+
 def log_and_register(
     source: Source, mode: Mode, *, name: str, alias: str | None, force: bool,
     tracking_uri: str, registry_uri: str, uc: bool,
 ) -> Result:
     """The MLflow half: nothing here runs before every check in run_register has passed."""
     t0 = time.time()
-    import mlflow
     from mlflow import MlflowClient
 
-    probe(tracking_uri, registry_uri)
+    check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+    _check_registry(client, registry_uri)
 
     previous = current_alias_version(client, name, alias) if alias else None
     if previous is not None and not force:
@@ -726,7 +633,6 @@ def log_and_register(
     attached = run is not None
     if run is None:
         run = _new_run(client, source, name)
-    mlflow.set_experiment(experiment_id=run.info.experiment_id)  # the logged model lives with its run
 
     base = source.base
     metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
@@ -734,26 +640,14 @@ def log_and_register(
         metadata["ftcli_base_model"] = str(base.path or base.id)
         if base.revision:
             metadata["ftcli_base_revision"] = base.revision
-    version_tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
-    common = dict(
-        name="model", task="llm/v1/chat", run_id=run.info.run_id, metadata=dict(metadata),  # MLflow adds to it
-        pip_requirements=_pip_requirements(adapter=mode == "adapter"),
-    )
     try:
         with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
-            if mode == "adapter":
-                info = _log_adapter(source, common)
-            else:
-                with _mlflow_compat():
-                    info = mlflow.transformers.log_model(
-                        transformers_model=str(model_dir),
-                        torch_dtype=_checkpoint_dtype(model_dir, source.dtype),
-                        **common,
-                    )
+            info = _log_model(source, mode, model_dir, run, tracking_uri, metadata)
         if uc:
             require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
-            version = mlflow.register_model(info.model_uri, name, tags=version_tags)
+            tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
+            version = _register_version(client, name, info, tags)
         if alias:
             client.set_registered_model_alias(name, alias, version.version)
     except BaseException:
@@ -771,28 +665,6 @@ def log_and_register(
         run_id=run.info.run_id, experiment_id=run.info.experiment_id, attached_to_training_run=attached,
         tracking_uri=mask_uri(tracking_uri), registry_uri=mask_uri(registry_uri), seconds=round(time.time() - t0, 1),
     )
-
-
-def _log_adapter(source: Source, common: dict):
-    import mlflow
-    from transformers import AutoTokenizer
-
-    base = source.base
-    if not base.local and not base.revision:
-        _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest commit")
-    model = _load_adapter_model(source)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.model_dir), trust_remote_code=source.trust_remote_code)
-    extra = {"base_model_path": str(base.path)} if base.local else {}
-    if not base.local:
-        tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
-    with _mlflow_compat(pinned_revision=None if base.local else base.revision):
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            torch_dtype=model.dtype, **common, **extra,
-        )
-    flavor = info.flavors.get("transformers", {})
-    assert "model_binary" not in flavor, "adapter mode must not save base weights"
-    return info
 
 
 # ---------------------------------------------------------------------------------------- entry
@@ -814,22 +686,21 @@ def run_register(
     recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
     source = resolve_source(Path(model_dir), recipe_dict)
     mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
-    tracking = resolve_tracking_uri(source, tracking_uri)
+    tracking = _tracking_uri(source, tracking_uri)
 
     from mlflow.exceptions import MlflowException
 
-    # A short retry budget for the work itself (MLflow's default retries for minutes); the probe
-    # inside uses none. A value the user exported wins.
-    retries = {} if "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ else {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
-    try:
-        with contextlib.redirect_stdout(sys.stderr), _env(**retries):  # --json: only JSON reaches stdout
-            with _mlflow_uris(tracking, registry or tracking):
-                result = log_and_register(
-                    source, mode, name=name, alias=alias, force=force,
-                    tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
-                )
+    # A short retry budget for the work itself (MLflow's default retries for minutes); the probes
+    # use none. A value the user exported wins.
+    retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr
+        with contextlib.redirect_stdout(sys.stderr), _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES=retries):
+            result = log_and_register(
+                source, mode, name=name, alias=alias, force=force,
+                tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
+            )
     except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)
-        raise UserError(f"MLflow: {(e.message.strip().splitlines() or [type(e).__name__])[0]}") from None
+        raise UserError(f"MLflow: {first_line(e)}") from None
     _print(result, as_json)
     return result
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from ftcli.errors import UserError
 from ftcli.recipe import load_recipe, resolve_path
+from ftcli.redact import scrub_recipe
 from ftcli.tracking import flatten
 from ftcli import register as reg
 
@@ -97,7 +98,7 @@ def _training_run(tracking_uri: str, recipe: dict) -> dict:
     exp = client.get_experiment_by_name(recipe["name"])
     exp_id = exp.experiment_id if exp else client.create_experiment(recipe["name"])
     run = client.create_run(exp_id, run_name="train")
-    params = flatten(reg.scrub_recipe(recipe))
+    params = flatten(scrub_recipe(recipe))
     metrics = [Metric("loss", 5.0 - step, 0, step) for step in range(3)]
     client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
     client.set_terminated(run.info.run_id)
@@ -455,7 +456,7 @@ def test_uc_adapter_rules(tmp_path):
 def test_scrub_recipe_hides_secret_and_env_values():
     recipe = _recipe_with_secrets("tiny-qwen-cpu")
     recipe["tracking"]["tracking_uri"] = f"https://user:{SECRET_VALUE}@mlflow.example.com"
-    params = flatten(reg.scrub_recipe(recipe))
+    params = flatten(scrub_recipe(recipe))
     assert SECRET_VALUE not in json.dumps(params)
     assert params["compute.secrets.HF_TOKEN"] == "***" and params["tracking.tracking_uri"].startswith("https://***@")
     assert recipe["compute"]["env_variables"]["HF_HOME"] == SECRET_VALUE  # the input is not modified
