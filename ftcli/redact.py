@@ -1,6 +1,6 @@
 """Redaction: what ftcli prints or logs never carries a secret.
 
-    mask_uri("https://user:token@host:5000/x")  -> "https://***@host:5000/x"
+    mask_uri("https://user:token@host:5000/x")  -> "https://***@host:5000/x"  (also inside a message)
     scrub_recipe(recipe_dict)                   -> a copy with compute.secrets / compute.env_variables
                                                    values replaced by "***" and the tracking URI masked
 
@@ -11,22 +11,15 @@ directory (run.json's recipe). Plain data code: no MLflow, no torch.
 from __future__ import annotations
 
 import json
-from urllib.parse import urlsplit, urlunsplit
+import re
 
 SCRUBBED = "***"
+_USERINFO = re.compile(r"(?<=://)[^/\s]*@")  # scheme://user:password@host: up to the host's last '@'
 
 
-def mask_uri(uri: str) -> str:
-    """http://user:token@host -> http://***@host (for printing and logging)."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return uri
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{SCRUBBED}@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return uri
+def mask_uri(text: str) -> str:
+    """The user-info of every URL in `text` masked: a URI, or a message that quotes one."""
+    return _USERINFO.sub(SCRUBBED + "@", text)
 
 
 def scrub_recipe(recipe: dict | None) -> dict:

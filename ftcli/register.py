@@ -12,9 +12,8 @@ What is logged depends on what training wrote:
                                                    local base dir)
     model dir   any HF checkpoint or adapter    -> the same, with no training run to attach to
 
-Every version is logged with `mlflow.transformers.log_model(task="llm/v1/chat")`, so it carries a
-chat signature (inputs and outputs) and serves OpenAI-style chat completions. The model is logged
-into the training run recorded in run.json, so the version, the recipe params and the training
+Every version is logged as a chat model (ftcli.mlflow_model: a chat signature, OpenAI-style chat
+completions when served), into the training run recorded in run.json, so the version, the recipe params and the training
 metrics sit on one run; without one, a new run gets the (scrubbed) recipe params and run.json's
 summary metrics.
 
@@ -38,19 +37,8 @@ Unity Catalog (`--registry-uri databricks-uc`):
   with a pointer to `--merged`. An adapter over a local base cannot go to UC at all (UC cannot
   read a local path): `--merged`.
 
-Two workarounds for the installed MLflow (3.17, tested up to transformers 5.17) live in
-`_mlflow_compat`, each applied only while logging and only when needed:
-- the installed transformers (5.24) lists pipeline classes lazily (a dotted string), which
-  MLflow's local-checkpoint path reads as a class; the string is resolved to the class.
-- for an adapter over a hub base, MLflow records the hub's *latest* commit of the base; ftcli pins
-  the revision the run trained on (run.json base_model.revision).
-An adapter over a local base is logged with `base_model_path` (adapter + tokenizer + a path to the
-base), so it loads only where that path exists (this machine, a shared disk): MLflow's other route
-for it saves the PEFT-wrapped base (`base_layer`/`lora_*` keys) as the base weights, which load
-back as a silently broken model.
-
-MLflow is driven through one `MlflowClient(tracking_uri, registry_uri)`; the only fluent call,
-`mlflow.transformers.log_model` (it takes no client), runs inside `_active_run` (why: there).
+MLflow goes through one `MlflowClient(tracking_uri, registry_uri)`; the model itself is logged by
+ftcli.mlflow_model (mlflow.transformers.log_model, scoped to the run and the store).
 
 Secrets: no environment variable is logged; recipe `compute.secrets` and `compute.env_variables`
 values are replaced by "***" in logged params, and credentials in URIs are masked when printed
@@ -60,7 +48,6 @@ values are replaced by "***" in logged params, and credentials in URIs are maske
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -314,11 +301,10 @@ def _warn(message: str) -> None:
 
 
 @contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    """Set these environment variables for the block (None: leave it as it is); afterwards every one
-    has its old value, or is absent again, whatever the block did to it."""
+def _env(**values: str) -> Iterator[None]:
+    """These environment variables set for the block; afterwards each has its old value, or none."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: v for k, v in values.items() if v is not None})
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -339,19 +325,19 @@ def _tracking_uri(source: Source, tracking_uri: str | None) -> str:
 
 
 def _check_registry(client, registry_uri: str) -> None:
-    """One registry call with no retries: a wrong URI or missing credentials fail here, in seconds,
-    before anything is merged or uploaded."""
+    """The registry answers one call with no retries, or this fails in seconds with the URI, before
+    anything is merged or uploaded (a wrong URI, missing credentials)."""
     from mlflow.exceptions import MlflowException
 
+    fix = "check --registry-uri and your credentials"
+    check_reachable(registry_uri, fix=fix, timeout_s=PROBE_TIMEOUT_S, what="model registry")
     with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(PROBE_TIMEOUT_S)):
         try:
             client.search_registered_models(max_results=1)
         except Exception as e:  # noqa: BLE001 - whatever the store raises, this registry cannot be used
             denied = isinstance(e, MlflowException) and e.error_code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
-            raise UserError(
-                f"cannot use the model registry at {mask_uri(registry_uri)} "
-                f"({'not authorized' if denied else first_line(e)}); check --registry-uri and your credentials"
-            ) from None
+            reason = "not authorized" if denied else first_line(e)
+            raise UserError(f"cannot use the model registry at {mask_uri(registry_uri)} ({reason}); {fix}") from None
 
 
 def current_alias_version(client, name: str, alias: str) -> str | None:
@@ -410,105 +396,6 @@ def _new_run(client, source: Source, name: str):
     return run
 
 
-def _pip_requirements(adapter: bool) -> list[str]:
-    """Pinned to what is installed here (local tags like +cpu dropped: a GPU server has its own)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    reqs = []
-    for pkg in ("transformers", "torch", "accelerate", "safetensors") + (("peft",) if adapter else ()):
-        try:
-            reqs.append(f"{pkg}=={Version(version(pkg)).base_version}")
-        except PackageNotFoundError:
-            continue
-    return reqs
-
-
-@contextlib.contextmanager
-def _active_run(tracking_uri: str, run) -> Iterator[None]:
-    """`run` as MLflow's active run at `tracking_uri`, for mlflow.transformers.log_model only: it takes
-    no client (Model.log opens the store at the fluent tracking URI) and files the LoggedModel under
-    the active run's experiment (with no active run: the default experiment, not the run's). So the
-    block sets the fluent URI and resumes the run with mlflow.start_run(run_id=...). Afterwards:
-    the fluent URI is what it was (mlflow.set_tracking_uri exports the URI it sets as
-    $MLFLOW_TRACKING_URI, so that variable's old value is the old URI); $MLFLOW_RUN_ID, which
-    end_run clears, is back; the run has its own status and end time again (resuming marks it
-    RUNNING, ending it FINISHED or FAILED)."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    previous_uri = os.environ.get("MLFLOW_TRACKING_URI")
-    with _env(MLFLOW_RUN_ID=None):
-        mlflow.set_tracking_uri(tracking_uri)
-        try:
-            with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=False):
-                yield
-        finally:
-            MlflowClient(tracking_uri).set_terminated(run.info.run_id, run.info.status, run.info.end_time)
-            mlflow.set_tracking_uri(previous_uri)
-
-
-@contextlib.contextmanager
-def _mlflow_compat(pinned_revision: str | None = None) -> Iterator[None]:
-    """The two MLflow workarounds described in the module docstring, active only inside the block."""
-    import mlflow.transformers.flavor_config as flavor_config
-    import transformers.pipelines as pipelines
-
-    original_check_task = pipelines.check_task
-    original_commit = flavor_config.get_latest_commit_for_repo
-
-    def check_task(task):
-        name, meta, options = original_check_task(task)
-        impl = meta.get("impl")
-        if isinstance(impl, str):  # "transformers.pipelines.text_generation.TextGenerationPipeline"
-            module, _, cls = impl.rpartition(".")
-            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
-        return name, meta, options
-
-    pipelines.check_task = check_task
-    if pinned_revision:
-        flavor_config.get_latest_commit_for_repo = lambda repo: pinned_revision
-    try:
-        yield
-    finally:
-        pipelines.check_task = original_check_task
-        flavor_config.get_latest_commit_for_repo = original_commit
-
-
-def _checkpoint_dtype(model_dir: Path, fallback: str):
-    import torch
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    text_cfg = config.get("text_config") or {}
-    name = config.get("dtype") or config.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype")
-    dtype = getattr(torch, str(name or fallback), None)
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, fallback)
-
-
-def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
-    """Refuse a checkpoint whose class is not in transformers unless the recipe trusts remote code
-    (MLflow would load it with trust_remote_code=True)."""
-    import transformers
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{model_dir / 'config.json'}: cannot read it ({e})") from None
-    archs = config.get("architectures") or []
-    if not archs:
-        raise UserError(f"{model_dir / 'config.json'} has no 'architectures'; MLflow needs the model class")
-    custom = bool(config.get("auto_map")) or not hasattr(transformers, archs[0])
-    if custom and not trust_remote_code:
-        raise UserError(
-            f"{model_dir} needs custom model code ({archs[0]}); loading it runs that code, so register it "
-            "only with a recipe that sets model.trust_remote_code: true"
-        )
-
-
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
     from ftcli.merge import merge_lora
@@ -524,70 +411,6 @@ def merge_adapter(source: Source) -> Path:
         return output
     # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
     return Path(merge_lora(model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe, force=True))
-
-
-def _load_adapter_model(source: Source):
-    """The PEFT model MLflow logs in adapter mode. A hub base is built without its weights: MLflow
-    saves only the adapter and a reference to the base (checked after logging)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoConfig
-
-    from ftcli.modeling import DTYPES, auto_class
-
-    base, trust = source.base, source.trust_remote_code
-    dtype = DTYPES.get(source.dtype, torch.bfloat16)
-    cls = auto_class(source.model_class)
-    if base.local:
-        model = cls.from_pretrained(str(base.path), dtype=dtype, trust_remote_code=trust)
-    else:
-        try:
-            config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust)
-        except OSError as e:
-            raise UserError(
-                f"cannot load the config of the base {base} ({first_line(e)}); it must be on the hub or in the HF cache"
-            ) from None
-        if getattr(config, "quantization_config", None) is not None:
-            del config.quantization_config  # no weights are loaded, so nothing to dequantize
-        with torch.device("meta"):
-            model = cls.from_config(config, dtype=dtype, trust_remote_code=trust)
-        model.to_empty(device="cpu")  # allocated, never written or saved
-        model.config._name_or_path = model.name_or_path = base.id  # MLflow references the base by this
-    return PeftModel.from_pretrained(model, str(source.model_dir))
-
-
-def _log_model(source: Source, mode: Mode, model_dir: Path, run, tracking_uri: str, metadata: dict):
-    """mlflow.transformers.log_model as a chat model (task llm/v1/chat) into `run`: a checkpoint dir
-    as is, or in adapter mode the PEFT model + tokenizer with the base referenced."""
-    import mlflow
-
-    base = source.base
-    extra = {}
-    pinned_revision = None
-    if mode == "adapter":
-        from transformers import AutoTokenizer
-
-        if not base.local and not base.revision:
-            _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest commit")
-        model = _load_adapter_model(source)
-        tokenizer = AutoTokenizer.from_pretrained(str(source.model_dir), trust_remote_code=source.trust_remote_code)
-        if base.local:
-            extra["base_model_path"] = str(base.path)
-        else:
-            tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
-            pinned_revision = base.revision
-        transformers_model, torch_dtype = {"model": model, "tokenizer": tokenizer}, model.dtype
-    else:
-        transformers_model, torch_dtype = str(model_dir), _checkpoint_dtype(model_dir, source.dtype)
-    with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision):
-        info = mlflow.transformers.log_model(
-            transformers_model=transformers_model, torch_dtype=torch_dtype, name="model", task="llm/v1/chat",
-            run_id=run.info.run_id, metadata=dict(metadata),  # a copy: MLflow adds to it
-            pip_requirements=_pip_requirements(adapter=mode == "adapter"), **extra,
-        )
-    if mode == "adapter":
-        assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
-    return info
 
 
 def _register_version(client, name: str, info, tags: dict[str, str]):
@@ -610,6 +433,8 @@ def log_and_register(
     t0 = time.time()
     from mlflow import MlflowClient
 
+    from ftcli import mlflow_model
+
     check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
     _check_registry(client, registry_uri)
@@ -627,7 +452,7 @@ def log_and_register(
             model_dir = merge_adapter(source)
         _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
     if mode in ("full", "merged"):
-        check_remote_code(model_dir, source.trust_remote_code)
+        mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
 
     run = _training_run(client, source)
     attached = run is not None
@@ -642,7 +467,18 @@ def log_and_register(
             metadata["ftcli_base_revision"] = base.revision
     try:
         with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
-            info = _log_model(source, mode, model_dir, run, tracking_uri, metadata)
+            if mode == "adapter":
+                if not base.local and not base.revision:
+                    _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest "
+                          "commit")
+                info = mlflow_model.log_adapter(
+                    model_dir, base, run=run, tracking_uri=tracking_uri, metadata=metadata, dtype=source.dtype,
+                    model_class=source.model_class, trust_remote_code=source.trust_remote_code,
+                )
+            else:
+                info = mlflow_model.log_checkpoint(
+                    model_dir, run=run, tracking_uri=tracking_uri, metadata=metadata, dtype=source.dtype
+                )
         if uc:
             require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):

@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ftcli.errors import UserError
 from ftcli.redact import mask_uri, scrub_recipe  # secrets and env values never reach MLflow params
@@ -46,18 +47,21 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (MLflow's can run to pages), or its type's name."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    """The first line of an exception's message (MLflow's can run to pages), or its type's name,
+    with any credentials in the URLs it quotes masked."""
+    return mask_uri((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
-def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """An http(s) tracking server must answer one quick GET /health, so a wrong URI fails in seconds
+def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, what="MLflow tracking server") -> None:
+    """An http(s) MLflow server must answer one quick GET /health, so a wrong URI fails in seconds
     (not after MLflow's retries) with a UserError naming the masked URI, why, and `fix`. Other stores
     (sqlite, databricks) are left to the first real call."""
     if not uri.startswith(("http://", "https://")):
         return
+    parts = urlsplit(uri)  # /health needs no credentials, and urllib would take user:password@ for the host
+    health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
     try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        urllib.request.urlopen(health, timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return  # it answered: reachable (auth or routing is MLflow's to report)
     except (urllib.error.URLError, OSError) as e:
@@ -70,7 +74,7 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S) -
             why = "unknown host"
         else:
             why = str(reason)
-        raise UserError(f"cannot reach the MLflow tracking server at {mask_uri(uri)} ({why}); {fix}") from None
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -133,7 +137,8 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
     if rank != 0 or not recipe.tracking.enabled:
         return NoTracking()
     uri = resolve_tracking_uri(recipe.tracking.tracking_uri)
-    check_reachable(uri, fix="start it, fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false")
+    fix = "start it, fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+    check_reachable(uri, fix=fix)
     import logging
 
     import mlflow
@@ -157,8 +162,8 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
                 log_system_metrics=recipe.tracking.log_system_metrics,
             )
     except Exception as e:  # noqa: BLE001 - MLflow raises many types; the user needs one line
-        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first_line(e)}; set tracking.enabled=false to train "
-                        "without tracking") from None
+        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first_line(e)}; "
+                        "set tracking.enabled=false to train without tracking") from None
     tracker = MlflowTracking(mlflow, run, uri)
     try:
         mlflow.log_params(flatten(scrub_recipe(recipe.to_dict())))
