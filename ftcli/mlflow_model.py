@@ -1,7 +1,7 @@
 """Log a Hugging Face checkpoint or a LoRA adapter to MLflow as a chat model (`ftcli register`'s logging).
 
-    log_checkpoint(model_dir, run=..., tracking_uri=..., metadata=..., dtype=...)   files copied as is
-    log_adapter(adapter_dir, base, run=..., ...)                                     PEFT model, base referenced
+    log_chat_model(model_dir, base=None, run=..., ...)     a full checkpoint: files copied as is
+    log_chat_model(adapter_dir, base=BaseRef, run=..., ...) a LoRA adapter: PEFT model, base referenced
 
 Both go through `mlflow.transformers.log_model(task="llm/v1/chat")`, so the model carries a chat
 signature (inputs and outputs) and serves OpenAI-style chat completions. It is the one fluent MLflow
@@ -35,19 +35,18 @@ from ftcli.merge import BaseRef
 from ftcli.tracking import first_line
 
 
-def log_checkpoint(model_dir: Path, *, run, tracking_uri: str, metadata: dict, dtype: str):
-    """A full HF checkpoint dir into `run`; `dtype` is the fallback when config.json names none."""
-    return _log(str(model_dir), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
-                metadata=metadata, adapter=False)
-
-
-def log_adapter(adapter_dir: Path, base: BaseRef, *, run, tracking_uri: str, metadata: dict, dtype: str,
-                model_class: str, trust_remote_code: bool):
-    """A LoRA adapter into `run`, the base referenced (local dir, or hub id at its pinned revision)."""
+def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: str, metadata: dict, dtype: str,
+                   model_class: str = "causal_lm", trust_remote_code: bool = False):
+    """Log `model_dir` into `run`: with base=None a full HF checkpoint (files copied as is, `dtype`
+    the fallback when config.json names none); else a LoRA adapter over `base`, which is referenced
+    (a local dir, or a hub id at its pinned revision), never copied."""
+    if base is None:
+        return _log(str(model_dir), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
+                    metadata=metadata, adapter=False)
     from transformers import AutoTokenizer
 
-    model = _adapter_model(adapter_dir, base, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust_remote_code)
+    model = _adapter_model(model_dir, base, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if not base.local:
         tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
     info = _log({"model": model, "tokenizer": tokenizer}, model.dtype, run=run, tracking_uri=tracking_uri,
@@ -55,6 +54,37 @@ def log_adapter(adapter_dir: Path, base: BaseRef, *, run, tracking_uri: str, met
                 **({"base_model_path": str(base.path)} if base.local else {}))
     assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
     return info
+
+
+def missing_files(model_dir: Path, *, adapter: bool) -> list[str]:
+    """What log_chat_model and a chat endpoint need that `model_dir` lacks: the weights (or the
+    adapter), the tokenizer and its chat template."""
+    d = model_dir
+    missing = []
+    if adapter:
+        if not (d / "adapter_config.json").is_file():
+            missing.append("adapter_config.json")
+        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+            missing.append("adapter_model.safetensors")
+    else:
+        if not (d / "config.json").is_file():
+            missing.append("config.json")
+        if not any(any(d.glob(g)) for g in ("*.safetensors", "pytorch_model*.bin")):
+            missing.append("model weights (*.safetensors)")
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        missing.append("tokenizer (tokenizer.json)")
+    elif not _has_chat_template(d):
+        missing.append("chat template (chat_template.jinja)")
+    return missing
+
+
+def _has_chat_template(d: Path) -> bool:
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:

@@ -12,10 +12,10 @@ What is logged depends on what training wrote:
                                                    local base dir)
     model dir   any HF checkpoint or adapter    -> the same, with no training run to attach to
 
-Every version is logged as a chat model (ftcli.mlflow_model: a chat signature, OpenAI-style chat
-completions when served), into the training run recorded in run.json, so the version, the recipe params and the training
+The model (ftcli.mlflow_model: chat signature, OpenAI-style chat completions when served) is logged
+into the training run recorded in run.json, so the version, the recipe params and the training
 metrics sit on one run; without one, a new run gets the (scrubbed) recipe params and run.json's
-summary metrics.
+summary metrics. Everything else goes through one `MlflowClient(tracking_uri, registry_uri)`.
 
 Where: the tracking store is --tracking-uri, else the training run's (run.json), else
 $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db; the registry is --registry-uri, else
@@ -24,7 +24,7 @@ $MLFLOW_REGISTRY_URI, else the tracking store.
 Order of work: every cheap check runs before anything is merged or uploaded.
 
     model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
-    -> alias free (or --force) -> [merge] -> log_model -> create_model_version -> set alias
+    -> alias free (or --force) -> [merge] -> log the model -> create the version -> set the alias
 
 Unity Catalog (`--registry-uri databricks-uc`):
 - the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
@@ -32,17 +32,12 @@ Unity Catalog (`--registry-uri databricks-uc`):
   so ftcli lowercases the name.
 - a version needs a signature with inputs and outputs; checked after logging, before registering.
 - an adapter over a hub base makes UC download the base weights at registration (MLflow persists
-  them on the registering machine, then uploads the full model). That only happens when the user
-  asked for it by passing `--adapter-only` explicitly; by default such a registration is refused
-  with a pointer to `--merged`. An adapter over a local base cannot go to UC at all (UC cannot
-  read a local path): `--merged`.
-
-MLflow goes through one `MlflowClient(tracking_uri, registry_uri)`; the model itself is logged by
-ftcli.mlflow_model (mlflow.transformers.log_model, scoped to the run and the store).
+  them on the registering machine, then uploads the full model): only with an explicit
+  `--adapter-only`; by default it is refused with a pointer to `--merged`. An adapter over a local
+  base cannot go to UC at all (UC cannot read a local path): `--merged`.
 
 Secrets: no environment variable is logged; recipe `compute.secrets` and `compute.env_variables`
-values are replaced by "***" in logged params, and credentials in URIs are masked when printed
-(ftcli.redact).
+values are "***" in logged params, and credentials in URIs are masked when printed (ftcli.redact).
 """
 
 from __future__ import annotations
@@ -59,7 +54,7 @@ from typing import Iterator, Literal
 
 from rich.console import Console
 
-from ftcli import __version__
+from ftcli import __version__, mlflow_model
 from ftcli.errors import UserError
 from ftcli.merge import BaseRef, recipe_model, resolve_base
 from ftcli.redact import mask_uri, scrub_recipe
@@ -74,7 +69,6 @@ _UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
 _ALIAS_RE = re.compile(r"^[\w-]+$")
 _ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
 PROBE_TIMEOUT_S = 5
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 err_console = Console(stderr=True)
 
@@ -216,34 +210,11 @@ def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
 
 def _check_model_files(source: Source) -> None:
     """Every file log_model and a chat endpoint need, reported at once."""
-    d = source.model_dir
-    missing = []
-    if source.kind == "adapter":
-        if not (d / "adapter_config.json").is_file():
-            missing.append("adapter_config.json")
-        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-            missing.append("adapter_model.safetensors")
-    else:
-        if not (d / "config.json").is_file():
-            missing.append("config.json")
-        if not any(any(d.glob(g)) for g in WEIGHT_GLOBS):
-            missing.append("model weights (*.safetensors)")
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        missing.append("tokenizer (tokenizer.json)")
-    elif not _has_chat_template(d):
-        missing.append("chat template (chat_template.jinja)")
+    missing = mlflow_model.missing_files(source.model_dir, adapter=source.kind == "adapter")
     if missing:
         where = f" (run.json status: {source.run.status!r})" if source.run else ""
-        raise UserError(f"{d} is missing {', '.join(missing)}{where}; did training finish and save the final model?")
-
-
-def _has_chat_template(d: Path) -> bool:
-    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
+        raise UserError(f"{source.model_dir} is missing {', '.join(missing)}{where}; did training finish and save "
+                        "the final model?")
 
 
 # ---------------------------------------------------------------------------------------- modes
@@ -352,36 +323,29 @@ def current_alias_version(client, name: str, alias: str) -> str | None:
         raise
 
 
-def _training_run(client, source: Source):
-    """The training run from run.json if this tracking store has it, else None."""
+def _run_to_log_into(client, source: Source, name: str) -> tuple[object, bool]:
+    """(run, attached): the training run from run.json if this tracking store has it; else a new run
+    with the scrubbed recipe as params and run.json's summary metrics."""
+    from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
-    run_id = source.run.mlflow.run_id if source.run is not None and source.run.mlflow else None
-    if not run_id:
-        return None
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        _warn(f"training run {run_id} (run.json) is not in this tracking store; logging into a new run")
-        return None
-    if run.info.lifecycle_stage == "deleted":
-        _warn(f"training run {run_id} is deleted; logging into a new run")
-        return None
-    return run
-
-
-def _new_run(client, source: Source, name: str):
-    """A run for a model without a training run: scrubbed recipe params + run.json summary metrics."""
-    from mlflow.entities import Metric, Param
-
+    record = source.run
+    run_id = record.mlflow.run_id if record is not None and record.mlflow else None
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            _warn(f"training run {run_id} (run.json) is not in this tracking store; logging into a new run")
+        else:
+            if run.info.lifecycle_stage != "deleted":
+                return run, True
+            _warn(f"training run {run_id} is deleted; logging into a new run")
     recipe = source.recipe or {}
     tracking = recipe.get("tracking") or {}
     exp_name = tracking.get("experiment") or recipe.get("name") or "ftcli-register"
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
     run = client.create_run(exp_id, run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"})
-    params = flatten(scrub_recipe(recipe)) if recipe else {}  # as the trainers flatten them
-    record = source.run
     metrics = {} if record is None else {
         "final_loss": record.final_loss, "steps": record.steps,
         "tokens_trained": record.tokens.trained, "tokens_seen": record.tokens.seen,
@@ -391,9 +355,9 @@ def _new_run(client, source: Source, name: str):
     client.log_batch(
         run.info.run_id,
         metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))],
-        params=[Param(k, v) for k, v in params.items()],
+        params=[Param(k, v) for k, v in flatten(scrub_recipe(recipe)).items()],  # as the trainers log them
     )
-    return run
+    return run, False
 
 
 def merge_adapter(source: Source) -> Path:
@@ -433,8 +397,6 @@ def log_and_register(
     t0 = time.time()
     from mlflow import MlflowClient
 
-    from ftcli import mlflow_model
-
     check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
     _check_registry(client, registry_uri)
@@ -454,10 +416,7 @@ def log_and_register(
     if mode in ("full", "merged"):
         mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
 
-    run = _training_run(client, source)
-    attached = run is not None
-    if run is None:
-        run = _new_run(client, source, name)
+    run, attached = _run_to_log_into(client, source, name)
 
     base = source.base
     metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
@@ -467,18 +426,11 @@ def log_and_register(
             metadata["ftcli_base_revision"] = base.revision
     try:
         with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
-            if mode == "adapter":
-                if not base.local and not base.revision:
-                    _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest "
-                          "commit")
-                info = mlflow_model.log_adapter(
-                    model_dir, base, run=run, tracking_uri=tracking_uri, metadata=metadata, dtype=source.dtype,
-                    model_class=source.model_class, trust_remote_code=source.trust_remote_code,
-                )
-            else:
-                info = mlflow_model.log_checkpoint(
-                    model_dir, run=run, tracking_uri=tracking_uri, metadata=metadata, dtype=source.dtype
-                )
+            info = mlflow_model.log_chat_model(
+                model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
+                metadata=metadata, dtype=source.dtype, model_class=source.model_class,
+                trust_remote_code=source.trust_remote_code,
+            )
         if uc:
             require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
@@ -522,6 +474,8 @@ def run_register(
     recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
     source = resolve_source(Path(model_dir), recipe_dict)
     mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
+    if mode == "adapter" and not source.base.local and not source.base.revision:
+        _warn(f"the base {source.base} has no pinned revision in run.json; MLflow records the hub's latest commit")
     tracking = _tracking_uri(source, tracking_uri)
 
     from mlflow.exceptions import MlflowException
