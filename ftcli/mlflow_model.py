@@ -223,5 +223,5 @@ def _adapter_model(adapter_dir: Path, base: BaseRef, *, dtype: str, model_class:
         with torch.device("meta"):
             model = cls.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         model.to_empty(device="cpu")  # allocated, never written or saved
-        model.config._name_or_path = model.name_or_path = base.id  # MLflow references the base by this
+        model.config.name_or_path = model.name_or_path = base.id  # MLflow references the base by this
     return PeftModel.from_pretrained(model, str(adapter_dir))
