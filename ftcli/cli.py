@@ -242,8 +242,6 @@ def register(
     force: bool = typer.Option(False, "--force", help="Move an alias that already points at another version."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
-    if adapter_only and merged:
-        _fail("--adapter-only and --merged exclude each other")
     r = _load(recipe, overrides)
     from ftcli.register import run_register
 
