@@ -69,7 +69,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ftcli.data.validate import BadRow
+from ftcli.data.validate import BadRow, content_text
 from ftcli.errors import UserError
 
 TEMPLATE_DATE = datetime(2025, 1, 1)
@@ -155,20 +155,6 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             m["tool_calls"] = [_parsed_call(c) for c in m["tool_calls"]]
         out.append(m)
     return out
-
-
-def content_text(parts: list) -> str:
-    """A list-of-parts content as one string (text parts joined as the templates join them)."""
-    texts = []
-    for part in parts:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise BadRow("non-text content part", f"a content part of type {kind!r}; only text parts are trained")
-    return "".join(texts)
 
 
 def _parsed_call(call):
