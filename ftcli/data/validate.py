@@ -54,7 +54,7 @@ def _content(m: dict, i: int) -> dict:
     """The message with its content checked: a string, a list of text parts, or (tool results) JSON."""
     role, content = m["role"], m.get("content")
     if content is None:
-        if role == "assistant" and (m.get("tool_calls") or _reasoning(m)):
+        if role == "assistant":  # a tool call or reasoning only, or an empty turn (dropped by the caller)
             return m
         raise BadRow("missing content", f"message {i} ({role}) has no content")
     if isinstance(content, list) and all(isinstance(p, (dict, str)) for p in content):
