@@ -103,7 +103,9 @@ class SourceConfig(_Section):
 
     name: str | None = Field(None, description="Label in pack-preview and run.json; default: the path.")
     source: SourceKind = "hub"
-    path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow; a UC volume is a path).")
+    path: str | None = Field(
+        None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow; a UC volume is a path)."
+    )
     revision: str | None = None
     split: str = "train"
     streaming: bool = False
@@ -141,7 +143,9 @@ class DataConfig(_Section):
     streaming: bool = False
     format: Literal["messages", "prompt_completion"] = "messages"
     messages_field: str = "messages"
-    tools_field: str | None = Field("tools", description="Row field with function schemas, passed to the template as tools=.")
+    tools_field: str | None = Field(
+        "tools", description="Row field with function schemas, passed to the template as tools=."
+    )
     sources: list[SourceConfig] | None = Field(
         None, description="A mix of datasets, each with its own fields and weight; replaces source/path/... above."
     )

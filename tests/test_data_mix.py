@@ -106,5 +106,6 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
         b.num_trained_tokens for b in blocks)
     assert summary == {**data_summary(r, packed).to_dict(), "from_cache": False,
                        "preview_seconds": summary["preview_seconds"]}
-    text = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"], env={"COLUMNS": "200"}).stdout
+    args = ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"]
+    text = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).stdout
     assert "sources" in text and "skipped by reason" in text and "no assistant turn 1" in text

@@ -67,7 +67,8 @@ def test_list_of_parts_content_trains_like_the_string(tmp_path):
     parts = {"role": "user", "content": [{"type": "text", "text": "What is 7 "}, {"type": "text", "text": "plus 6?"}]}
     reply = {"role": "assistant", "content": [{"type": "text", "text": "13"}]}
     image = {"role": "user", "content": [{"type": "image", "url": "x.png"}]}
-    examples, stats = _examples(tmp_path, [{"messages": [parts, reply]}, {"messages": [U, A]}, {"messages": [image, A]}])
+    rows = [{"messages": [parts, reply]}, {"messages": [U, A]}, {"messages": [image, A]}]
+    examples, stats = _examples(tmp_path, rows)
     assert examples[0].input_ids == examples[1].input_ids and examples[0].labels == examples[1].labels
     assert stats.skipped == {"non-text content part": 1}
 
@@ -135,7 +136,8 @@ def test_bfd_counts_each_example_once_and_reports_lost_trained_tokens(tmp_path):
                   data__packing__block_len=block, data__packing__overlong="drop")
     stats = prepare_blocks(drop, tok).stats
     assert stats.skipped == {"longer than block": 2} and stats.truncated == 0
-    assert stats.trained_lost_overlong == int(full[1][1].sum() + full[2][1].sum()) and stats.trained_lost_truncation == 0
+    assert stats.trained_lost_overlong == int(full[1][1].sum() + full[2][1].sum())
+    assert stats.trained_lost_truncation == 0
 
 
 def test_special_token_strings_in_text_are_counted_and_the_mode_applies(tmp_path):

@@ -258,7 +258,11 @@ class HarmonyGrammar:
 
 def _header_grammar(name, start, sep, end, assistant, markers) -> HeaderGrammar:
     return HeaderGrammar(
-        name, re.compile(re.escape(start) + r"(?P<role>[^\n<>|]*)" + sep), re.compile(end), frozenset(assistant), markers
+        name,
+        re.compile(re.escape(start) + r"(?P<role>[^\n<>|]*)" + sep),
+        re.compile(end),
+        frozenset(assistant),
+        markers,
     )
 
 
@@ -519,7 +523,9 @@ class ChatEncoder:
             spans.append((i, ls, le))
         return _Skeleton(literals, order, spans)
 
-    def spans(self, messages: list[dict], first_message: int = 0, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+    def spans(
+        self, messages: list[dict], first_message: int = 0, tools: list | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and (start char, end char) of every trained assistant span, from the
         template's markers (one render), else from the per-turn renders (`skeleton_spans`). Spans before
         message `first_message` are left out. Messages must be `protect`ed already."""
@@ -642,7 +648,8 @@ class ChatEncoder:
         placeholders is restored and tokenized without added-token matching (plain text)."""
         pieces = self._split.split(text)  # plain, added, plain, added, ..., plain
         plain = pieces[0::2]
-        restored = {k: self._restore(p) for k, p in enumerate(plain) if self._placeholder_re and self._placeholder_re.search(p)}
+        marked = self._placeholder_re
+        restored = {k: self._restore(p) for k, p in enumerate(plain) if marked is not None and marked.search(p)}
         encs = self._backend.encode_batch_fast([restored[k][0] if k in restored else p for k, p in enumerate(plain)],
                                                add_special_tokens=False)
         for k, (piece, _) in restored.items():

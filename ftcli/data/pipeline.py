@@ -1,7 +1,14 @@
 """The one data path: rows -> validate -> render + mask -> (truncate) -> pack -> cache -> blocks.
 
-    sources.open_rows -> validate.conversation -> chat.ChatEncoder.encode -> packing.pack_*
-        -> cache.BlockWriter (once, atomic) -> cache.PackedDataset (memory-mapped) -> stream.BlockStream
+    for each source of data.source_list() (one, or data.sources), under its weight (`weighted`):
+        sources.open_rows -> validate.conversation -> chat.ChatEncoder.encode
+    -> truncate (data.max_length; bfd: the block) -> packing.pack_*
+    -> cache.BlockWriter (once, atomic) -> cache.PackedDataset (memory-mapped) -> stream.BlockStream
+
+Every row is counted once in `DataStats` (and in its source's entry): kept, perhaps truncated, or
+skipped under one reason; turns dropped from kept rows and special-token strings in text are noted;
+trained tokens cut off by truncation or an overlong drop are summed. `ftcli.data.summary` turns those
+counts into the summary pack-preview shows and train prints.
 
 `prepare` does the work (rank 0 before a barrier, or any command) and is a no-op when the cache already
 has the result; `open_prepared` is what the other ranks call after the barrier; `prepare_blocks` is both

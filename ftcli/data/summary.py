@@ -78,7 +78,8 @@ class DataSummary:
             out.append((f"  dropped: {reason}", f"{n} turns (the rest of each row is kept)"))
         sp = self.special_tokens_in_text
         if sp["strings"]:
-            out.append(("special tokens in text", f"{sp['strings']} in {sp['rows']} rows (data.special_tokens_in_text={sp['mode']})"))
+            where = f"{sp['strings']} in {sp['rows']} rows (data.special_tokens_in_text={sp['mode']})"
+            out.append(("special tokens in text", where))
         if len(self.sources) > 1:
             for label, s in self.sources.items():
                 out.append((

@@ -93,7 +93,8 @@ def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
         if role == "system" and i > 0:
             raise BadRow("system not first", f"system message at position {i}")
         m = _content(m, i)
-        if role == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls") and not _reasoning(m):
+        empty = not (m.get("content") or "").strip() and not m.get("tool_calls") and not _reasoning(m)
+        if role == "assistant" and empty:
             dropped[EMPTY_ASSISTANT] = dropped.get(EMPTY_ASSISTANT, 0) + 1
             first_trained -= i < first_trained
             continue
@@ -120,7 +121,9 @@ def _tools(row: dict, tools_field: str | None) -> list[dict] | None:
     return tools or None
 
 
-def conversation(row: Any, fmt: str, messages_field: str = "messages", tools_field: str | None = "tools") -> Conversation:
+def conversation(
+    row: Any, fmt: str, messages_field: str = "messages", tools_field: str | None = "tools"
+) -> Conversation:
     """A source row -> Conversation, or BadRow."""
     if not isinstance(row, dict):
         raise BadRow("row not an object", f"got {type(row).__name__}")
