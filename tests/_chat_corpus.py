@@ -9,22 +9,13 @@ content, tool schemas, and text holding special-token or marker strings.
 
 from __future__ import annotations
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Local time in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+def _schema(name: str, description: str) -> dict:
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": city}}
+
+
+WEATHER = _schema("get_weather", "Weather in a city.")
+TIME = _schema("get_time", "Local time in a city.")
 
 
 def _u(text):
