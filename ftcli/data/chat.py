@@ -326,7 +326,7 @@ class ChatEncoder:
         self._kwargs = dict(tokenizer.special_tokens_map)
         self._backend = tokenizer.backend_tokenizer
         self._split, self._added = _piecewise_split(tokenizer)
-        self._plain = _plain_backend(self._backend) if self._split is not None else None
+        self._plain = None  # the tokenizer without added tokens, built when text first needs it
         self._skeletons: dict[tuple, _Skeleton] = {}
         self.calls = {"encode": 0, "structural": 0, "skeleton": 0, "fallback": 0}
         self.grammar = detect_grammar(template)
@@ -652,6 +652,8 @@ class ChatEncoder:
         restored = {k: self._restore(p) for k, p in enumerate(plain) if marked is not None and marked.search(p)}
         encs = self._backend.encode_batch_fast([restored[k][0] if k in restored else p for k, p in enumerate(plain)],
                                                add_special_tokens=False)
+        if restored and self._plain is None:
+            self._plain = _plain_backend(self._backend)
         for k, (piece, _) in restored.items():
             encs[k] = self._plain.encode(piece, add_special_tokens=False)
         ids: list[int] = []

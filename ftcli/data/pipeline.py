@@ -270,10 +270,10 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
 
 
 # -------------------------------------------------------------------------------------- the cache
-# The modules whose code decides the packed bytes: their source text is part of the cache key, so any
-# change to the masking (or validation, truncation, packing) code invalidates blocks written before it,
-# even where a change forgets to bump ENCODER_VERSION.
-ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py")
+# The modules whose code decides a cache entry (its blocks and its counts): their source text is part of
+# the cache key, so any change to the masking (or validation, truncation, packing, counting) code
+# invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
+ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py")
 
 
 def encoder_fingerprint() -> dict[str, Any]:
