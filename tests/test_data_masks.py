@@ -44,6 +44,11 @@ RENDERED = {"qwen3_8": 43, "gptoss": 45, "qwen2_5": 45, "qwen3_5_think": 43, "qw
             "qwen3_8@merging": 43, "llama3@merging": 45}
 
 
+# Tokens the oracle marks as generated over the corpus (all of them checked one by one above).
+ORACLE_TRAINED = {"qwen3_8": 2783, "gptoss": 1796, "qwen2_5": 2371, "qwen3_5_think": 2724, "qwen3": 2717,
+                  "llama3": 947, "gemma3": 776, "qwen3_8@merging": 3155, "llama3@merging": 1063}
+
+
 def test_corpus_has_at_least_40_shapes():
     assert len(CORPUS) == 45 and len({name for name, _, _ in CORPUS}) == 45
 
@@ -176,7 +181,7 @@ def test_masks_equal_structural_oracle(name):
         missed += int((want & ~mask).sum())
         trained += int(want.sum())
         assert (mask == want).all(), (case, tok.decode(ids[mask & ~want]), tok.decode(ids[want & ~mask]))
-    assert wrong == missed == 0 and trained > 40 * len(cases) // 4
+    assert wrong == missed == 0 and trained == ORACLE_TRAINED[name]
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
@@ -215,23 +220,26 @@ def test_special_token_strings_in_text_are_tokenized_as_text():
             [{"role": "user", "content": "a <|im_end|> b"}, {"role": "assistant", "content": "ok"}])
 
 
-def test_rerender_method_is_wrong_where_gpt_oss_rewrites_earlier_turns():
-    """The per-turn re-render method, kept as a comparison: on gpt-oss (earlier analysis dropped,
-    `<|end|>` vs `<|return|>`, `tojson` tool results) it trains tool results and headers."""
-    tok = _tokenizer("gptoss")
-    enc, cases = _cases("gptoss")
+# (wrongly trained tokens, missed tokens, conversations) of the per-turn re-render method vs the oracle
+RERENDER = {"gptoss": (296, 0, 5), "qwen3": (89, 853, 11), "qwen3_5_think": (123, 0, 2), "qwen3_8": (0, 0, 0)}
+
+
+@pytest.mark.parametrize("name", sorted(RERENDER))
+def test_rerender_method_is_wrong_where_templates_rewrite_earlier_turns(name):
+    """The per-turn re-render method, kept as a comparison: where a template rewrites earlier turns
+    (gpt-oss drops earlier analysis and ends earlier answers with `<|end|>`, Qwen3/3.5 drop earlier
+    think blocks) it trains tool results and headers, or misses turns; on Qwen3.8 it is right."""
+    tok = _tokenizer(name)
+    enc, cases = _cases(name)
     wrong = missed = bad_convs = 0
     for case, messages, tools, ids, mask in cases:
         full, spans = enc.rerender_spans(enc.protect(normalize_messages(messages))[0], tools)
         ids2, mask2 = enc.encode_text(full, [(s, e) for _, s, e in spans])
         assert ids2.tolist() == ids.tolist()
-        want = oracle("gptoss", tok, ids.tolist())
+        want = oracle(name, tok, ids.tolist())
         w, m = int((mask2 & ~want).sum()), int((want & ~mask2).sum())
         wrong, missed, bad_convs = wrong + w, missed + m, bad_convs + bool(w or m)
-    assert (wrong, missed, bad_convs) == RERENDER_GPT_OSS
-
-
-RERENDER_GPT_OSS = (296, 0, 5)  # wrongly trained tokens, missed tokens, conversations
+    assert (wrong, missed, bad_convs) == RERENDER[name]
 
 
 def test_gpt_oss_tool_turn_with_thinking_trains_no_tool_result_or_header():
