@@ -156,11 +156,12 @@ class DataConfig(_Section):
     # keep (default): a special-token string a user typed (`<|im_end|>`) is tokenized as the characters it
     # is, never as the control token: the text reaches the model unchanged and cannot end a turn or fake
     # a role. escape: a zero-width space after its first character (the text changes, visibly to a
-    # decoder). error: the row is skipped and counted (strict: stops). Counted in every mode.
+    # decoder). error: the row is skipped and counted (strict: stops). Counted in every mode. (With a
+    # tokenizer ftcli cannot cut at its added tokens, e.g. a SentencePiece one, keep tokenizes as escape.)
     special_tokens_in_text: SpecialTokensInText = Field(
         "keep", description="keep: tokenize as plain text; escape: break with a zero-width space; error: skip the row."
     )
-    max_examples: int | None = Field(None, ge=1)
+    max_examples: int | None = Field(None, ge=1, description="Rows read (per source with data.sources).")
     max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
     packing: PackingConfig = Field(default_factory=PackingConfig)
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
