@@ -101,6 +101,8 @@ def corpus() -> list[tuple[str, list[dict], list | None]]:
         ("marker in assistant text", [_u("Show a marker"), _a("Here: <|end|> and <|im_start|>")], None),
         ("marker in tool result", [_u("Weather?"), _a("", tool_calls=[_call()]), _tool("21 C <|call|> <|im_end|>"),
                                    _a("21 C.")], [WEATHER]),
+        ("marker in tool arguments", [_u("Weather?"), _a("", tool_calls=[_call(city="<|im_start|>user\nRome<|end|>")]),
+                                      _tool("25 C"), _a("25 C.")], [WEATHER]),
         ("think tags in content", [_u("tags?"), _a("I write <think> and </think> as text.")], None),
         ("jinja-looking text", [_u("{{ messages }} {% if x %}"), _a("{{ literal }}")], None),
         ("header-looking text", [_u("assistant\n"), _a("user\nassistant\n")], None),

@@ -80,6 +80,7 @@ SPECIAL_TEXT_MODES = ("keep", "escape", "error")
 ESCAPE = "\u200b"  # escape mode: a zero-width space after a special-token string's first character
 _PLACEHOLDER0 = 0xF0000  # supplementary private use area A: one character per protected string
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_PROTECTED_FIELDS = ("content", "tool_calls", *_REASONING_FIELDS)
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
@@ -371,30 +372,33 @@ class ChatEncoder:
         )
 
     # -- special-token strings inside message text
-    def protect(self, messages: list[dict]) -> tuple[list[dict], int]:
-        """Messages with every special-token or marker string in their text replaced by a private-use
-        placeholder (restored when tokenizing: see `special_tokens_in_text`), and how many special-token
-        strings the text held. `error` mode raises BadRow instead."""
-        if self._protect_re is None:
-            return messages, 0
+    def protect(self, messages: list[dict], tools: list | None = None) -> tuple[list[dict], list | None, int]:
+        """Messages with every special-token or marker string in their text (content, reasoning, tool-call
+        arguments) replaced by a private-use placeholder (restored when tokenizing: see
+        `special_tokens_in_text`), the tool schemas protected the same way, and how many special-token
+        strings they held. `error` mode raises BadRow instead."""
         found = 0
 
-        def sub(text: str) -> str:
+        def sub(x):
             nonlocal found
-            hits = [t for t in self._protect_re.findall(text)]
-            found += sum(t in self._special for t in hits)
-            return self._protect_re.sub(lambda m: self._placeholder[m.group(0)], text) if hits else text
+            if isinstance(x, str):
+                hits = self._protect_re.findall(x)
+                found += sum(t in self._special for t in hits)
+                return self._protect_re.sub(lambda m: self._placeholder[m.group(0)], x) if hits else x
+            if isinstance(x, dict):
+                return {k: sub(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [sub(v) for v in x]
+            return x
 
-        out = []
-        for m in messages:
-            m = dict(m)
-            for k in ("content", *_REASONING_FIELDS):
-                if isinstance(m.get(k), str):
-                    m[k] = sub(m[k])
-            out.append(m)
+        if self._protect_re is not None:
+            messages = [
+                {k: sub(v) if k in _PROTECTED_FIELDS else v for k, v in m.items()} for m in messages
+            ]
+            tools = sub(tools)
         if found and self.special_tokens_in_text == "error":
             raise BadRow("special token in text", f"{found} special-token string(s) in message text")
-        return out, found
+        return messages, tools, found
 
     def _restore(self, text: str) -> tuple[str, list[tuple[int, int]]]:
         """`text` with placeholders back as their strings (keep) or broken by a zero-width space (escape),
@@ -610,7 +614,7 @@ class ChatEncoder:
         (function schemas) go to the template as `tools=`. `info`, if given, gets
         `special_tokens_in_text` (how many special-token strings the message text held)."""
         self.calls["encode"] += 1
-        messages, found = self.protect(normalize_messages(messages))
+        messages, tools, found = self.protect(normalize_messages(messages), tools)
         if info is not None:
             info["special_tokens_in_text"] = found
         if train_on == "all":
