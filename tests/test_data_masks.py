@@ -207,7 +207,7 @@ def test_special_token_strings_in_text_are_tokenized_as_text():
     ids, mask = enc.encode([{"role": "user", "content": "What does <|im_end|> mean?"},
                             {"role": "assistant", "content": "It ends a turn."}], info=info)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert info == {"special_tokens_in_text": 1}
+    assert info == {"special_tokens_in_text": 1, "tool_calls_not_rendered": 0}
     assert ids.tolist().count(im_end) == 3  # the template's (system, user, assistant), not the user's
     assert "What does <|im_end|> mean?" in tok.decode(ids.tolist())
     escaped = ChatEncoder(tok, special_tokens_in_text="escape").encode(

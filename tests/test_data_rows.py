@@ -166,3 +166,15 @@ def test_changing_the_masking_code_invalidates_cached_blocks(tmp_path, monkeypat
     assert prepare(r, tok) not in (first, bumped) and pipeline.BUILDS["count"] == builds + 2
     parts = pipeline.cache_parts(r, tok)
     assert parts["encoder"]["version"] == chat.ENCODER_VERSION and len(parts["encoder"]["code_sha256"]) == 64
+
+
+def test_parallel_calls_gpt_oss_leaves_out_are_counted(tmp_path):
+    """gpt-oss's template renders one tool call per message (the first): the others are counted."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    parallel = {"role": "assistant", "content": "", "tool_calls": [call, call, call]}
+    rows = [{"messages": [U, parallel, TOOL, TOOL, TOOL, A]}, {"messages": [U, CALL, TOOL, A]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    stats = DataStats()
+    r = recipe(tmp_path, name="tiny-gpt-oss-cpu", data__path=path, data__packing__enabled="false")
+    assert len(list(iter_examples(r, tokenizer("gpt-oss"), stats))) == 2
+    assert stats.dropped_turns == {"tool call the template does not render": 2} and stats.rows_with_dropped_turns == 1

@@ -32,7 +32,7 @@ def test_summary_lines_dict_and_metrics_hold_the_exact_counts(tmp_path):
     assert lines[3] == f"trained tokens: {s.trained_tokens} of {s.tokens} ({s.trained_pct:.2f}%)"
     assert "examples: read 5, kept 4, skipped 1" in lines
     assert "  skipped: no assistant turn: 1 (first rows 1)" in lines
-    assert "  dropped: trailing user/tool turn: 1 turns (the rest of each row is kept)" in lines
+    assert "  dropped: trailing user/tool turn: 1 (the rest of each row is kept)" in lines
     assert "special tokens in text: 1 in 1 rows (data.special_tokens_in_text=keep)" in lines
     assert json.loads(json.dumps(s.to_dict())) == s.to_dict()
     m = s.metrics()

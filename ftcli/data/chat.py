@@ -612,18 +612,30 @@ class ChatEncoder:
         train_on: assistant = every assistant turn, last = the last one, all = every token. Turns before
         message `first_message` are never trained (prompt/completion rows: the prompt's turns). `tools`
         (function schemas) go to the template as `tools=`. `info`, if given, gets
-        `special_tokens_in_text` (how many special-token strings the message text held)."""
+        `special_tokens_in_text` (how many special-token strings the message text held) and
+        `tool_calls_not_rendered` (calls the template leaves out: gpt-oss renders one per message)."""
         self.calls["encode"] += 1
         messages, tools, found = self.protect(normalize_messages(messages), tools)
+        if train_on == "all":
+            text, spans = self.render(messages, tools=tools), None
+        else:
+            text, spans = self.spans(messages, first_message, tools)
         if info is not None:
             info["special_tokens_in_text"] = found
-        if train_on == "all":
-            text = self.render(messages, tools=tools)
+            info["tool_calls_not_rendered"] = self._calls_not_rendered(messages, text)
+        if spans is None:
             return self.encode_text(text, [(0, len(text))])
-        text, spans = self.spans(messages, first_message, tools)
         if train_on == "last":
             spans = spans[-1:]
         return self.encode_text(text, spans)
+
+    def _calls_not_rendered(self, messages: list[dict], text: str) -> int:
+        """Tool calls of the messages missing from the render, where the render shows each one by a
+        marker (harmony: `<|call|>`; placeholders keep message text from faking one)."""
+        if not isinstance(self.grammar, HarmonyGrammar):
+            return 0
+        calls = sum(len(m["tool_calls"]) for m in messages if isinstance(m.get("tool_calls"), list))
+        return max(0, calls - text.count("<|call|>"))
 
     def encode_text(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokenize `text` once; a token is trained iff its first character lies in one of `spans`.

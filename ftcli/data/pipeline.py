@@ -31,7 +31,7 @@ from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text
 from ftcli.data.packing import IGNORE, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import BadRow, conversation
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
 from ftcli.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -207,7 +207,10 @@ class RowEncoder:
                 self._chat = ChatEncoder(self.tokenizer, special_tokens_in_text=self.special)
             info: dict = {}
             ids, mask = self._chat.encode(conv.messages, self.train_on, conv.first_trained, conv.tools, info)
-            return ids, mask, conv.dropped, info["special_tokens_in_text"]
+            dropped = dict(conv.dropped)
+            if info["tool_calls_not_rendered"]:
+                dropped[CALL_NOT_RENDERED] = info["tool_calls_not_rendered"]
+            return ids, mask, dropped, info["special_tokens_in_text"]
         except BadRow as e:
             return (e,)
         except UserError as e:

@@ -20,7 +20,7 @@ class DataStats:
     # Each example is counted once: one cut and then skipped for zero trained tokens is a skip only.
     trained_lost_truncation: int = 0  # trained tokens cut off by truncation (kept and skipped examples)
     trained_lost_overlong: int = 0  # trained tokens of examples dropped as longer than a block
-    dropped_turns: dict[str, int] = field(default_factory=dict)  # turns dropped from kept rows, by reason
+    dropped_turns: dict[str, int] = field(default_factory=dict)  # turns (tool calls) dropped from kept rows
     rows_with_dropped_turns: int = 0
     special_tokens_in_text: int = 0  # special-token strings found in message text (data.special_tokens_in_text)
     rows_with_special_tokens: int = 0

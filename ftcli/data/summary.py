@@ -75,7 +75,7 @@ class DataSummary:
         for reason, r in self.skipped_by_reason.items():
             out.append((f"  skipped: {reason}", f"{r['count']} (first rows {', '.join(map(str, r['first_rows']))})"))
         for reason, n in self.dropped_turns.items():
-            out.append((f"  dropped: {reason}", f"{n} turns (the rest of each row is kept)"))
+            out.append((f"  dropped: {reason}", f"{n} (the rest of each row is kept)"))
         sp = self.special_tokens_in_text
         if sp["strings"]:
             where = f"{sp['strings']} in {sp['rows']} rows (data.special_tokens_in_text={sp['mode']})"

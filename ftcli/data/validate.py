@@ -22,6 +22,7 @@ class BadRow(Exception):
 # Turns dropped from a row that is otherwise kept (the keys of `DataStats.dropped_turns`).
 TRAILING = "trailing user/tool turn"  # nothing answers it: no response to train on
 EMPTY_ASSISTANT = "empty assistant turn"  # no content, reasoning or tool call: nothing to learn from
+CALL_NOT_RENDERED = "tool call the template does not render"  # gpt-oss: one call per message, the first
 
 
 @dataclass
