@@ -5,8 +5,10 @@ reads blocks through the same `BlockStream` a single-rank run uses (1 epoch, the
 
 * a view of the first blocks: every segment's extent and position ids, its text colored trained (green)
   vs masked (dim), the padding segment;
-* a summary: blocks, fill, segments per block, trained-token share, skipped rows by reason (with the
-  first row indices), truncated / split examples, pipeline tokens/s;
+* a summary (`ftcli.data.summary.DataSummary`, the one `train` prints): blocks, fill, segments per
+  block, trained-token share, skipped rows by reason (with the first row indices), truncated / split
+  examples, trained tokens lost to truncation, dropped turns, special-token strings in text, per-source
+  rows / tokens / trained tokens (a table when the recipe mixes sources), pipeline tokens/s;
 * `--json`: the summary only, as JSON on stdout; `--dump FILE`: every block's arrays, one JSON object
   per line, in stream order.
 """
@@ -61,7 +63,10 @@ def run_preview(
     seconds = time.perf_counter() - start
 
     stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)
-    summary = summarize(recipe, packed, seconds)
+    from ftcli.data.summary import data_summary
+
+    table = data_summary(recipe, packed)
+    summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
 
     if dump is not None:
         with open(dump, "w") as f:
@@ -76,54 +81,12 @@ def run_preview(
         if n >= blocks:
             break
         _show_block(out, tokenizer, block, n)
-    _show_summary(out, summary)
+    _show_summary(out, table)
     if dump is not None:
         err.print(f"wrote {summary['blocks']} blocks to {dump}")
 
 
 # ------------------------------------------------------------------------------------------- summary
-def summarize(recipe: Recipe, packed, seconds: float) -> dict[str, Any]:
-    import numpy as np
-
-    stats = packed.stats
-    n = len(packed)
-    segs = np.asarray([len(packed.segments(i)) for i in range(n)], dtype=np.int64)
-    capacity = n * packed.block_len if packed.block_len else stats.tokens
-    return {
-        "recipe": recipe.name,
-        "cache": str(packed.path),
-        "from_cache": packed.from_cache,
-        "strategy": recipe.data.packing.strategy if recipe.data.packing.enabled else "none",
-        "block_len": packed.block_len,
-        "blocks": n,
-        "fill_pct": round(100.0 * stats.tokens / capacity, 2) if capacity else 0.0,
-        "segments_per_block": {
-            "mean": round(float(segs.mean()), 3) if n else 0.0,
-            "min": int(segs.min()) if n else 0,
-            "max": int(segs.max()) if n else 0,
-        },
-        "tokens": stats.tokens,
-        "padding_tokens": stats.padding_tokens,
-        "trained_tokens": int(packed.block_trained.sum()) if n else 0,
-        "trained_pct": round(100.0 * int(packed.block_trained.sum()) / stats.tokens, 2) if stats.tokens else 0.0,
-        "examples": {
-            "read": stats.examples_read,
-            "kept": stats.examples_kept,
-            "skipped": stats.examples_skipped,
-            "truncated": stats.truncated,
-            "split": stats.split,
-            "zero_trained": stats.zero_trained,
-        },
-        "skipped_by_reason": {
-            reason: {"count": count, "first_rows": stats.first_skipped.get(reason, [])}
-            for reason, count in sorted(stats.skipped.items())
-        },
-        "pipeline_seconds": round(stats.seconds, 3),
-        "tokens_per_second": round(stats.tokens_per_second, 1),
-        "preview_seconds": round(seconds, 3),
-    }
-
-
 def block_to_json(block) -> dict[str, Any]:
     return {
         "index": block.index,
@@ -137,24 +100,26 @@ def block_to_json(block) -> dict[str, Any]:
     }
 
 
-def _show_summary(out: Console, s: dict[str, Any]) -> None:
-    t = Table(title=f"pack-preview: {s['recipe']}", show_header=False, title_justify="left")
+def _show_summary(out: Console, summary) -> None:
+    t = Table(title=f"pack-preview: {summary.recipe}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    seg = s["segments_per_block"]
-    ex = s["examples"]
-    t.add_row("blocks", f"{s['blocks']} x {s['block_len'] or 'variable'} tokens ({s['strategy']})")
-    t.add_row("fill", f"{s['fill_pct']:.2f}% ({s['padding_tokens']} padding tokens)")
-    t.add_row("segments per block", f"mean {seg['mean']:.2f}, min {seg['min']}, max {seg['max']}")
-    t.add_row("trained tokens", f"{s['trained_tokens']} of {s['tokens']} ({s['trained_pct']:.2f}%)")
-    t.add_row("examples", f"read {ex['read']}, kept {ex['kept']}, skipped {ex['skipped']}")
-    t.add_row("truncated / split", f"{ex['truncated']} / {ex['split']}")
-    for reason, r in s["skipped_by_reason"].items():
-        t.add_row(f"  skipped: {reason}", f"{r['count']} (first rows {', '.join(map(str, r['first_rows']))})")
-    cached = " (cached result; this run only read it)" if s["from_cache"] else ""
-    t.add_row("pipeline", f"{s['pipeline_seconds']:.2f} s, {s['tokens_per_second']:,.0f} tokens/s{cached}")
-    t.add_row("cache", s["cache"])
+    for label, value in summary.rows():
+        t.add_row(label, value)
     out.print(t)
+    if len(summary.sources) > 1:
+        out.print(_sources_table(summary))
+
+
+def _sources_table(summary) -> Table:
+    t = Table(title="sources", title_justify="left")
+    for col in ("source", "rows", "kept", "skipped", "tokens", "trained tokens", "trained lost", "skipped by reason"):
+        t.add_column(col, justify="left" if col in ("source", "skipped by reason") else "right")
+    for label, s in summary.sources.items():
+        reasons = ", ".join(f"{r} {n}" for r, n in s.skipped_by_reason.items())
+        t.add_row(label, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
+                  str(s.trained_tokens_lost), reasons)
+    return t
 
 
 # --------------------------------------------------------------------------------------- block view

@@ -28,9 +28,9 @@ BAD_ROWS = [
     {"messages": "hello"},  # 3 not a list
     {"messages": [U, {"role": "robot", "content": "beep"}]},  # 4 unknown role
     {"messages": [U, {"role": "assistant", "content": 13}]},  # 5 content not a string
-    {"messages": [U, {"role": "assistant", "content": "  "}]},  # 6 empty content
+    {"messages": [U, {"role": "assistant", "content": "  "}]},  # 6 empty turn dropped: no assistant turn
     {"messages": [S, U]},  # 7 no assistant turn
-    {"messages": [U, A, U]},  # 8 ends on a user turn
+    {"messages": [U, A, U]},  # 8 ok: the trailing user turn is dropped (counted)
     {"messages": [U, S, A]},  # 9 system not first
     {"messages": [S, U, A, U, A]},  # 10 ok
     {"messages": []},  # 11 no messages
@@ -43,12 +43,13 @@ def test_bad_rows_are_counted_by_reason_with_first_indices(tmp_path):
     r = recipe(tmp_path, data__path=path, data__packing__block_len=64)
     packed = prepare_blocks(r, tokenizer("qwen"))
     stats = packed.stats
-    assert stats.examples_read == 13 and stats.examples_kept == 2
+    assert stats.examples_read == 13 and stats.examples_kept == 3
     assert stats.skipped == {
         "invalid JSON": 1, "messages missing": 1, "messages not a list": 1, "unknown role": 2,
-        "content not a string": 1, "empty content": 1, "no assistant turn": 1, "ends on a user turn": 1,
-        "system not first": 1, "no messages": 1,
+        "content not a string": 1, "no assistant turn": 2, "system not first": 1, "no messages": 1,
     }
+    assert stats.dropped_turns == {"trailing user/tool turn": 1} and stats.rows_with_dropped_turns == 1
+    assert list(stats.sources) == [str(path)] and stats.sources[str(path)].skipped == stats.skipped
     assert stats.first_skipped["unknown role"] == [4, 12] and stats.first_skipped["invalid JSON"] == [1]
 
 
@@ -75,7 +76,8 @@ def test_zero_trained_examples_are_counted_not_trained(tmp_path):
     examples = list(iter_examples(r, tokenizer("qwen"), stats))
     assert [e.index for e in examples] == [0]
     assert stats.skipped == {"zero trained tokens": 1} and stats.first_skipped == {"zero trained tokens": [1]}
-    assert stats.truncated == 1 and stats.zero_trained == 1
+    assert stats.truncated == 0 and stats.zero_trained == 1  # counted once, as skipped
+    assert stats.trained_lost_truncation == 8  # "\n</think>\n\n13<|im_end|>\n" of the cut example
 
 
 def test_iter_examples_labels_are_unshifted_masked_ids(tmp_path):
@@ -224,7 +226,7 @@ def test_num_workers_give_the_same_blocks_and_counts(tmp_path):
     parallel = prepare_blocks(recipe(tmp_path / "b", data__path=path, data__packing__block_len=256,
                                      data__num_workers=2), tok)
     assert parallel.stats.skipped == serial.stats.skipped and parallel.stats.first_skipped == serial.stats.first_skipped
-    assert len(parallel) == len(serial) == 113
+    assert len(parallel) == len(serial) == 114
     for i in range(len(serial)):
         assert parallel.block(i).input_ids.tolist() == serial.block(i).input_ids.tolist()
         assert parallel.block(i).labels.tolist() == serial.block(i).labels.tolist()

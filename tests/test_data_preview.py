@@ -58,13 +58,14 @@ def test_pack_preview_dump_equals_block_stream(tmp_path):
 
 def test_pack_preview_reports_skips_and_strict_stops_with_one_line(tmp_path):
     u, a = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [u, a]}, {"messages": [u, a, u]}, {"messages": [u, a]}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [u, a]}, {"messages": [u]}, {"messages": [u, a, u]}])
     res = _invoke(tmp_path, "--set", f"data.path={path}", "--json")
     summary = json.loads(res.stdout)
-    assert summary["skipped_by_reason"] == {"ends on a user turn": {"count": 1, "first_rows": [1]}}
+    assert summary["skipped_by_reason"] == {"no assistant turn": {"count": 1, "first_rows": [1]}}
+    assert summary["dropped_turns"] == {"trailing user/tool turn": 1}
     res = _invoke(tmp_path, "--set", f"data.path={path}", "--strict")
     assert res.exit_code == 2
     assert res.stderr.strip() == (
-        "error: data row 1: ends on a user turn: the last message gets no response to train on "
+        "error: data row 1: no assistant turn: no assistant message to train on "
         "(data.strict is on; turn it off to skip and count bad rows)"
     )

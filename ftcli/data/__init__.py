@@ -6,6 +6,7 @@
     BlockStream(packed, rank, world_size)    each rank's equal, disjoint, resumable share of the blocks
     block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
     iter_examples(recipe, tokenizer)         unpacked examples (LoRA reference mode)
+    data_summary(recipe, packed)             the data summary (pack-preview, train log, run.json, MLflow)
 
 Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this package.
 """
@@ -16,6 +17,7 @@ from ftcli.data.packing import Block, make_block, padding_block
 from ftcli.data.pipeline import Example, iter_examples, open_prepared, prepare, prepare_blocks
 from ftcli.data.stats import DataStats
 from ftcli.data.stream import BlockStream
+from ftcli.data.summary import DataSummary, data_summary
 
 
 def block_to_model_inputs(block, device="cpu"):
@@ -30,9 +32,11 @@ __all__ = [
     "BlockStream",
     "ChatEncoder",
     "DataStats",
+    "DataSummary",
     "Example",
     "PackedDataset",
     "block_to_model_inputs",
+    "data_summary",
     "iter_examples",
     "load_tokenizer",
     "make_block",

@@ -1,40 +1,48 @@
 """Chat rendering and loss masks: which tokens of a conversation the model is trained on.
 
-What is trained (train_on=assistant) is what the reference defines: for assistant turn i, the text that
-`render(messages[:i+1])` adds after `render(messages[:i], add_generation_prompt=True)`, i.e. exactly what
-the model must generate after the generation prompt, its end-of-turn token included:
+What is trained (train_on=assistant) is what the assistant generates in its turns: content, reasoning
+where the template keeps it, tool calls, the end-of-turn token; nothing of system/user/tool messages or
+role headers, nor the generation prompt's prefill (Qwen3's `<think>\n`, which the prompt supplies):
 
-    <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n<think>\\n | \\n</think>\\n\\nHello!<|im_end|>\\n |
-    '--------- render(messages[:1], add_generation_prompt=True) ----' '-------- trained ---------'
+    <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n | \n</think>\n\nHello!<|im_end|>\n |
+    '------------------- prompt and header (masked) ---------------' '-------- trained ---------'
 
-Two ways to compute it, proven equal by tests/test_data_chat.py on the real templates TRL ships:
+How ftcli finds it (`ChatEncoder`):
 
-* `reference_encode`, the reference method: re-render and re-tokenize the conversation twice per
-  assistant turn and take token-count differences. O(turns x length); kept as the oracle and the
-  benchmark baseline.
-* `ChatEncoder` (what ftcli uses): the turn boundaries of a conversation depend only on its *shape*
-  (roles, which fields are set), not on its text, for every template that treats text as opaque. So
-  render the shape once with sentinel strings in place of the text, run the reference's per-turn
-  renders on that skeleton (character offsets, no tokenizer), and cache the result per shape. A
-  conversation is then: fill its text into the cached skeleton, check the filled string equals one real
-  render (so a template that trims, splits or escapes text cannot fool it: such a conversation takes the
-  same per-turn renders on its real text instead), tokenize once, and turn character spans into token
-  spans with the fast tokenizer's offsets (a token is trained iff it *starts* inside the span: this
-  reproduces the reference's token counts where BPE merges across a boundary, e.g. `<think>\\n|\\n`).
-  For byte-level BPE tokenizers the one tokenization is itself done the tokenizer's own way: cut at
-  added tokens (`<|im_end|>`), encode the pieces in one batch without offsets, and ask for offsets only
-  in the pieces a span edge falls in.
+* Structurally, for templates of a known marker family (ChatML: Qwen 2.5-3.8; harmony: gpt-oss;
+  Llama-3; Gemma): render the whole conversation once and parse each message by the template's own
+  markers (`HeaderGrammar`, `HarmonyGrammar`). This is right by construction where a template rewrites
+  earlier turns once later ones exist (gpt-oss drops earlier analysis and stores earlier final answers
+  with `<|end|>`, Qwen3.5 drops earlier think blocks). Message text cannot fake a marker: special-token
+  and marker strings in the text are swapped for private-use placeholders before rendering and
+  tokenized as plain text afterwards (`special_tokens_in_text`). tests/test_data_masks.py checks every
+  mask against an independent token-level oracle on 45 edge-case conversations and 7 real templates.
+* For other templates, the published example's definition: for assistant turn i, the text that
+  `render(messages[:i+1])` adds after `render(messages[:i], add_generation_prompt=True)`. ftcli computes
+  it once per conversation *shape* (roles, which fields are set) on a skeleton with sentinel strings in
+  place of the text (`skeleton_spans`), checks the filled skeleton equals the real render, and
+  otherwise re-renders per turn on the real text (`rerender_spans`, also the comparison method; it is
+  wrong wherever a template rewrites earlier turns: tests/test_data_masks.py counts it on gpt-oss).
+* `reference_encode` is the published method verbatim (token-count differences of per-turn renders);
+  kept as an oracle for prefix-preserving templates and the benchmark baseline.
+
+Tokens: the conversation is tokenized once and character spans become token spans with the fast
+tokenizer's offsets (a token is trained iff it *starts* inside the span: this reproduces the reference's
+token counts where BPE merges across a boundary, e.g. `<think>\n|\n`). For byte-level BPE tokenizers the
+one tokenization is itself done the tokenizer's own way: cut at added tokens (`<|im_end|>`), encode the
+pieces in one batch without offsets, and ask for offsets only in the pieces a span edge falls in.
 
 Template quirks, and what ftcli does:
 
 * Prefix property failures. Several real templates render a turn differently once a later turn exists
   (Qwen3/3.5/3.6 drop the empty think block of earlier turns, gpt-oss ends the last final message with
   `<|return|>` but earlier ones with `<|end|>` and drops earlier reasoning, phi3, deepseek, nemotron add a
-  prefill to the generation prompt). There the reference's token counts land on the wrong tokens. ftcli
-  measures both edges in the full render instead: the turn starts where the generation-prompt render and
+  prefill to the generation prompt). There the reference's token counts land on the wrong tokens. The
+  marker families are parsed structurally (above); for the rest, ftcli measures both edges in the full
+  render instead: the turn starts where the generation-prompt render and
   the full render stop agreeing, and ends where the turn's own closing text (what follows its last text
   field when it is the final turn) stops agreeing with the full render, both counted in whole tokens
-  (`<|end|>` vs `<|return|>` agree on nothing). Net effect: on gpt-oss, earlier turns train
+  (`<|end|>` vs `<|return|>` agree on nothing). The structural parse gives the same on gpt-oss: earlier turns train
   `<|channel|>final<|message|>text` (at inference a final answer ends with `<|return|>`; `<|end|>` is how
   the template stores it in history) and the last turn trains through `<|return|>`; on Qwen3.5, earlier
   turns train `text<|im_end|>\\n`.
@@ -61,10 +69,18 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ftcli.data.validate import BadRow, content_text
 from ftcli.errors import UserError
 
 TEMPLATE_DATE = datetime(2025, 1, 1)
+# Bump when a change to this module (or to validate.py) changes which tokens are trained: it is part of
+# the cache key, so blocks masked by older code are never served again.
+ENCODER_VERSION = 2
+SPECIAL_TEXT_MODES = ("keep", "escape", "error")
+ESCAPE = "\u200b"  # escape mode: a zero-width space after a special-token string's first character
+_PLACEHOLDER0 = 0xF0000  # supplementary private use area A: one character per protected string
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_PROTECTED_FIELDS = ("content", "tool_calls", *_REASONING_FIELDS)
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
@@ -124,15 +140,38 @@ def compile_template(template: str, date: datetime = TEMPLATE_DATE):
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """What `apply_chat_template` does to messages before rendering: drop None values, alias reasoning."""
+    """What `apply_chat_template` does to messages before rendering (drop None values, alias reasoning),
+    plus what every template expects and real data often differs in: text given as a list of parts
+    (`[{"type": "text", "text": ...}]`) joined into one string, and tool-call arguments given as a JSON
+    string parsed into the object the templates iterate over."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
+        if isinstance(m.get("content"), list):
+            m["content"] = content_text(m["content"])
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_parsed_call(c) for c in m["tool_calls"]]
         out.append(m)
     return out
+
+
+def _parsed_call(call):
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(parsed, dict):
+            fn = {**fn, "arguments": parsed}
+            return {**call, "function": fn} if fn is not call and "function" in call else fn
+    return call
 
 
 def _lcp(a: str, b: str) -> int:
@@ -145,6 +184,108 @@ def _lcp(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+# ------------------------------------------------------------------------------------ turn grammars
+# The templates of the families below delimit every message with their own marker tokens, so the full
+# render alone says where each assistant message starts and ends: ftcli parses it once (no per-turn
+# re-renders, which are wrong wherever a template rewrites earlier turns). Message text never contains
+# a marker while it is parsed: `ChatEncoder` swaps marker and special-token strings in the text for
+# private-use placeholders first (see `special_tokens_in_text`).
+@dataclass(frozen=True)
+class HeaderGrammar:
+    """`<start>role<sep> body <end>`-style templates (ChatML, Llama-3, Gemma). An assistant message trains
+    from after its header (and after the generation prompt's prefill, e.g. Qwen3's `<think>\\n`) through
+    its end token and the whitespace that follows it up to the next header (Qwen's `\\n`, as the
+    published example trains it)."""
+
+    name: str
+    header: re.Pattern  # one message header; group "role"
+    end: re.Pattern  # end-of-message token(s)
+    assistant: frozenset
+    markers: tuple[str, ...]
+
+    def spans(self, text: str, prefill: str) -> list[tuple[int, int]]:
+        heads = list(self.header.finditer(text))
+        out = []
+        for k, h in enumerate(heads):
+            if h["role"] not in self.assistant:
+                continue
+            start = h.end()
+            if prefill and text.startswith(prefill, start):
+                start += len(prefill)
+            nxt = heads[k + 1].start() if k + 1 < len(heads) else len(text)
+            ends = list(self.end.finditer(text, start, nxt))
+            end = nxt
+            if ends and text[ends[-1].end() : nxt].strip():
+                end = ends[-1].end()  # something other than whitespace follows the end token: not the turn's
+            out.append((start, max(start, end)))
+        return out
+
+
+class HarmonyGrammar:
+    """gpt-oss (harmony): `<|start|>role[ to=recipient]<|channel|>channel[ type]<|message|>body` closed by
+    `<|end|>`, `<|call|>` or `<|return|>`. One assistant *generation* can hold several messages: after
+    an analysis (or commentary preamble) message's `<|end|>` the model itself writes the next
+    `<|start|>assistant`, so that header is trained; the header after a user/tool message is the
+    generation prompt, and so is the one after a final answer. An earlier final answer is stored with
+    `<|end|>` where the model emitted `<|return|>`: that `<|end|>` is history formatting, not trained."""
+
+    name = "harmony"
+    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>")
+    _message = re.compile(r"<\|start\|>(?P<head>.*?)<\|message\|>.*?(?P<end><\|end\|>|<\|call\|>|<\|return\|>)", re.S)
+    _channel = re.compile(r"<\|channel\|>(\w+)")
+    _prompt = "<|start|>assistant"
+
+    def spans(self, text: str, prefill: str = "") -> list[tuple[int, int]]:
+        out: list[list[int]] = []
+        prev_open = False  # the previous message was the assistant's and its generation goes on
+        for m in self._message.finditer(text):
+            head = m["head"]
+            role = re.split(r"[ <]", head, maxsplit=1)[0]
+            channel = (self._channel.search(head) or [None, ""])[1]
+            if role != "assistant":
+                prev_open = False
+                continue
+            start = m.start() if prev_open else m.start() + len(self._prompt)
+            end = m.start("end") if (m["end"] == "<|end|>" and channel == "final") else m.end()
+            if prev_open and out and out[-1][1] == m.start():
+                out[-1][1] = end  # one generation: analysis<|end|><|start|>assistant...
+            else:
+                out.append([start, end])
+            prev_open = m["end"] == "<|end|>" and channel != "final"
+        return [(s, e) for s, e in out]
+
+
+def _header_grammar(name, start, sep, end, assistant, markers) -> HeaderGrammar:
+    return HeaderGrammar(
+        name,
+        re.compile(re.escape(start) + r"(?P<role>[^\n<>|]*)" + sep),
+        re.compile(end),
+        frozenset(assistant),
+        markers,
+    )
+
+
+GRAMMARS = {
+    "chatml": _header_grammar("chatml", "<|im_start|>", r"\n", r"<\|im_end\|>", {"assistant"},
+                              ("<|im_start|>", "<|im_end|>")),
+    "llama3": _header_grammar("llama3", "<|start_header_id|>", r"<\|end_header_id\|>\n\n", r"<\|eot_id\|>|<\|eom_id\|>",
+                              {"assistant"}, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>")),
+    "gemma": _header_grammar("gemma", "<start_of_turn>", r"\n", r"<end_of_turn>", {"model", "assistant"},
+                             ("<start_of_turn>", "<end_of_turn>")),
+    "harmony": HarmonyGrammar(),
+}
+
+
+def detect_grammar(template: str):
+    """The marker family a chat template uses, or None (ftcli then measures turns by re-rendering)."""
+    if "<|start|>" in template and "<|channel|>" in template:
+        return GRAMMARS["harmony"]
+    for name, marker in (("chatml", "<|im_start|>"), ("llama3", "<|start_header_id|>"), ("gemma", "<start_of_turn>")):
+        if marker in template:
+            return GRAMMARS[name]
+    return None
 
 
 @dataclass
@@ -161,7 +302,13 @@ class _Skeleton:
 class ChatEncoder:
     """Tokenize + mask conversations with one chat template (see the module docstring)."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None, date: datetime = TEMPLATE_DATE):
+    def __init__(
+        self,
+        tokenizer,
+        chat_template: str | None = None,
+        date: datetime = TEMPLATE_DATE,
+        special_tokens_in_text: str = "keep",
+    ):
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
             template = template.get("default") or next(iter(template.values()))
@@ -170,21 +317,105 @@ class ChatEncoder:
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
                 "set data.chat_template to a Jinja file"
             )
+        if special_tokens_in_text not in SPECIAL_TEXT_MODES:
+            raise ValueError(f"special_tokens_in_text={special_tokens_in_text!r}; use one of {SPECIAL_TEXT_MODES}")
         self.tokenizer = tokenizer
         self.template = template
         self.date = date
+        self.special_tokens_in_text = special_tokens_in_text
         self._compiled = compile_template(template, date)
         self._kwargs = dict(tokenizer.special_tokens_map)
         self._backend = tokenizer.backend_tokenizer
         self._split, self._added = _piecewise_split(tokenizer)
+        self._plain = None  # the tokenizer without added tokens, built when text first needs it
         self._skeletons: dict[tuple, _Skeleton] = {}
-        self.calls = {"encode": 0, "skeleton": 0, "fallback": 0}
+        self.calls = {"encode": 0, "structural": 0, "skeleton": 0, "fallback": 0}
+        self.grammar = detect_grammar(template)
+        self._special = {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
+        self._special.discard("")
+        protected = sorted(self._special | set(self.grammar.markers if self.grammar else ()), key=len, reverse=True)
+        self._protect_re = re.compile("|".join(map(re.escape, protected))) if protected else None
+        self._placeholder = {t: chr(_PLACEHOLDER0 + k) for k, t in enumerate(protected)}
+        self._original = {c: t for t, c in self._placeholder.items()}
+        self._placeholder_re = re.compile("[" + "".join(self._original) + "]") if protected else None
+        self.prefill = ""
+        if self.grammar is not None and not self._grammar_fits():
+            self.grammar = None  # an unusual member of the family: measure turns by re-rendering
+
+    def _grammar_fits(self) -> bool:
+        """The grammar parses this template's own probe render: one assistant span holding the reply, and
+        a generation prompt that is a header (+ prefill, e.g. Qwen3's `<think>\n`)."""
+        user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+        try:
+            base = self.render([user])
+            prompt = self.render([user], add_generation_prompt=True)
+            full = self.render([user, reply])
+        except Exception:  # noqa: BLE001 - a template that needs more than this probe
+            return False
+        if not prompt.startswith(base):
+            return False
+        head = prompt[len(base) :]
+        if isinstance(self.grammar, HeaderGrammar):
+            m = self.grammar.header.match(head)
+            if m is None or m["role"] not in self.grammar.assistant:
+                return False
+            self.prefill = head[m.end() :]
+        elif head != HarmonyGrammar._prompt:
+            return False
+        spans = self.grammar.spans(full, self.prefill)
+        return len(spans) == 1 and "Hello" in full[spans[0][0] : spans[0][1]]
 
     # -- rendering
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         return self._compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self._kwargs
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self._kwargs
         )
+
+    # -- special-token strings inside message text
+    def protect(self, messages: list[dict], tools: list | None = None) -> tuple[list[dict], list | None, int]:
+        """Messages with every special-token or marker string in their text (content, reasoning, tool-call
+        arguments) replaced by a private-use placeholder (restored when tokenizing: see
+        `special_tokens_in_text`), the tool schemas protected the same way, and how many special-token
+        strings they held. `error` mode raises BadRow instead."""
+        found = 0
+
+        def sub(x):
+            nonlocal found
+            if isinstance(x, str):
+                hits = self._protect_re.findall(x)
+                found += sum(t in self._special for t in hits)
+                return self._protect_re.sub(lambda m: self._placeholder[m.group(0)], x) if hits else x
+            if isinstance(x, dict):
+                return {k: sub(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [sub(v) for v in x]
+            return x
+
+        if self._protect_re is not None:
+            messages = [
+                {k: sub(v) if k in _PROTECTED_FIELDS else v for k, v in m.items()} for m in messages
+            ]
+            tools = sub(tools)
+        if found and self.special_tokens_in_text == "error":
+            raise BadRow("special token in text", f"{found} special-token string(s) in message text")
+        return messages, tools, found
+
+    def _restore(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """`text` with placeholders back as their strings (keep) or broken by a zero-width space (escape),
+        and (position in `text`, cumulative shift after it) for mapping span edges."""
+        if self._placeholder_re is None or not self._placeholder_re.search(text):
+            return text, []
+        parts, shifts, last, shift = [], [], 0, 0
+        for m in self._placeholder_re.finditer(text):
+            token = self._original[m.group(0)]
+            if self.special_tokens_in_text == "escape":
+                token = token[0] + ESCAPE + token[1:]
+            parts += [text[last : m.start()], token]
+            shift += len(token) - 1
+            shifts.append((m.end(), shift))
+            last = m.end()
+        parts.append(text[last:])
+        return "".join(parts), shifts
 
     def _agree(self, a: str, b: str, offset: int = 0) -> int:
         """How far (in characters, from `offset`) `a` and `b` agree, in whole tokens: tokenize both from a
@@ -204,7 +435,11 @@ class ChatEncoder:
         return min(c, p0 + (ta.offsets[k - 1][1] if k else 0))
 
     def _turn_spans(
-        self, messages: list[dict], full: str, anchor: Callable[[int, str, str, int], tuple[int, int] | None]
+        self,
+        messages: list[dict],
+        full: str,
+        anchor: Callable[[int, str, str, int], tuple[int, int] | None],
+        tools: list | None = None,
     ) -> list[tuple[int, int, int]]:
         """(message index, start, end) in `full` for every assistant turn: the reference's per-turn renders,
         on characters, with the prefix-failure rules of the module docstring."""
@@ -212,9 +447,9 @@ class ChatEncoder:
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             start = len(prompt) if full.startswith(prompt) else self._agree(prompt, full)
-            turn = self.render(messages[: i + 1])
+            turn = self.render(messages[: i + 1], tools=tools)
             if full.startswith(turn):
                 end = len(turn)
             else:
@@ -292,9 +527,32 @@ class ChatEncoder:
             spans.append((i, ls, le))
         return _Skeleton(literals, order, spans)
 
-    def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
-        """The rendered conversation and (message index, start char, end char) of every assistant turn."""
+    def spans(
+        self, messages: list[dict], first_message: int = 0, tools: list | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and (start char, end char) of every trained assistant span, from the
+        template's markers (one render), else from the per-turn renders (`skeleton_spans`). Spans before
+        message `first_message` are left out. Messages must be `protect`ed already."""
         messages = normalize_messages(messages)
+        if self.grammar is None:
+            full, spans = self.skeleton_spans(messages, tools)
+            return full, [(s, e) for i, s, e in spans if i >= first_message]
+        self.calls["structural"] += 1
+        full = self.render(messages, tools=tools)
+        spans = self.grammar.spans(full, self.prefill)
+        if first_message:
+            prompt = self.render(messages[:first_message], add_generation_prompt=True, tools=tools)
+            boundary = len(prompt) if full.startswith(prompt) else self._agree(prompt, full)
+            spans = [(s, e) for s, e in spans if s >= boundary]
+        return full, spans
+
+    def skeleton_spans(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[tuple[int, int, int]]]:
+        """(message index, start char, end char) of every assistant turn by the per-turn renders, computed
+        once per conversation shape (the fallback for templates of no known marker family)."""
+        messages = normalize_messages(messages)
+        if tools:
+            full = self.render(messages, tools=tools)
+            return full, self._turn_spans(messages, full, self._text_anchor(messages), tools)
         key = self._shape(messages)
         sk = self._skeletons.get(key)
         if sk is None:
@@ -310,12 +568,12 @@ class ChatEncoder:
         self.calls["fallback"] += 1
         return full, self._turn_spans(messages, full, self._text_anchor(messages))
 
-    def rerender_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
-        """The same spans from the per-turn renders of the real text (no skeleton): the slow path, and
-        what `spans` is proven equal to."""
+    def rerender_spans(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[tuple[int, int, int]]]:
+        """The per-turn renders on the real text (no skeleton): what `skeleton_spans` is proven equal to,
+        and the comparison for the structural spans (wrong where a template rewrites earlier turns)."""
         messages = normalize_messages(messages)
-        full = self.render(messages)
-        return full, self._turn_spans(messages, full, self._text_anchor(messages))
+        full = self.render(messages, tools=tools)
+        return full, self._turn_spans(messages, full, self._text_anchor(messages), tools)
 
     @staticmethod
     def _fill(sk: _Skeleton, messages: list[dict], fill) -> tuple[str, list[int]]:
@@ -342,28 +600,51 @@ class ChatEncoder:
 
     # -- tokens
     def encode(
-        self, messages: list[dict], train_on: str = "assistant", first_message: int = 0
+        self,
+        messages: list[dict],
+        train_on: str = "assistant",
+        first_message: int = 0,
+        tools: list | None = None,
+        info: dict | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """input_ids (int32) and loss mask (bool) of one conversation.
 
         train_on: assistant = every assistant turn, last = the last one, all = every token. Turns before
-        message `first_message` are never trained (prompt/completion rows: the prompt's turns)."""
+        message `first_message` are never trained (prompt/completion rows: the prompt's turns). `tools`
+        (function schemas) go to the template as `tools=`. `info`, if given, gets
+        `special_tokens_in_text` (how many special-token strings the message text held) and
+        `tool_calls_not_rendered` (calls the template leaves out: gpt-oss renders one per message)."""
         self.calls["encode"] += 1
+        messages, tools, found = self.protect(normalize_messages(messages), tools)
         if train_on == "all":
-            text = self.render(normalize_messages(messages))
-            enc = self._backend.encode(text, add_special_tokens=False)
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            return ids, np.ones(len(ids), dtype=bool)
-        text, spans = self.spans(messages)
-        spans = [s for s in spans if s[0] >= first_message]
+            text, spans = self.render(messages, tools=tools), None
+        else:
+            text, spans = self.spans(messages, first_message, tools)
+        if info is not None:
+            info["special_tokens_in_text"] = found
+            info["tool_calls_not_rendered"] = self._calls_not_rendered(messages, text)
+        if spans is None:
+            return self.encode_text(text, [(0, len(text))])
         if train_on == "last":
             spans = spans[-1:]
-        return self.encode_text(text, [(s, e) for _, s, e in spans])
+        return self.encode_text(text, spans)
+
+    def _calls_not_rendered(self, messages: list[dict], text: str) -> int:
+        """Tool calls of the messages missing from the render, where the render shows each one by a
+        marker (harmony: `<|call|>`; placeholders keep message text from faking one)."""
+        if not isinstance(self.grammar, HarmonyGrammar):
+            return 0
+        calls = sum(len(m["tool_calls"]) for m in messages if isinstance(m.get("tool_calls"), list))
+        return max(0, calls - text.count("<|call|>"))
 
     def encode_text(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Tokenize `text` once; a token is trained iff its first character lies in one of `spans`."""
+        """Tokenize `text` once; a token is trained iff its first character lies in one of `spans`.
+        Placeholders (`protect`) become their strings tokenized as plain text (keep) or escaped."""
         if self._split is not None:
             return self._encode_pieces(text, spans)
+        text, shifts = self._restore(text)  # no piecewise path: `keep` tokenizes like `escape`
+        if shifts:
+            spans = [(_shifted(s, shifts), _shifted(e, shifts)) for s, e in spans]
         enc = self._backend.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int32)
         mask = np.zeros(len(ids), dtype=bool)
@@ -379,10 +660,18 @@ class ChatEncoder:
     def _encode_pieces(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """The same tokens, computed the way the tokenizer itself does: cut at added tokens (`<|im_end|>`),
         tokenize the plain pieces in one batch without offsets, and ask for offsets only inside the few
-        pieces a span edge falls in. Exact for the tokenizers `_piecewise_split` accepts."""
+        pieces a span edge falls in. Exact for the tokenizers `_piecewise_split` accepts. A piece holding
+        placeholders is restored and tokenized without added-token matching (plain text)."""
         pieces = self._split.split(text)  # plain, added, plain, added, ..., plain
         plain = pieces[0::2]
-        encs = self._backend.encode_batch_fast(plain, add_special_tokens=False)
+        marked = self._placeholder_re
+        restored = {k: self._restore(p) for k, p in enumerate(plain) if marked is not None and marked.search(p)}
+        encs = self._backend.encode_batch_fast([restored[k][0] if k in restored else p for k, p in enumerate(plain)],
+                                               add_special_tokens=False)
+        if restored and self._plain is None:
+            self._plain = _plain_backend(self._backend)
+        for k, (piece, _) in restored.items():
+            encs[k] = self._plain.encode(piece, add_special_tokens=False)
         ids: list[int] = []
         char_starts, tok_starts = [], []  # per piece: first character, first token
         pos = 0
@@ -404,14 +693,35 @@ class ChatEncoder:
                 return tok_starts[k]
             if k % 2 == 1:  # inside an added token: it starts before c
                 return tok_starts[k] + 1
-            offsets = self._backend.encode(pieces[k], add_special_tokens=False).offsets
             local = c - char_starts[k]
+            if k // 2 in restored:
+                piece, shifts = restored[k // 2]
+                offsets = encs[k // 2].offsets
+                local = _shifted(local, shifts)
+            else:
+                offsets = self._backend.encode(pieces[k], add_special_tokens=False).offsets
             return tok_starts[k] + sum(1 for o in offsets if o[0] < local)
 
         for s, e in spans:
             if e > s:
                 mask[token_at(s) : token_at(e)] = True
         return np.asarray(ids, dtype=np.int32), mask
+
+
+def _shifted(pos: int, shifts: list[tuple[int, int]]) -> int:
+    """A position in placeholder text -> the same position in restored text."""
+    k = bisect.bisect_right(shifts, (pos, float("inf"))) - 1
+    return pos + (shifts[k][1] if k >= 0 else 0)
+
+
+def _plain_backend(backend):
+    """The same tokenizer without its added tokens: special-token strings in message text tokenize as
+    the characters they are (`special_tokens_in_text: keep`)."""
+    from tokenizers import Tokenizer
+
+    config = json.loads(backend.to_str())
+    config["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(config))
 
 
 def _piecewise_split(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:

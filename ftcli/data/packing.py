@@ -147,12 +147,14 @@ def pack_bfd(
         if len(ids) > block_len:
             if overlong == "drop":
                 stats.skip(index, "longer than block", f"{len(ids)} tokens > block_len {block_len}")
+                stats.trained_lost_overlong += int(mask.sum())
                 continue
+            stats.trained_lost_truncation += int(mask[block_len:].sum())
             ids, mask = ids[:block_len], mask[:block_len]
-            stats.truncated += 1
-            if not mask.any():
+            if not mask.any():  # counted once: as skipped, not also as truncated
                 stats.skip(index, "zero trained tokens", "no trained token within the first block_len tokens")
                 continue
+            stats.truncated += 1
         pending.append((ids, mask))
         if len(pending) == buffer:
             yield from _best_fit(pending, block_len)

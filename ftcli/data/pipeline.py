@@ -1,7 +1,14 @@
 """The one data path: rows -> validate -> render + mask -> (truncate) -> pack -> cache -> blocks.
 
-    sources.open_rows -> validate.conversation -> chat.ChatEncoder.encode -> packing.pack_*
-        -> cache.BlockWriter (once, atomic) -> cache.PackedDataset (memory-mapped) -> stream.BlockStream
+    for each source of data.source_list() (one, or data.sources), under its weight (`weighted`):
+        sources.open_rows -> validate.conversation -> chat.ChatEncoder.encode
+    -> truncate (data.max_length; bfd: the block) -> packing.pack_*
+    -> cache.BlockWriter (once, atomic) -> cache.PackedDataset (memory-mapped) -> stream.BlockStream
+
+Every row is counted once in `DataStats` (and in its source's entry): kept, perhaps truncated, or
+skipped under one reason; turns dropped from kept rows and special-token strings in text are noted;
+trained tokens cut off by truncation or an overlong drop are summed. `ftcli.data.summary` turns those
+counts into the summary pack-preview shows and train prints.
 
 `prepare` does the work (rank 0 before a barrier, or any command) and is a no-op when the cache already
 has the result; `open_prepared` is what the other ranks call after the barrier; `prepare_blocks` is both
@@ -24,7 +31,7 @@ from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text
 from ftcli.data.packing import IGNORE, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import BadRow, conversation
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
 from ftcli.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -48,72 +55,162 @@ class Example:
         return sum(1 for label in self.labels[1:] if label != IGNORE)
 
 
-def _strict_error(index: int, reason: str, detail: str = "") -> UserError:
+def _strict_error(index: int, reason: str, detail: str = "", source: str | None = None) -> UserError:
     what = f"{reason}: {detail}" if detail else reason
-    return UserError(f"data row {index}: {what} (data.strict is on; turn it off to skip and count bad rows)")
+    where = f"data row {index}" + (f" of source {source!r}" if source else "")
+    return UserError(f"{where}: {what} (data.strict is on; turn it off to skip and count bad rows)")
 
 
+# ------------------------------------------------------------------------------------------ mixing
+def _unit(seed: int, *keys: int) -> float:
+    """A deterministic uniform [0, 1) from integers (splitmix64): the same on every machine and rank."""
+    x = seed & 0xFFFFFFFFFFFFFFFF
+    for k in keys:
+        x = (x ^ (k & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x / 2.0**64
+
+
+def weighted(passes: Callable[[], Iterator[tuple[int, Any]]], weight: float, seed: int, source: int):
+    """A source's rows under its weight: ceil(weight) passes over the rows; pass p keeps every row while
+    p + 1 <= weight and a seeded fraction (weight - p) of them in the last pass. 2 = every row twice
+    (epochs-style), 0.5 = a seeded half, 1.5 = once plus a seeded half. Deterministic: the same rows in
+    the same order on every run, so the packed blocks (and a resumed run's stream) are reproducible."""
+    p = 0
+    while p < weight:
+        fraction = weight - p
+        for index, row in passes():
+            if fraction >= 1 or _unit(seed, source, p, index) < fraction:
+                yield index, row
+        p += 1
+
+
+def _source_total(total: int | None, weight: float) -> int | None:
+    return None if total is None else int(round(total * weight))
+
+
+def _limit(data, src) -> int | None:
+    """Rows read from a source: its own max_examples and data.max_examples (per source in a mix)."""
+    limits = [x for x in (src.max_examples, data.max_examples) if x is not None]
+    return min(limits) if limits else None
+
+
+# ------------------------------------------------------------------------------------------ encode
 def encoded_examples(
     recipe, tokenizer, stats: DataStats, progress: Progress | None = None
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """(row index, input_ids int32, loss mask bool) of every valid example, truncated to data.max_length.
-    Bad rows are counted in `stats` under their reason (strict: the first one raises UserError)."""
+    """(row index, input_ids int32, loss mask bool) of every valid example of every source, in source
+    order, each source under its weight; truncated to data.max_length (and, for bfd, to the block or
+    dropped per `packing.overlong`). Every row is counted once in `stats` and its source's row: kept
+    (perhaps truncated) or skipped under one reason (strict: the first bad row raises UserError)."""
     data = recipe.data
+    sources_ = data.source_list()
+    multi = data.sources is not None
+    limit = data.max_length
+    packing = data.packing
+    block_cut = packing.enabled and packing.strategy == "bfd"
+    if any(s.source != "synthetic" and s.format == "messages" for s in sources_):
+        ChatEncoder(tokenizer)  # fail now, with one line, if the tokenizer has no chat template
+    streams, totals = [], []
+    for k, src in enumerate(sources_):
+        results, total = _source_results(data, src, k, tokenizer)
+        streams.append(results)
+        totals.append(_source_total(total, src.weight))
+    grand_total = None if None in totals else sum(totals)
 
-    def bad(index: int, reason: str, detail: str = "") -> None:
-        if data.strict:
-            raise _strict_error(index, reason, detail)
-        stats.skip(index, reason, detail)
+    for k, (src, results) in enumerate(zip(sources_, streams)):
+        counts = (stats, stats.source(src.label))  # the whole data set and this source's row
 
-    if data.source == "synthetic":
-        exclude = list(getattr(tokenizer, "added_tokens_decoder", {}) or [])
-        total = data.synthetic.num_examples
-        total = total if data.max_examples is None else min(total, data.max_examples)
-        results = synthetic_examples(data.synthetic, len(tokenizer), exclude, data.max_examples)
-    else:
-        rows, total = sources.open_rows(data, data.max_examples)
-        if data.format == "messages":
-            ChatEncoder(tokenizer)  # fail now, with one line, if the tokenizer has no chat template
-        results = _parallel_encode(rows, data, tokenizer) if data.num_workers else _serial_encode(rows, data, tokenizer)
+        def bad(index: int, reason: str, detail: str = "") -> None:
+            if data.strict:
+                raise _strict_error(index, reason, detail, src.label if multi else None)
+            for st in counts:
+                st.skip(index, reason, detail)
 
-    for index, *result in results:
-        stats.examples_read += 1
-        if progress is not None and stats.examples_read % PROGRESS_EVERY == 0:
-            progress(stats.examples_read, total)
-        if isinstance(result[0], BadRow):
-            bad(index, result[0].reason, result[0].detail)
-            continue
-        ids, mask = result
-        if data.max_length is not None and len(ids) > data.max_length:
-            ids, mask = ids[: data.max_length], mask[: data.max_length]
-            stats.truncated += 1
-        if not mask.any():
-            bad(index, "zero trained tokens", "no token of this example gets loss")
-            continue
-        yield index, ids, mask
+        for index, *result in results:
+            for st in counts:
+                st.examples_read += 1
+            if progress is not None and stats.examples_read % PROGRESS_EVERY == 0:
+                progress(stats.examples_read, grand_total)
+            if isinstance(result[0], BadRow):
+                bad(index, result[0].reason, result[0].detail)
+                continue
+            ids, mask, dropped, special = result
+            if block_cut and len(ids) > packing.block_len and packing.overlong == "drop":
+                for st in counts:
+                    st.trained_lost_overlong += int(mask.sum())
+                    st.skip(index, "longer than block", f"{len(ids)} tokens > block_len {packing.block_len}")
+                continue
+            cut = min(x for x in (limit, packing.block_len if block_cut else None, len(ids)) if x is not None)
+            was_cut, lost = cut < len(ids), int(mask[cut:].sum())
+            ids, mask = ids[:cut], mask[:cut]
+            for st in counts:
+                st.trained_lost_truncation += lost
+            if not mask.any():  # counted once: as skipped, not also as truncated
+                bad(index, "zero trained tokens", "no token of this example gets loss")
+                continue
+            for st in counts:
+                st.truncated += was_cut
+                st.note(dropped, special)
+            counts[1].tokens += len(ids)  # per source, as examples (the totals are counted in the blocks)
+            counts[1].trained_tokens += int(mask[1:].sum())
+            yield index, ids, mask
     if progress is not None:
-        progress(stats.examples_read, total)
+        progress(stats.examples_read, grand_total)
+
+
+def _source_results(data, src, k: int, tokenizer):
+    """One source's (row index, *encoded) stream under its weight, and its row count if known."""
+    limit = _limit(data, src)
+    if src.source == "synthetic":
+        exclude = list(getattr(tokenizer, "added_tokens_decoder", {}) or [])
+        total = src.synthetic.num_examples if limit is None else min(src.synthetic.num_examples, limit)
+
+        def passes():
+            for index, ids, mask in synthetic_examples(src.synthetic, len(tokenizer), exclude, limit):
+                yield index, (ids, mask, {}, 0)
+
+        return ((i, *r) for i, r in weighted(passes, src.weight, data.mix_seed, k)), total
+    _, total = sources.open_rows(src, limit)
+
+    def passes():
+        return sources.open_rows(src, limit)[0]
+
+    rows = weighted(passes, src.weight, data.mix_seed, k)
+    encode = _parallel_encode if data.num_workers else _serial_encode
+    return encode(((k, i, row) for i, row in rows), data, tokenizer), total
 
 
 class RowEncoder:
-    """row -> (input_ids, loss mask), or (BadRow,) saying why not. The chat encoder is built on first use
-    (plain-text prompt/completion rows never need a template)."""
+    """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
+    saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
+    need a template)."""
 
     def __init__(self, data, tokenizer):
-        self.fmt, self.field, self.train_on = data.format, data.messages_field, data.train_on
+        self.sources = data.source_list()
+        self.train_on, self.special = data.train_on, data.special_tokens_in_text
         self.tokenizer = tokenizer
         self._chat: ChatEncoder | None = None
 
-    def __call__(self, row: Any) -> tuple:
+    def __call__(self, k: int, row: Any) -> tuple:
+        src = self.sources[k]
         try:
             if isinstance(row, sources.InvalidRow):
                 raise BadRow(row.reason, row.detail)
-            conv = conversation(row, self.fmt, self.field)
+            conv = conversation(row, src.format, src.messages_field, src.tools_field)
             if conv.messages is None:
-                return encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
+                ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
+                return ids, mask, {}, 0
             if self._chat is None:
-                self._chat = ChatEncoder(self.tokenizer)
-            return self._chat.encode(conv.messages, self.train_on, conv.first_trained)
+                self._chat = ChatEncoder(self.tokenizer, special_tokens_in_text=self.special)
+            info: dict = {}
+            ids, mask = self._chat.encode(conv.messages, self.train_on, conv.first_trained, conv.tools, info)
+            dropped = dict(conv.dropped)
+            if info["tool_calls_not_rendered"]:
+                dropped[CALL_NOT_RENDERED] = info["tool_calls_not_rendered"]
+            return ids, mask, dropped, info["special_tokens_in_text"]
         except BadRow as e:
             return (e,)
         except UserError as e:
@@ -124,8 +221,8 @@ class RowEncoder:
 
 def _serial_encode(rows, data, tokenizer):
     encode = RowEncoder(data, tokenizer)
-    for index, row in rows:
-        yield (index, *encode(row))
+    for k, index, row in rows:
+        yield (index, *encode(k, row))
 
 
 # data.num_workers > 0: the same RowEncoder in worker processes ("spawn": safe after torch/CUDA init),
@@ -144,7 +241,7 @@ def _init_worker(data, tokenizer) -> None:
 
 
 def _encode_chunk(chunk: list) -> list[tuple]:
-    return [(index, *_WORKER(row)) for index, row in chunk]
+    return [(index, *_WORKER(k, row)) for k, index, row in chunk]
 
 
 def _chunks(rows, size: int):
@@ -176,17 +273,46 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
 
 
 # -------------------------------------------------------------------------------------- the cache
+# The modules whose code decides a cache entry (its blocks and its counts): their source text is part of
+# the cache key, so any change to the masking (or validation, truncation, packing, counting) code
+# invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
+ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py")
+
+
+def encoder_fingerprint() -> dict[str, Any]:
+    import hashlib
+
+    from ftcli.data import chat
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ENCODER_MODULES:
+        h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return {"version": chat.ENCODER_VERSION, "code_sha256": h.hexdigest()}
+
+
 def cache_parts(recipe, tokenizer) -> dict[str, Any]:
     """Everything that changes the packed bytes (the cache key is its hash)."""
     data = recipe.data
     packing = data.packing.model_dump() if data.packing.enabled else {"enabled": False}
     return {
         "format_version": DATA_FORMAT_VERSION,
-        "source": sources.fingerprint(data),
-        "format": data.format,
-        "messages_field": data.messages_field,
+        "encoder": encoder_fingerprint(),
+        "sources": [
+            {
+                "rows": sources.fingerprint(src),
+                "format": src.format,
+                "messages_field": src.messages_field,
+                "tools_field": src.tools_field,
+                "max_examples": _limit(data, src),
+                "weight": src.weight,
+                "label": src.label,
+            }
+            for src in data.source_list()
+        ],
+        "mix_seed": data.mix_seed,
         "train_on": data.train_on,
-        "max_examples": data.max_examples,
+        "special_tokens_in_text": data.special_tokens_in_text,
         "max_length": data.max_length,
         "packing": packing,
         "tokenizer": describe(tokenizer),

@@ -1,10 +1,12 @@
 """Where rows come from: hub datasets (id + revision + split, streamed or not), local JSONL / Parquet /
-Arrow files or directories (a Unity Catalog volume is a local path), or `datasets.save_to_disk` dirs.
+CSV / Arrow files or directories (a Unity Catalog volume is a local path), or `datasets.save_to_disk` dirs.
+`data` below is one source (`ftcli.recipe.SourceConfig`: the same keys as the single-source `data`).
 
 Local files are read directly (json / pyarrow), not through `datasets`: each row arrives exactly as
 written, so a malformed row is counted by the validator instead of failing the whole load, and nothing
 is written to the HF cache. Rows are numbered 0, 1, ... across files in sorted path order; these are
-the indices the pipeline reports.
+the indices the pipeline reports. Text files are UTF-8: a byte-order mark is dropped, and a JSONL line
+that is not valid UTF-8 is one bad row ("undecodable line"), never the whole file.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Iterator
 
 from ftcli.errors import UserError
 
-SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+BOM = b"\xef\xbb\xbf"
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
 class InvalidRow:
@@ -130,25 +133,41 @@ def _file_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
 
 def _read_file(f: Path) -> Iterator[Any]:
     if f.suffix in (".jsonl", ".json"):
-        with open(f, encoding="utf-8") as fh:
-            head = fh.read(1)
-            while head and head.isspace():
-                head = fh.read(1)
+        with open(f, "rb") as fh:
+            head = fh.read(4096).removeprefix(BOM).lstrip()
             fh.seek(0)
-            if head == "[":  # a JSON array file
+            if head.startswith(b"["):  # a JSON array file: one document, read whole
                 try:
-                    rows = json.load(fh)
+                    rows = json.loads(fh.read().removeprefix(BOM).decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{f}: not UTF-8 (byte {e.start}); a JSON array file is read whole") from None
                 except json.JSONDecodeError as e:
                     raise UserError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from None
                 yield from rows
                 return
-            for lineno, line in enumerate(fh, 1):
+            for lineno, raw in enumerate(fh, 1):
+                if lineno == 1:
+                    raw = raw.removeprefix(BOM)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield InvalidRow("undecodable line", f"{f.name} line {lineno}: not UTF-8 at byte {e.start}")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as e:
                     yield InvalidRow("invalid JSON", f"{f.name} line {lineno}: {e.msg}")
+    elif f.suffix == ".csv":
+        import csv
+
+        with open(f, encoding="utf-8-sig", errors="replace", newline="") as fh:
+            for row in csv.DictReader(fh):
+                if any("\ufffd" in (v or "") for v in row.values()):
+                    yield InvalidRow("undecodable line", f"{f.name}: a row that is not UTF-8")
+                    continue
+                yield row
     elif f.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -183,7 +202,7 @@ def _count(files: list[Path]) -> int | None:
             import pyarrow.parquet as pq
 
             total += pq.ParquetFile(f).metadata.num_rows
-        elif f.suffix == ".jsonl" and f.stat().st_size < (8 << 30):
+        elif f.suffix == ".jsonl" and f.stat().st_size < (8 << 30):  # blank lines count: a bar estimate
             with open(f, "rb") as fh:
                 total += sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 24), b""))
             if f.stat().st_size and not _ends_with_newline(f):

@@ -6,7 +6,8 @@ was wrong and only appears in strict mode's error message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -18,6 +19,12 @@ class BadRow(Exception):
         self.reason, self.detail = reason, detail
 
 
+# Turns dropped from a row that is otherwise kept (the keys of `DataStats.dropped_turns`).
+TRAILING = "trailing user/tool turn"  # nothing answers it: no response to train on
+EMPTY_ASSISTANT = "empty assistant turn"  # no content, reasoning or tool call: nothing to learn from
+CALL_NOT_RENDERED = "tool call the template does not render"  # gpt-oss: one call per message, the first
+
+
 @dataclass
 class Conversation:
     """A valid row. `messages` for chat rows; `prompt`/`completion` strings for plain-text rows."""
@@ -26,48 +33,108 @@ class Conversation:
     first_trained: int = 0  # messages before this index never get loss (a conversational prompt)
     prompt: str | None = None
     completion: str | None = None
+    tools: list[dict] | None = None  # function schemas, passed to the template as `tools=`
+    dropped: dict[str, int] = field(default_factory=dict)  # turns dropped from the row, by reason
 
 
-def check_messages(messages: Any) -> None:
-    """Raise BadRow unless `messages` is a trainable conversation."""
+def content_text(parts: list) -> str:
+    """A list-of-parts content as one string (text parts joined as the templates join them)."""
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRow("non-text content part", f"a content part of type {kind!r}; only text parts are trained")
+    return "".join(texts)
+
+
+def _content(m: dict, i: int) -> dict:
+    """The message with its content checked: a string, a list of text parts, or (tool results) JSON."""
+    role, content = m["role"], m.get("content")
+    if content is None:
+        if role == "assistant":  # a tool call or reasoning only, or an empty turn (dropped by the caller)
+            return m
+        raise BadRow("missing content", f"message {i} ({role}) has no content")
+    if isinstance(content, list) and all(isinstance(p, (dict, str)) for p in content):
+        return {**m, "content": content_text(content)}
+    if role == "tool" and isinstance(content, (dict, list, int, float, bool)):
+        return {**m, "content": json.dumps(content, ensure_ascii=False)}
+    if not isinstance(content, str):
+        raise BadRow("content not a string", f"message {i} ({role}) content is {type(content).__name__}")
+    return m
+
+
+def _reasoning(m: dict) -> bool:
+    return any(isinstance(m.get(k), str) and m[k].strip() for k in ("reasoning_content", "thinking", "reasoning"))
+
+
+def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
+    """The trainable part of a conversation, or BadRow. Keeps what can be trained: an assistant turn with
+    nothing in it is dropped (the rest of the conversation stays), and so are trailing user/tool turns
+    (nothing answers them); both are counted in `Conversation.dropped`."""
+    if isinstance(messages, str) and messages.lstrip().startswith("["):  # CSV / Parquet string columns
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            raise BadRow("messages not a list", "a string that is not a JSON list") from None
     if not isinstance(messages, list):
         raise BadRow("messages not a list", f"got {type(messages).__name__}")
     if not messages:
         raise BadRow("no messages")
+    kept, dropped = [], {}
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRow("message not an object", f"message {i} is {type(m).__name__}")
         role = m.get("role")
         if role not in ROLES:
             raise BadRow("unknown role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is None:
-            if role == "assistant" and m.get("tool_calls"):
-                continue
-            raise BadRow("missing content", f"message {i} ({role}) has no content")
-        if not isinstance(content, str):
-            raise BadRow("content not a string", f"message {i} ({role}) content is {type(content).__name__}")
-        if not content.strip() and not (role == "assistant" and m.get("tool_calls")):
-            raise BadRow("empty content", f"message {i} ({role}) is empty")
         if role == "system" and i > 0:
             raise BadRow("system not first", f"system message at position {i}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow("no assistant turn")
-    last = messages[-1]["role"]
-    if last != "assistant":
-        raise BadRow(f"ends on a {last} turn", "the last message gets no response to train on")
+        m = _content(m, i)
+        empty = not (m.get("content") or "").strip() and not m.get("tool_calls") and not _reasoning(m)
+        if role == "assistant" and empty:
+            dropped[EMPTY_ASSISTANT] = dropped.get(EMPTY_ASSISTANT, 0) + 1
+            first_trained -= i < first_trained
+            continue
+        kept.append(m)
+    while kept and kept[-1]["role"] != "assistant" and len(kept) > first_trained:
+        kept.pop()
+        dropped[TRAILING] = dropped.get(TRAILING, 0) + 1
+    if not any(m["role"] == "assistant" for m in kept[first_trained:]):
+        raise BadRow("no assistant turn", "no assistant message to train on")
+    return Conversation(messages=kept, first_trained=first_trained, dropped=dropped)
 
 
-def conversation(row: Any, fmt: str, messages_field: str = "messages") -> Conversation:
+def _tools(row: dict, tools_field: str | None) -> list[dict] | None:
+    tools = row.get(tools_field) if tools_field else None
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise BadRow("invalid tools", f"{tools_field!r} is a string that is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("invalid tools", f"{tools_field!r} must be a list of function schemas")
+    return tools or None
+
+
+def conversation(
+    row: Any, fmt: str, messages_field: str = "messages", tools_field: str | None = "tools"
+) -> Conversation:
     """A source row -> Conversation, or BadRow."""
     if not isinstance(row, dict):
         raise BadRow("row not an object", f"got {type(row).__name__}")
+    tools = _tools(row, tools_field)
     if fmt == "messages":
         if messages_field not in row:
             raise BadRow("messages missing", f"no {messages_field!r} field (fields: {', '.join(map(str, row))})")
-        messages = row[messages_field]
-        check_messages(messages)
-        return Conversation(messages=messages)
+        conv = check_messages(row[messages_field])
+        conv.tools = tools
+        return conv
     for key in ("prompt", "completion"):
         if row.get(key) is None:
             raise BadRow(f"{key} missing", f"no {key!r} field")
@@ -79,10 +146,9 @@ def conversation(row: Any, fmt: str, messages_field: str = "messages") -> Conver
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise BadRow("empty completion")
-        check_messages(prompt + completion)
-        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in completion):
-            raise BadRow("no assistant turn", "the completion has no assistant message")
-        return Conversation(messages=prompt + completion, first_trained=len(prompt))
+        conv = check_messages(prompt + completion, first_trained=len(prompt))
+        conv.tools = tools
+        return conv
     raise BadRow(
         "prompt/completion types differ",
         f"prompt is {type(prompt).__name__}, completion is {type(completion).__name__} (both str or both lists)",

@@ -1,0 +1,263 @@
+"""Loss masks against an independent structural oracle, on every shape of tests/_chat_corpus.py.
+
+The oracle (written here, sharing no code with ftcli.data.chat) works on the *token ids*: it finds each
+message by the template's marker tokens, reads its role (and, on harmony, its channel and terminator)
+and marks the tokens the assistant generates:
+
+* ChatML (`<|im_start|>role\\n ... <|im_end|>\\n`), Llama-3 (`<|start_header_id|>role<|end_header_id|>\\n\\n
+  ... <|eot_id|>`), Gemma (`<start_of_turn>model\\n ... <end_of_turn>\\n`): an assistant message from after
+  its header, and after the generation prompt's prefill when the render has it (Qwen3's `<think>\\n`),
+  through its end token and the newline before the next header.
+* harmony (`<|start|>role<|channel|>X<|message|>...<|end|>|<|call|>|<|return|>`): an assistant message
+  from after `<|start|>assistant` (or from `<|start|>` when it continues an analysis/preamble message the
+  model itself ended with `<|end|>`) through its terminator, except the `<|end|>` an earlier final answer
+  is stored with (the model emitted `<|return|>` there).
+
+A token counts as generated iff its first character is. ftcli must match it exactly: 0 tokens trained
+that the oracle masks, 0 missed. The per-turn re-render method is measured against the same oracle.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from _chat_corpus import corpus
+from _data_common import ASSETS, merging_tokenizer, template
+
+from ftcli.data.chat import ChatEncoder, normalize_messages
+
+CORPUS = corpus()
+EXTRA_TOKENS = {
+    "llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"],
+    "gemma3": ["<start_of_turn>", "<end_of_turn>"],
+}
+FAMILY = {"qwen3_8": "chatml", "qwen2_5": "chatml", "qwen3_5_think": "chatml", "qwen3": "chatml",
+          "gptoss": "harmony", "llama3": "llama3", "gemma3": "gemma",
+          # a vocabulary that merges whitespace runs: tokens straddle template boundaries (`<think>\n|\n`)
+          "qwen3_8@merging": "chatml", "llama3@merging": "llama3"}
+# Conversations each template renders (the rest it refuses with its own raise_exception, e.g. Qwen3.8
+# and developer messages, Gemma and tool or consecutive same-role turns).
+RENDERED = {"qwen3_8": 44, "gptoss": 46, "qwen2_5": 46, "qwen3_5_think": 44, "qwen3": 46, "llama3": 46, "gemma3": 26,
+            "qwen3_8@merging": 44, "llama3@merging": 46}
+
+
+# Tokens the oracle marks as generated over the corpus (all of them checked one by one above).
+ORACLE_TRAINED = {"qwen3_8": 2877, "gptoss": 1851, "qwen2_5": 2454, "qwen3_5_think": 2818, "qwen3": 2806,
+                  "llama3": 953, "gemma3": 776, "qwen3_8@merging": 3275, "llama3@merging": 1070}
+
+
+def test_corpus_has_at_least_40_shapes():
+    assert len(CORPUS) == 46 and len({name for name, _, _ in CORPUS}) == 46
+
+
+@lru_cache(maxsize=None)
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    if name.endswith("@merging"):
+        tok = merging_tokenizer()
+        tok.chat_template = template(name.split("@")[0])
+        return tok
+    base = "gpt-oss" if name == "gptoss" else "qwen"
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / f"tokenizer-{base}"))
+    tok.add_special_tokens({"bos_token": "<|startoftext|>"})
+    if name in EXTRA_TOKENS:
+        tok.add_special_tokens({"additional_special_tokens": EXTRA_TOKENS[name]})
+    if name not in ("qwen3_8", "gptoss"):  # the shipped templates are the tokenizers' own
+        tok.chat_template = template(name)
+    return tok
+
+
+# ------------------------------------------------------------------------------------------ oracle
+def _skip(tok, ids, k: int, text: str) -> int:
+    """Past the tokens that start inside `text`, which the stream spells from token k on; k itself if
+    the stream does not start with `text`."""
+    if not tok.decode(ids[k : k + len(text) + 1]).startswith(text):
+        return k
+    j = k
+    while j < len(ids) and len(tok.decode(ids[k:j])) < len(text):
+        j += 1
+    return j
+
+
+def _prefill(tok) -> str:
+    """What the generation prompt adds after the assistant header (Qwen3's `<think>\\n`)."""
+    user = [{"role": "user", "content": "x"}]
+    with_prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    head = with_prompt[len(tok.apply_chat_template(user, tokenize=False)) :]
+    for header in ("<|im_start|>assistant\n", "<start_of_turn>model\n",
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|start|>assistant"):
+        if head.startswith(header):
+            return head[len(header) :]
+    raise AssertionError(f"unknown generation prompt {head!r}")
+
+
+def _header_oracle(tok, ids, start_tok, role_end, assistant_role, prefill):
+    """ChatML / Llama-3 / Gemma: (mask, roles seen)."""
+    tid = tok.convert_tokens_to_ids
+    heads = [k for k, t in enumerate(ids) if t == tid(start_tok)]
+    mask = np.zeros(len(ids), dtype=bool)
+    for j, h in enumerate(heads):
+        nxt = heads[j + 1] if j + 1 < len(heads) else len(ids)
+        k = h + 1
+        while k < nxt and role_end not in tok.decode(ids[h + 1 : k + 1]):
+            k += 1
+        role = tok.decode(ids[h + 1 : k + 1]).split(role_end)[0]
+        if role != assistant_role:
+            continue
+        body = _skip(tok, ids, h + 1, role + role_end)
+        body = _skip(tok, ids, body, prefill) if prefill else body
+        mask[body:nxt] = True
+    return mask
+
+
+def _harmony_oracle(tok, ids):
+    tid = tok.convert_tokens_to_ids
+    start, end, call, ret, message = (tid(t) for t in ("<|start|>", "<|end|>", "<|call|>", "<|return|>", "<|message|>"))
+    mask = np.zeros(len(ids), dtype=bool)
+    k, prev_open = 0, False
+    while k < len(ids):
+        if ids[k] != start:
+            k += 1
+            continue
+        m = ids.index(message, k)
+        t = next(j for j in range(m, len(ids)) if ids[j] in (end, call, ret))
+        head = tok.decode(ids[k + 1 : m])
+        role = head.split("<|channel|>")[0].split(" ")[0]
+        channel = head.split("<|channel|>")[1].split(" ")[0] if "<|channel|>" in head else ""
+        if role == "assistant":
+            a = k if prev_open else _skip(tok, ids, k + 1, "assistant")
+            b = t if (ids[t] == end and channel == "final") else t + 1
+            mask[a:b] = True
+            prev_open = ids[t] == end and channel != "final"
+        else:
+            prev_open = False
+        k = t + 1
+    return mask
+
+
+def oracle(name: str, tok, ids: list[int]) -> np.ndarray:
+    family = FAMILY[name]
+    name = name.split("@")[0]
+    if family == "harmony":
+        return _harmony_oracle(tok, ids)
+    prefill = _prefill(tok)
+    if family == "chatml":
+        return _header_oracle(tok, ids, "<|im_start|>", "\n", "assistant", prefill)
+    if family == "llama3":
+        return _header_oracle(tok, ids, "<|start_header_id|>", "<|end_header_id|>\n\n", "assistant", prefill)
+    return _header_oracle(tok, ids, "<start_of_turn>", "\n", "model", prefill)
+
+
+# ------------------------------------------------------------------------------------------- tests
+def _cases(name):
+    """(case name, messages, tools, ftcli ids, ftcli mask) of every conversation the template renders."""
+    tok = _tokenizer(name)
+    enc = ChatEncoder(tok, date=datetime.now())  # the HF comparison renders today's date
+    out = []
+    for case, messages, tools in CORPUS:
+        try:
+            ids, mask = enc.encode(messages, tools=tools)
+        except Exception as e:  # noqa: BLE001 - the template's own raise_exception
+            assert "template" in type(e).__module__ or "jinja" in type(e).__module__ or isinstance(e, Exception)
+            continue
+        out.append((case, messages, tools, ids, mask))
+    return enc, out
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_masks_equal_structural_oracle(name):
+    tok = _tokenizer(name)
+    enc, cases = _cases(name)
+    assert enc.grammar is not None and enc.grammar.name == FAMILY[name]
+    assert len(cases) == RENDERED[name]
+    wrong = missed = trained = 0
+    for case, messages, tools, ids, mask in cases:
+        want = oracle(name, tok, ids.tolist())
+        wrong += int((mask & ~want).sum())
+        missed += int((want & ~mask).sum())
+        trained += int(want.sum())
+        assert (mask == want).all(), (case, tok.decode(ids[mask & ~want]), tok.decode(ids[want & ~mask]))
+    assert wrong == missed == 0 and trained == ORACLE_TRAINED[name]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_ids_equal_apply_chat_template_where_text_has_no_special_strings(name):
+    tok = _tokenizer(name)
+    enc, cases = _cases(name)
+    compared = 0
+    for case, messages, tools, ids, _ in cases:
+        normalized = normalize_messages(messages)
+        if enc.protect(normalized, tools)[:2] != (normalized, tools):
+            continue  # special-token strings in the text: ftcli tokenizes them as text, HF as control tokens
+        hf = tok.apply_chat_template(normalized, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+        assert ids.tolist() == list(hf), case
+        compared += 1
+    # the cases left out hold special-token strings of that tokenizer in their text (7 on most)
+    assert RENDERED[name] - compared == {"gemma3": 5, "qwen3_8@merging": 6, "llama3@merging": 8}.get(name, 7)
+
+
+def test_special_token_strings_in_text_are_tokenized_as_text():
+    tok = _tokenizer("qwen3_8")
+    enc = ChatEncoder(tok)
+    info = {}
+    ids, mask = enc.encode([{"role": "user", "content": "What does <|im_end|> mean?"},
+                            {"role": "assistant", "content": "It ends a turn."}], info=info)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert info == {"special_tokens_in_text": 1, "tool_calls_not_rendered": 0}
+    assert ids.tolist().count(im_end) == 3  # the template's (system, user, assistant), not the user's
+    assert "What does <|im_end|> mean?" in tok.decode(ids.tolist())
+    escaped = ChatEncoder(tok, special_tokens_in_text="escape").encode(
+        [{"role": "user", "content": "a <|im_end|> b"}, {"role": "assistant", "content": "ok"}])[0]
+    assert "a <\u200b|im_end|> b" in tok.decode(escaped.tolist())
+    from ftcli.data.validate import BadRow
+
+    with pytest.raises(BadRow, match="special token in text"):
+        ChatEncoder(tok, special_tokens_in_text="error").encode(
+            [{"role": "user", "content": "a <|im_end|> b"}, {"role": "assistant", "content": "ok"}])
+
+
+# (wrongly trained tokens, missed tokens, conversations) of the per-turn re-render method vs the oracle
+RERENDER = {"gptoss": (296, 0, 5), "qwen3": (89, 930, 12), "qwen3_5_think": (123, 0, 2), "qwen3_8": (0, 0, 0)}
+
+
+@pytest.mark.parametrize("name", sorted(RERENDER))
+def test_rerender_method_is_wrong_where_templates_rewrite_earlier_turns(name):
+    """The per-turn re-render method, kept as a comparison: where a template rewrites earlier turns
+    (gpt-oss drops earlier analysis and ends earlier answers with `<|end|>`, Qwen3/3.5 drop earlier
+    think blocks) it trains tool results and headers, or misses turns; on Qwen3.8 it is right."""
+    tok = _tokenizer(name)
+    enc, cases = _cases(name)
+    wrong = missed = bad_convs = 0
+    for case, messages, tools, ids, mask in cases:
+        protected, protected_tools, _ = enc.protect(normalize_messages(messages), tools)
+        full, spans = enc.rerender_spans(protected, protected_tools)
+        ids2, mask2 = enc.encode_text(full, [(s, e) for _, s, e in spans])
+        assert ids2.tolist() == ids.tolist()
+        want = oracle(name, tok, ids.tolist())
+        w, m = int((mask2 & ~want).sum()), int((want & ~mask2).sum())
+        wrong, missed, bad_convs = wrong + w, missed + m, bad_convs + bool(w or m)
+    assert (wrong, missed, bad_convs) == RERENDER[name]
+
+
+def test_gpt_oss_tool_turn_with_thinking_trains_no_tool_result_or_header():
+    """The issue's case: the template drops the tool-call turn's analysis once a final answer follows;
+    ftcli trains the call and the answer, never the tool result or its header."""
+    tok = _tokenizer("gptoss")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "thinking": "use the tool", "tool_calls": [call]},
+                {"role": "tool", "content": '"paris 21"'},
+                {"role": "assistant", "content": "21 C.", "thinking": "answer"}]
+    from _data_common import runs
+
+    ids, mask = ChatEncoder(tok).encode(messages)
+    assert runs(tok, ids, mask) == [
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "paris"}<|call|>',
+        "<|channel|>analysis<|message|>answer<|end|><|start|>assistant<|channel|>final<|message|>21 C.<|return|>",
+    ]
+    tool_result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"\\"paris 21\\""<|end|>'
+    assert tool_result in tok.decode(ids[~mask].tolist())
