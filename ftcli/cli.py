@@ -9,6 +9,7 @@ Each subcommand's work lives in one module, imported only when that command runs
     train            ftcli.launch       (torchrun) -> ftcli.train_full (FSDP2) | ftcli.train_lora (TRL)
     merge-lora       ftcli.merge
     register         ftcli.register
+    plan             ftcli.plan         (over ftcli.memory)
     doctor           ftcli.doctor       (over ftcli.kernels)
 """
 
@@ -250,6 +251,23 @@ def register(
         model_dir, name=name, registry_uri=registry_uri, tracking_uri=tracking_uri, alias=alias,
         adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=r, force=force,
     )
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@app.command("plan")
+def plan(
+    recipe: str = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    accelerators: Optional[list[str]] = typer.Option(
+        None, "--accelerator", "-a", help="Plan for this accelerator type too, e.g. GPU_8xH100 (repeatable)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Memory per GPU, fit, s/step, wall time and GPU-hours of a recipe on each known card."""
+    r = _load(recipe, overrides)
+    from ftcli.plan import run_plan
+
+    run_plan(r, accelerators=list(accelerators or []), as_json=as_json)
 
 
 # -------------------------------------------------------------------------------------------- doctor
