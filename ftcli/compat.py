@@ -200,7 +200,7 @@ def can_run_here(recipe, here: Here) -> list[str]:
     wanted_card = compute.accelerator_type.split("x", 1)[1]
     if not here.gpus:
         world = recipe.training.cpu_processes
-        need = world * plan.memory_on(recipe, world, cpu=True).total
+        need = world * plan.memory_on(recipe, world).total
         have = 0.92 * here.ram_bytes / 2**30
         if need > have:
             return [f"{recipe.name} needs ~{need:.0f} GiB of RAM on this CPU machine ({world} processes), it has "

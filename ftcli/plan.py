@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +108,7 @@ class Plan:
     data: DataSize
     steps: int | None
     cards: tuple[CardPlan, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setting
@@ -118,7 +118,7 @@ class Plan:
                             "keep": s.keep, "loss": s.loss, "compute_bytes": s.compute_bytes,
                             "adapter_params": s.adapter_params},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
-                "steps": self.steps, "cards": [c.to_dict() for c in self.cards]}
+                "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class FitResult:
 
     fits: bool
     reason: str  # one line: what does not fit, and the nearest setting that does
-    card: CardPlan
+    card: CardPlan | None  # None: the accelerator's card is not one ftcli has figures for
 
 
 # -------------------------------------------------------------------------------------------- shape
@@ -146,7 +146,7 @@ def model_shape(recipe: Recipe) -> memory.ModelShape:
         cfg = _hub_cached_config(m.id, m.revision)
     if cfg is None:
         raise UserError(f"plan needs {m.id}'s config.json: not shipped with ftcli, not a local directory and not in "
-                        "the Hugging Face cache (download it once, e.g. `hf download {m.id} config.json`)")
+                        f"the Hugging Face cache (download it once: hf download {m.id} config.json)")
     cfg = {**cfg, **m.config_overrides}
     try:
         return memory.shape_from_config(cfg)
@@ -433,12 +433,8 @@ def parse_accelerator(accelerator: str) -> tuple[int, str]:
 def default_accelerators(recipe: Recipe) -> list[str]:
     own = recipe.compute.accelerator_type
     world = recipe.compute.num_accelerators
-    out = [own]
-    for card, per_node in GPUS_PER_NODE.items():
-        name = f"GPU_{min(per_node, world)}x{card}"
-        if name not in out:
-            out.append(name)
-    return out
+    own_card = own.split("x", 1)[1]
+    return [own] + [f"GPU_{min(per_node, world)}x{card}" for card, per_node in GPUS_PER_NODE.items() if card != own_card]
 
 
 def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: DataSize,
@@ -474,13 +470,20 @@ def make_plan(recipe: Recipe, accelerators: list[str] | None = None) -> Plan:
     shape = model_shape(recipe)
     data = data_size(recipe)
     steps = _steps(recipe, data, recipe.compute.num_accelerators)
+    own = recipe.compute.accelerator_type
     names = default_accelerators(recipe)
     if accelerators:
-        names = [recipe.compute.accelerator_type] + [a for a in accelerators if a != recipe.compute.accelerator_type]
+        for a in accelerators:
+            parse_accelerator(a)  # a typo is a one-line error
+        names = [own] + [a for a in accelerators if a != own]
+    notes = []
+    if own.split("x", 1)[1] not in CARDS:
+        names.remove(own)
+        notes.append(f"no memory figures for the recipe's {own}: cards known: {', '.join(CARDS)}")
     cards = tuple(card_plan(recipe, shape, a, data, steps) for a in names)
     return Plan(recipe=recipe.name, method=recipe.training.method, model=recipe.model.id or str(recipe.model.config),
                 params=shape.total_params, frozen_params=shape.frozen_params, setting=setting_of(recipe, shape),
-                data=data, steps=steps, cards=cards)
+                data=data, steps=steps, cards=cards, notes=tuple(notes))
 
 
 def fit_check(recipe: Recipe) -> FitResult:
@@ -499,8 +502,8 @@ def fit_check(recipe: Recipe) -> FitResult:
                             f"{nearest}", c)
 
 
-def memory_on(recipe: Recipe, world: int, cpu: bool = False) -> memory.Estimate:
-    """Peak memory per process of the recipe on `world` GPUs (or CPU processes) of this machine."""
+def memory_on(recipe: Recipe, world: int) -> memory.Estimate:
+    """Peak memory per process of the recipe on `world` GPUs (or CPU processes) of one machine."""
     shape = model_shape(recipe)
     return memory.estimate(shape, setting_of(recipe, shape, world))
 
@@ -540,6 +543,8 @@ def print_plan(plan: Plan) -> None:
             e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)), fits,
             step, _hours(c.wall_hours), f"{c.gpu_hours:.1f}" if c.gpu_hours is not None else "-")
     console.print(table)
+    for note in plan.notes:
+        console.print(note, highlight=False, soft_wrap=True)
     for c in plan.cards:
         if not c.fits:
             options = " | ".join(sug.text() for sug in c.suggestions) or c.why
@@ -559,8 +564,3 @@ def run_plan(recipe: Recipe, accelerators: list[str] | None = None, as_json: boo
     else:
         print_plan(plan)
 
-
-def shipped_assets() -> list[str]:
-    """The model shapes ftcli ships for offline planning."""
-    root = resources.files("ftcli") / "assets" / "models"
-    return sorted(p.name for p in root.iterdir() if p.name.endswith(".json"))

@@ -176,3 +176,22 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert "GPU_8xH100 fits with: --set data.packing.block_len=16384 (66.0 GiB)" in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
     assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
+
+
+def test_a_recipe_on_an_unknown_card_is_planned_on_the_known_ones():
+    p = plan.make_plan(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xL40S"]))
+    assert [c.accelerator for c in p.cards] == ["GPU_8xH100", "GPU_8xH200", "GPU_8xB300", "GPU_1xA10"]
+    assert p.notes == ("no memory figures for the recipe's GPU_8xL40S: cards known: H100, H200, B300, A10",)
+    assert plan.fit_check(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xL40S"])).card is None
+
+
+def test_a_model_without_a_config_here_is_a_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UserError, match=r"^plan needs org/not-here's config.json: .*hf download org/not-here"):
+        plan.model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]))
+
+
+def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text((memory.shipped_shape_path("openai/gpt-oss-20b")).read_text())
+    shape = plan.model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
+    assert shape.total_params == 20_914_757_184
