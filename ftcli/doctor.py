@@ -17,7 +17,6 @@ OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 # distribution names, in the order shown
 PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang", "triton",
             "causal-conv1d", "flash-attn", "liger-kernel", "mlflow")
-FAMILIES = ("qwen3_5", "gpt_oss")  # shown when no recipe names a model
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ def doctor_checks(recipe, m) -> list[Check]:
 
     # packing: every op must keep the segments apart
     if recipe is None:
-        for family in FAMILIES:
+        for family in kernels.FAMILY_OPS:
             problems = kernels.check_packing_safe(family, m)
             checks.append(Check(f"packing keeps segments apart ({family})", FAIL if problems else OK,
                                 problems[0] if problems else "every op has a segment-aware backend"))
@@ -159,9 +158,9 @@ def run_doctor(recipe=None) -> int:
     backends = Table(title=f"Packed kernels on {m.device}", title_justify="left")
     for column in ("model_type", "op", "backend", "why"):
         backends.add_column(column)
-    model_types = [recipe.model.model_type] if recipe else list(FAMILIES)
+    model_types = [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS)
     for model_type in model_types:
-        chosen = kernels.select_backends(model_type, m)
+        chosen = kernels.decide_backends(model_type, m)
         if not chosen:
             backends.add_row(model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type")
         for b in chosen:

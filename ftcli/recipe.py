@@ -20,10 +20,10 @@ import difflib
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ftcli.errors import UserError
 
@@ -228,14 +228,44 @@ class PermissionConfig(_Section):
         return self
 
 
+# Where a job runs: rules shared by `ComputeConfig` and the AI Runtime workload check (`ftcli.workload`).
+def check_accelerator_type(v: str) -> str:
+    if not ACCELERATOR_RE.fullmatch(v):
+        raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
+    return v
+
+
+def check_secret_ref(v: str) -> str:
+    if v.count("/") != 1 or not all(v.split("/")):
+        raise ValueError("must be 'scope/key' (exactly one '/')")
+    return v
+
+
+def placement_problems(
+    accelerator_type: str | None, num_accelerators: int | None, pool_id: str | None, priority_class: str | None
+) -> list[str]:
+    """Every broken rule between the compute keys, one line each. None: a key that is missing or
+    already reported as bad on its own (those rules are skipped)."""
+    problems = []
+    m = ACCELERATOR_RE.fullmatch(accelerator_type) if accelerator_type is not None else None
+    if m and num_accelerators is not None and num_accelerators % int(m.group(1)):
+        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {m.group(1)} GPUs per node "
+                        f"of {accelerator_type}")
+    if priority_class is not None and not pool_id:
+        problems.append("priority_class needs pool_id (provisioned capacity)")
+    return problems
+
+
 class ComputeConfig(_Section):
-    accelerator_type: str = Field("GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
+    accelerator_type: Annotated[str, AfterValidator(check_accelerator_type)] = Field(
+        "GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
     experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
     environment_version: str = "databricks_ai_v6"
     dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
     env_variables: dict[str, str] = Field(default_factory=dict)
-    secrets: dict[str, str] = Field(default_factory=dict, description="NAME -> 'scope/key'.")
+    secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
+        default_factory=dict, description="NAME -> 'scope/key'.")
     timeout_minutes: int | None = Field(None, ge=1)
     max_retries: int = Field(0, ge=0)
     pool_id: str | None = None
@@ -244,28 +274,14 @@ class ComputeConfig(_Section):
     permissions: list[PermissionConfig] = Field(default_factory=list)
     ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
 
-    @field_validator("accelerator_type")
-    @classmethod
-    def _accel(cls, v: str) -> str:
-        if not ACCELERATOR_RE.fullmatch(v):
-            raise ValueError(f"{v!r} is not GPU_<gpus per node>x<model> (e.g. GPU_8xH100)")
-        return v
-
     @model_validator(mode="after")
     def _topology(self) -> ComputeConfig:
-        if self.num_accelerators % self.gpus_per_node:
-            raise ValueError(
-                f"num_accelerators={self.num_accelerators} is not a multiple of the {self.gpus_per_node} "
-                f"GPUs per node of {self.accelerator_type}"
-            )
-        if self.priority_class and not self.pool_id:
-            raise ValueError("priority_class needs pool_id")
+        problems = placement_problems(self.accelerator_type, self.num_accelerators, self.pool_id, self.priority_class)
         both = sorted(set(self.secrets) & set(self.env_variables))
         if both:
-            raise ValueError(f"{', '.join(both)} set both as a secret and as an env variable")
-        for name, ref in self.secrets.items():
-            if ref.count("/") != 1 or not all(ref.split("/")):
-                raise ValueError(f"secret {name}: {ref!r} is not 'scope/key'")
+            problems.append(f"{', '.join(both)} set both as a secret and as an env variable")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property
@@ -375,28 +391,51 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _model_for_path(loc: tuple) -> type[BaseModel] | None:
-    """Walk the schema along a pydantic error location to the section that owns the last key."""
-    model: type[BaseModel] | None = Recipe
-    for part in loc[:-1]:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
+# ------------------------------------------------------------------------------------ did you mean
+# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.workload`).
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The schema sections a field holds: `X`, `X | None`, `list[X]` -> [X]."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return [t for a in args for t in _sections_in(a)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def schema_section(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """Walk the schema from `root` along a pydantic error location to the section it names (None: not one)."""
+    model = root
+    for part in path:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        field = model.model_fields.get(part)
+        sections = _sections_in(field.annotation) if field else []
+        if not sections:
             return None
-        ann = model.model_fields[part].annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = sections[0]
     return model
 
 
 def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | None:
     """`training.lr` -> `optimizer.lr`: the key exists one section further down."""
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            if key in ann.model_fields:
+        for section in _sections_in(field.annotation):
+            if key in section.model_fields:
                 return f"{prefix}{name}.{key}"
-            found = _nested_key(ann, key, f"{prefix}{name}.")
+            found = _nested_key(section, key, f"{prefix}{name}.")
             if found:
                 return found
     return None
+
+
+def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
+    """"; did you mean 'a.b'?" for the unknown key at `loc` under the schema `root`: the closest key of its
+    section, else the same key one section further down; "" when there is neither."""
+    owner = schema_section(root, loc[:-1])
+    if owner is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
+    found = close[0] if close else _nested_key(owner, str(loc[-1]))
+    return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
@@ -405,15 +444,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
         path = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            owner = _model_for_path(loc)
-            fields = list(owner.model_fields) if owner else []
-            close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.5)
-            if close:
-                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?"
-            else:
-                nested = _nested_key(owner, str(loc[-1])) if owner else None
-                hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), nested])}'?" if nested else ""
-            lines.append(f"unknown key '{path}'{hint}")
+            lines.append(f"unknown key '{path}'{did_you_mean(Recipe, loc)}")
         elif e["type"] == "missing":
             lines.append(f"missing required key '{path}'")
         else:

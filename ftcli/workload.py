@@ -24,7 +24,6 @@ This module imports no torch, transformers, datasets or mlflow.
 
 from __future__ import annotations
 
-import difflib
 import re
 import shlex
 import textwrap
@@ -44,7 +43,15 @@ from pydantic import (
 )
 
 from ftcli.errors import UserError
-from ftcli.recipe import ACCELERATOR_RE, NAME_RE, NAME_RULE, Recipe
+from ftcli.recipe import (
+    NAME_RE,
+    NAME_RULE,
+    Recipe,
+    check_accelerator_type,
+    check_secret_ref,
+    did_you_mean,
+    placement_problems,
+)
 
 # ------------------------------------------------------------------------------------------- schema
 _VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -60,12 +67,6 @@ def _name(v: str) -> str:
 def _var_name(v: str) -> str:
     if not _VAR_RE.fullmatch(v):
         raise ValueError(f"{v!r} is not a valid environment variable name (letters, digits, '_'; no leading digit)")
-    return v
-
-
-def _secret_ref(v: str) -> str:
-    if v.count("/") != 1 or not all(v.split("/")):
-        raise ValueError("must be 'scope/key' (exactly one '/')")
     return v
 
 
@@ -91,17 +92,10 @@ class _Strict(BaseModel):
 
 
 class WorkloadCompute(_Strict):
-    accelerator_type: StrictStr
+    accelerator_type: Annotated[StrictStr, AfterValidator(check_accelerator_type)]
     num_accelerators: StrictInt = Field(..., ge=1)
     pool_id: NonBlank | None = None
     priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
-
-    @field_validator("accelerator_type")
-    @classmethod
-    def _accel(cls, v: str) -> str:
-        if not ACCELERATOR_RE.fullmatch(v):
-            raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
-        return v
 
 
 class WorkloadEnvironment(_Strict):
@@ -141,7 +135,7 @@ class WorkloadFile(_Strict):
     environment: WorkloadEnvironment | None = None
     code_source: WorkloadCodeSource | None = None
     env_variables: dict[VarName, StrictStr] | None = None
-    secrets: dict[VarName, Annotated[StrictStr, AfterValidator(_secret_ref)]] | None = None
+    secrets: dict[VarName, Annotated[StrictStr, AfterValidator(check_secret_ref)]] | None = None
     max_retries: StrictInt | None = Field(None, ge=0)
     timeout_minutes: StrictInt | None = Field(None, ge=1)
     idempotency_token: Annotated[NonBlank, AfterValidator(_token)] | None = None
@@ -165,13 +159,10 @@ def _cross_field_problems(data: dict[str, Any]) -> list[str]:
     problems = []
     compute = data.get("compute") if isinstance(data.get("compute"), dict) else {}
     accel, total = compute.get("accelerator_type"), compute.get("num_accelerators")
-    m = ACCELERATOR_RE.fullmatch(accel) if isinstance(accel, str) else None
-    if m and isinstance(total, int) and not isinstance(total, bool) and total >= 1 and total % int(m.group(1)):
-        problems.append(
-            f"compute.num_accelerators: {total} is not a multiple of the {m.group(1)} GPUs per node of {accel}"
-        )
-    if compute.get("priority_class") is not None and not compute.get("pool_id"):
-        problems.append("compute.priority_class needs compute.pool_id (provisioned capacity)")
+    accel = accel if isinstance(accel, str) else None  # a bad one is a field error already
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
+    placement = placement_problems(accel, total, compute.get("pool_id"), compute.get("priority_class"))
+    problems += [f"compute: {p}" for p in placement]
 
     env = data.get("environment")
     unset = "environment.version: not set; set it explicitly (e.g. databricks_ai_v6), the CLI's default changes"
@@ -221,45 +212,9 @@ _KEY_HINTS = {
 }
 
 
-def _section(loc: tuple) -> type[BaseModel] | None:
-    """The schema section that owns the last key of an error location."""
-    model: type[BaseModel] | None = WorkloadFile
-    for part in loc[:-1]:
-        if isinstance(part, int) and model is WorkloadFile:
-            return None
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if model else None
-        if field is None:
-            return None
-        model = next((t for t in _types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)), None)
-    return model
-
-
-def _types(annotation: Any) -> list[Any]:
-    args = getattr(annotation, "__args__", None)
-    if not args:
-        return [annotation]
-    return [t for a in args for t in _types(a)]
-
-
 def _did_you_mean(loc: tuple) -> str:
     path = ".".join(str(p) for p in loc)
-    if path in _KEY_HINTS:
-        return _KEY_HINTS[path]
-    owner = _section(loc)
-    if owner is None:
-        return ""
-    prefix = ".".join(str(p) for p in loc[:-1])
-    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean '{f'{prefix}.' if prefix else ''}{close[0]}'?"
-    if owner is WorkloadFile:  # a section's key written at the top level: `dependencies:`, `accelerator_type:`
-        for name, field in WorkloadFile.model_fields.items():
-            for t in _types(field.annotation):
-                if isinstance(t, type) and issubclass(t, BaseModel) and loc[-1] in t.model_fields:
-                    return f"; did you mean '{name}.{loc[-1]}'?"
-    return ""
+    return _KEY_HINTS[path] if path in _KEY_HINTS else did_you_mean(WorkloadFile, loc)
 
 
 def _format_error(e: dict) -> str:

@@ -362,8 +362,8 @@ def test_flex_sinks_forward_equals_separate_gpt_oss():
 
 
 # ------------------------------------------------------------------------------------------ decisions
-def test_backends_on_this_cpu():
-    names = lambda model_type: [(b.op, b.name) for b in kernels.select_backends(model_type, "cpu")]  # noqa: E731
+def test_cpu_gets_exact_per_segment_references():
+    names = lambda model_type: [(b.op, b.name) for b in kernels.decide_backends(model_type, "cpu")]  # noqa: E731
     expected = [("attention", "sdpa_segments"), ("gated_delta_rule", "torch_segments"),
                 ("causal_conv1d", "torch_segments")]
     assert names("qwen3_5") == names("qwen3_5_text") == expected
@@ -395,7 +395,7 @@ def test_hopper_with_bad_triton_needs_tilelang():
         kernels.install_backends("qwen3_5", list(decide(_gpu((9, 0), "3.6.0")).values()))
 
 
-def test_cuda_choices():
+def test_cuda_prefers_flash_attn_then_torch_varlen_and_fla():
     h200 = {b.op: b.name for b in kernels.decide_backends("qwen3_5", _gpu((9, 0), "3.6.0", tilelang=True))}
     assert h200 == {"attention": "torch_varlen", "gated_delta_rule": "fla+tilelang",
                     "causal_conv1d": "fla_conv_varlen"}
@@ -404,3 +404,18 @@ def test_cuda_choices():
     assert [b.name for b in kernels.decide_backends("gpt_oss", full)] == ["flex_sinks"]
     reference = kernels.decide_backends("qwen3_5", full, reference=True)
     assert [b.name for b in reference] == ["sdpa_segments", "torch_segments", "torch_segments"]
+
+
+def test_every_decidable_backend_has_a_kernel():
+    """What `decide_backends` can pick on any machine is in the table `install` and doctor read (or is
+    transformers' own flash_attention_2), and the table holds nothing that cannot be picked."""
+    machines = [kernels.machine("cpu"), _gpu((9, 0), "3.6.0", tilelang=True), _gpu((9, 0), "3.3.1"),
+                _gpu((10, 0), "3.6.0", flash_attn=True, causal_conv1d=True),
+                kernels.Machine(device="cuda:0", capability=(9, 0)), kernels.Machine(device="cuda:0", flex=True)]
+    chosen = {(b.op, b.name) for model_type in kernels.MODEL_FAMILIES for m in machines
+              for reference in (False, True) for b in kernels.decide_backends(model_type, m, reference=reference)}
+    table = {(op, name) for op, by_name in kernels.KERNELS.items() for name in by_name}
+    assert chosen - table == {("attention", "flash_attn_varlen")}
+    assert table - chosen == set()
+    assert {op for op, _ in chosen} == set(kernels.KERNELS) == {op for ops in kernels.FAMILY_OPS.values() for op in ops}
+    assert len({fn for by_name in kernels.KERNELS.values() for fn in by_name.values()}) == 9

@@ -1,4 +1,4 @@
-"""Recipes: the built-ins load and reproduce the reference workloads; mistakes fail loudly and precisely."""
+"""Recipes: the built-ins reproduce the two published Databricks examples; mistakes fail loudly and precisely."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_tiny_recipes_point_at_shipped_assets(name):
         assert Path(resolve_path(ref)).exists(), ref
 
 
-def test_qwen_b300_reproduces_reference_1a():
+def test_qwen_b300_reproduces_published_qwen_full_sft_example():
     r = load_recipe("qwen-b300")
     assert (r.model.id, r.model.revision) == ("Qwen/Qwen3.8-27B", "1d4bf0f2ff6012fd82039f2fa52739d0dd7c60c0")
     assert (r.model.model_type, r.model.model_class, r.model.dtype) == ("qwen3_5", "image_text_to_text", "bfloat16")
@@ -74,7 +74,7 @@ def test_qwen_b300_reproduces_reference_1a():
     }
 
 
-def test_gpt_oss_h100_reproduces_reference_1b():
+def test_gpt_oss_h100_reproduces_published_gpt_oss_lora_example():
     r = load_recipe("gpt-oss-h100")
     assert (r.model.id, r.model.model_type, r.model.dtype) == ("openai/gpt-oss-20b", "gpt_oss", "bfloat16")
     assert r.model.quantization == "mxfp4_dequantize"
@@ -104,6 +104,9 @@ def test_gpt_oss_h100_reproduces_reference_1b():
     ("data.packing.block_length=4096", "unknown key 'data.packing.block_length'; did you mean 'data.packing.block_len'?"),
     ("lora.alph=4", "unknown key 'lora.alph'; did you mean 'lora.alpha'?"),
     ("compute.gpus_per_node=8", "unknown key 'compute.gpus_per_node'"),
+    ("compute.permissions=[{user_nam: a, level: CAN_VIEW}]",
+     "unknown key 'compute.permissions.0.user_nam'; did you mean 'compute.permissions.0.user_name'?"),
+    ("level=CAN_VIEW", "unknown key 'level'; did you mean 'compute.permissions.level'?"),
 ])
 def test_unknown_key_names_path_and_suggestion(override, expected):
     msg = _error("qwen-b300", [override])
@@ -143,7 +146,9 @@ def test_cross_field_error_names_section():
         "invalid recipe 'qwen-b300': compute: num_accelerators=12 is not a multiple of the 8 GPUs per node of GPU_8xB300"
     )
     assert "priority_class needs pool_id" in _error("qwen-b300", ["compute.priority_class=NORMAL"])
-    assert "is not 'scope/key'" in _error("qwen-b300", ["compute.secrets.HF_TOKEN=nokey"])
+    assert _error("qwen-b300", ["compute.secrets.HF_TOKEN=nokey"]) == (
+        "invalid recipe 'qwen-b300': compute.secrets.HF_TOKEN: must be 'scope/key' (exactly one '/') (got 'nokey')"
+    )
     assert "HF_HOME set both as a secret and as an env variable" in _error("qwen-b300", ["compute.secrets.HF_HOME=s/k"])
 
 

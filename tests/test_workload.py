@@ -68,7 +68,7 @@ def test_every_render_passes_check(name, nodes, tmp_path):
     assert workload.check_workload_file(path) == []
 
 
-def test_reference_workload_values():
+def test_render_keeps_published_examples_compute_and_env():
     _, _, qwen = _render("qwen-b300")
     assert qwen["experiment_name"] == "air-b300-qwen3-8-27b-sft"
     assert qwen["compute"] == {"accelerator_type": "GPU_8xB300", "num_accelerators": 8}
@@ -291,9 +291,9 @@ def test_non_snapshot_ftcli_spec_is_one_quoted_argument(tmp_path):
 HEAVY = ("torch", "transformers", "datasets", "mlflow", "trl", "peft")
 
 
-@pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"], ["--help"],
+@pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"],  # `--help`: tests/test_cli.py
                                   ["render-workload", "--check", str(GOLDEN / "qwen-b300-1node.yaml")]])
-def test_cli_does_not_import_heavy_modules(argv):
+def test_render_workload_imports_no_heavy_modules(argv):
     code = (
         "import json, sys\n"
         f"sys.argv = ['ftcli', *{argv!r}]\n"
@@ -348,10 +348,11 @@ RULES = [
     ("experiment_name", "x" * 101, "experiment_name: use 1-100"),
     ("mlflow_run_name", "run.1", "mlflow_run_name: use 1-100 letters"),
     ("compute.accelerator_type", "gpu_8xh100", "compute.accelerator_type: expected GPU_<gpus per node>x<model>"),
-    ("compute.num_accelerators", 12, "compute.num_accelerators: 12 is not a multiple of the 8 GPUs per node"),
+    ("compute.num_accelerators", 12,
+     "compute: num_accelerators=12 is not a multiple of the 8 GPUs per node of GPU_8xB300"),
     ("compute.num_accelerators", 0, "compute.num_accelerators: Input should be greater than or equal to 1"),
     ("compute.num_accelerators", "8", "compute.num_accelerators: Input should be a valid integer"),
-    ("compute.priority_class", "NORMAL", "compute.priority_class needs compute.pool_id"),
+    ("compute.priority_class", "NORMAL", "compute: priority_class needs pool_id (provisioned capacity)"),
     ("compute", {"accelerator_type": "GPU_8xB300", "num_accelerators": 8, "pool_id": "p", "priority_class": "HIGH"},
      "compute.priority_class: Input should be 'BEST_EFFORT', 'NORMAL' or 'CRITICAL'"),
     ("secrets", {"HF_TOKEN": "no-slash"}, "secrets.HF_TOKEN: must be 'scope/key'"),
@@ -412,7 +413,7 @@ def test_check_reports_every_violation_at_once(tmp_path):
     del data["command"]
     problems = _check(tmp_path, data)
     assert len(problems) == 9, problems
-    for expected in ("experiment_name:", "not a multiple", "needs compute.pool_id", "secrets.HF_HOME: must be",
+    for expected in ("experiment_name:", "not a multiple", "priority_class needs pool_id", "secrets.HF_HOME: must be",
                      "also set in env_variables", "unknown key 'run_name'", "max_retries:", "exclude each other",
                      "missing required key 'command'"):
         assert any(expected in p for p in problems), (expected, problems)
