@@ -142,6 +142,7 @@ def render_workload(
     overrides: Optional[list[str]] = SetOpt,
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout)."),
     check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
+    no_fit_check: bool = typer.Option(False, "--no-fit-check", help="Render even when the plan says it does not fit."),
     force: bool = ForceOpt,
 ) -> None:
     """Render a Databricks AI Runtime workload YAML (`databricks air run -f ...`) for a recipe."""
@@ -158,8 +159,8 @@ def render_workload(
     r = _load(recipe, overrides)
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
-    text = workload.render_workload(r)
-    for warning in workload.render_warnings(r):
+    text = workload.render_workload(r, fit_check=not no_fit_check)
+    for warning in workload.render_warnings(r, fit_check=not no_fit_check):
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is None:
         print(text, end="")
@@ -272,12 +273,16 @@ def plan(
 
 # -------------------------------------------------------------------------------------------- doctor
 @app.command("doctor")
-def doctor(recipe: Optional[str] = OptionalRecipeOpt, overrides: Optional[list[str]] = SetOpt) -> None:
-    """Versions, packed-kernel backends, and known-bad combinations on this machine."""
+def doctor(
+    recipe: Optional[str] = OptionalRecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Versions, packed-kernel backends, known-bad combinations; with a recipe, whether it can run here."""
     r = _load(recipe, overrides)
     from ftcli.doctor import run_doctor
 
-    code = run_doctor(r)
+    code = run_doctor(r, as_json=as_json)
     raise typer.Exit(code)
 
 

@@ -191,31 +191,40 @@ def matrix_check(here: Here, directory: Path | None = None) -> Problem:
 
 
 # ---------------------------------------------------------------------------------------- can it run
-def can_run_here(recipe, here: Here) -> list[str]:
-    """Why `recipe` cannot run on this machine (empty: it can): GPU type and count vs
-    compute.accelerator_type, and the plan's memory per GPU (or per CPU process) against what is here."""
+def fit_here(recipe, here: Here) -> tuple[bool, str]:
+    """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits this machine, and the figures."""
     from ftcli import plan
+    from ftcli.errors import UserError
 
     compute = recipe.compute
     wanted_card = compute.accelerator_type.split("x", 1)[1]
+    world = len(here.gpus) or recipe.training.cpu_processes
+    try:
+        per_rank = plan.memory_on(recipe, world).total
+    except UserError as e:
+        return True, f"not checked: {e}"
     if not here.gpus:
-        world = recipe.training.cpu_processes
-        need = world * plan.memory_on(recipe, world).total
-        have = 0.92 * here.ram_bytes / 2**30
+        need, have = world * per_rank, 0.92 * here.ram_bytes / 2**30
         if need > have:
-            return [f"{recipe.name} needs ~{need:.0f} GiB of RAM on this CPU machine ({world} processes), it has "
-                    f"{here.ram_bytes / 2**30:.0f} GiB; it is a {compute.num_accelerators} x {wanted_card} recipe "
-                    f"({compute.accelerator_type}): run it there (ftcli render-workload --recipe {recipe.name})"]
-        return []
-    world = len(here.gpus)
+            return False, (f"{recipe.name} needs ~{need:.0f} GiB of RAM on this CPU machine ({world} processes), it "
+                           f"has {here.ram_bytes / 2**30:.0f} GiB; it is a {compute.accelerator_type} recipe "
+                           f"({compute.num_accelerators} GPUs): run it there (ftcli render-workload --recipe "
+                           f"{recipe.name})")
+        return True, f"~{need:.1f} GiB of {have:.1f} GiB RAM usable ({world} CPU processes)"
     name, total = here.gpus[0]
-    estimate = plan.memory_on(recipe, world)
     usable = 0.92 * total / 2**30
-    if estimate.total > usable:
+    if per_rank > usable:
         kind = "" if wanted_card in name else f" (the recipe is for {compute.accelerator_type})"
-        return [f"{recipe.name} needs {estimate.total:.1f} GiB per GPU on {world} GPU(s); this {name} has "
-                f"{usable:.1f} usable of {total / 2**30:.0f} GiB{kind}"]
-    return []
+        return False, (f"{recipe.name} needs {per_rank:.1f} GiB per GPU on {world} GPU(s); this {name} has "
+                       f"{usable:.1f} usable of {total / 2**30:.0f} GiB{kind}")
+    return True, f"{per_rank:.1f} GiB per GPU of {usable:.1f} usable on {world} x {name}"
+
+
+def can_run_here(recipe, here: Here) -> list[str]:
+    """Why `recipe` cannot run on this machine (empty: it can): the plan's memory per GPU on the GPUs that are
+    here (the launcher uses them all), or per CPU process against the RAM on a machine without GPUs."""
+    ok, detail = fit_here(recipe, here)
+    return [] if ok else [detail]
 
 
 def gpu_notes(recipe, here: Here) -> list[Problem]:
@@ -232,8 +241,8 @@ def gpu_notes(recipe, here: Here) -> list[Problem]:
     return [Problem("GPUs vs compute.accelerator_type", OK if same else WARN, detail)]
 
 
-def detect_here() -> Here:
-    """The real machine (imports torch)."""
+def detect_here(m=None) -> Here:
+    """The real machine (imports torch); `m`: its `ftcli.kernels.Machine` when the caller has read it already."""
     import torch
 
     from ftcli import kernels
@@ -244,8 +253,8 @@ def detect_here() -> Here:
         gpus = tuple((torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
                      for i in range(torch.cuda.device_count()))
         capability = tuple(torch.cuda.get_device_capability(0))
-    m = kernels.machine("cuda" if gpus else "cpu")
-    attention = next((b.name for b in kernels.select_backends("gpt_oss", m) if b.op == "attention"), None)
+    m = m or kernels.machine("cuda" if gpus else "cpu")
+    attention = next((b.name for b in kernels.decide_backends("gpt_oss", m) if b.op == "attention"), None)
     versions = {}
     for dist in (*MATRIX_PACKAGES, "fla-core"):
         try:

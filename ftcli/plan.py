@@ -491,8 +491,12 @@ def fit_check(recipe: Recipe) -> FitResult:
     try:
         parse_accelerator(recipe.compute.accelerator_type)
     except UserError:
-        return FitResult(True, f"no memory figures for {recipe.compute.accelerator_type}: not checked", None)
-    shape = model_shape(recipe)
+        return FitResult(True, f"memory fit not checked: no figures for {recipe.compute.accelerator_type} "
+                               f"(cards known: {', '.join(CARDS)})", None)
+    try:
+        shape = model_shape(recipe)
+    except UserError as e:
+        return FitResult(True, f"memory fit not checked: {e}", None)
     c = card_plan(recipe, shape, recipe.compute.accelerator_type, DataSize(None, None, "not needed"), None)
     if c.fits:
         return FitResult(True, f"fits {c.accelerator}: {c.estimate.total:.1f} of {c.usable_gib:.1f} GiB usable per GPU", c)
