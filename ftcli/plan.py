@@ -200,7 +200,7 @@ def _fits(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estima
 
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int) -> list[Suggestion]:
     """Single changes that make `s` fit `card`, nearest first: checkpointing, the largest block, bf16 master
-    weights, more GPUs (full SFT only: LoRA keeps a whole base per GPU); then all of them together."""
+    weights, more GPUs (full SFT only: LoRA keeps a whole base per GPU); when none does, all of them together."""
     gb = CARDS[card]["memory_gb"]
     out: list[Suggestion] = []
 
@@ -210,7 +210,7 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
             out.append(Suggestion(overrides, e.total))
         return ok
 
-    order = ["none", "selective", "full"]
+    order = ["none", "selective", "full"] if s.method == "full" else ["none", "full"]  # LoRA: every layer or none
     for mode in order[order.index(s.checkpointing) + 1:]:
         if attempt((f"training.activation_checkpointing={mode}",), checkpointing=mode, keep=0):
             break
@@ -445,7 +445,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     gb = CARDS[card]["memory_gb"]
     fits, e = _fits(shape, s, gb)
     keep = None
-    if fits and s.checkpointing == "full":
+    if fits and s.checkpointing == "full" and s.method == "full":
         keep = memory.layers_to_keep(shape, s, gb)
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
