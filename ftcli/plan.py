@@ -520,6 +520,7 @@ def _hours(h: float | None) -> str:
 
 
 def print_plan(plan: Plan) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -533,32 +534,40 @@ def print_plan(plan: Plan) -> None:
     tokens = f"{plan.data.tokens:,} tokens, {plan.data.blocks:,} blocks" if plan.data.tokens is not None else "?"
     console.print(f"data: {tokens} ({plan.data.source}); optimizer steps on the recipe's GPUs: "
                   f"{plan.steps if plan.steps is not None else '?'}", highlight=False, soft_wrap=True)
-    table = Table(title="GiB per GPU; fits = total <= 92% of the card", title_justify="left")
+    own = plan.cards[0].accelerator if plan.cards and plan.cards[0].own else "none of the known cards"
+    console.print(f"the recipe's accelerator: {own} (first row)", highlight=False)
+
+    memory_table = Table(title="Memory per GPU, GiB (fits: total <= 92% of the card; keep: layers that could keep "
+                               "their activations)", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("accelerator", "GPUs", "params", "grads", "optim", "activ", "loss", "other", "total", "usable",
-                "fits", "s/step", "wall", "GPU-h"):
-        table.add_column(col, justify="left" if col in ("accelerator", "fits") else "right")
+                "fits", "keep"):
+        memory_table.add_column(col, justify="left" if col in ("accelerator", "fits") else "right", no_wrap=True)
+    time_table = Table(title="Time (* estimate)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("accelerator", "s/step", "wall", "GPU-h", "from"):
+        time_table.add_column(col, justify="left" if col in ("accelerator", "from") else "right",
+                              no_wrap=col != "from")
     for c in plan.cards:
         e = c.estimate
-        fits = "[green]yes[/]" if c.fits else "[bold red]no[/]"
-        if c.keep_layers:
-            fits += f", keep {c.keep_layers}"
+        style = "bold" if c.own else None
+        memory_table.add_row(c.accelerator, str(c.gpus), *(f"{v:.1f}" for v in (
+            e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)),
+            "[green]yes[/]" if c.fits else "[red]no[/]", "-" if c.keep_layers is None else str(c.keep_layers),
+            style=style)
         step = "-" if c.step.s_per_step is None else f"{c.step.s_per_step:.2f}" + ("" if c.step.measured else "*")
-        table.add_row(c.accelerator + (" (recipe)" if c.own else ""), str(c.gpus), *(f"{v:.1f}" for v in (
-            e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)), fits,
-            step, _hours(c.wall_hours), f"{c.gpu_hours:.1f}" if c.gpu_hours is not None else "-")
-    console.print(table)
+        time_table.add_row(c.accelerator, step, _hours(c.wall_hours),
+                           "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", c.step.source, style=style)
+    console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
     for c in plan.cards:
-        if not c.fits:
-            options = " | ".join(sug.text() for sug in c.suggestions) or c.why
-            console.print(f"{c.accelerator} fits with: {options}", highlight=False, soft_wrap=True)
-    for c in plan.cards:
-        console.print(f"[dim]s/step {c.accelerator}: {c.step.source}[/]", highlight=False, soft_wrap=True)
+        if c.suggestions:
+            console.print(f"{c.accelerator} fits with: {' | '.join(sug.text() for sug in c.suggestions)}",
+                          highlight=False, soft_wrap=True)
+        elif not c.fits:
+            console.print(f"{c.accelerator} does not fit: {c.why}", highlight=False, soft_wrap=True)
+    console.print(time_table)
     for command in sorted({c.step.command for c in plan.cards if c.step.command}):
         console.print(f"[dim]step times measured by: {command}[/]", highlight=False, soft_wrap=True)
-    console.print("[dim]* estimate. keep N: with full checkpointing, N layers could keep their activations "
-                  "(training.activation_checkpointing_keep).[/]", highlight=False, soft_wrap=True)
 
 
 def run_plan(recipe: Recipe, accelerators: list[str] | None = None, as_json: bool = False) -> None:

@@ -171,9 +171,12 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
 
     result = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300"])
     assert result.exit_code == 0
-    rows = [line for line in result.output.splitlines() if line.startswith("│ GPU_")]
-    assert rows[0].split("│")[1].strip() == "GPU_8xB300 (recipe)"
-    assert "yes, keep 16" in rows[0] and "no" in rows[1].split("│")[11]
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("  GPU_")]
+    assert "the recipe's accelerator: GPU_8xB300" in result.output
+    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "30.5", "0.9", "0.0", "81.7", "246.8", "yes", "16"]
+    assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
+    assert rows[4][:4] == ["GPU_8xB300", "5.46*", "1.5", "h"]  # the time table
+    assert rows[6][:2] == ["GPU_8xH200", "12.43*"]
     assert "GPU_8xH100 fits with: --set data.packing.block_len=16384 (66.0 GiB)" in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
     assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
