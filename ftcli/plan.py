@@ -198,9 +198,11 @@ def _fits(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estima
     return e.total <= memory.usable_gib(card_gb), e
 
 
-def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int) -> list[Suggestion]:
-    """Single changes that make `s` fit `card`, nearest first: checkpointing, the largest block, bf16 master
-    weights, more GPUs (full SFT only: LoRA keeps a whole base per GPU); when none does, all of them together."""
+def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
+                     length_key: str = "data.packing.block_len", batch: int = 1) -> list[Suggestion]:
+    """Single changes that make `s` fit `card`, nearest first: checkpointing, the largest block (`length_key`,
+    tokens per micro-batch / `batch`), bf16 master weights, more GPUs (full SFT only: LoRA keeps a whole base per
+    GPU); when none does, all of them together."""
     gb = CARDS[card]["memory_gb"]
     out: list[Suggestion] = []
 
@@ -220,8 +222,8 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
     block = 1 << (per_batch.bit_length() - 1)
     if block == per_batch:
         block //= 2
-    while block >= 512:
-        if attempt((f"data.packing.block_len={block}",), tokens=block):
+    while block >= 512 * batch:
+        if attempt((f"{length_key}={block // batch}",), tokens=block):
             break
         block //= 2
     if s.method == "full" and s.master == "fp32":
@@ -237,7 +239,8 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
             changes["master"] = "bf16"
             overrides.append("training.precision.master_dtype=bfloat16")
         block = 1 << (per_batch.bit_length() - 1)
-        while block >= 512 and not attempt((*overrides, f"data.packing.block_len={block}"), tokens=block, **changes):
+        while block >= 512 * batch and not attempt((*overrides, f"{length_key}={block // batch}"), tokens=block,
+                                                   **changes):
             block //= 2
     return out
 
@@ -447,7 +450,9 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     keep = None
     if fits and s.checkpointing == "full" and s.method == "full":
         keep = memory.layers_to_keep(shape, s, gb)
-    suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node))
+    length_key = "data.packing.block_len" if recipe.data.packing.enabled else "data.max_length"
+    suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
+                                                         recipe.training.per_device_batch))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
     st = step_time(recipe, shape, s, card)
     run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe, data, world)

@@ -199,3 +199,12 @@ def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text((memory.shipped_shape_path("openai/gpt-oss-20b")).read_text())
     shape = plan.model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
     assert shape.total_params == 20_914_757_184
+
+
+def test_block_suggestions_count_the_micro_batch():
+    r = load_recipe("gpt-oss-h100", ["training.per_device_batch=2"])  # 2 x 4096 tokens per micro-batch
+    h100 = cards(plan.make_plan(r))["GPU_8xH100"]
+    assert not h100.fits and h100.suggestions[1].overrides == ("data.packing.block_len=2048",)
+    unpacked = load_recipe("gpt-oss-h100", ["data.packing.enabled=false", "data.max_length=8192",
+                                            "model.attn_implementation=eager"])
+    assert cards(plan.make_plan(unpacked))["GPU_8xH100"].suggestions[1].overrides == ("data.max_length=4096",)
