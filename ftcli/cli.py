@@ -11,6 +11,7 @@ Each subcommand's work lives in one module, imported only when that command runs
     register         ftcli.register
     plan             ftcli.plan         (over ftcli.memory)
     doctor           ftcli.doctor       (over ftcli.kernels)
+    generate, chat   ftcli.generate     (+ ftcli.chat_repl: the interactive loop)
 """
 
 from __future__ import annotations
@@ -243,8 +244,6 @@ def register(
     force: bool = typer.Option(False, "--force", help="Move an alias that already points at another version."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
-    if adapter_only and merged:
-        _fail("--adapter-only and --merged exclude each other")
     r = _load(recipe, overrides)
     from ftcli.register import run_register
 
@@ -284,6 +283,94 @@ def doctor(
 
     code = run_doctor(r, as_json=as_json)
     raise typer.Exit(code)
+
+
+# ---------------------------------------------------------------------------------- generate, chat
+ModelArg = typer.Argument(
+    ..., help="A run dir, a merged/model dir, a LoRA adapter dir, or a hub id.", metavar="RUN_OR_MODEL"
+)
+SystemOpt = typer.Option(None, "--system", help="System prompt.")
+MaxNewOpt = typer.Option(256, "--max-new-tokens", min=1, help="Generate at most this many tokens per reply.")
+TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy).")
+TopPOpt = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep this probability mass.")
+TopKOpt = typer.Option(None, "--top-k", min=0, help="Sample among the k most likely tokens.")
+GreedyOpt = typer.Option(False, "--greedy", help="Greedy decoding (overrides sampling options).")
+SeedOpt = typer.Option(None, "--seed", help="Seed the sampling (reproducible replies).")
+EffortOpt = typer.Option(None, "--reasoning-effort", help="Chat-template reasoning effort (gpt-oss: low|medium|high).")
+LanguageOpt = typer.Option(
+    None, "--reasoning-language", help="gpt-oss: adds 'reasoning language: LANG' to the system prompt."
+)
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32")
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N | mps.")
+RevisionOpt = typer.Option(None, "--revision", help="Hub revision (commit, tag, branch) for a hub id.")
+
+
+def _sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed):
+    from ftcli.generate import Sampling
+
+    return Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed=seed)
+
+
+@app.command("generate")
+def generate(
+    model: str = ModelArg,
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One user prompt; the reply streams."),
+    system: Optional[str] = SystemOpt,
+    input_path: Optional[Path] = typer.Option(None, "--input", "-i", help="JSONL of conversations to complete."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="With --input: write completions here (default: stdout)."
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="With --input: conversations per batch."),
+    max_new_tokens: int = MaxNewOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    top_p: Optional[float] = TopPOpt,
+    top_k: Optional[int] = TopKOpt,
+    greedy: bool = GreedyOpt,
+    seed: Optional[int] = SeedOpt,
+    reasoning_effort: Optional[str] = EffortOpt,
+    reasoning_language: Optional[str] = LanguageOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    revision: Optional[str] = RevisionOpt,
+    as_json: bool = typer.Option(False, "--json", help="With --prompt: print the reply as one JSON object."),
+    force: bool = ForceOpt,
+) -> None:
+    """Generate with a trained model: one streamed prompt, or a JSONL file of conversations."""
+    from ftcli.generate import run_generate
+
+    run_generate(
+        model, prompt=prompt, system=system, input_path=input_path, output=output, force=force,
+        sampling=_sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed),
+        reasoning_effort=reasoning_effort, reasoning_language=reasoning_language, dtype=dtype, device=device,
+        revision=revision, batch_size=batch_size, as_json=as_json,
+    )
+
+
+@app.command("chat")
+def chat(
+    model: str = ModelArg,
+    system: Optional[str] = SystemOpt,
+    max_new_tokens: int = MaxNewOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    top_p: Optional[float] = TopPOpt,
+    top_k: Optional[int] = TopKOpt,
+    greedy: bool = GreedyOpt,
+    seed: Optional[int] = SeedOpt,
+    reasoning_effort: Optional[str] = EffortOpt,
+    reasoning_language: Optional[str] = LanguageOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """Chat with a trained model: multi-turn, with /system TEXT, /reset and /exit."""
+    from ftcli.chat_repl import run_chat_command
+
+    run_chat_command(
+        model, system=system, sampling=_sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed),
+        reasoning_effort=reasoning_effort, reasoning_language=reasoning_language, dtype=dtype, device=device,
+        revision=revision,
+    )
 
 
 def _normalize_argv(argv: list[str]) -> list[str]:

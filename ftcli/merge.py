@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ftcli.errors import UserError
+from ftcli.rundir import FINAL, RUN_JSON, RunRecord, read_run_record
 
 PROBE_TOKENS = 48
 MAX_SHARD_SIZE = "2GB"
@@ -58,52 +60,94 @@ def merge_lora(adapter_dir: Path, *, base: str | None = None, output: Path | Non
 
 
 # ------------------------------------------------------------------------------------- resolution
-def resolve_adapter(adapter_dir: Path) -> tuple[Path, Path | None, dict | None]:
+@dataclass(frozen=True)
+class BaseRef:
+    """The base an adapter was trained on: a local dir, or a hub repo id at a revision."""
+
+    path: Path | None = None
+    id: str | None = None
+    revision: str | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.path is not None
+
+    @property
+    def ref(self) -> str:
+        """What from_pretrained takes: the dir, or the hub id."""
+        return str(self.path) if self.path is not None else str(self.id)
+
+    def __str__(self) -> str:
+        return f"{self.id}@{self.revision}" if self.path is None and self.revision else self.ref
+
+
+def resolve_adapter(adapter_dir: Path) -> tuple[Path, Path | None, RunRecord | None]:
     """(adapter dir, run dir or None, run.json or None) for a run dir, <run>/final, or a bare adapter."""
     path = Path(adapter_dir).expanduser()
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; pass a LoRA run dir (with run.json) or an adapter dir")
     path = path.resolve()
-    run_dir = path if (path / "run.json").is_file() else path.parent if (path.parent / "run.json").is_file() else None
+    run_dir = path if (path / RUN_JSON).is_file() else path.parent if (path.parent / RUN_JSON).is_file() else None
     run = None
     if run_dir is not None:
-        try:
-            run = json.loads((run_dir / "run.json").read_text())
-        except ValueError as e:
-            raise UserError(f"{run_dir / 'run.json'}: not valid JSON ({e})") from None
-        if run.get("method") != "lora":
-            raise UserError(f"{run_dir} is a '{run.get('method')}' run, not a LoRA run; there is nothing to merge")
+        run = read_run_record(run_dir)
+        if run.method != "lora":
+            raise UserError(f"{run_dir} is a '{run.method}' run, not a LoRA run; there is nothing to merge")
         if path == run_dir:
-            path = run_dir / (run.get("model_dir") or "final")
+            path = run_dir / (run.model_dir or FINAL)
     if not (path / "adapter_config.json").is_file():
         raise UserError(f"{path} has no adapter_config.json; pass a LoRA run dir or the adapter dir it wrote")
     return path, run_dir, run
 
 
-def resolve_base(base: str | None, adapter: Path, run_dir: Path | None, run: dict | None) -> tuple[str, str | None]:
-    """(path or hub id, revision): --base, else run.json base_model, else adapter_config.json."""
+def resolve_base(adapter: Path, run_dir: Path | None, run: RunRecord | None, base: str | None = None) -> BaseRef:
+    """The one base resolution of merge-lora and register: `base` (--base), else run.json base_model
+    (a saved path beats the hub id@revision), else adapter_config.json's base_model_name_or_path. A
+    reference that names an existing dir is that dir, which must hold config.json."""
     from ftcli.recipe import resolve_path
 
+    recorded = run.base_model if run is not None else None
+    revision = None
     if base:
-        local = Path(resolve_path(base)).expanduser()
-        return (str(local.resolve()) if local.exists() else base), None
-    info = (run or {}).get("base_model") or {}
-    if info.get("path"):
-        p = Path(info["path"])
-        return str(p if p.is_absolute() else run_dir / p), None
-    if info.get("init") == "random":
-        raise UserError(f"{run_dir}: the base was random-init and run.json has no base_model.path; pass --base DIR")
-    if info.get("id"):
-        ref = resolve_path(info["id"])
-        return (str(Path(ref).resolve()) if Path(ref).exists() else ref), info.get("revision")
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    ref = cfg.get("base_model_name_or_path")
-    if not ref:
-        raise UserError(f"{adapter}: the adapter does not say which base it belongs to; pass --base ID_OR_DIR")
-    return ref, cfg.get("revision")
+        ref = base
+    elif recorded is not None and recorded.path:
+        path = Path(recorded.path)
+        path = path if path.is_absolute() else run_dir / path
+        if not (path / "config.json").is_file():
+            raise UserError(f"base model dir {path} (run.json base_model.path) is missing or has no config.json")
+        return BaseRef(path=path)
+    elif recorded is not None and recorded.init == "random":
+        raise UserError(f"{run_dir}: the base was random-init and run.json has no base_model.path to rebuild it "
+                        "from; pass its dir with `ftcli merge-lora --base DIR`")
+    elif recorded is not None and recorded.id:
+        ref, revision = recorded.id, recorded.revision
+    else:
+        try:
+            adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{adapter / 'adapter_config.json'}: cannot read it ({e})") from None
+        ref = adapter_config.get("base_model_name_or_path")
+        revision = (recorded.revision if recorded is not None else None) or adapter_config.get("revision")
+        if not ref:
+            raise UserError(f"{adapter}: the adapter does not say which base it belongs to; "
+                            "pass it with `ftcli merge-lora --base ID_OR_DIR`")
+    local = Path(resolve_path(ref, None if base else run_dir)).expanduser()  # --base: relative to the cwd
+    if not local.is_dir():
+        return BaseRef(id=ref, revision=revision)
+    if not (local / "config.json").is_file():
+        raise UserError(f"base model dir {local} has no config.json")
+    return BaseRef(path=local.resolve())
 
 
-def _model_config(base: str, revision: str | None, dtype: str, run: dict | None, recipe):
+def recipe_model(recipe) -> dict:
+    """The recipe's `model` section as a dict (a Recipe, its dict, or None)."""
+    if recipe is None:
+        return {}
+    data = recipe if isinstance(recipe, dict) else recipe.to_dict()
+    return data.get("model") or {}
+
+
+def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | None, recipe):
     """An ftcli ModelConfig for the base, with the MXFP4 flag read from the base's own config."""
     from transformers import AutoConfig
 
@@ -111,16 +155,17 @@ def _model_config(base: str, revision: str | None, dtype: str, run: dict | None,
 
     if dtype not in TOLERANCE:
         raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32")
-    trust = bool(_recipe_model(recipe).get("trust_remote_code", False))
+    trust = bool(recipe_model(recipe).get("trust_remote_code", False))
     try:
         config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise UserError(f"base {base!r}: cannot load its config ({str(e).splitlines()[0]}); pass --base ID_OR_DIR") from None
-    expected = ((run or {}).get("base_model") or {}).get("model_type") or _recipe_model(recipe).get("model_type")
+    recorded = run.base_model if run is not None else None
+    expected = (recorded and recorded.model_type) or recipe_model(recipe).get("model_type")
     if expected and config.model_type != expected and getattr(config.get_text_config(), "model_type", None) != expected:
         raise UserError(f"base {base!r} is a '{config.model_type}' model but the adapter was trained on '{expected}'; "
                         "pass the right --base")
-    model_class = ((run or {}).get("base_model") or {}).get("model_class") or _recipe_model(recipe).get("model_class")
+    model_class = (recorded and recorded.model_class) or recipe_model(recipe).get("model_class")
     if not model_class:
         archs = getattr(config, "architectures", None) or []
         model_class = "image_text_to_text" if any("ConditionalGeneration" in a for a in archs) else "causal_lm"
@@ -131,13 +176,6 @@ def _model_config(base: str, revision: str | None, dtype: str, run: dict | None,
     return ModelConfig(id=base, revision=revision, model_type=config.model_type, model_class=model_class, dtype=dtype,
                        quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
                        trust_remote_code=trust)
-
-
-def _recipe_model(recipe) -> dict:
-    if recipe is None:
-        return {}
-    data = recipe if isinstance(recipe, dict) else recipe.to_dict()
-    return data.get("model") or {}
 
 
 def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, force: bool) -> Path:
@@ -161,9 +199,10 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force) -> tuple[Pa
     from ftcli.modeling import load_model
 
     adapter, run_dir, run = resolve_adapter(adapter_dir)
-    base_ref, revision = resolve_base(base, adapter, run_dir, run)
+    resolved = resolve_base(adapter, run_dir, run, base)
+    base_ref = resolved.ref
     out = _output_dir(output, adapter, run_dir, force)  # refuse before any loading
-    cfg = _model_config(base_ref, revision, dtype, run, recipe)
+    cfg = _model_config(base_ref, resolved.revision, dtype, run, recipe)
 
     model = load_model(cfg)
     model.eval()

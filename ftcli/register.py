@@ -12,11 +12,10 @@ What is logged depends on what training wrote:
                                                    local base dir)
     model dir   any HF checkpoint or adapter    -> the same, with no training run to attach to
 
-Every version is logged with `mlflow.transformers.log_model(task="llm/v1/chat")`, so it carries a
-chat signature (inputs and outputs) and serves OpenAI-style chat completions. The model is logged
+The model (ftcli.mlflow_model: chat signature, OpenAI-style chat completions when served) is logged
 into the training run recorded in run.json, so the version, the recipe params and the training
 metrics sit on one run; without one, a new run gets the (scrubbed) recipe params and run.json's
-summary metrics.
+summary metrics. Everything else goes through one `MlflowClient(tracking_uri, registry_uri)`.
 
 Where: the tracking store is --tracking-uri, else the training run's (run.json), else
 $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db; the registry is --registry-uri, else
@@ -25,7 +24,7 @@ $MLFLOW_REGISTRY_URI, else the tracking store.
 Order of work: every cheap check runs before anything is merged or uploaded.
 
     model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
-    -> alias free (or --force) -> [merge] -> log_model -> register_model -> set alias
+    -> alias free (or --force) -> [merge] -> log the model -> create the version -> set the alias
 
 Unity Catalog (`--registry-uri databricks-uc`):
 - the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
@@ -33,30 +32,17 @@ Unity Catalog (`--registry-uri databricks-uc`):
   so ftcli lowercases the name.
 - a version needs a signature with inputs and outputs; checked after logging, before registering.
 - an adapter over a hub base makes UC download the base weights at registration (MLflow persists
-  them on the registering machine, then uploads the full model). That only happens when the user
-  asked for it by passing `--adapter-only` explicitly; by default such a registration is refused
-  with a pointer to `--merged`. An adapter over a local base cannot go to UC at all (UC cannot
-  read a local path): `--merged`.
-
-Two workarounds for the installed MLflow (3.17, tested up to transformers 5.17) live in
-`_mlflow_compat`, each applied only while logging and only when needed:
-- the installed transformers (5.24) lists pipeline classes lazily (a dotted string), which
-  MLflow's local-checkpoint path reads as a class; the string is resolved to the class.
-- for an adapter over a hub base, MLflow records the hub's *latest* commit of the base; ftcli pins
-  the revision the run trained on (run.json base_model.revision).
-An adapter over a local base is logged with `base_model_path` (adapter + tokenizer + a path to the
-base), so it loads only where that path exists (this machine, a shared disk): MLflow's other route
-for it saves the PEFT-wrapped base (`base_layer`/`lora_*` keys) as the base weights, which load
-back as a silently broken model.
+  them on the registering machine, then uploads the full model): only with an explicit
+  `--adapter-only`; by default it is refused with a pointer to `--merged`. An adapter over a local
+  base cannot go to UC at all (UC cannot read a local path): `--merged`.
 
 Secrets: no environment variable is logged; recipe `compute.secrets` and `compute.env_variables`
-values are replaced by "***" in logged params, and credentials in URIs are masked when printed.
+values are "***" in logged params, and credentials in URIs are masked when printed (ftcli.redact).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -65,12 +51,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 
-from ftcli import __version__
+from ftcli import __version__, mlflow_model
 from ftcli.errors import UserError
+from ftcli.merge import BaseRef, recipe_model, resolve_base
+from ftcli.redact import mask_uri, scrub_recipe
+from ftcli.rundir import RUN_JSON, RunRecord, read_run_record
+from ftcli.tracking import check_reachable, first_line, flatten, resolve_tracking_uri
 
 Mode = Literal["full", "merged", "adapter"]
 
@@ -80,8 +69,6 @@ _UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
 _ALIAS_RE = re.compile(r"^[\w-]+$")
 _ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
 PROBE_TIMEOUT_S = 5
-SCRUBBED = "***"
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 err_console = Console(stderr=True)
 
@@ -149,46 +136,28 @@ def require_uc_signature(signature) -> None:
 
 # ----------------------------------------------------------------------------------- the source
 @dataclass
-class BaseRef:
-    """The base an adapter was trained on: a local dir, or a hub repo id at a revision."""
-
-    path: Path | None = None
-    id: str | None = None
-    revision: str | None = None
-
-    @property
-    def local(self) -> bool:
-        return self.path is not None
-
-    def __str__(self) -> str:
-        if self.path is not None:
-            return str(self.path)
-        return f"{self.id}@{self.revision}" if self.revision else str(self.id)
-
-
-@dataclass
 class Source:
     """What `ftcli register` was pointed at, resolved."""
 
     model_dir: Path  # the HF checkpoint or the adapter
     kind: Literal["checkpoint", "adapter"]
     run_dir: Path | None = None
-    run: dict | None = None  # run.json
+    run: RunRecord | None = None  # run.json
     recipe: dict | None = None  # the recipe dict (--recipe, else run.json's)
     base: BaseRef | None = None  # adapters only
 
     @property
     def trust_remote_code(self) -> bool:
-        return bool(((self.recipe or {}).get("model") or {}).get("trust_remote_code", False))
+        return bool(recipe_model(self.recipe).get("trust_remote_code", False))
 
     @property
     def dtype(self) -> str:
-        return ((self.recipe or {}).get("model") or {}).get("dtype") or "bfloat16"
+        return recipe_model(self.recipe).get("dtype") or "bfloat16"
 
     @property
     def model_class(self) -> str:
-        base = (self.run or {}).get("base_model") or {}
-        return base.get("model_class") or ((self.recipe or {}).get("model") or {}).get("model_class") or "causal_lm"
+        recorded = self.run.base_model.model_class if self.run is not None else None
+        return recorded or recipe_model(self.recipe).get("model_class") or "causal_lm"
 
 
 def resolve_source(path: Path, recipe: dict | None = None) -> Source:
@@ -199,11 +168,7 @@ def resolve_source(path: Path, recipe: dict | None = None) -> Source:
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; pass a run dir (with run.json) or a model dir")
     path = path.resolve()
-    run_dir = None
-    if (path / "run.json").is_file():
-        run_dir = path
-    elif (path.parent / "run.json").is_file():
-        run_dir = path.parent  # `ftcli register runs/x/final`
+    run_dir = next((d for d in (path, path.parent) if (d / RUN_JSON).is_file()), None)  # parent: `register x/final`
     if run_dir is None:
         kind = _model_kind(path)
         if kind is None:
@@ -213,39 +178,26 @@ def resolve_source(path: Path, recipe: dict | None = None) -> Source:
             )
         source = Source(model_dir=path, kind=kind, recipe=recipe)
     else:
-        run = _read_run_json(run_dir / "run.json")
-        if run.get("method") not in ("full", "lora"):
-            raise UserError(f"{run_dir / 'run.json'}: method is {run.get('method')!r}, expected 'full' or 'lora'")
-        if path == run_dir and not run.get("model_dir"):
+        run = read_run_record(run_dir)
+        if path == run_dir and not run.model_dir:
             raise UserError(
                 f"{run_dir} has no final model (run.json model_dir is null: training.checkpoint.save_final_hf "
                 "was false); retrain with it on, or register a model dir"
             )
-        model_dir = path if path != run_dir else run_dir / str(run["model_dir"])
-        kind = "adapter" if run.get("method") == "lora" else "checkpoint"
-        status = run.get("status")
+        model_dir = path if path != run_dir else run.model_path(run_dir)
         if not model_dir.is_dir():
             raise UserError(
-                f"{model_dir} is missing (run.json model_dir={run.get('model_dir')!r}, status={status!r}); "
+                f"{model_dir} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
                 "did `ftcli train` finish?"
             )
-        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.get("recipe"))
-        if status not in (None, "completed"):
-            _warn(f"run.json status is {status!r}, not 'completed'; registering what {model_dir} holds")
+        kind = "adapter" if run.method == "lora" else "checkpoint"
+        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
+        if run.status != "completed":
+            _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {model_dir} holds")
     _check_model_files(source)
     if source.kind == "adapter":
-        source.base = _resolve_base(source)
+        source.base = resolve_base(source.model_dir, source.run_dir, source.run)
     return source
-
-
-def _read_run_json(path: Path) -> dict:
-    try:
-        run = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot read run.json ({e})") from None
-    if not isinstance(run, dict):
-        raise UserError(f"{path}: run.json is not a JSON object")
-    return run
 
 
 def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
@@ -258,67 +210,11 @@ def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
 
 def _check_model_files(source: Source) -> None:
     """Every file log_model and a chat endpoint need, reported at once."""
-    d = source.model_dir
-    missing = []
-    if source.kind == "adapter":
-        if not (d / "adapter_config.json").is_file():
-            missing.append("adapter_config.json")
-        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-            missing.append("adapter_model.safetensors")
-    else:
-        if not (d / "config.json").is_file():
-            missing.append("config.json")
-        if not any(any(d.glob(g)) for g in WEIGHT_GLOBS):
-            missing.append("model weights (*.safetensors)")
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        missing.append("tokenizer (tokenizer.json)")
-    elif not _has_chat_template(d):
-        missing.append("chat template (chat_template.jinja)")
+    missing = mlflow_model.missing_files(source.model_dir, adapter=source.kind == "adapter")
     if missing:
-        where = f" (run.json status: {source.run.get('status')!r})" if source.run else ""
-        raise UserError(f"{d} is missing {', '.join(missing)}{where}; did training finish and save the final model?")
-
-
-def _has_chat_template(d: Path) -> bool:
-    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
-
-
-def _resolve_base(source: Source) -> BaseRef:
-    """run.json base_model (path beats id), else adapter_config.json base_model_name_or_path."""
-    base = (source.run or {}).get("base_model") or {}
-    if base.get("path"):
-        p = Path(base["path"])
-        p = p if p.is_absolute() else source.run_dir / p
-        if not (p / "config.json").is_file():
-            raise UserError(f"base model dir {p} (run.json base_model.path) is missing or has no config.json")
-        return BaseRef(path=p)
-    if base.get("init") == "random":
-        raise UserError(
-            f"{source.run_dir}: the base was random-init but run.json has no base_model.path to rebuild it from"
-        )
-    ref = base.get("id")
-    revision = base.get("revision")
-    if not ref:
-        try:
-            cfg = json.loads((source.model_dir / "adapter_config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{source.model_dir / 'adapter_config.json'}: cannot read it ({e})") from None
-        ref, revision = cfg.get("base_model_name_or_path"), revision or cfg.get("revision")
-    if not ref:
-        raise UserError(f"{source.model_dir}: cannot tell which base the adapter belongs to; no base_model anywhere")
-    from ftcli.recipe import resolve_path
-
-    local = Path(resolve_path(ref, source.run_dir)).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise UserError(f"base model dir {local} has no config.json")
-        return BaseRef(path=local.resolve())
-    return BaseRef(id=ref, revision=revision)
+        where = f" (run.json status: {source.run.status!r})" if source.run else ""
+        raise UserError(f"{source.model_dir} is missing {', '.join(missing)}{where}; did training finish and save "
+                        "the final model?")
 
 
 # ---------------------------------------------------------------------------------------- modes
@@ -351,34 +247,6 @@ def choose_mode(source: Source, *, adapter_only: bool, merged: bool, uc: bool) -
     return "adapter"
 
 
-# -------------------------------------------------------------------------------------- secrets
-def scrub_recipe(recipe: dict | None) -> dict:
-    """A copy of the recipe dict with secret values and env values replaced by '***'."""
-    out = json.loads(json.dumps(recipe or {}))
-    compute = out.get("compute")
-    if isinstance(compute, dict):
-        for key in ("secrets", "env_variables"):
-            if isinstance(compute.get(key), dict):
-                compute[key] = {k: SCRUBBED for k in compute[key]}
-    tracking = out.get("tracking")
-    if isinstance(tracking, dict) and isinstance(tracking.get("tracking_uri"), str):
-        tracking["tracking_uri"] = mask_uri(tracking["tracking_uri"])
-    return out
-
-
-def mask_uri(uri: str) -> str:
-    """http://user:token@host -> http://***@host (for printing and logging)."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return uri
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{SCRUBBED}@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return uri
-
-
 # ---------------------------------------------------------------------------------------- MLflow
 @dataclass
 class Result:
@@ -405,6 +273,7 @@ def _warn(message: str) -> None:
 
 @contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
+    """These environment variables set for the block; afterwards each has its old value, or none."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -417,62 +286,29 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def resolve_tracking_uri(source: Source, tracking_uri: str | None) -> str:
+def _tracking_uri(source: Source, tracking_uri: str | None) -> str:
     """--tracking-uri, else the training run's (run.json), else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    if tracking_uri:
-        return tracking_uri
-    recorded = ((source.run or {}).get("mlflow") or {}).get("tracking_uri")
-    if recorded:
-        if recorded.startswith("sqlite:///"):
-            db = Path(recorded[len("sqlite:///") :])
-            if not db.is_file():
-                raise UserError(
-                    f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri"
-                )
-        return recorded
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    recorded = source.run.mlflow.tracking_uri if source.run is not None and source.run.mlflow else None
+    if not tracking_uri and recorded and recorded.startswith("sqlite:///"):
+        if not Path(recorded[len("sqlite:///") :]).is_file():
+            raise UserError(f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri")
+    return resolve_tracking_uri(tracking_uri or recorded)
 
 
-def _unreachable_reason(exc: BaseException) -> str:
-    text = str(exc)
-    low = text.lower()
-    if "connection refused" in low or "failed to establish a new connection" in low:
-        return "connection refused"
-    if "timed out" in low or "timeout" in low:
-        return f"no answer within {PROBE_TIMEOUT_S} s"
-    if "name or service not known" in low or "nodename nor servname" in low or "name resolution" in low:
-        return "unknown host"
-    if "401" in text or "403" in text or "unauthorized" in low or "permission" in low:
-        return "not authorized; check your credentials"
-    code = re.search(r"error code (\d{3})", text)
-    if code:
-        return f"HTTP {code.group(1)}; is this an MLflow tracking server?"
-    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+def _check_registry(client, registry_uri: str) -> None:
+    """The registry answers one call with no retries, or this fails in seconds with the URI, before
+    anything is merged or uploaded (a wrong URI, missing credentials)."""
+    from mlflow.exceptions import MlflowException
 
-
-def probe(tracking_uri: str, registry_uri: str) -> None:
-    """Fail in seconds, with the URI, when the tracking server or the registry cannot be reached."""
-    from mlflow import MlflowClient
-
-    fast = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}
-    with _env(**fast):
+    fix = "check --registry-uri and your credentials"
+    check_reachable(registry_uri, fix=fix, timeout_s=PROBE_TIMEOUT_S, what="model registry")
+    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(PROBE_TIMEOUT_S)):
         try:
-            MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
-        except Exception as e:  # any failure here is "cannot use this server"
-            raise UserError(
-                f"cannot reach the MLflow tracking server at {mask_uri(tracking_uri)} ({_unreachable_reason(e)}); "
-                "start it or pass --tracking-uri"
-            ) from None
-        if registry_uri != tracking_uri:
-            try:
-                MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri).search_registered_models(
-                    max_results=1
-                )
-            except Exception as e:
-                raise UserError(
-                    f"cannot reach the model registry at {mask_uri(registry_uri)} ({_unreachable_reason(e)}); "
-                    "check --registry-uri and your credentials"
-                ) from None
+            client.search_registered_models(max_results=1)
+        except Exception as e:  # noqa: BLE001 - whatever the store raises, this registry cannot be used
+            denied = isinstance(e, MlflowException) and e.error_code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
+            reason = "not authorized" if denied else first_line(e)
+            raise UserError(f"cannot use the model registry at {mask_uri(registry_uri)} ({reason}); {fix}") from None
 
 
 def current_alias_version(client, name: str, alias: str) -> str | None:
@@ -487,160 +323,47 @@ def current_alias_version(client, name: str, alias: str) -> str | None:
         raise
 
 
-def _training_run(client, source: Source):
-    """The training run from run.json if this tracking store has it, else None."""
+def _run_to_log_into(client, source: Source, name: str) -> tuple[object, bool]:
+    """(run, attached): the training run from run.json if this tracking store has it; else a new run
+    with the scrubbed recipe as params and run.json's summary metrics."""
+    from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
-    info = (source.run or {}).get("mlflow") or {}
-    run_id = info.get("run_id")
-    if not run_id:
-        return None
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        _warn(f"training run {run_id} (run.json) is not in this tracking store; logging into a new run")
-        return None
-    if run.info.lifecycle_stage == "deleted":
-        _warn(f"training run {run_id} is deleted; logging into a new run")
-        return None
-    return run
-
-
-def _new_run(client, source: Source, name: str):
-    """A run for a model without a training run: scrubbed recipe params + run.json summary metrics."""
-    from mlflow.entities import Metric, Param
-
-    from ftcli.tracking import flatten
-
+    record = source.run
+    run_id = record.mlflow.run_id if record is not None and record.mlflow else None
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            _warn(f"training run {run_id} (run.json) is not in this tracking store; logging into a new run")
+        else:
+            if run.info.lifecycle_stage != "deleted":
+                return run, True
+            _warn(f"training run {run_id} is deleted; logging into a new run")
     recipe = source.recipe or {}
-    exp_name = ((recipe.get("tracking") or {}).get("experiment")) or recipe.get("name") or "ftcli-register"
+    tracking = recipe.get("tracking") or {}
+    exp_name = tracking.get("experiment") or recipe.get("name") or "ftcli-register"
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
     run = client.create_run(exp_id, run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"})
-    params = flatten(scrub_recipe(recipe)) if recipe else {}  # as the trainers flatten them
-    run_json = source.run or {}
-    metrics = {
-        "final_loss": run_json.get("final_loss"),
-        "steps": run_json.get("steps"),
-        "tokens_trained": (run_json.get("tokens") or {}).get("trained"),
-        "tokens_seen": (run_json.get("tokens") or {}).get("seen"),
-        "tokens_per_s": (run_json.get("throughput") or {}).get("tokens_per_s"),
-        "s_per_step": (run_json.get("throughput") or {}).get("s_per_step"),
+    metrics = {} if record is None else {
+        "final_loss": record.final_loss, "steps": record.steps,
+        "tokens_trained": record.tokens.trained, "tokens_seen": record.tokens.seen,
+        "tokens_per_s": record.throughput.tokens_per_s, "s_per_step": record.throughput.s_per_step,
     }
     now = int(time.time() * 1000)
     client.log_batch(
         run.info.run_id,
         metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))],
-        params=[Param(k, v) for k, v in params.items()],
+        params=[Param(k, v) for k, v in flatten(scrub_recipe(recipe)).items()],  # as the trainers log them
     )
-    return run
-
-
-def _pip_requirements(adapter: bool) -> list[str]:
-    """Pinned to what is installed here (local tags like +cpu dropped: a GPU server has its own)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    reqs = []
-    for pkg in ("transformers", "torch", "accelerate", "safetensors") + (("peft",) if adapter else ()):
-        try:
-            reqs.append(f"{pkg}=={Version(version(pkg)).base_version}")
-        except PackageNotFoundError:
-            continue
-    return reqs
-
-
-@contextlib.contextmanager
-def _mlflow_uris(tracking_uri: str, registry_uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API (log_model, register_model, set_experiment) at these stores for
-    the block only: its setters also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI /
-    MLFLOW_EXPERIMENT_ID, which would leak into the next in-process call."""
-    import mlflow
-    from mlflow.tracking import fluent
-    from mlflow.tracking._model_registry import utils as registry_utils
-    from mlflow.tracking._tracking_service import utils as tracking_utils
-
-    saved = tracking_utils._tracking_uri, registry_utils._registry_uri, fluent._active_experiment_id
-    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
-    saved_env = {k: os.environ.get(k) for k in names}
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(registry_uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(saved[0])
-        registry_utils._registry_uri = saved[1]
-        fluent._active_experiment_id = saved[2]
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _mlflow_compat(pinned_revision: str | None = None) -> Iterator[None]:
-    """The two MLflow workarounds described in the module docstring, active only inside the block."""
-    import mlflow.transformers.flavor_config as flavor_config
-    import transformers.pipelines as pipelines
-
-    original_check_task = pipelines.check_task
-    original_commit = flavor_config.get_latest_commit_for_repo
-
-    def check_task(task):
-        name, meta, options = original_check_task(task)
-        impl = meta.get("impl")
-        if isinstance(impl, str):  # "transformers.pipelines.text_generation.TextGenerationPipeline"
-            module, _, cls = impl.rpartition(".")
-            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
-        return name, meta, options
-
-    pipelines.check_task = check_task
-    if pinned_revision:
-        flavor_config.get_latest_commit_for_repo = lambda repo: pinned_revision
-    try:
-        yield
-    finally:
-        pipelines.check_task = original_check_task
-        flavor_config.get_latest_commit_for_repo = original_commit
-
-
-def _checkpoint_dtype(model_dir: Path, fallback: str):
-    import torch
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    text_cfg = config.get("text_config") or {}
-    name = config.get("dtype") or config.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype")
-    dtype = getattr(torch, str(name or fallback), None)
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, fallback)
-
-
-def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
-    """Refuse a checkpoint whose class is not in transformers unless the recipe trusts remote code
-    (MLflow would load it with trust_remote_code=True)."""
-    import transformers
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{model_dir / 'config.json'}: cannot read it ({e})") from None
-    archs = config.get("architectures") or []
-    if not archs:
-        raise UserError(f"{model_dir / 'config.json'} has no 'architectures'; MLflow needs the model class")
-    custom = bool(config.get("auto_map")) or not hasattr(transformers, archs[0])
-    if custom and not trust_remote_code:
-        raise UserError(
-            f"{model_dir} needs custom model code ({archs[0]}); loading it runs that code, so register it "
-            "only with a recipe that sets model.trust_remote_code: true"
-        )
+    return run, False
 
 
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
+    from ftcli.merge import merge_lora
+
     model_dir = source.model_dir
     output = source.run_dir / "merged" if source.run_dir else model_dir.with_name(model_dir.name + "-merged")
     adapter_files = [p for p in source.model_dir.glob("adapter_model.*") if p.is_file()]
@@ -650,49 +373,20 @@ def merge_adapter(source: Source) -> Path:
     ):
         err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
         return output
-    try:
-        from ftcli.merge import merge_lora
-    except ModuleNotFoundError as e:
-        if e.name != "ftcli.merge":
-            raise
-        raise UserError(
-            "merging needs ftcli.merge (merge-lora), which this install lacks; pass --adapter-only, "
-            "or merge with `ftcli merge-lora` and register the merged dir"
-        ) from None
-
     # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
     return Path(merge_lora(model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe, force=True))
 
 
-def _load_adapter_model(source: Source):
-    """The PEFT model MLflow logs in adapter mode. A hub base is built without its weights: MLflow
-    saves only the adapter and a reference to the base (checked after logging)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoConfig
+def _register_version(client, name: str, info, tags: dict[str, str]):
+    """A new version of `name` (created on first use) from the logged model, ready when this returns."""
+    from mlflow.exceptions import MlflowException
 
-    from ftcli.modeling import DTYPES, auto_class
-
-    base, trust = source.base, source.trust_remote_code
-    dtype = DTYPES.get(source.dtype, torch.bfloat16)
-    cls = auto_class(source.model_class)
-    if base.local:
-        model = cls.from_pretrained(str(base.path), dtype=dtype, trust_remote_code=trust)
-    else:
-        try:
-            config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust)
-        except OSError as e:
-            raise UserError(
-                f"cannot load the config of the base {base} ({str(e).splitlines()[0]}); "
-                "it must be on the hub or in the HF cache"
-            ) from None
-        if getattr(config, "quantization_config", None) is not None:
-            del config.quantization_config  # no weights are loaded, so nothing to dequantize
-        with torch.device("meta"):
-            model = cls.from_config(config, dtype=dtype, trust_remote_code=trust)
-        model.to_empty(device="cpu")  # allocated, never written or saved
-        model.config._name_or_path = model.name_or_path = base.id  # MLflow references the base by this
-    return PeftModel.from_pretrained(model, str(source.model_dir))
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    return client.create_model_version(name, source=info.model_uri, tags=tags, model_id=info.model_id)
 
 
 def log_and_register(
@@ -701,11 +395,11 @@ def log_and_register(
 ) -> Result:
     """The MLflow half: nothing here runs before every check in run_register has passed."""
     t0 = time.time()
-    import mlflow
     from mlflow import MlflowClient
 
-    probe(tracking_uri, registry_uri)
+    check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+    _check_registry(client, registry_uri)
 
     previous = current_alias_version(client, name, alias) if alias else None
     if previous is not None and not force:
@@ -720,13 +414,9 @@ def log_and_register(
             model_dir = merge_adapter(source)
         _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
     if mode in ("full", "merged"):
-        check_remote_code(model_dir, source.trust_remote_code)
+        mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
 
-    run = _training_run(client, source)
-    attached = run is not None
-    if run is None:
-        run = _new_run(client, source, name)
-    mlflow.set_experiment(experiment_id=run.info.experiment_id)  # the logged model lives with its run
+    run, attached = _run_to_log_into(client, source, name)
 
     base = source.base
     metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
@@ -734,26 +424,18 @@ def log_and_register(
         metadata["ftcli_base_model"] = str(base.path or base.id)
         if base.revision:
             metadata["ftcli_base_revision"] = base.revision
-    version_tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
-    common = dict(
-        name="model", task="llm/v1/chat", run_id=run.info.run_id, metadata=dict(metadata),  # MLflow adds to it
-        pip_requirements=_pip_requirements(adapter=mode == "adapter"),
-    )
     try:
         with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
-            if mode == "adapter":
-                info = _log_adapter(source, common)
-            else:
-                with _mlflow_compat():
-                    info = mlflow.transformers.log_model(
-                        transformers_model=str(model_dir),
-                        torch_dtype=_checkpoint_dtype(model_dir, source.dtype),
-                        **common,
-                    )
+            info = mlflow_model.log_chat_model(
+                model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
+                metadata=metadata, dtype=source.dtype, model_class=source.model_class,
+                trust_remote_code=source.trust_remote_code,
+            )
         if uc:
             require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
-            version = mlflow.register_model(info.model_uri, name, tags=version_tags)
+            tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
+            version = _register_version(client, name, info, tags)
         if alias:
             client.set_registered_model_alias(name, alias, version.version)
     except BaseException:
@@ -771,28 +453,6 @@ def log_and_register(
         run_id=run.info.run_id, experiment_id=run.info.experiment_id, attached_to_training_run=attached,
         tracking_uri=mask_uri(tracking_uri), registry_uri=mask_uri(registry_uri), seconds=round(time.time() - t0, 1),
     )
-
-
-def _log_adapter(source: Source, common: dict):
-    import mlflow
-    from transformers import AutoTokenizer
-
-    base = source.base
-    if not base.local and not base.revision:
-        _warn(f"the base {base.id} has no pinned revision in run.json; MLflow records the hub's latest commit")
-    model = _load_adapter_model(source)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.model_dir), trust_remote_code=source.trust_remote_code)
-    extra = {"base_model_path": str(base.path)} if base.local else {}
-    if not base.local:
-        tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
-    with _mlflow_compat(pinned_revision=None if base.local else base.revision):
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            torch_dtype=model.dtype, **common, **extra,
-        )
-    flavor = info.flavors.get("transformers", {})
-    assert "model_binary" not in flavor, "adapter mode must not save base weights"
-    return info
 
 
 # ---------------------------------------------------------------------------------------- entry
@@ -814,22 +474,23 @@ def run_register(
     recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
     source = resolve_source(Path(model_dir), recipe_dict)
     mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
-    tracking = resolve_tracking_uri(source, tracking_uri)
+    if mode == "adapter" and not source.base.local and not source.base.revision:
+        _warn(f"the base {source.base} has no pinned revision in run.json; MLflow records the hub's latest commit")
+    tracking = _tracking_uri(source, tracking_uri)
 
     from mlflow.exceptions import MlflowException
 
-    # A short retry budget for the work itself (MLflow's default retries for minutes); the probe
-    # inside uses none. A value the user exported wins.
-    retries = {} if "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ else {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
-    try:
-        with contextlib.redirect_stdout(sys.stderr), _env(**retries):  # --json: only JSON reaches stdout
-            with _mlflow_uris(tracking, registry or tracking):
-                result = log_and_register(
-                    source, mode, name=name, alias=alias, force=force,
-                    tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
-                )
+    # A short retry budget for the work itself (MLflow's default retries for minutes); the probes
+    # use none. A value the user exported wins.
+    retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr
+        with contextlib.redirect_stdout(sys.stderr), _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES=retries):
+            result = log_and_register(
+                source, mode, name=name, alias=alias, force=force,
+                tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
+            )
     except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)
-        raise UserError(f"MLflow: {(e.message.strip().splitlines() or [type(e).__name__])[0]}") from None
+        raise UserError(f"MLflow: {first_line(e)}") from None
     _print(result, as_json)
     return result
 

@@ -13,7 +13,7 @@ Where the run goes:
 - otherwise a new run in experiment `tracking.experiment` (default: the recipe name).
 The store is `tracking.tracking_uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db`
 (an absolute path, so every process of the job writes the same file). Params are the resolved recipe,
-flattened, with secret and env values replaced by "***" (ftcli.register.scrub_recipe).
+flattened, with secret and env values replaced by "***" (ftcli.redact.scrub_recipe).
 
 Failure policy (chosen): a tracking server that cannot be reached when the run starts is a
 `UserError` naming the URI, before any compute is spent (a run you believe is tracked but is not is
@@ -25,23 +25,56 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ftcli.errors import UserError
+from ftcli.redact import mask_uri, scrub_recipe  # secrets and env values never reach MLflow params
 
 TRACKING_FILE = "tracking.json"
+PROBE_TIMEOUT_S = 10
 
 
-def resolve_tracking_uri(recipe) -> str:
-    """recipe.tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///<abs cwd>/mlflow.db."""
-    uri = recipe.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else $MLFLOW_TRACKING_URI,
+    else sqlite:///<abs cwd>/mlflow.db."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (MLflow's can run to pages), or its type's name,
+    with any credentials in the URLs it quotes masked."""
+    return mask_uri((str(exc).strip().splitlines() or [type(exc).__name__])[0])
+
+
+def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, what="MLflow tracking server") -> None:
+    """An http(s) MLflow server must answer one quick GET /health, so a wrong URI fails in seconds
+    (not after MLflow's retries) with a UserError naming the masked URI, why, and `fix`. Other stores
+    (sqlite, databricks) are left to the first real call."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    parts = urlsplit(uri)  # /health needs no credentials, and urllib would take user:password@ for the host
+    health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
+    try:
+        urllib.request.urlopen(health, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered: reachable (auth or routing is MLflow's to report)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)  # URLError wraps the socket's error
+        if isinstance(reason, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(reason, TimeoutError):
+            why = f"no answer within {timeout_s:g} s"
+        elif isinstance(reason, socket.gaierror):
+            why = "unknown host"
+        else:
+            why = str(reason)
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -86,10 +119,7 @@ class MlflowTracking(NoTracking):
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._live = False
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            from ftcli.register import mask_uri
-
-            print(f"warning: MLflow logging to {mask_uri(self.info['tracking_uri'])} failed ({first}); "
+            print(f"warning: MLflow logging to {mask_uri(self.info['tracking_uri'])} failed ({first_line(e)}); "
                   "tracking is off for the rest of this run", file=sys.stderr)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -102,32 +132,13 @@ class MlflowTracking(NoTracking):
         self._call(self._mlflow.end_run, status=status)
 
 
-def _check_reachable(uri: str) -> None:
-    """http(s) stores only: one quick request, so a wrong URI fails in seconds, not after retries."""
-    from ftcli.register import mask_uri
-
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).close()
-    except urllib.error.HTTPError:
-        return  # it answered: reachable (auth or routing is MLflow's to report)
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise UserError(
-            f"cannot reach the MLflow tracking server at {mask_uri(uri)} ({reason}); start it, fix "
-            "tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
-        ) from None
-
-
 def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume: bool = False) -> NoTracking:
     """Start (or attach to) the MLflow run on rank 0 and log the resolved recipe as params."""
     if rank != 0 or not recipe.tracking.enabled:
         return NoTracking()
-    from ftcli.register import mask_uri, scrub_recipe  # secrets and env values never reach MLflow params
-
-    uri = resolve_tracking_uri(recipe)
-    _check_reachable(uri)
+    uri = resolve_tracking_uri(recipe.tracking.tracking_uri)
+    fix = "start it, fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+    check_reachable(uri, fix=fix)
     import logging
 
     import mlflow
@@ -151,15 +162,13 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
                 log_system_metrics=recipe.tracking.log_system_metrics,
             )
     except Exception as e:  # noqa: BLE001 - MLflow raises many types; the user needs one line
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first}; set tracking.enabled=false to train "
-                        "without tracking") from None
+        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first_line(e)}; "
+                        "set tracking.enabled=false to train without tracking") from None
     tracker = MlflowTracking(mlflow, run, uri)
     try:
         mlflow.log_params(flatten(scrub_recipe(recipe.to_dict())))
     except Exception as e:  # noqa: BLE001 - e.g. a resumed run whose recipe changed: params are immutable
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"warning: MLflow kept the params it had for this run ({first})", file=sys.stderr)
+        print(f"warning: MLflow kept the params it had for this run ({first_line(e)})", file=sys.stderr)
     if run_dir is not None:
         tracker._call(mlflow.set_tag, "ftcli.run_dir", str(Path(run_dir).resolve()))
         Path(run_dir).mkdir(parents=True, exist_ok=True)

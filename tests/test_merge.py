@@ -134,3 +134,61 @@ def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):
         assert message in result.output, result.output
         assert _one_error_line(result.output), result.output
         assert not (tmp_path / "out").exists()
+
+
+def _adapter_dir(root, base_ref=None, revision=None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base_ref, "revision": revision}))
+    return root
+
+
+def _run_json(run_dir, base_model):
+    (run_dir / "run.json").write_text(json.dumps({"method": "lora", "model_dir": "final", "base_model": base_model}))
+
+
+def test_base_resolution_order_is_flag_then_saved_path_then_hub_id_then_adapter_config(tmp_path):
+    """One resolver for merge-lora and register: --base, run.json base_model.path (relative to the run),
+    base_model.id@revision, adapter_config.json; a reference naming a dir is that dir."""
+    from ftcli.errors import UserError
+    from ftcli.merge import BaseRef, resolve_adapter, resolve_base
+
+    run = tmp_path / "run"
+    adapter = _adapter_dir(run / "final", "org/from-adapter", "abc")
+    (run / "base").mkdir()
+    (run / "base" / "config.json").write_text("{}")
+    _run_json(run, {"id": "org/model", "revision": "r1", "path": "base", "init": "random"})
+
+    def resolved(base=None):
+        return resolve_base(*resolve_adapter(run), base=base)
+
+    assert resolved() == BaseRef(path=run / "base")
+    assert resolved(base="org/other") == BaseRef(id="org/other")
+    assert resolved(base=str(run / "base")) == BaseRef(path=run / "base")
+    _run_json(run, {"id": "org/model", "revision": "r1"})
+    assert resolved() == BaseRef(id="org/model", revision="r1") and str(resolved()) == "org/model@r1"
+    _run_json(run, {"revision": "r2"})
+    assert resolved() == BaseRef(id="org/from-adapter", revision="r2")
+    assert resolve_base(adapter, None, None) == BaseRef(id="org/from-adapter", revision="abc")  # a bare adapter
+    _run_json(run, {"init": "random"})
+    with pytest.raises(UserError, match=r"random-init and run.json has no base_model.path .*merge-lora --base DIR"):
+        resolved()
+    _run_json(run, {"path": "missing"})
+    with pytest.raises(UserError, match=r"base model dir .*missing \(run.json base_model.path\) is missing"):
+        resolved()
+    with pytest.raises(UserError, match=r"does not say which base it belongs to"):
+        resolve_base(_adapter_dir(tmp_path / "bare"), None, None)
+
+
+def test_register_and_merge_resolve_the_same_base(tmp_path):
+    """register's source resolution goes through merge.resolve_base: same BaseRef for the same run."""
+    from ftcli.merge import resolve_adapter, resolve_base
+    from ftcli.register import Source, resolve_source
+
+    run = tmp_path / "run"
+    adapter = _adapter_dir(run / "final", "org/from-adapter")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    _run_json(run, {"id": "org/model", "revision": "r1"})
+    source = resolve_source(run)
+    assert isinstance(source, Source) and source.kind == "adapter" and source.model_dir == adapter
+    assert source.base == resolve_base(*resolve_adapter(run))

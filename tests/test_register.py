@@ -21,9 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ftcli import __version__
 from ftcli.errors import UserError
 from ftcli.recipe import load_recipe, resolve_path
-from ftcli.tracking import flatten
+from ftcli.mlflow_model import check_remote_code
+from ftcli.redact import scrub_recipe
+from ftcli.tracking import check_reachable, flatten
 from ftcli import register as reg
 
 
@@ -97,7 +100,7 @@ def _training_run(tracking_uri: str, recipe: dict) -> dict:
     exp = client.get_experiment_by_name(recipe["name"])
     exp_id = exp.experiment_id if exp else client.create_experiment(recipe["name"])
     run = client.create_run(exp_id, run_name="train")
-    params = flatten(reg.scrub_recipe(recipe))
+    params = flatten(scrub_recipe(recipe))
     metrics = [Metric("loss", 5.0 - step, 0, step) for step in range(3)]
     client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
     client.set_terminated(run.info.run_id)
@@ -210,17 +213,25 @@ def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path,
 
     run_dir = make_full_run(tmp_path, tiny_full_final, mlflow_server)
     training = json.loads((run_dir / "run.json").read_text())["mlflow"]
+    client = MlflowClient(mlflow_server)
+    before = client.get_run(training["run_id"]).info
 
     result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "tiny-qwen", "--alias", "champion", "--json"])
     assert result.exit_code == 0, result.output
+    # logged through the training run, which keeps its own status and end time; no fluent state is left
+    after = client.get_run(training["run_id"]).info
+    assert (after.status, after.end_time) == (before.status, before.end_time) == ("FINISHED", before.end_time)
+    assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ
     out = json.loads(result.stdout)  # stdout holds the JSON and nothing else
     assert (out["name"], out["version"], out["alias"], out["mode"]) == ("tiny-qwen", "1", "champion", "full")
     assert out["alias_uri"] == "models:/tiny-qwen@champion" and out["model_uri"] == "models:/tiny-qwen/1"
     assert out["run_id"] == training["run_id"] and out["attached_to_training_run"]
 
-    client = MlflowClient(mlflow_server)
     version = client.get_model_version_by_alias("tiny-qwen", "champion")
     assert version.version == "1" and version.run_id == training["run_id"]
+    logged = client.search_logged_models(experiment_ids=[training["experiment_id"]])  # the run's, not "0"
+    assert [m.source_run_id for m in logged] == [training["run_id"]]
+    assert version.tags["ftcli.mode"] == "full" and version.tags["ftcli.version"] == __version__
     run = client.get_run(training["run_id"])  # params, metrics and the model on one run
     assert run.data.params["training.method"] == "full" and run.data.metrics["loss"] == 3.0
     assert run.data.tags["ftcli.registered_model"] == "tiny-qwen/1"
@@ -232,6 +243,8 @@ def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path,
     trained = _safetensors(run_dir / "final")
     assert trained.keys() == loaded.keys()
     assert all(torch.equal(trained[k], loaded[k]) for k in trained)
+
+    check_reachable(mlflow_server.replace("http://", f"http://u:{SECRET_VALUE}@"), fix="")  # user-info is not the host
 
     chat = mlflow.pyfunc.load_model("models:/tiny-qwen@champion")
     assert chat.metadata.get_input_schema() is not None and chat.metadata.get_output_schema() is not None
@@ -267,7 +280,10 @@ def test_lora_run_registers_merged_weights_by_default(tmp_path, tiny_lora_files,
         torch.testing.assert_close(model(ids).logits, peft(ids).logits, rtol=1e-4, atol=1e-4)
     _assert_chat_completion(mlflow.pyfunc.load_model("models:/tiny-oss@champion").predict(CHAT))
 
-    run = MlflowClient(sqlite_uri).get_run(result.run_id)
+    client = MlflowClient(sqlite_uri, registry_uri=sqlite_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and client.get_experiment(run.info.experiment_id).name == "tiny-gpt-oss-cpu"
+    assert [m.source_run_id for m in client.search_logged_models(experiment_ids=[run.info.experiment_id])] == [run.info.run_id]
     logged = json.dumps({**run.data.params, **run.data.tags})
     assert SECRET_VALUE not in logged
     assert run.data.params["compute.env_variables.HF_HOME"] == "***"
@@ -316,9 +332,11 @@ def test_adapter_over_hub_base_references_the_pinned_revision(tmp_path, tiny_lor
         return real(ref, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setenv("MLFLOW_RUN_ID", "the-job-run")  # AI Runtime sets it; MLflow's end_run clears it
     run_dir = make_lora_run(tmp_path, tiny_lora_files, tracking_uri=sqlite_uri, hub_base=True)
     result = reg.run_register(run_dir, name="oss-hub-adapter")
     assert result.mode == "adapter" and result.base_model == f"{HUB_BASE}@{HUB_REVISION}"
+    assert result.attached_to_training_run and os.environ["MLFLOW_RUN_ID"] == "the-job-run"
 
     mlflow.set_tracking_uri(sqlite_uri)
     local = Path(mlflow.artifacts.download_artifacts(f"models:/oss-hub-adapter/{result.version}"))
@@ -355,8 +373,18 @@ def test_unreachable_server_fails_fast_in_one_line_with_the_uri(tmp_path, tiny_f
     with pytest.raises(UserError) as err:
         reg.run_register(run_dir, name="q", tracking_uri=uri)
     assert time.time() - start < 15
-    message = str(err.value)
-    assert "\n" not in message and uri in message and "connection refused" in message
+    assert str(err.value) == f"cannot reach the MLflow tracking server at {uri} (connection refused); start it or pass --tracking-uri"
+
+
+def test_unreachable_registry_fails_fast_with_the_masked_uri(tmp_path, tiny_full_final, sqlite_uri):
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    port = _free_port()
+    start = time.time()
+    with pytest.raises(UserError) as err:
+        reg.run_register(run_dir, name="q", tracking_uri=sqlite_uri, registry_uri=f"http://u:{SECRET_VALUE}@127.0.0.1:{port}")
+    assert time.time() - start < 15
+    assert str(err.value) == (f"cannot reach the model registry at http://***@127.0.0.1:{port} (connection refused); "
+                              "check --registry-uri and your credentials")
 
 
 def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_full_final):
@@ -383,8 +411,8 @@ def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_ful
 def test_checkpoint_needing_remote_code_is_refused_unless_recipe_trusts_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyCustomLM"], "auto_map": {"x": "y"}}))
     with pytest.raises(UserError, match="trust_remote_code: true"):
-        reg.check_remote_code(tmp_path, trust_remote_code=False)
-    reg.check_remote_code(tmp_path, trust_remote_code=True)
+        check_remote_code(tmp_path, trust_remote_code=False)
+    check_remote_code(tmp_path, trust_remote_code=True)
 
 
 # ------------------------------------------------------------------------------- Unity Catalog
@@ -450,12 +478,3 @@ def test_uc_adapter_rules(tmp_path):
     assert choose(adapter(hub), adapter_only=False, merged=True, uc=True) == "merged"
     with pytest.raises(UserError, match="needs a LoRA adapter"):
         choose(reg.Source(model_dir=tmp_path, kind="checkpoint"), adapter_only=True, merged=False, uc=False)
-
-
-def test_scrub_recipe_hides_secret_and_env_values():
-    recipe = _recipe_with_secrets("tiny-qwen-cpu")
-    recipe["tracking"]["tracking_uri"] = f"https://user:{SECRET_VALUE}@mlflow.example.com"
-    params = flatten(reg.scrub_recipe(recipe))
-    assert SECRET_VALUE not in json.dumps(params)
-    assert params["compute.secrets.HF_TOKEN"] == "***" and params["tracking.tracking_uri"].startswith("https://***@")
-    assert recipe["compute"]["env_variables"]["HF_HOME"] == SECRET_VALUE  # the input is not modified

@@ -1,0 +1,227 @@
+"""Log a Hugging Face checkpoint or a LoRA adapter to MLflow as a chat model (`ftcli register`'s logging).
+
+    log_chat_model(model_dir, base=None, run=..., ...)     a full checkpoint: files copied as is
+    log_chat_model(adapter_dir, base=BaseRef, run=..., ...) a LoRA adapter: PEFT model, base referenced
+
+Both go through `mlflow.transformers.log_model(task="llm/v1/chat")`, so the model carries a chat
+signature (inputs and outputs) and serves OpenAI-style chat completions. It is the one fluent MLflow
+call ftcli makes (it takes no client); `_active_run` scopes it to the given run and store.
+
+An adapter over a local base is logged with `base_model_path` (adapter + tokenizer + a path to the
+base), so it loads only where that path exists (this machine, a shared disk): MLflow's other route
+for it saves the PEFT-wrapped base (`base_layer`/`lora_*` keys) as the base weights, which load
+back as a silently broken model. An adapter over a hub base is logged over a base built without
+weights; MLflow saves the adapter and the base's id and revision.
+
+Two workarounds for the installed MLflow (3.17, tested up to transformers 5.17) live in
+`_mlflow_compat`, each applied only while logging and only when needed:
+- the installed transformers (5.24) lists pipeline classes lazily (a dotted string), which
+  MLflow's local-checkpoint path reads as a class; the string is resolved to the class.
+- for an adapter over a hub base, MLflow records the hub's *latest* commit of the base; ftcli pins
+  the revision the run trained on (run.json base_model.revision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from ftcli.errors import UserError
+from ftcli.merge import BaseRef
+from ftcli.tracking import first_line
+
+
+def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: str, metadata: dict, dtype: str,
+                   model_class: str = "causal_lm", trust_remote_code: bool = False):
+    """Log `model_dir` into `run`: with base=None a full HF checkpoint (files copied as is, `dtype`
+    the fallback when config.json names none); else a LoRA adapter over `base`, which is referenced
+    (a local dir, or a hub id at its pinned revision), never copied."""
+    if base is None:
+        return _log(str(model_dir), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
+                    metadata=metadata, adapter=False)
+    from transformers import AutoTokenizer
+
+    model = _adapter_model(model_dir, base, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if not base.local:
+        tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
+    info = _log({"model": model, "tokenizer": tokenizer}, model.dtype, run=run, tracking_uri=tracking_uri,
+                metadata=metadata, adapter=True, pinned_revision=None if base.local else base.revision,
+                **({"base_model_path": str(base.path)} if base.local else {}))
+    assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
+    return info
+
+
+def missing_files(model_dir: Path, *, adapter: bool) -> list[str]:
+    """What log_chat_model and a chat endpoint need that `model_dir` lacks: the weights (or the
+    adapter), the tokenizer and its chat template."""
+    d = model_dir
+    missing = []
+    if adapter:
+        if not (d / "adapter_config.json").is_file():
+            missing.append("adapter_config.json")
+        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+            missing.append("adapter_model.safetensors")
+    else:
+        if not (d / "config.json").is_file():
+            missing.append("config.json")
+        if not any(any(d.glob(g)) for g in ("*.safetensors", "pytorch_model*.bin")):
+            missing.append("model weights (*.safetensors)")
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        missing.append("tokenizer (tokenizer.json)")
+    elif not _has_chat_template(d):
+        missing.append("chat template (chat_template.jinja)")
+    return missing
+
+
+def _has_chat_template(d: Path) -> bool:
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose class is not in transformers unless the recipe trusts remote code
+    (MLflow would load it with trust_remote_code=True)."""
+    import transformers
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{model_dir / 'config.json'}: cannot read it ({e})") from None
+    archs = config.get("architectures") or []
+    if not archs:
+        raise UserError(f"{model_dir / 'config.json'} has no 'architectures'; MLflow needs the model class")
+    custom = bool(config.get("auto_map")) or not hasattr(transformers, archs[0])
+    if custom and not trust_remote_code:
+        raise UserError(
+            f"{model_dir} needs custom model code ({archs[0]}); loading it runs that code, so register it "
+            "only with a recipe that sets model.trust_remote_code: true"
+        )
+
+
+def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: dict, adapter: bool,
+         pinned_revision: str | None = None, **extra):
+    import mlflow
+
+    with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision):
+        return mlflow.transformers.log_model(
+            transformers_model=transformers_model, torch_dtype=torch_dtype, name="model", task="llm/v1/chat",
+            run_id=run.info.run_id, metadata=dict(metadata),  # a copy: MLflow adds to it
+            pip_requirements=_pip_requirements(adapter), **extra,
+        )
+
+
+@contextlib.contextmanager
+def _active_run(tracking_uri: str, run) -> Iterator[None]:
+    """`run` as MLflow's active run at `tracking_uri`, for the block. log_model takes no client:
+    Model.log opens the store at the fluent tracking URI and files the LoggedModel under the active
+    run's experiment (with none active: the default experiment, not the run's). So the block sets the
+    fluent URI and resumes the run with mlflow.start_run(run_id=...). Afterwards the fluent URI is
+    the old one (mlflow.set_tracking_uri exports the URI it sets as $MLFLOW_TRACKING_URI, so that
+    variable's old value is the old URI), $MLFLOW_RUN_ID (end_run clears it) is back, and the run
+    has its own status and end time again (resuming marks it RUNNING, ending it FINISHED or FAILED)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    previous_uri, run_id_env = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=False):
+            yield
+    finally:
+        MlflowClient(tracking_uri).set_terminated(run.info.run_id, run.info.status, run.info.end_time)
+        mlflow.set_tracking_uri(previous_uri)
+        if run_id_env is not None:
+            os.environ["MLFLOW_RUN_ID"] = run_id_env
+
+
+@contextlib.contextmanager
+def _mlflow_compat(pinned_revision: str | None = None) -> Iterator[None]:
+    """The two MLflow workarounds described in the module docstring, active only inside the block."""
+    import mlflow.transformers.flavor_config as flavor_config
+    import transformers.pipelines as pipelines
+
+    original_check_task = pipelines.check_task
+    original_commit = flavor_config.get_latest_commit_for_repo
+
+    def check_task(task):
+        name, meta, options = original_check_task(task)
+        impl = meta.get("impl")
+        if isinstance(impl, str):  # "transformers.pipelines.text_generation.TextGenerationPipeline"
+            module, _, cls = impl.rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, options
+
+    pipelines.check_task = check_task
+    if pinned_revision:
+        flavor_config.get_latest_commit_for_repo = lambda repo: pinned_revision
+    try:
+        yield
+    finally:
+        pipelines.check_task = original_check_task
+        flavor_config.get_latest_commit_for_repo = original_commit
+
+
+def _pip_requirements(adapter: bool) -> list[str]:
+    """Pinned to what is installed here (local tags like +cpu dropped: a GPU server has its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    reqs = []
+    for pkg in ("transformers", "torch", "accelerate", "safetensors") + (("peft",) if adapter else ()):
+        try:
+            reqs.append(f"{pkg}=={Version(version(pkg)).base_version}")
+        except PackageNotFoundError:
+            continue
+    return reqs
+
+
+def _checkpoint_dtype(model_dir: Path, fallback: str):
+    import torch
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    text_cfg = config.get("text_config") or {}
+    name = config.get("dtype") or config.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype")
+    dtype = getattr(torch, str(name or fallback), None)
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, fallback)
+
+
+def _adapter_model(adapter_dir: Path, base: BaseRef, *, dtype: str, model_class: str, trust_remote_code: bool):
+    """The PEFT model MLflow logs. A hub base is built without its weights: MLflow saves only the
+    adapter and a reference to the base (checked after logging)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from ftcli.modeling import DTYPES, auto_class
+
+    torch_dtype = DTYPES.get(dtype, torch.bfloat16)
+    cls = auto_class(model_class)
+    if base.local:
+        model = cls.from_pretrained(str(base.path), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise UserError(
+                f"cannot load the config of the base {base} ({first_line(e)}); it must be on the hub or in the HF cache"
+            ) from None
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config  # no weights are loaded, so nothing to dequantize
+        with torch.device("meta"):
+            model = cls.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model.to_empty(device="cpu")  # allocated, never written or saved
+        model.config.name_or_path = model.name_or_path = base.id  # MLflow references the base by this
+    return PeftModel.from_pretrained(model, str(adapter_dir))

@@ -1,0 +1,435 @@
+"""`ftcli generate` / `ftcli chat` on tiny random-init models (CPU): decoding against an independent
+argmax loop, adapter-on-base against merged, seeds, left-padded batches, harmony/think splitting, and
+user mistakes as one line."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ftcli import cli, generate
+from ftcli.chat_repl import Chat, run_chat
+from ftcli.generate import Sampling
+from ftcli.rundir import BaseModelRecord, RunRecord, write_run_record
+
+runner = CliRunner()
+CONFIGS = {"qwen": ("tiny-qwen3_5.json", "qwen3_5_text"), "gpt-oss": ("tiny-gpt-oss.json", "gpt_oss")}
+PROMPTS = [
+    [{"role": "user", "content": "What is 2 plus 4?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Repeat after me: river quiet light window cloud tiger"}],
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "What is the capital of Kenya?"}, {"role": "assistant", "content": "Nairobi."},
+     {"role": "user", "content": "And what is the capital of Sweden?"}],
+]
+
+
+def _tiny(name: str, seed: int = 0):
+    from ftcli.modeling import load_model
+    from ftcli.recipe import ModelConfig
+
+    config, model_type = CONFIGS[name]
+    torch.manual_seed(seed)
+    return load_model(ModelConfig(init="random", config=f"pkg://assets/{config}", tokenizer="unused",
+                                  model_type=model_type, dtype="float32"))
+
+
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from ftcli.recipe import resolve_path
+
+    return AutoTokenizer.from_pretrained(resolve_path(f"pkg://assets/tokenizer-{name}"))
+
+
+def _save(model, tokenizer, path):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: _save(_tiny(name), _tokenizer(name), root / name) for name in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, model_dirs):
+    """A finished full run: run.json (RunRecord) + final/, as `ftcli train` leaves it."""
+    run = tmp_path_factory.mktemp("full-run")
+    _save(_tiny("qwen"), _tokenizer("qwen"), run / "final")
+    (run / "recipe.yaml").write_text("name: tiny-qwen-cpu\n")
+    base = BaseModelRecord(init="random", model_type="qwen3_5_text")
+    write_run_record(run, RunRecord(method="full", base_model=base))
+    return run
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A finished LoRA run over a random-init gpt-oss saved at <run>/base, plus the merged model."""
+    from peft import LoraConfig, get_peft_model
+
+    run = tmp_path_factory.mktemp("lora-run")
+    tok = _tokenizer("gpt-oss")
+    base = _tiny("gpt-oss", seed=1)
+    _save(base, tok, run / "base")
+    torch.manual_seed(2)  # init_lora_weights=False: B is random too, so the adapter changes the replies
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    _save(peft_model, tok, run / "final")
+    (run / "recipe.yaml").write_text("name: tiny-gpt-oss-cpu\n")
+    write_run_record(run, RunRecord(method="lora", base_model=BaseModelRecord(
+        init="random", path="base", model_type="gpt_oss", model_class="causal_lm")))
+    merged = _save(peft_model.merge_and_unload(), tok, run.parent / "lora-merged")
+    return run, merged
+
+
+def _load(path) -> generate.LoadedModel:
+    return generate.load(generate.resolve_source(str(path)), device="cpu")
+
+
+def argmax_decode(model, prompt: list[int], stop_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: the whole sequence through the model at every step (no KV cache), argmax of the
+    last position, until a stop token or max_new_tokens."""
+    ids, new = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
+            ids.append(token)
+            new.append(token)
+            if token in stop_ids:
+                break
+    return new
+
+
+# ------------------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_argmax_decode_loop(name, model_dirs):
+    loaded = _load(model_dirs[name])
+    out = generate.generate(loaded, PROMPTS[:2], Sampling(max_new_tokens=12, greedy=True), batch_size=1)
+    for conv, completion in zip(PROMPTS[:2], out):
+        prompt = generate.render_prompt(loaded.tokenizer, conv)
+        expected = argmax_decode(loaded.model, prompt, loaded.stop_ids, 12)
+        assert completion.token_ids == expected
+        assert len(expected) == 12 and completion.finish_reason == "length"  # random weights never stop
+    texts = generate.sample_greedy(loaded.model, loaded.tokenizer, PROMPTS[:2], max_new_tokens=12)
+    assert texts == [loaded.tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in out]
+
+
+def test_adapter_on_base_equals_merged(lora_run):
+    from peft import PeftModel
+
+    run, merged_dir = lora_run
+    on_base, merged = _load(run), _load(merged_dir)
+    assert isinstance(on_base.model, PeftModel) and on_base.source.adapter == run / "final"
+    assert on_base.source.model == str(run / "base")
+    greedy = Sampling(max_new_tokens=16, greedy=True)
+    a = [c.token_ids for c in generate.generate(on_base, PROMPTS, greedy)]
+    b = [c.token_ids for c in generate.generate(merged, PROMPTS, greedy)]
+    assert a == b
+    base_only = [c.token_ids for c in generate.generate(_load(run / "base"), PROMPTS, greedy)]
+    assert base_only != a  # the adapter is applied: without it the replies differ
+    assert generate.resolve_source(str(run / "final")) == on_base.source  # <run>/final is its run
+
+
+def test_seed_makes_sampling_reproducible(model_dirs):
+    loaded = _load(model_dirs["gpt-oss"])
+
+    def sample(seed):
+        return generate.generate(loaded, PROMPTS[:2], Sampling(max_new_tokens=16, temperature=1.0, seed=seed))
+
+    first, again, other = sample(1), sample(1), sample(2)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert all(x.token_ids != y.token_ids for x, y in zip(first, other))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_left_padded_equals_one_by_one(name, model_dirs):
+    loaded = _load(model_dirs[name])
+    lengths = {len(generate.render_prompt(loaded.tokenizer, c)) for c in PROMPTS}
+    assert len(lengths) == len(PROMPTS)  # every row of the batch is padded differently
+    greedy = Sampling(max_new_tokens=10, greedy=True)
+    batched = generate.generate(loaded, PROMPTS, greedy, batch_size=4)
+    single = generate.generate(loaded, PROMPTS, greedy, batch_size=1)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in single]
+
+
+def test_sample_greedy_stops_at_end_of_turn_and_restores_mode(model_dirs):
+    loaded = _load(model_dirs["qwen"])
+    model, tok = loaded.model, loaded.tokenizer
+    prompt = generate.render_prompt(tok, PROMPTS[0])
+    first = argmax_decode(model, prompt, [], 3)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():  # make <|im_end|> the argmax right after the 3rd new token
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+        hidden = model.model(input_ids=torch.tensor([prompt + first])).last_hidden_state[0, -1]
+        logits = model.lm_head(hidden)
+        model.lm_head.bias[im_end] = logits.max() - logits[im_end] + 1.0
+    expected = argmax_decode(model, prompt, loaded.stop_ids, 20)
+    assert expected[-1] == im_end and len(expected) <= 20
+    model.train()
+    texts = generate.sample_greedy(model, tok, [PROMPTS[0]], max_new_tokens=20)
+    assert model.training
+    assert texts == [tok.decode(expected[:-1], skip_special_tokens=False)]
+    (completion,) = generate.generate(loaded, [PROMPTS[0]], Sampling(max_new_tokens=20, greedy=True))
+    assert completion.token_ids == expected and completion.finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------------- the template
+def test_stop_tokens_are_the_templates_end_of_turn():
+    qwen, oss = _tokenizer("qwen"), _tokenizer("gpt-oss")
+    assert generate.stop_token_ids(qwen) == [qwen.convert_tokens_to_ids("<|im_end|>")]
+    assert generate.stop_token_ids(oss) == [oss.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    assert oss.convert_tokens_to_ids("<|end|>") not in generate.stop_token_ids(oss)
+
+
+def test_gpt_oss_reasoning_effort_and_language_reach_the_template():
+    tok = _tokenizer("gpt-oss")
+    messages = generate.conversation("¿Cuál es el capital de Australia?",
+                                     generate.system_prompt(None, "German"))
+    assert messages[0] == {"role": "system", "content": "reasoning language: German"}
+    text = tok.decode(generate.render_prompt(tok, messages, generate.template_kwargs("high")))
+    assert "Reasoning: high\n\n" in text
+    assert "<|start|>developer<|message|># Instructions\n\nreasoning language: German\n\n<|end|>" in text
+    assert text.endswith("<|start|>user<|message|>¿Cuál es el capital de Australia?<|end|><|start|>assistant")
+    assert generate.reply_kind(tok, generate.render_prompt(tok, messages)) == "harmony"
+
+
+HARMONY = ("<|channel|>analysis<|message|>Die Hauptstadt ist Canberra.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>La capital de Australia es Canberra.")
+
+
+def test_harmony_and_think_replies_split_into_reasoning_and_answer():
+    assert generate.split_reasoning(HARMONY, "harmony") == ("Die Hauptstadt ist Canberra.",
+                                                            "La capital de Australia es Canberra.")
+    assert generate.split_reasoning("<|channel|>final<|message|>Hola", "harmony") == (None, "Hola")
+    assert generate.split_reasoning("garbage<|end|>", "harmony", ["<|end|>"]) == (None, "garbage")
+    assert generate.split_reasoning("Hmm.\n</think>\n\nCanberra.", "think") == ("Hmm.", "Canberra.")
+    assert generate.split_reasoning("Still thinking", "think") == ("Still thinking", "")
+    assert generate.split_reasoning("<think>x</think>y", "plain") == ("x", "y")
+    assert generate.split_reasoning("Canberra.", "plain") == (None, "Canberra.")
+    qwen = _tokenizer("qwen")
+    assert generate.reply_kind(qwen, generate.render_prompt(qwen, PROMPTS[0])) == "think"
+
+
+def test_streamed_view_shows_reasoning_then_answer():
+    view = generate.ReplyView(_tokenizer("gpt-oss"), "harmony")
+    pieces = [view.feed(HARMONY[i:i + 7]) for i in range(0, len(HARMONY), 7)]
+    shown = "".join(pieces) + view.finish(HARMONY)
+    assert shown == "reasoning:\nDie Hauptstadt ist Canberra.\n\nanswer:\nLa capital de Australia es Canberra."
+
+
+# -------------------------------------------------------------------------------------- the CLI
+def test_cli_single_prompt_json_equals_greedy(full_run):
+    res = runner.invoke(cli.app, ["generate", str(full_run), "-p", "What is 2 plus 4?", "--greedy",
+                                  "--max-new-tokens", "8", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    loaded = _load(full_run / "final")
+    prompt = generate.render_prompt(loaded.tokenizer, PROMPTS[0])
+    assert got["token_ids"] == argmax_decode(loaded.model, prompt, loaded.stop_ids, 8)
+    assert got["finish_reason"] == "length" and got["tokens_per_s"] > 0
+
+
+def test_cli_single_prompt_streams_and_reports_tokens_per_s(model_dirs):
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["gpt-oss"]), "-p", "Hi", "--greedy",
+                                  "--max-new-tokens", "6", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    loaded = _load(model_dirs["gpt-oss"])
+    (completion,) = generate.generate(loaded, [PROMPTS[2]], Sampling(max_new_tokens=6, greedy=True))
+    view = generate.ReplyView(loaded.tokenizer, "harmony").render(completion.raw)
+    assert res.stdout == view + "\n"
+    assert "6 tokens in " in res.output and " tokens/s" in res.output
+
+
+def test_cli_input_file_bad_rows_are_counted_and_the_rest_written(model_dirs, tmp_path):
+    rows = [
+        json.dumps({"prompt": "What is 2 plus 4?"}),
+        "{not json",
+        json.dumps({"messages": "hi"}),
+        "",
+        json.dumps({"messages": PROMPTS[2] + [{"role": "assistant", "content": "Hello!"}]}),
+        json.dumps([1, 2]),
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                                 {"role": "user", "content": "c"}]}),
+    ]
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out),
+                                  "--greedy", "--max-new-tokens", "5", "--batch-size", "2"])
+    assert res.exit_code == 2
+    assert "Traceback" not in res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert " ".join(" ".join(errors).split()) == (
+        f"error: {src}: 4 of 6 rows skipped (line 2: not valid JSON; line 3: 'messages' is not a non-empty list; "
+        "line 6: a list, not an object; line 7: the chat template refused this conversation: System message must "
+        "be at the beginning.)")
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [w["line"] for w in written] == [1, 5]
+    assert written[1]["messages"] == PROMPTS[2] and written[1]["reference"] == "Hello!"
+    loaded = _load(model_dirs["qwen"])
+    expected = generate.generate(loaded, [PROMPTS[0], PROMPTS[2]], Sampling(max_new_tokens=5, greedy=True))
+    assert [w["completion"] for w in written] == [c.text for c in expected]
+    assert [w["reasoning"] for w in written] == [c.reasoning for c in expected]
+    assert [w["new_tokens"] for w in written] == [5, 5]
+
+
+def _write_run(path, **record):
+    path.mkdir()
+    (path / "recipe.yaml").write_text("name: tiny-qwen-cpu\n")
+    if record:
+        write_run_record(path, RunRecord(**record))
+    return path
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("empty dir", "{p} holds no model: expected run.json (a run dir), config.json (a model dir) or "
+                  "adapter_config.json (a LoRA adapter)"),
+    ("no final exported", "{p}: no model in this run (run.json names no model_dir; a full run exports final/ only "
+                          "with training.checkpoint.save_final_hf: true)"),
+    ("final missing", "{p}: no model in this run ({p}/final does not exist; a full run exports final/ only with "
+                      "training.checkpoint.save_final_hf: true)"),
+    ("still training", "{p} is a run that has not finished (no run.json yet: it is still training, or it stopped "
+                       "early; `ftcli train --recipe {p}/recipe.yaml --resume` continues it)"),
+    ("status running", "{p}: the run is 'running', not completed; its final model is written when training ends"),
+    ("lora base missing", "{p}: the LoRA run's base {p}/base is missing (run.json base_model.path)"),
+    ("no such path", "{p}: no such run dir or model dir (and not a hub id of the form owner/name)"),
+])
+def test_cli_bad_model_is_one_line(case, expected, tmp_path):
+    p = tmp_path / "run"
+    if case == "empty dir":
+        p.mkdir()
+    elif case == "no final exported":
+        _write_run(p, method="full", model_dir=None)
+    elif case == "final missing":
+        _write_run(p, method="full")
+    elif case == "still training":
+        _write_run(p)
+        (p / "checkpoints" / "step_00000010").mkdir(parents=True)
+    elif case == "status running":
+        _write_run(p, method="full", status="running")
+    elif case == "lora base missing":
+        _write_run(p, method="lora", base_model=BaseModelRecord(init="random", path="base"))
+        (p / "final").mkdir()
+        (p / "final" / "adapter_config.json").write_text("{}")
+    for command in (["generate", str(p), "-p", "hi"], ["chat", str(p)]):
+        res = runner.invoke(cli.app, command)
+        assert res.exit_code == 2
+        assert " ".join(res.output.split()) == "error: " + expected.format(p=p)
+
+
+def test_cli_bad_model_fails_before_heavy_imports(tmp_path):
+    code = ("import sys\n"
+            f"sys.argv = ['ftcli', 'generate', {str(tmp_path)!r}, '-p', 'hi']\n"
+            "from ftcli.cli import run\n"
+            "try:\n    run()\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('RESULT', code, [m for m in ('torch', 'transformers') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "RESULT 2 []", proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_hub_id_resolves_with_its_revision_and_fails_offline_in_one_line(tmp_path):
+    source = generate.resolve_source("openai/gpt-oss-20b", "abc123")
+    assert source == generate.ModelSource(model="openai/gpt-oss-20b", revision="abc123")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ftcli", "generate", "no-such-org/no-such-model", "-p", "hi"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: no-such-org/no-such-model: cannot load its config (")
+
+
+def test_reasoning_effort_the_template_refuses_is_one_line(model_dirs):
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", "hi", "--reasoning-effort", "high",
+                                  "--device", "cpu"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines()[-1] == ("error: the chat template refused this conversation: Unexpected "
+                                                   "reasoning effort high. Supported types are xhigh (default), "
+                                                   "medium, and low.")
+
+
+@pytest.mark.parametrize("args,expected", [
+    ([], "pass either --prompt TEXT or --input FILE.jsonl"),
+    (["-p", "hi", "-o", "x.jsonl"], "--output goes with --input FILE.jsonl"),
+    (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+])
+def test_cli_bad_options_are_one_line(args, expected, model_dirs):
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), *args])
+    assert res.exit_code == 2 and " ".join(res.output.split()) == "error: " + expected
+
+
+# ------------------------------------------------------------------------------------------ chat
+def test_chat_keeps_history_and_handles_commands():
+    sent = []
+
+    def fake_reply(loaded, messages, sampling, *, write, template_kwargs):
+        if messages[-1]["content"] == "interrupt me":
+            raise KeyboardInterrupt  # Ctrl-C while the reply streams
+        sent.append([dict(m) for m in messages])
+        write(f"reply{len(sent)}")
+        return generate.Completion(text=f"reply{len(sent)}", reasoning=None, raw=""), generate.StreamStats(3, 1.0, None)
+
+    loaded = generate.LoadedModel(model=None, tokenizer=None, stop_ids=[], source=generate.ModelSource(model="m"))
+    lines = ["hello", "interrupt me", "/system Be brief.", "again", "/reset", "fresh", "/bogus", "/system", "last",
+             "/exit", "never"]
+    stdin = io.StringIO("".join(line + "\n" for line in lines))
+    out = []
+    run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=stdin, write=out.append, reply=fake_reply)
+    sys_msg = {"role": "system", "content": "Be brief."}
+    assert sent == [
+        [{"role": "user", "content": "hello"}],
+        [sys_msg, {"role": "user", "content": "hello"}, {"role": "assistant", "content": "reply1"},
+         {"role": "user", "content": "again"}],
+        [sys_msg, {"role": "user", "content": "fresh"}],
+        [{"role": "user", "content": "fresh"}, {"role": "assistant", "content": "reply3"},
+         {"role": "user", "content": "last"}],
+    ]
+    text = "".join(out)
+    assert "system prompt set: Be brief." in text and "conversation reset" in text and "system prompt cleared" in text
+    assert "unknown command /bogus" in text and "[interrupted]" in text and "3 tokens in 1.00 s (3.0 tokens/s)" in text
+    assert Chat("x").command("/quit") is None
+
+
+def test_chat_cli_streams_replies_with_history(model_dirs):
+    res = runner.invoke(cli.app, ["chat", str(model_dirs["gpt-oss"]), "--greedy", "--max-new-tokens", "4",
+                                  "--device", "cpu", "--reasoning-effort", "low"],
+                        input="What is 2 plus 4?\nHi\n/exit\n")
+    assert res.exit_code == 0, res.output
+    loaded = _load(model_dirs["gpt-oss"])
+    greedy = Sampling(max_new_tokens=4, greedy=True)
+    kwargs = generate.template_kwargs("low")
+    (first,) = generate.generate(loaded, [PROMPTS[0]], greedy, template_kwargs=kwargs)
+    history = PROMPTS[0] + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Hi"}]
+    (second,) = generate.generate(loaded, [history], greedy, template_kwargs=kwargs)
+    for completion in (first, second):
+        view = generate.ReplyView(loaded.tokenizer, "harmony").render(completion.raw)
+        assert f"assistant> {view}\n[4 tokens in " in res.stdout
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def test_sample_greedy_under_fsdp2_equals_unsharded(model_dirs, tmp_path):
+    """The way trainers sample: every rank calls sample_greedy on its FSDP2-sharded model with
+    synced_gpus=True. Same prompts on both ranks give the unsharded replies; uneven work (rank 0 done
+    after 3 tokens, rank 1 after 8) does not hang and each rank still gets the unsharded replies."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/_generate_fsdp_worker.py", str(model_dirs["qwen"]), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    loaded = _load(model_dirs["qwen"])
+    conversations = [PROMPTS[0], PROMPTS[2]]
+    expected = generate.sample_greedy(loaded.model, loaded.tokenizer, conversations, max_new_tokens=6)
+    assert ranks[0]["same"] == ranks[1]["same"] == expected
+    for r in range(2):
+        alone = generate.sample_greedy(loaded.model, loaded.tokenizer, [conversations[r]], max_new_tokens=3 + 5 * r)
+        assert ranks[r]["uneven"] == alone and ranks[r]["training"] is True
