@@ -9,6 +9,7 @@ Each subcommand's work lives in one module, imported only when that command runs
     train            ftcli.launch       (torchrun) -> ftcli.train_full (FSDP2) | ftcli.train_lora (TRL)
     merge-lora       ftcli.merge
     register         ftcli.register
+    plan             ftcli.plan         (over ftcli.memory)
     doctor           ftcli.doctor       (over ftcli.kernels)
     generate, chat   ftcli.generate     (+ ftcli.chat_repl: the interactive loop)
 """
@@ -142,6 +143,7 @@ def render_workload(
     overrides: Optional[list[str]] = SetOpt,
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout)."),
     check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
+    no_fit_check: bool = typer.Option(False, "--no-fit-check", help="Render even when the plan says it does not fit."),
     force: bool = ForceOpt,
 ) -> None:
     """Render a Databricks AI Runtime workload YAML (`databricks air run -f ...`) for a recipe."""
@@ -158,8 +160,8 @@ def render_workload(
     r = _load(recipe, overrides)
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
-    text = workload.render_workload(r)
-    for warning in workload.render_warnings(r):
+    text = workload.render_workload(r, fit_check=not no_fit_check)
+    for warning in workload.render_warnings(r, fit_check=not no_fit_check):
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is None:
         print(text, end="")
@@ -251,14 +253,35 @@ def register(
     )
 
 
+# ---------------------------------------------------------------------------------------------- plan
+@app.command("plan")
+def plan(
+    recipe: str = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    accelerators: Optional[list[str]] = typer.Option(
+        None, "--accelerator", "-a", help="Plan for this accelerator type too, e.g. GPU_8xH100 (repeatable)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Memory per GPU, fit, s/step, wall time and GPU-hours of a recipe on each known card."""
+    r = _load(recipe, overrides)
+    from ftcli.plan import run_plan
+
+    run_plan(r, accelerators=list(accelerators or []), as_json=as_json)
+
+
 # -------------------------------------------------------------------------------------------- doctor
 @app.command("doctor")
-def doctor(recipe: Optional[str] = OptionalRecipeOpt, overrides: Optional[list[str]] = SetOpt) -> None:
-    """Versions, packed-kernel backends, and known-bad combinations on this machine."""
+def doctor(
+    recipe: Optional[str] = OptionalRecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Versions, packed-kernel backends, known-bad combinations; with a recipe, whether it can run here."""
     r = _load(recipe, overrides)
     from ftcli.doctor import run_doctor
 
-    code = run_doctor(r)
+    code = run_doctor(r, as_json=as_json)
     raise typer.Exit(code)
 
 

@@ -1,10 +1,12 @@
 """`ftcli doctor`: versions, the packed-kernel backends this machine will use, and known-bad combinations.
 
-With a recipe it answers one question, "can this recipe train correctly here?", and returns exit code 1
-with a one-line reason when it cannot. The checks are plain data (`doctor_checks`), so they can be tested
-against any machine description; `run_doctor` only renders them.
+With a recipe it answers "can this recipe run here?" in two parts, said separately: "kernels correct here"
+(every packed op has a correct backend, no known-bad version combination applies: `doctor_checks` and
+ftcli.compat) and "fits here" (ftcli.plan's memory per GPU, or per CPU process, against this machine). It
+returns exit code 1 with a one-line reason when either fails. The report is plain data (`doctor_report`), so
+it can be tested against any machine description; `run_doctor` only renders it (tables or `--json`).
 
-Importing this module is free: torch, transformers and ftcli.kernels are imported inside `run_doctor`.
+Importing this module is free: torch, transformers and ftcli.kernels are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -130,58 +132,124 @@ def _lora_normalizes_by_tokens() -> bool:
     return True
 
 
-def run_doctor(recipe=None) -> int:
-    """Print the report; with a recipe, return 1 when it cannot train correctly here (else 0)."""
+@dataclass(frozen=True)
+class Report:
+    """Everything `doctor` says, as data: `run_doctor` renders it as tables or JSON."""
+
+    versions: dict[str, str | None]
+    gpu: str
+    backends: list[tuple[str, str, str, str]]  # (model_type, op, backend, why)
+    checks: list[Check]
+    recipe: str | None = None
+    kernels_correct: bool | None = None  # no blocking known-bad combination (None: no recipe)
+    kernels_detail: str = ""
+    fits: bool | None = None  # the plan's memory fits this machine
+    fits_detail: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.recipe is not None and not (self.kernels_correct and self.fits) else 0
+
+    @property
+    def verdict(self) -> str:
+        if self.recipe is None:
+            return ""
+        if not self.kernels_correct:
+            return f"recipe {self.recipe} cannot run correctly here: {self.kernels_detail}"
+        if not self.fits:
+            return f"recipe {self.recipe} cannot run here: {self.fits_detail}"
+        return f"recipe {self.recipe} can run correctly here"
+
+    def to_dict(self) -> dict:
+        return {"versions": self.versions, "gpu": self.gpu,
+                "backends": [dict(zip(("model_type", "op", "backend", "why"), b)) for b in self.backends],
+                "checks": [{"name": c.name, "status": c.status, "detail": c.detail, "blocks_recipe": c.blocks_recipe}
+                           for c in self.checks],
+                "recipe": self.recipe, "kernels_correct_here": self.kernels_correct,
+                "kernels_detail": self.kernels_detail or None, "fits_here": self.fits,
+                "fits_detail": self.fits_detail or None, "exit_code": self.exit_code, "verdict": self.verdict or None}
+
+
+def doctor_report(recipe, m, here, versions: dict[str, str | None] | None = None, gpu: str = "none") -> Report:
+    """The report for `recipe` (or None) on machine `m` (ftcli.kernels.Machine) / `here` (ftcli.compat.Here)."""
+    from ftcli import compat, kernels
+
+    backends = []
+    for model_type in [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS):
+        chosen = kernels.decide_backends(model_type, m)
+        if not chosen:
+            backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
+        backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
+    problems = [*compat.known_bad(recipe, here), compat.matrix_check(here)]
+    if recipe is not None:
+        problems += compat.gpu_notes(recipe, here)
+    checks = doctor_checks(recipe, m) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
+    report = Report(versions=versions or {}, gpu=gpu, backends=backends, checks=checks)
+    if recipe is None:
+        return report
+    blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
+    fits, fits_detail = compat.fit_here(recipe, here)
+    return Report(versions=report.versions, gpu=gpu, backends=backends, checks=checks, recipe=recipe.name,
+                  kernels_correct=not blocking, kernels_detail=blocking[0].detail if blocking else
+                  "every packed op has a correct backend and no known-bad combination applies",
+                  fits=fits, fits_detail=fits_detail)
+
+
+def run_doctor(recipe=None, as_json: bool = False) -> int:
+    """Print the report (tables, or JSON); with a recipe, return 1 when it cannot run correctly here (else 0):
+    a known-bad combination that breaks its training, or a plan that does not fit this machine."""
+    import json
+
     import torch
+
+    from ftcli import compat, kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = kernels.machine(device)
+    versions = {dist: version(dist) for dist in PACKAGES}
+    gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if m.capability \
+        else "none"
+    report = doctor_report(recipe, m, compat.detect_here(m), versions, gpu)
+    if as_json:
+        print(json.dumps({**report.to_dict(), "torch_cuda": torch.version.cuda}, indent=1))
+        return report.exit_code
+
     from rich.console import Console
     from rich.table import Table
 
-    from ftcli import kernels
-
     console = Console()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    m = kernels.machine(device)
-
-    versions = Table(title="Versions", title_justify="left")
-    versions.add_column("package")
-    versions.add_column("version")
-    for dist in PACKAGES:
-        shown = version(dist) or "-"
+    table = Table(title="Versions", title_justify="left")
+    table.add_column("package")
+    table.add_column("version")
+    for dist, found in versions.items():
+        shown = found or "-"
         if dist == "torch":
             shown += f" (CUDA {torch.version.cuda})" if torch.version.cuda else " (CPU build)"
-        versions.add_row(dist, shown)
-    gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if m.capability \
-        else "none"
-    versions.add_row("GPU", gpu)
-    console.print(versions)
+        table.add_row(dist, shown)
+    table.add_row("GPU", gpu)
+    console.print(table)
 
-    backends = Table(title=f"Packed kernels on {m.device}", title_justify="left")
+    table = Table(title=f"Packed kernels on {m.device}", title_justify="left")
     for column in ("model_type", "op", "backend", "why"):
-        backends.add_column(column)
-    model_types = [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS)
-    for model_type in model_types:
-        chosen = kernels.decide_backends(model_type, m)
-        if not chosen:
-            backends.add_row(model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type")
-        for b in chosen:
-            backends.add_row(model_type, b.op, b.name, b.reason)
-    console.print(backends)
+        table.add_column(column)
+    for row in report.backends:
+        table.add_row(*row)
+    console.print(table)
 
-    checks = doctor_checks(recipe, m)
     table = Table(title="Known-bad combinations", title_justify="left")
     for column in ("check", "status", "detail"):
         table.add_column(column)
     style = {OK: "green", WARN: "yellow", FAIL: "bold red", NA: "dim"}
-    for c in checks:
+    for c in report.checks:
         table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
     console.print(table)
 
     if recipe is None:
         return 0
-    blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
-    if blocking:
-        console.print(f"[bold red]recipe {recipe.name} cannot run correctly here:[/] {blocking[0].detail}",
-                      highlight=False, soft_wrap=True)
-        return 1
-    console.print(f"[green]recipe {recipe.name} can run correctly here[/]", highlight=False)
-    return 0
+    for label, ok, detail in (("kernels correct here", report.kernels_correct, report.kernels_detail),
+                              ("fits here", report.fits, report.fits_detail)):
+        mark = "[green]yes[/]" if ok else "[bold red]no[/]"
+        console.print(f"{label}: {mark} ({detail})", highlight=False, soft_wrap=True)
+    color = "green" if report.exit_code == 0 else "bold red"
+    console.print(f"[{color}]{report.verdict}[/]", highlight=False, soft_wrap=True)
+    return report.exit_code

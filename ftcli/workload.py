@@ -430,9 +430,15 @@ def _setup_comment(recipe: Recipe) -> list[str]:
     return lines
 
 
-def render_warnings(recipe: Recipe) -> list[str]:
+def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
     """What renders fine but would likely go wrong on the cluster."""
     out = []
+    if fit_check:
+        from ftcli.plan import fit_check as plan_fit_check
+
+        fit = plan_fit_check(recipe)
+        if fit.card is None:
+            out.append(fit.reason)
     t = recipe.training
     writes = t.checkpoint.enabled or t.checkpoint.save_final_hf
     if recipe.compute.num_nodes > 1 and writes and not recipe.output.dir.startswith(("/Volumes/", "/dbfs/")):
@@ -444,8 +450,16 @@ def render_warnings(recipe: Recipe) -> list[str]:
     return out
 
 
-def render_workload(recipe: Recipe) -> str:
-    """The workload YAML for `databricks air run -f`, validated against `WorkloadFile` before it is returned."""
+def render_workload(recipe: Recipe, *, fit_check: bool = True) -> str:
+    """The workload YAML for `databricks air run -f`, validated against `WorkloadFile` before it is returned.
+    With `fit_check`, a recipe whose plan (ftcli.plan) does not fit its accelerator is refused with the reason
+    and the nearest setting that fits."""
+    if fit_check:
+        from ftcli.plan import fit_check as plan_fit_check
+
+        fit = plan_fit_check(recipe)
+        if not fit.fits:
+            raise UserError(f"{fit.reason}; --no-fit-check renders it anyway")
     data = build_workload(recipe)
     problems = validate_workload(data)
     if problems:

@@ -103,3 +103,72 @@ def test_vlm_lora_checks():
     vision = by_name(doctor_checks(load_recipe("qwen-b300", [*vlm_lora, "lora.exclude_vision=false"]), cpu))
     assert vision["LoRA all-linear reaching a vision tower"].status == WARN
     assert by_name(doctor_checks(load_recipe("qwen-b300"), cpu))["VLM loss across grad accumulation"].status == NA
+
+
+# ------------------------------------------------------------------------------------- can it run here
+def cpu_here(ram_gib=24):
+    from ftcli.compat import Here
+
+    return Here(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30,
+                gpt_oss_attention="eager_segments")
+
+
+def test_a_cpu_machine_cannot_run_qwen_b300_but_kernels_are_correct():
+    from ftcli.doctor import doctor_report
+
+    report = doctor_report(load_recipe("qwen-b300"), kernels.Machine(device="cpu"), cpu_here())
+    assert report.kernels_correct and not report.fits and report.exit_code == 1
+    assert report.verdict.startswith("recipe qwen-b300 cannot run here: qwen-b300 needs ~465 GiB of RAM on this CPU "
+                                     "machine (2 processes), it has 24 GiB; it is a GPU_8xB300 recipe")
+    names = [c.name for c in report.checks]
+    assert "transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)" in names and "versions vs the tested matrix" in names
+
+
+def test_the_tiny_recipes_run_on_a_cpu_machine():
+    from ftcli.doctor import doctor_report
+
+    for name in ("tiny-qwen-cpu", "tiny-gpt-oss-cpu"):
+        report = doctor_report(load_recipe(name), kernels.Machine(device="cpu"), cpu_here())
+        assert report.kernels_correct and report.fits and report.exit_code == 0
+        assert report.verdict == f"recipe {name} can run correctly here"
+
+
+def test_kernels_and_fit_are_judged_separately_on_a_gpu():
+    from ftcli.compat import Here
+    from ftcli.doctor import doctor_report
+
+    h100 = Here(versions={"transformers": "5.24.0", "triton": "3.6.0", "flash-linear-attention": "0.6.0"},
+                gpus=(("NVIDIA H100 80GB HBM3", 85_031_714_816),) * 8, capability=(9, 0), fla_importable=True,
+                gpt_oss_attention="flex_sinks")
+    report = doctor_report(load_recipe("qwen-b300"), hopper("3.6.0", tilelang=True), h100)
+    assert report.kernels_correct and not report.fits
+    assert report.fits_detail.startswith("qwen-b300 needs 81.7 GiB per GPU on 8 GPU(s); this NVIDIA H100")
+    broken = doctor_report(load_recipe("qwen-b300", ["data.packing.block_len=8192"]), hopper("3.6.0", tilelang=False),
+                           h100)
+    assert not broken.kernels_correct and broken.fits and broken.exit_code == 1
+    assert broken.verdict.startswith("recipe qwen-b300 cannot run correctly here: ")
+    old = Here(**{**h100.__dict__, "versions": {**h100.versions, "transformers": "5.6.0"}})
+    leaky = doctor_report(load_recipe("qwen-b300", ["data.packing.block_len=8192"]), hopper("3.6.0", tilelang=True),
+                          old)
+    assert not leaky.kernels_correct and "drops cu_seq_lens / seq_idx" in leaky.kernels_detail
+
+
+def test_doctor_json_and_exit_code(capsys):
+    import json
+
+    assert run_doctor(load_recipe("qwen-b300"), as_json=True) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["recipe"] == "qwen-b300" and data["kernels_correct_here"] is True and data["fits_here"] is False
+    assert data["exit_code"] == 1 and data["verdict"].startswith("recipe qwen-b300 cannot run here")
+    assert {"model_type": "qwen3_5", "op": "gated_delta_rule", "backend": "torch_segments"}.items() <= \
+        data["backends"][1].items()
+    assert run_doctor(load_recipe("tiny-qwen-cpu"), as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["fits_here"] is True
+
+
+def test_doctor_text_says_kernels_and_fit_separately(capsys):
+    assert run_doctor(load_recipe("qwen-b300")) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3].startswith("kernels correct here: yes")
+    assert lines[-2].startswith("fits here: no (qwen-b300 needs ~")
+    assert lines[-1].startswith("recipe qwen-b300 cannot run here: ")

@@ -1,0 +1,297 @@
+"""Per-GPU peak memory of a training step: exact state from the model's shape, a fitted transient.
+
+    peak = state + transient
+
+    state       full SFT (FSDP2, sharded over W GPUs): P x (weights + grads + 2 AdamW moments) / W, at
+                4+4+8 bytes per parameter with fp32 master weights and 2+2+4 with bf16 ones, plus the frozen
+                vision tower's weights (sharded). LoRA (DDP): the whole base in the model dtype on every
+                GPU, plus the adapter's fp32 weights, grads and moments. Exact from the config.
+    transient   what lives only during a step, the larger of two phases (neither depends on W: FSDP
+                gathers whole units on every rank):
+
+        activations  (the forward/backward phase)
+                     checkpointed layer: its input, T x hidden in the compute dtype
+                     stored layer:       K x T x hidden bytes (bf16; twice that in fp32), K fitted per family
+                     full: every layer checkpointed but `keep`, plus one layer being recomputed;
+                     selective: every other layer stored; none: every layer stored
+                   + loss: full logits F x T x vocab (F fitted); the chunked loss keeps one fp32 chunk
+                     (chunk_tokens x vocab x 4), liger one of its own (a power of two near T / (vocab/hidden))
+                   + with bf16 master weights, the root's bf16 gradients next to their fp32 copy: 2 x P_root
+        reduce       (the end of backward) the root unit's (embeddings, LM head) unsharded fp32 gradients
+                     before their reduce-scatter: 4 x P_root (+ the bf16 copy with bf16 master weights)
+
+    T = tokens per micro-batch (block_len x per_device_batch). K and F are fitted by least squares
+    (`fit`) on the measured peaks in ftcli/assets/measured.json (one H200; BENCHMARKS.md); the fitted
+    values are the constants below, and tests/test_memory_model.py checks both the fit and every measured
+    point (within 10%). The 64-layer figures are extrapolations: no 64-layer run was measured.
+
+Pure Python, no torch: `ftcli plan` and `render-workload` stay fast. Parameter counts come from the
+config by formula (tests compare them with transformers' models on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
+
+# Fitted on ftcli/assets/measured.json by `fit()` (bytes per token per hidden unit of one stored layer, in
+# bf16; bytes per token per vocab entry of the full-logit loss). tests/test_memory_model.py refits them.
+STORED_LAYER_BYTES = {"qwen3_5": 67.48, "gpt_oss": 91.41}
+FULL_LOGITS_BYTES = 9.716
+FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
+
+
+# ------------------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs from a config: sizes and exact parameter counts."""
+
+    family: str  # qwen3_5 | gpt_oss
+    hidden: int
+    vocab: int
+    layers: int
+    root_params: int  # embeddings + LM head + final norm (FSDP's root unit)
+    layer_params: tuple[int, ...]  # per decoder layer
+    frozen_params: int = 0  # e.g. the VLM's vision tower (frozen in ftcli)
+    layer_kinds: tuple[str, ...] = ()  # per decoder layer: its config layer type
+    linear_shapes: tuple[tuple[str, str, int, int], ...] = ()  # (layer kind or "*", name, in, out) nn.Linear (LoRA)
+    expert_shapes: tuple[tuple[str, int, int, int], ...] = ()  # (name, experts, in, out) of 3-D params
+
+    @property
+    def total_params(self) -> int:
+        return self.root_params + sum(self.layer_params)
+
+    def cut(self, layers: int) -> ModelShape:
+        """The same width with `layers` decoder layers (the pattern repeated), as the benchmarks build it."""
+        period = self.layer_params
+        kinds = self.layer_kinds
+        return replace(self, layers=layers, layer_params=tuple(period[i % len(period)] for i in range(layers)),
+                       layer_kinds=tuple(kinds[i % len(kinds)] for i in range(layers)) if kinds else ())
+
+
+def _layer_types(cfg: dict[str, Any], default: str) -> list[str]:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [default]
+    return [types[i % len(types)] for i in range(n)]
+
+
+def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
+    """A ModelShape from a transformers config dict (qwen3_5 VLM, qwen3_5_text, gpt_oss)."""
+    model_type = cfg.get("model_type")
+    frozen = 0
+    if model_type == "qwen3_5":  # the VLM: the text config inside, the vision tower frozen
+        frozen = int(cfg.get("vision_params", 0))
+        cfg = {**cfg["text_config"], "model_type": "qwen3_5_text"}
+        model_type = "qwen3_5_text"
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        raise ValueError(f"no memory model for model_type {model_type!r} (known: {', '.join(sorted(FAMILIES))})")
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    root = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+    if family == "qwen3_5":
+        kinds = _layer_types(cfg, "full_attention")
+        linears, layers = _qwen_layers(cfg, kinds)
+        experts: tuple = ()
+    else:
+        kinds = _layer_types(cfg, "full_attention")
+        linears, experts, layers = _gpt_oss_layers(cfg)
+    return ModelShape(family=family, hidden=h, vocab=vocab, layers=cfg["num_hidden_layers"], root_params=root,
+                      layer_params=tuple(layers), frozen_params=frozen, layer_kinds=tuple(kinds),
+                      linear_shapes=tuple(linears), expert_shapes=experts)
+
+
+def _qwen_layers(cfg: dict[str, Any], kinds: list[str]) -> tuple[list, list[int]]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    gate = 2 if cfg.get("attn_output_gate", True) else 1
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, width = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    mlp = [("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
+    full = [("q_proj", h, heads * hd * gate), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h)]
+    conv_dim = 2 * nk * dk + nv * dv
+    linear = [("in_proj_qkv", h, conv_dim), ("in_proj_z", h, nv * dv), ("in_proj_b", h, nv), ("in_proj_a", h, nv),
+              ("out_proj", nv * dv, h)]
+    counts = []
+    for kind in kinds:
+        mats = (full if kind == "full_attention" else linear) + mlp
+        extra = 2 * hd if kind == "full_attention" else conv_dim * width + dv + 2 * nv  # norms / conv, dt_bias, A_log
+        counts.append(sum(i * o for _, i, o in mats) + extra + 2 * h)
+    tagged = [("linear_attention", *x) for x in linear] + [("full_attention", *x) for x in full] + [("*", *x) for x in mlp]
+    return tagged, counts
+
+
+def _gpt_oss_layers(cfg: dict[str, Any]) -> tuple[list, tuple, list[int]]:
+    h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    attn = [("q_proj", h, heads * hd), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h)]
+    router = h * experts + experts  # GptOssTopKRouter: a weight and a bias, not an nn.Linear (LoRA skips it)
+    bias = sum(o for _, _, o in attn) if cfg.get("attention_bias", True) else 0
+    expert_shapes = (("mlp.experts.gate_up_proj", experts, h, 2 * inter), ("mlp.experts.down_proj", experts, inter, h))
+    expert_params = sum(e * (i * o + o) for _, e, i, o in expert_shapes)
+    per_layer = sum(i * o for _, i, o in attn) + bias + router + heads + expert_params + 2 * h  # + sinks, norms
+    return [("*", *x) for x in attn], expert_shapes, [per_layer] * cfg["num_hidden_layers"]
+
+
+def shipped_shape_path(model_id: str) -> Path | None:
+    """ftcli/assets/models/<org>--<name>.json for the models the shipped recipes train."""
+    path = Path(str(resources.files("ftcli") / "assets" / "models" / f"{model_id.replace('/', '--')}.json"))
+    return path if path.is_file() else None
+
+
+def shipped_shape(model_id: str) -> ModelShape:
+    path = shipped_shape_path(model_id)
+    assert path is not None, f"no shipped shape for {model_id}"
+    return shape_from_config(json.loads(path.read_text()))
+
+
+# ----------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Setting:
+    """The recipe knobs that move memory (what `ftcli plan` varies to find a setting that fits)."""
+
+    method: str = "full"  # full | lora
+    tokens: int = 32768  # per micro-batch: block_len x per_device_batch
+    world: int = 8
+    master: str = "fp32"  # fp32 | bf16 (full SFT)
+    compute_bytes: int = 2  # param dtype (full) or model dtype (LoRA): 2 bf16, 4 fp32
+    checkpointing: str = "full"  # full | selective | none
+    keep: int = 0  # with full checkpointing: layers that keep their activations
+    loss: str = "chunked"  # chunked | liger | full (| trl for LoRA)
+    chunk_tokens: int = 4096
+    adapter_params: int = 0  # LoRA
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """GiB per GPU. `other` is what the transient holds beyond activations and loss at its peak phase."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    loss: float
+    other: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.loss + self.other
+
+    def to_dict(self) -> dict[str, float]:
+        return {**{k: round(v, 2) for k, v in asdict(self).items()}, "state": round(self.state, 2),
+                "total": round(self.total, 2)}
+
+
+def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
+    """(layers whose activations are stored, layers held as a checkpointed input)."""
+    n = shape.layers
+    if s.checkpointing == "none":
+        return n, 0
+    if s.checkpointing == "selective":
+        stored = n // 2
+        return stored + 1, n - stored  # + the layer being recomputed
+    keep = min(s.keep, n)
+    return keep + 1, n - keep
+
+
+def loss_bytes(shape: ModelShape, s: Setting) -> float:
+    if s.loss == "full":
+        return FULL_LOGITS_BYTES * s.tokens * shape.vocab
+    if s.loss == "chunked":
+        return 4.0 * min(s.chunk_tokens, s.tokens) * shape.vocab
+    if s.loss == "liger":  # liger's fused linear cross-entropy picks its chunk from T and vocab / hidden
+        chunk = 2 ** math.ceil(math.log2(max(1, math.ceil(s.tokens / math.ceil(shape.vocab / shape.hidden)))))
+        return 4.0 * min(chunk, s.tokens) * shape.vocab
+    return 0.0  # TRL's LoRA loss: inside the fitted activations (its measurements are linear in T)
+
+
+def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = None) -> Estimate:
+    """Peak GiB per GPU of `shape` trained with setting `s`."""
+    k = STORED_LAYER_BYTES[shape.family] if stored_layer_bytes is None else stored_layer_bytes
+    u = s.tokens * shape.hidden
+    stored, checkpointed = _stored_layers(shape, s)
+    activations = stored * k * (s.compute_bytes / 2) * u + checkpointed * s.compute_bytes * u
+    loss = loss_bytes(shape, s)
+    if s.method == "lora":
+        base = (shape.total_params + shape.frozen_params) * s.compute_bytes
+        a = s.adapter_params
+        return Estimate(params=(base + 4 * a) / GiB, grads=4 * a / GiB, optimizer=8 * a / GiB,
+                        activations=activations / GiB, loss=loss / GiB, other=0.0)
+    master = 4 if s.master == "fp32" else 2
+    p, w = shape.total_params, s.world
+    bf16_grads = 2 * shape.root_params if s.master == "bf16" else 0
+    reduce_phase = 4 * shape.root_params + bf16_grads
+    step_phase = activations + loss + bf16_grads
+    other = bf16_grads + max(0.0, reduce_phase - step_phase)
+    return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes) / w / GiB, grads=p * master / w / GiB,
+                    optimizer=2 * p * master / w / GiB, activations=activations / GiB, loss=loss / GiB,
+                    other=other / GiB)
+
+
+def usable_gib(card_gb: float) -> float:
+    return USABLE * card_gb * 1e9 / GiB
+
+
+def layers_to_keep(shape: ModelShape, s: Setting, card_gb: float) -> int:
+    """With full checkpointing, how many layers may keep their activations and still fit the card."""
+    base = estimate(shape, Setting(**{**asdict(s), "checkpointing": "full", "keep": 0}))
+    per_layer = (STORED_LAYER_BYTES[shape.family] * (s.compute_bytes / 2) - s.compute_bytes) * s.tokens * shape.hidden
+    spare = usable_gib(card_gb) - base.total
+    if spare <= 0:
+        return 0
+    return min(shape.layers, int(spare * GiB // per_layer))
+
+
+# ---------------------------------------------------------------------------------------------- fit
+def measured() -> dict[str, list[dict[str, Any]]]:
+    return json.loads((resources.files("ftcli") / "assets" / "measured.json").read_text())
+
+
+def point_setting(point: dict[str, Any]) -> tuple[ModelShape, Setting]:
+    """The shape and setting of one measured point (ftcli/assets/measured.json)."""
+    shape = shipped_shape(point["model"]).cut(point["layers"])
+    return shape, Setting(method=point["method"], tokens=point["block_len"], world=point["gpus"],
+                          master=point["master"], checkpointing=point["checkpointing"], loss=point["loss"])
+
+
+def fit(points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Least-squares K per family (points whose peak is in the activation phase), then F from the full-logit
+    points. The estimate is linear in K and F within a phase, so each is a one-variable fit."""
+    points = measured()["memory"] if points is None else points
+    stored: dict[str, float] = {}
+    for family in sorted({shipped_shape(p["model"]).family for p in points}):
+        num = den = 0.0
+        for p in points:
+            shape, s = point_setting(p)
+            if shape.family != family or p["loss"] == "full":
+                continue
+            at0, at1 = estimate(shape, s, 0.0), estimate(shape, s, 1.0)
+            slope = at1.activations - at0.activations
+            reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method == "full" else 0
+            if p["peak_gib"] - at0.state <= 1.05 * reduce_phase:
+                continue  # the reduce phase is the peak: says nothing about K
+            fixed = at0.state + at0.activations + at0.loss + (2 * shape.root_params / GiB if s.master == "bf16"
+                                                              and s.method == "full" else 0)
+            num += slope * (p["peak_gib"] - fixed)
+            den += slope * slope
+        stored[family] = num / den
+    num = den = 0.0
+    for p in points:
+        if p["loss"] != "full":
+            continue
+        shape, s = point_setting(p)
+        e = estimate(shape, s, stored[shape.family])
+        slope = s.tokens * shape.vocab / GiB
+        num += slope * (p["peak_gib"] - (e.total - e.loss))
+        den += slope * slope
+    return {"stored_layer_bytes": stored, "full_logits_bytes": num / den if den else None}

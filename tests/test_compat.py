@@ -1,0 +1,110 @@
+"""Known-bad combinations, the tested matrix and "can it run here", each on faked versions and machines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftcli import compat
+from ftcli.compat import FAIL, NA, OK, WARN, Here
+from ftcli.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = ("NVIDIA H100 80GB HBM3", 85_031_714_816)
+H200 = ("NVIDIA H200", 150_109_880_320)
+B300 = ("NVIDIA B300 SXM6 AC", 287_000_000_000)
+GOOD = {"torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.24.0", "trl": "1.16.0", "peft": "0.21.2",
+        "flash-linear-attention": "0.6.0", "tilelang": "0.1.15", "liger-kernel": "0.8.5"}
+
+
+def gpu(card=H200, n=8, capability=(9, 0), fla=True, attention="flex_sinks", **versions) -> Here:
+    return Here(versions={**GOOD, **versions}, gpus=(card,) * n, capability=capability, ram_bytes=2 * 10**12,
+                fla_importable=fla, gpt_oss_attention=attention)
+
+
+def cpu(ram_gib=24) -> Here:
+    return Here(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30,
+                gpt_oss_attention="eager_segments")
+
+
+def check(recipe, here, name_start) -> compat.Problem:
+    found = [p for p in compat.known_bad(recipe, here) if p.name.startswith(name_start)]
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("version, status", [("5.1.9", OK), ("5.2.0", FAIL), ("5.5.3", FAIL), ("5.8.1", FAIL),
+                                             ("5.8.2", OK), ("5.24.0", OK)])
+def test_transformers_that_drop_qwen_packing_arguments(version, status):
+    p = check(load_recipe("tiny-qwen-cpu"), gpu(transformers=version), "transformers 5.2.0-5.8.1")
+    assert p.status == status and p.blocks_recipe == (status == FAIL)
+    if status == FAIL:
+        assert "drops cu_seq_lens / seq_idx" in p.detail
+    unpacked = load_recipe("tiny-qwen-cpu", ["data.packing.enabled=false", "model.attn_implementation=sdpa"])
+    assert check(unpacked, gpu(transformers=version), "transformers 5.2.0-5.8.1").status == NA
+    assert check(load_recipe("tiny-gpt-oss-cpu"), gpu(transformers=version), "transformers 5.2.0").status == NA
+
+
+@pytest.mark.parametrize("fla, triton, status", [("0.5.0", "3.6.0", FAIL), ("0.5.1", "3.7.1", FAIL),
+                                                 ("0.6.0", "3.7.0", FAIL), ("0.6.0", "3.7.1", WARN)])
+def test_blackwell_gated_delta_nan_gradients(fla, triton, status):
+    here = gpu(B300, capability=(10, 3), **{"flash-linear-attention": fla, "triton": triton})
+    p = check(load_recipe("qwen-b300"), here, "Blackwell gated-delta")
+    assert p.status == status and p.blocks_recipe == (status == FAIL)
+    assert "fla-org/flash-linear-attention#913" in p.detail
+    hopper = gpu(H200, **{"flash-linear-attention": fla, "triton": triton})
+    assert check(load_recipe("qwen-b300"), hopper, "Blackwell gated-delta").status == NA
+    assert check(load_recipe("gpt-oss-h100"), here, "Blackwell gated-delta").status == NA
+
+
+def test_fla_missing_on_a_gpu_machine_for_qwen():
+    p = check(load_recipe("qwen-b300"), gpu(fla=False), "fla on a GPU machine")
+    assert p.status == WARN and not p.blocks_recipe and "many times slower" in p.detail
+    assert check(load_recipe("qwen-b300"), gpu(fla=True), "fla on a GPU machine").status == OK
+    assert check(load_recipe("qwen-b300"), cpu(), "fla on a GPU machine").status == NA
+    assert check(load_recipe("gpt-oss-h100"), gpu(fla=False), "fla on a GPU machine").status == NA
+
+
+@pytest.mark.parametrize("attention, status", [("flex_sinks", OK), ("eager_segments", OK), ("sdpa_segments", FAIL),
+                                               ("flash_attn_varlen", FAIL), (None, FAIL)])
+def test_gpt_oss_packed_needs_an_attention_path_with_sinks(attention, status):
+    p = check(load_recipe("gpt-oss-h100"), gpu(attention=attention), "gpt-oss packed attention")
+    assert p.status == status and p.blocks_recipe == (status == FAIL)
+    assert check(load_recipe("qwen-b300"), gpu(attention=attention), "gpt-oss packed attention").status == NA
+
+
+def test_versions_outside_the_tested_matrix():
+    directory = ROOT / "constraints"
+    assert compat.read_constraints(directory / "gpu-h100.txt") == compat.read_constraints(directory / "gpu-h200.txt")
+    assert compat.matrix_check(gpu(), directory).status == OK  # torch 2.11.0+cu130 = 2.11.0, peft 0.21.2 = 0.21.*
+    off = compat.matrix_check(gpu(H100, transformers="5.20.0", triton="3.7.1"), directory)
+    assert off.status == WARN
+    assert off.detail == ("outside constraints/gpu-h100.txt: triton 3.7.1 (tested 3.6.*), "
+                          "transformers 5.20.0 (tested 5.24.0)")
+    assert compat.matrix_check(gpu(B300), directory).detail.startswith("no tested matrix for NVIDIA B300")
+    assert compat.matrix_check(cpu(), directory).detail == "within constraints/cpu.txt (1 pins)"
+    bad_cpu = Here(versions={"torch": "2.12.1"})
+    assert compat.matrix_check(bad_cpu, directory).detail == "outside constraints/cpu.txt: torch 2.12.1 (tested 2.13.0)"
+
+
+def test_a_cpu_machine_cannot_run_the_gpu_recipes_but_runs_the_tiny_ones():
+    [why] = compat.can_run_here(load_recipe("qwen-b300"), cpu())
+    assert why.startswith("qwen-b300 needs ~") and "it has 24 GiB; it is a GPU_8xB300 recipe (8 GPUs)" in why
+    assert compat.can_run_here(load_recipe("gpt-oss-h100"), cpu())
+    assert compat.can_run_here(load_recipe("tiny-qwen-cpu"), cpu()) == []
+    assert compat.can_run_here(load_recipe("tiny-gpt-oss-cpu"), cpu()) == []
+
+
+def test_gpu_memory_here_against_the_plan():
+    qwen = load_recipe("qwen-b300")
+    [why] = compat.can_run_here(qwen, gpu(H100))
+    assert why == ("qwen-b300 needs 81.7 GiB per GPU on 8 GPU(s); this NVIDIA H100 80GB HBM3 has 72.9 usable of "
+                   "79 GiB (the recipe is for GPU_8xB300)")
+    assert compat.can_run_here(qwen, gpu(H200)) == []  # another card, but it fits
+    [one] = compat.can_run_here(qwen, gpu(H200, n=1))  # one GPU holds the whole sharded state
+    assert one.startswith("qwen-b300 needs 433.") and "on 1 GPU(s)" in one
+    assert compat.can_run_here(load_recipe("gpt-oss-h100"), gpu(H100)) == []
+    notes = compat.gpu_notes(qwen, gpu(H200))
+    assert notes[0].status == WARN and notes[0].detail == "8 x NVIDIA H200 here, recipe: 8 x B300"
+    assert compat.gpu_notes(qwen, gpu(B300, capability=(10, 3)))[0].status == OK

@@ -1,0 +1,136 @@
+"""The memory model (ftcli.memory): exact parameter counts, the fit, and the measured H200 peaks within 10%."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftcli import memory
+from ftcli.recipe import resolve_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def meta_param_count(cfg: dict) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type")
+    period = cfg.get("layer_types")
+    if period:  # the shipped configs give the repeating period; transformers wants one type per layer
+        cfg["layer_types"] = [period[i % len(period)] for i in range(cfg["num_hidden_layers"])]
+    config = AutoConfig.for_model(model_type, **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("layers", [4, 64])
+def test_qwen_param_count_equals_transformers(layers):
+    text = json.loads(memory.shipped_shape_path("Qwen/Qwen3.8-27B").read_text())["text_config"]
+    cfg = {**text, "num_hidden_layers": layers}
+    shape = memory.shape_from_config(cfg)
+    assert shape.total_params == meta_param_count(cfg)
+    assert shape.total_params == (4_064_876_704 if layers == 4 else 26_895_998_464)
+    assert shape.root_params == 2 * 248320 * 5120 + 5120
+
+
+def test_gpt_oss_param_count_equals_transformers():
+    cfg = {k: v for k, v in json.loads(memory.shipped_shape_path("openai/gpt-oss-20b").read_text()).items()
+           if not k.startswith("_")}
+    cut = {**cfg, "num_hidden_layers": 2, "layer_types": cfg["layer_types"][:2]}
+    assert memory.shape_from_config(cut).total_params == meta_param_count(cut)
+    assert memory.shape_from_config(cfg).total_params == 20_914_757_184  # REFERENCE: 20.9B
+
+
+@pytest.mark.parametrize("asset", ["tiny-qwen3_5.json", "tiny-gpt-oss.json"])
+def test_tiny_param_counts_equal_transformers(asset):
+    cfg = json.loads(Path(resolve_path(f"pkg://assets/{asset}")).read_text())
+    assert memory.shape_from_config(cfg).total_params == meta_param_count(cfg)
+
+
+def test_fit_reproduces_the_shipped_constants():
+    fitted = memory.fit()
+    for family, value in memory.STORED_LAYER_BYTES.items():
+        assert fitted["stored_layer_bytes"][family] == pytest.approx(value, rel=1e-3)
+    assert fitted["full_logits_bytes"] == pytest.approx(memory.FULL_LOGITS_BYTES, rel=1e-3)
+
+
+def test_every_measured_h200_peak_within_10_percent():
+    points = memory.measured()["memory"]
+    assert len(points) == 13
+    errors = {}
+    for p in points:
+        shape, s = memory.point_setting(p)
+        errors[(p["model"], p["block_len"], p["master"], p["checkpointing"], p["loss"])] = (
+            memory.estimate(shape, s).total / p["peak_gib"] - 1)
+    assert all(abs(e) < 0.10 for e in errors.values()), errors
+    assert max(abs(e) for e in errors.values()) == pytest.approx(0.079, abs=0.001)  # selective, fp32: 97.5 vs 90.3
+
+
+def test_measured_points_are_the_benchmarks_md_rows():
+    """Every peak in measured.json is a peak in BENCHMARKS.md, with its command (one fact, copied once)."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    sft = {float(m) for m in re.findall(r"\| \**(\d+\.\d)\** \(\d+\.\d\) \|$", text, flags=re.M)}  # full SFT table
+    sft |= {float(m) for m in re.findall(r"\| (\d+\.\d) \| \d+\.\d+ \| \d+(?:\.\d+)? \|$", text, flags=re.M)}
+    lora = {float(m) for m in re.findall(r"\| (\d+\.\d)(?: \(\d+\.\d\))? \| \d\.\d\dx \|$", text, flags=re.M)}
+    for p in memory.measured()["memory"]:
+        assert p["peak_gib"] in (sft if p["method"] == "full" else lora), p
+        assert p["command"].split(" --")[0] in text and p["card"] == "H200" and p["date"] == "2026-12-01"
+
+
+def test_state_is_exact_and_sharded():
+    q = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    e8 = memory.estimate(q, memory.Setting(world=8))
+    e16 = memory.estimate(q, memory.Setting(world=16))
+    assert e8.params == pytest.approx((26_895_998_464 * 4 + 460_000_000 * 2) / 8 / memory.GiB)
+    assert e8.optimizer == pytest.approx(2 * e8.grads)
+    assert e16.state == pytest.approx(e8.state / 2)
+    assert e16.total - e16.state == pytest.approx(e8.total - e8.state)  # the transient does not shard
+
+
+def test_lora_keeps_the_whole_base_on_every_gpu():
+    g = memory.shipped_shape("openai/gpt-oss-20b")
+    s = memory.Setting(method="lora", tokens=4096, checkpointing="none", loss="trl", adapter_params=3_981_312)
+    one, eight = memory.estimate(g, memory.Setting(**{**s.__dict__, "world": 1})), memory.estimate(g, s)
+    assert one.total == eight.total == pytest.approx(63.1, abs=0.05)
+    assert eight.params == pytest.approx((20_914_757_184 * 2 + 4 * 3_981_312) / memory.GiB)
+
+
+def test_64_layer_recipe_figures():
+    q = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    liger = memory.Setting(tokens=32768, world=8, loss="liger")
+    assert round(memory.estimate(q, liger).total, 1) == 81.7
+    assert round(memory.estimate(q, memory.Setting(tokens=32768, world=8, loss="liger", master="bf16")).total, 1) == 61.4
+    assert [memory.layers_to_keep(q, liger, gb) for gb in (80, 141, 288)] == [0, 3, 16]
+
+
+def test_reference_loop_on_8xh100_fits_8k_not_16k():
+    """The published example: an 8xH100 node fits 8,192-token blocks of the 27B model, not 16k (bf16 master
+    weights, full checkpointing, full-logit loss)."""
+    q = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    usable = memory.usable_gib(80)
+    at = {t: memory.estimate(q, memory.Setting(tokens=t, world=8, master="bf16", loss="full")).total
+          for t in (8192, 16384)}
+    assert at[8192] < usable < at[16384]
+
+
+def test_benchmark_script_prints_the_package_model(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["memory_model.py"])
+    runpy.run_path(str(ROOT / "benchmarks" / "memory_model.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "| 32k | fp32 | full | liger | 50.2 | 31.5 | 81.7 | no | yes | yes |" in out
+    assert "| fp32 | 0 | 3 | 16 |" in out
+
+
+def test_memory_model_imports_no_torch():
+    code = "import sys, ftcli.memory; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,210 @@
+"""`ftcli plan`: per-card memory, fit and the settings that would fit, step times from the measured data,
+token counts (pack cache, synthetic, sampled), the JSON output, and render-workload's fit check."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from ftcli import memory, plan
+from ftcli.errors import UserError
+from ftcli.recipe import load_recipe
+
+
+@pytest.fixture(autouse=True)
+def _no_pack_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTCLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "300")
+
+
+def cards(p: plan.Plan) -> dict[str, plan.CardPlan]:
+    return {c.accelerator: c for c in p.cards}
+
+
+def test_qwen_b300_plan_on_every_card():
+    p = plan.make_plan(load_recipe("qwen-b300"))
+    c = cards(p)
+    assert list(c) == ["GPU_8xB300", "GPU_8xH100", "GPU_8xH200", "GPU_1xA10"]
+    assert c["GPU_8xB300"].own and c["GPU_8xB300"].fits and c["GPU_8xB300"].keep_layers == 16
+    assert c["GPU_8xH200"].fits and c["GPU_8xH200"].keep_layers == 3
+    assert round(c["GPU_8xB300"].estimate.total, 1) == 81.7
+    assert not c["GPU_8xH100"].fits
+    assert [s.overrides for s in c["GPU_8xH100"].suggestions] == [
+        ("data.packing.block_len=16384",), ("training.precision.master_dtype=bfloat16",),
+        ("compute.num_accelerators=16",)]
+    assert [round(s.total_gib, 1) for s in c["GPU_8xH100"].suggestions] == [66.0, 61.4, 56.6]
+    assert not c["GPU_1xA10"].fits and c["GPU_1xA10"].gpus == 8 and not c["GPU_1xA10"].suggestions
+    assert "no setting tried fits 20.6 GiB" in c["GPU_1xA10"].why
+
+
+def test_qwen_b300_time_from_the_published_token_count():
+    p = plan.make_plan(load_recipe("qwen-b300"))
+    assert p.data.tokens == 995 * 8 * 32768 and p.data.blocks == 7960 and p.steps == 995
+    h200 = cards(p)["GPU_8xH200"]
+    shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    layer, head = sum(shape.layer_params) / 64, 248320 * 5120
+    expected = 1.355 * (64 * layer + head) / (4 * layer + head)  # the 4-layer H200 step, scaled by matmul work
+    assert h200.step.s_per_step == pytest.approx(expected) and not h200.step.measured
+    assert "measured with master fp32, loss chunked" in h200.step.source
+    assert h200.wall_hours == pytest.approx(995 * expected / 3600)
+    assert h200.gpu_hours == pytest.approx(8 * h200.wall_hours)
+    b300 = cards(p)["GPU_8xB300"]
+    assert b300.step.s_per_step == pytest.approx(expected * 989 / 2250)
+    assert "x peak bf16 FLOP/s H200/B300" in b300.step.source
+
+
+def test_gpt_oss_lora_plan():
+    p = plan.make_plan(load_recipe("gpt-oss-h100"))
+    c = cards(p)
+    assert p.setting.adapter_params == 3_981_312  # r 8 on q/k/v/o of 24 layers
+    assert round(c["GPU_8xH100"].estimate.total, 1) == 63.1 and c["GPU_8xH100"].fits
+    assert c["GPU_8xH200"].step.measured and c["GPU_8xH200"].step.s_per_step == 0.374
+    assert c["GPU_8xH100"].step.s_per_step == 0.374 and not c["GPU_8xH100"].step.measured  # same peak FLOP/s
+    assert not c["GPU_1xA10"].fits and not c["GPU_1xA10"].suggestions
+    assert c["GPU_1xA10"].why.startswith("the base alone is 39.0 GiB > 20.6 usable: LoRA keeps a whole base per GPU")
+    assert p.data.tokens is None and "pack-preview --recipe gpt-oss-h100" in p.data.source
+    assert c["GPU_8xH100"].wall_hours is None
+
+
+def test_lora_that_does_not_fit_suggests_checkpointing_and_blocks():
+    r = load_recipe("gpt-oss-h100", ["data.packing.block_len=8192"])  # 87.2 GiB: more than an H100 holds
+    h100 = cards(plan.make_plan(r))["GPU_8xH100"]
+    assert not h100.fits and round(h100.estimate.total, 1) == 87.2
+    assert [s.overrides for s in h100.suggestions] == [("training.activation_checkpointing=full",),
+                                                        ("data.packing.block_len=4096",)]
+    assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1]  # measured: 43.1 and 63.1
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss-cpu", "tiny-qwen-cpu"])
+def test_lora_adapter_size_equals_peft(name):
+    import torch
+    from peft import get_peft_model
+
+    from ftcli.modeling import load_model
+    from ftcli.train_lora import lora_config
+
+    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0"])
+    model = load_model(recipe.model, dtype=torch.float32)
+    peft_model = get_peft_model(model, lora_config(recipe, model))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert plan.adapter_params(recipe, plan.model_shape(recipe)) == trainable
+
+
+def test_tiny_recipes_fit_everywhere_and_have_no_step_measurement():
+    for name in ("tiny-qwen-cpu", "tiny-gpt-oss-cpu"):
+        p = plan.make_plan(load_recipe(name))
+        assert all(c.fits for c in p.cards)
+        assert all(c.step.s_per_step is None and c.step.source.startswith("no measurement") for c in p.cards)
+
+
+def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
+    from transformers import AutoTokenizer
+
+    from ftcli.data import prepare_blocks
+    from ftcli.recipe import resolve_path
+
+    recipe = load_recipe("tiny-qwen-cpu")
+    sampled = plan.data_size(recipe)
+    assert sampled.source.startswith("estimate: first 300 of 3000 rows, chat template rendered")
+    packed = prepare_blocks(recipe, AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer)))
+    cached = plan.data_size(recipe)
+    assert cached.source.startswith("pack cache") and cached.blocks == len(packed) == 267
+    assert cached.tokens == packed.meta["num_tokens"]
+    assert abs(sampled.tokens / cached.tokens - 1) < 0.10
+    assert plan.make_plan(recipe).steps == 267
+
+
+def test_synthetic_token_count_is_the_expected_length():
+    from ftcli.data.synthetic import synthetic_examples
+
+    recipe = load_recipe("tiny-qwen-cpu", ["data.source=synthetic", "data.synthetic.num_examples=4000"])
+    size = plan.data_size(recipe)
+    drawn = sum(len(ids) for _, ids, _ in synthetic_examples(recipe.data.synthetic, 1024))
+    assert size.source.startswith("computed") and abs(size.tokens / drawn - 1) < 0.03
+    assert size.blocks == -(-size.tokens // 1024)
+
+
+def test_accelerator_option_and_unknown_cards():
+    p = plan.make_plan(load_recipe("qwen-b300"), ["GPU_8xH100"])
+    assert [c.accelerator for c in p.cards] == ["GPU_8xB300", "GPU_8xH100"]
+    with pytest.raises(UserError, match="unknown card 'L4'"):
+        plan.make_plan(load_recipe("qwen-b300"), ["GPU_8xL4"])
+    with pytest.raises(UserError, match="is not GPU_<gpus per node>x<card>"):
+        plan.make_plan(load_recipe("qwen-b300"), ["8xH100"])
+
+
+def test_fit_check_refuses_with_the_nearest_setting():
+    ok = plan.fit_check(load_recipe("qwen-b300"))
+    assert ok.fits and ok.reason == "fits GPU_8xB300: 81.7 of 246.8 GiB usable per GPU"
+    bad = plan.fit_check(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100"]))
+    assert not bad.fits
+    assert bad.reason == ("qwen-b300 does not fit GPU_8xH100: 81.7 GiB per GPU > 68.5 usable of 80 GB; nearest that "
+                          "fits: --set data.packing.block_len=16384 (66.0 GiB)")
+
+
+def test_plan_json_cli_and_no_torch():
+    code = ("import sys; from ftcli.cli import run; sys.argv = ['ftcli', 'plan', '--recipe', 'qwen-b300', '--json']\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert out.stderr.strip() == "[]"
+    assert data["recipe"] == "qwen-b300" and data["steps"] == 995
+    own = data["cards"][0]
+    assert own["accelerator"] == "GPU_8xB300" and own["fits"] and own["keep_layers"] == 16
+    assert own["memory_gib"]["total"] == 81.7
+    assert data["cards"][1]["fitting_settings"][0] == ["data.packing.block_len=16384"]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_seconds < 1.0  # the whole `ftcli plan --json` process, start-up included
+
+
+def test_plan_cli_table_and_bad_accelerator(tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300"])
+    assert result.exit_code == 0
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("  GPU_")]
+    assert "the recipe's accelerator: GPU_8xB300" in result.output
+    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "30.5", "0.9", "0.0", "81.7", "246.8", "yes", "16"]
+    assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
+    assert rows[4][:4] == ["GPU_8xB300", "5.46*", "1.5", "h"]  # the time table
+    assert rows[6][:2] == ["GPU_8xH200", "12.43*"]
+    assert "GPU_8xH100 fits with: --set data.packing.block_len=16384 (66.0 GiB)" in result.output
+    bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
+    assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
+
+
+def test_a_recipe_on_an_unknown_card_is_planned_on_the_known_ones():
+    p = plan.make_plan(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xL40S"]))
+    assert [c.accelerator for c in p.cards] == ["GPU_8xH100", "GPU_8xH200", "GPU_8xB300", "GPU_1xA10"]
+    assert p.notes == ("no memory figures for the recipe's GPU_8xL40S: cards known: H100, H200, B300, A10",)
+    assert plan.fit_check(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xL40S"])).card is None
+
+
+def test_a_model_without_a_config_here_is_a_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UserError, match=r"^plan needs org/not-here's config.json: .*hf download org/not-here"):
+        plan.model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]))
+
+
+def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text((memory.shipped_shape_path("openai/gpt-oss-20b")).read_text())
+    shape = plan.model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
+    assert shape.total_params == 20_914_757_184
+
+
+def test_block_suggestions_count_the_micro_batch():
+    r = load_recipe("gpt-oss-h100", ["training.per_device_batch=2"])  # 2 x 4096 tokens per micro-batch
+    h100 = cards(plan.make_plan(r))["GPU_8xH100"]
+    assert not h100.fits and h100.suggestions[1].overrides == ("data.packing.block_len=2048",)
+    unpacked = load_recipe("gpt-oss-h100", ["data.packing.enabled=false", "data.max_length=8192",
+                                            "model.attn_implementation=eager"])
+    assert cards(plan.make_plan(unpacked))["GPU_8xH100"].suggestions[1].overrides == ("data.max_length=4096",)
