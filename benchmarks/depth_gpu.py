@@ -297,19 +297,28 @@ def fit_tables(rows: list[dict], block_len: int, tiny: bool, depth: int = 64) ->
     for loop in ("reference", "ftcli"):
         pts = [(r["layers"], r["s_per_step"]) for r in rows if r["loop"] == loop]
         fits[loop] = fit(pts)
-    if not all(fits.values()):
-        return "\n".join(lines + ["", "(fewer than two depths for a loop: no fit)"])
+    if not any(fits.values()):
+        return "\n".join(lines + ["", "(fewer than two depths for each loop: no fit)"])
     blocks = bench_blocks(block_len, tiny, 6)[2:]  # the blocks both loops time by default
     flops64 = step_flops(depth_config(depth, tiny), blocks)
-    (rs, ri), (fs, fi) = fits["reference"], fits["ftcli"]
-    rt, ft = ri + depth * rs, fi + depth * fs
-    lines += ["", f"| fit over the depths above | reference loop | ftcli (qwen-b300 settings) | reference / ftcli |",
+    cols = {}  # loop -> (slope, intercept, extrapolated s/step), or None (fewer than two depths)
+    for loop, f in fits.items():
+        cols[loop] = (f[0], f[1], f[1] + depth * f[0]) if f else None
+
+    def cells(fmt, i):
+        return [fmt(cols[loop][i]) if cols[loop] else "not measured" for loop in ("reference", "ftcli")]
+
+    def ratio(i):
+        return f"{cols['reference'][i] / cols['ftcli'][i]:.2f}x" if all(cols.values()) else "-"
+
+    lines += ["", "| fit over the depths above | reference loop | ftcli (qwen-b300 settings) | reference / ftcli |",
               "|---|---:|---:|---:|",
-              f"| per added layer (slope), s | {rs:.4f} | {fs:.4f} | {rs / fs:.2f}x |",
-              f"| fixed part of a step (intercept), s | {ri:.3f} | {fi:.3f} | - |",
-              f"| {depth} layers extrapolated, s/step | {rt:.2f} | {ft:.2f} | {rt / ft:.2f}x |",
-              f"| {depth} layers, tokens/s | {block_len / rt:,.0f} | {block_len / ft:,.0f} | - |",
-              f"| {depth} layers, MFU | {100 * flops64['total'] / rt / p:.1f}% | {100 * flops64['total'] / ft / p:.1f}% | - |",
+              "| per added layer (slope), s | {} | {} | {} |".format(*cells(lambda v: f"{v:.4f}", 0), ratio(0)),
+              "| fixed part of a step (intercept), s | {} | {} | - |".format(*cells(lambda v: f"{v:.3f}", 1)),
+              f"| {depth} layers extrapolated, s/step | " + " | ".join(cells(lambda v: f"{v:.2f}", 2)) + f" | {ratio(2)} |",
+              f"| {depth} layers, tokens/s | " + " | ".join(cells(lambda v: f"{block_len / v:,.0f}", 2)) + " | - |",
+              f"| {depth} layers, MFU | " + " | ".join(cells(lambda v: f"{100 * flops64['total'] / v / p:.1f}%", 2))
+              + " | - |",
               "", f"model FLOPs per {depth}-layer step (x3 fwd, TFLOP): " + ", ".join(
                   f"{k} {flops64[k] / 1e12:.3g}" for k in ("linear", "lm_head", "attention", "gated_delta", "conv"))
               + f"; total {flops64['total'] / 1e12:.4g} over {flops64['tokens']:,.0f} tokens "

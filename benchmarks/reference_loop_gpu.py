@@ -146,7 +146,7 @@ def install_reference_kernels(device: torch.device) -> str:
         return attn
     module = importlib.import_module(kernels.QWEN35_MODULE)
     stock_rule = module.torch_chunk_gated_delta_rule  # transformers' binding: fla's chunk_gated_delta_rule here
-    backends = kernels.select_backends("qwen3_5_text", device)
+    backends = kernels.decide_backends("qwen3_5_text", device)
     attn = kernels.install_backends("qwen3_5_text", backends)
     try:  # keep transformers' own fla binding, as the published loop runs it, if it takes packed input here
         T, cu = 96, torch.tensor([0, 40, 96], dtype=torch.int32, device=device)  # the model's head shapes
