@@ -40,77 +40,31 @@ logits unless `loss.impl: full` asks for the reference behaviour; see `token_los
 from __future__ import annotations
 
 import gc
-import json
 import math
-import os
 import time
 import traceback
-import types
 import zlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
-from ftcli import __version__, data, kernels
-from ftcli.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_hf_checkpoint,
-                              set_rng_state)
+from ftcli import data, kernels
+from ftcli.checkpoint import (CheckpointSchedule, load_checkpoint, resolve_resume, rng_state, save_checkpoint,
+                              save_hf_checkpoint, set_rng_state)
+from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.launch import rank0_first
-from ftcli.metrics import format_step, peak_flops, peak_memory_gib
+from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss
+from ftcli.metrics import StepMetrics, log_step
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
-from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, write_run_json
+from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.tracking import start_tracking
-
-IGNORE_INDEX = -100
-
-# ===================================================================================== distributed
-@dataclass
-class World:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: Any
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> World:
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; multi-node works the same way."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # Generous: rank 0 may tokenize and pack a whole dataset while the others wait at a barrier.
-    timeout = timedelta(minutes=60)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size,))
-    return World(rank, world_size, local_rank, device, mesh)
-
-
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
 
 # ========================================================================================== model
 def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
@@ -236,77 +190,6 @@ def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Mod
         load_pretrained_weights(model, cfg, master_dtype, world)
     model.train()
     return model
-
-
-# =========================================================================================== loss
-def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of rows of `hidden` against `targets`; logits in fp32, then freed."""
-    logits = F.linear(hidden, weight).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int):
-    """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
-
-    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
-    (HF convention: position t predicts labels[t + 1]; -100 = no loss).
-      chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
-               recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
-      full     the reference: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
-      liger    liger-kernel's fused linear cross-entropy (GPU).
-    """
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if impl == "full":
-        return _ce_sum(hidden, weight, targets)
-    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
-    if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
-        return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
-    if impl == "liger":
-        return liger_loss()(weight, hidden, targets).float()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False
-        )
-    return total
-
-
-def liger_loss():
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        raise UserError(
-            "training.loss.impl=liger needs liger-kernel (GPU only: pip install 'ftcli[gpu]'); "
-            "or set training.loss.impl=chunked"
-        ) from None
-    import inspect
-
-    kwargs = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
-    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
-        kwargs["accum_dtype"] = torch.float32  # the LM head gradient adds up over chunks in fp32
-    return LigerFusedLinearCrossEntropyLoss(**kwargs)
-
-
-def attach_loss(model: nn.Module, impl: str, chunk_tokens: int) -> None:
-    """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
-    `token_loss_sum` with the LM head's weight. Registered with FSDP as a forward method, so the root's
-    parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    def loss_sum(self, input_ids, labels, **inputs):
-        hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
-        return token_loss_sum(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
-
-    model.loss_sum = types.MethodType(loss_sum, model)
-    register_fsdp_forward_method(model, "loss_sum")
-
-
-def count_trained_tokens(labels) -> int:
-    """Trained tokens of one block after the shift (labels[0] is never a target)."""
-    return int(np.count_nonzero(np.asarray(labels).reshape(-1)[1:] != IGNORE_INDEX))
 
 
 # ================================================================================ loss algebra
@@ -468,7 +351,6 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
     non_embedding -= sum(p.numel() for p in visual.parameters()) if visual is not None else 0
     flops_per_token = 6 * non_embedding  # MFU convention: 6 x non-embedding params per token processed
     # (attention scores and recomputation are not counted: model FLOPs, not hardware FLOPs)
-    peak = peak_flops(world.device)
 
     # ---- 4. optimizer + schedule -----------------------------------------------------------------
     optimizer = build_optimizer(model, recipe, world.device)
@@ -502,7 +384,7 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
         return path
 
     # ---- 6. the loop -----------------------------------------------------------------------------
-    metrics_file = open(run_dir / METRICS_FILE, "a") if world.is_main else None
+    metrics_path = run_dir / METRICS_FILE if world.is_main else None
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not world.is_main)
     task = progress.add_task("train", total=total_steps, completed=result.steps)
@@ -510,20 +392,16 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
     first_step = result.steps + 1
     last_inputs: dict | None = None
     bad_in_a_row = 0
-    last_save_step, last_save_time = result.steps, time.monotonic()
-    window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
-    timed_tokens, timed_seconds, timed_steps = 0.0, 0.0, 0
+    last_save_step, save_schedule = result.steps, CheckpointSchedule.from_config(tcfg.checkpoint)
+    meter = StepMetrics(flops_per_token, world.device, world.world_size)
     try:
         progress.start()
         while result.steps < total_steps:
             step_start = time.perf_counter()
             # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
             blocks = list(islice(batches, tcfg.grad_accum))
-            minutes_due = int(
-                world.is_main and tcfg.checkpoint.every_minutes is not None
-                and time.monotonic() - last_save_time >= 60 * tcfg.checkpoint.every_minutes
-            )
-            num_micro_batches, save_by_time = all_reduce([len(blocks), minutes_due], dist.ReduceOp.MAX, world.device)
+            time_due = int(world.is_main and save_schedule.time_due())  # rank 0's clock decides, for every rank
+            num_micro_batches, save_by_time = all_reduce([len(blocks), time_due], dist.ReduceOp.MAX, world.device)
             if num_micro_batches == 0:
                 break  # every rank is out of data
             micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
@@ -533,7 +411,7 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
                 micro_batches.append(_padding_inputs(last_inputs, world.device))
 
             # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
-            num_valid_tokens = sum(count_trained_tokens(b.labels) for b in blocks)
+            num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
             num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
             global_valid_tokens, global_seen_tokens = map(
                 int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
@@ -576,41 +454,19 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
                 )
 
             # 6d. log
-            step_seconds = time.perf_counter() - step_start
-            window_tokens += global_seen_tokens
-            window_steps += 1
-            if result.steps > first_step:  # the first step of a process pays for warm-up: not timed
-                timed_tokens += global_seen_tokens
-                timed_seconds += step_seconds
-                timed_steps += 1
+            meter.step_done(global_seen_tokens, time.perf_counter() - step_start)
             progress.advance(task)
             if loss_is_finite and (result.steps % tcfg.log_every == 0 or result.steps == total_steps):
-                seconds = time.perf_counter() - window_start
-                tokens_per_s = window_tokens / seconds
-                per_device = tokens_per_s / world.world_size
-                mem, reserved, unit = peak_memory_gib(world.device)
-                m = {
-                    "step": result.steps, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
-                    "mfu": flops_per_token * per_device / peak if peak else None,
-                    "peak_mem": mem, "peak_mem_reserved": reserved, "mem_unit": unit,
-                    "s_per_step": seconds / window_steps,
-                    "tokens_trained": result.tokens_trained, "tokens_seen": result.tokens_seen,
-                }
-                say(format_step(m, total_steps))
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(m) + "\n")
-                    metrics_file.flush()
-                tracker.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"},
-                                    step=result.steps)
-                window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
+                m = meter.line(step=result.steps, loss=loss, grad_norm=grad_norm, lr=lr,
+                               tokens_trained=result.tokens_trained, tokens_seen=result.tokens_seen)
+                if world.is_main:
+                    log_step(m, total_steps, say=say, metrics_path=metrics_path, tracker=tracker)
 
             # 6e. checkpoint (never in the middle of a run of bad steps: the last good one must survive)
-            every = tcfg.checkpoint.every_steps
-            due = (every is not None and result.steps % every == 0) or save_by_time
-            if tcfg.checkpoint.enabled and due and bad_in_a_row == 0 and result.steps < total_steps:
+            if save_schedule.due(result.steps, save_by_time) and bad_in_a_row == 0 and result.steps < total_steps:
                 path = checkpoint_now()
-                last_save_step, last_save_time = result.steps, time.monotonic()
+                last_save_step = result.steps
+                save_schedule.mark_saved()
                 say(f"checkpoint: {path}")
 
         # ---- 7. finish: last checkpoint, Hugging Face export, run.json ----------------------------
@@ -624,28 +480,12 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
                 DTYPES[recipe.model.dtype],
             )
         if world.is_main:
-            tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
-            summary = {
-                "ftcli_version": __version__,
-                "method": "full",
-                "recipe": recipe.to_dict(),
-                "model_dir": FINAL if tcfg.checkpoint.save_final_hf else None,
-                "base_model": {
-                    "id": recipe.model.id, "revision": recipe.model.revision, "init": recipe.model.init,
-                    "config": recipe.model.config, "model_type": recipe.model.model_type,
-                    "model_class": recipe.model.model_class,
-                },
-                "mlflow": tracker.info,
-                "steps": result.steps,
-                "tokens": {"trained": result.tokens_trained, "seen": result.tokens_seen},
-                "final_loss": result.final_loss,
-                "throughput": {
-                    "tokens_per_s": tokens_per_s,
-                    "s_per_step": timed_seconds / timed_steps if timed_steps else None,
-                },
-                "status": "completed",
-            }
-            path = write_run_json(run_dir, summary)
+            record = new_run_record(
+                recipe, method="full", mlflow=tracker.info, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                final_loss=result.final_loss, throughput=meter.throughput(), status="completed",
+            )
+            path = write_run_record(run_dir, record)
             tracker.log_artifact(path)
             tracker.log_artifact(run_dir / "recipe.yaml")
             tracker.finish()
@@ -658,6 +498,4 @@ def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> Tra
         progress.stop()
         tracker.finish("FAILED")
         raise
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
+

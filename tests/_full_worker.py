@@ -81,8 +81,9 @@ def grads(out: Path) -> None:
     from ftcli import data, kernels
     from ftcli.modeling import DTYPES
     from ftcli.recipe import load_recipe
-    from ftcli.train_full import (attach_loss, build_empty_model, build_model, count_trained_tokens, forward_backward,
-                                  init_distributed, init_random_weights)
+    from ftcli.distributed import init_distributed
+    from ftcli.loss import attach_loss, count_trained_tokens
+    from ftcli.train_full import build_empty_model, build_model, forward_backward, init_random_weights
 
     recipe = load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=selective"])
     world = init_distributed()
@@ -128,7 +129,7 @@ def grads(out: Path) -> None:
 
 
 def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int, mask_from: int | None) -> None:
-    from ftcli import data, train_full
+    from ftcli import data, loss, train_full
     from ftcli.errors import UserError
     from ftcli.recipe import load_recipe
 
@@ -137,14 +138,14 @@ def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int,
     yielded = {"trained": 0, "blocks": 0}
 
     calls = {"n": 0}
-    real_loss = train_full.token_loss_sum
+    real_loss = loss.token_loss_sum
 
     def poisoned_loss(*args, **kwargs):  # grad_accum 1: call n is step n
         calls["n"] += 1
-        loss = real_loss(*args, **kwargs)
-        return loss * float("nan") if rank == 0 and calls["n"] in nan_steps else loss
+        value = real_loss(*args, **kwargs)
+        return value * float("nan") if rank == 0 and calls["n"] in nan_steps else value
 
-    train_full.token_loss_sum = poisoned_loss
+    loss.token_loss_sum = poisoned_loss
 
     class CountingStream(data.BlockStream):
         def __iter__(self):

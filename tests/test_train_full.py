@@ -94,7 +94,7 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 # --------------------------------------------------------------------------------- pure functions
 def test_chunked_loss_equals_full_loss():
     """Value and gradients (hidden states and LM head) of the chunked loss equal the full-logit loss."""
-    from ftcli.train_full import token_loss_sum
+    from ftcli.loss import token_loss_sum
 
     g = torch.Generator().manual_seed(0)
     T, H, V = 300, 32, 500
@@ -150,7 +150,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients():
 
 def test_all_masked_block_loss_is_zero_with_zero_grads():
     """The reference's 0/0: a block without trained tokens gives loss 0 and zero (not missing) grads."""
-    from ftcli.train_full import token_loss_sum
+    from ftcli.loss import token_loss_sum
 
     h = torch.randn(1, 16, 8, requires_grad=True)
     w = torch.randn(40, 8, requires_grad=True)
@@ -161,7 +161,7 @@ def test_all_masked_block_loss_is_zero_with_zero_grads():
 
 def testliger_loss_without_liger_is_a_one_line_error():
     from ftcli.errors import UserError
-    from ftcli.train_full import liger_loss, token_loss_sum
+    from ftcli.loss import liger_loss, token_loss_sum
 
     try:
         import liger_kernel  # noqa: F401
@@ -546,7 +546,7 @@ def test_pretrained_weights_load_into_every_shard(reference_run, tmp_path, env, 
 
     from ftcli import data, kernels
     from ftcli.recipe import load_recipe
-    from ftcli.train_full import attach_loss, count_trained_tokens
+    from ftcli.loss import attach_loss, count_trained_tokens
 
     final = reference_run["run_dir"] / "final"
     run_dir = tmp_path / "pretrained"
