@@ -1,6 +1,6 @@
 """`ftcli train` with a LoRA recipe, end to end on 2 CPU processes (gloo): a tiny gpt-oss written in
 MXFP4 by the fixture is loaded dequantized, trained with LoRA on attention and experts, saved, reloaded,
-resumed and merged."""
+resumed and merged. In one process: the timed checkpoint save and the token counts it carries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from _lora_common import run_ftcli, tiny_model
+from _lora_common import run_ftcli, tiny_model, tiny_recipe
 
 STEPS, SAVE_EVERY, LOG_EVERY = 30, 15, 5
 
@@ -177,8 +177,6 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
 
     from ftcli.data import load_tokenizer, prepare_blocks
     from ftcli.train_lora import TOKENS_FILE, build_trainer, sft_config_kwargs, training_rows
-
-    from _lora_common import tiny_recipe
 
     recipe = tiny_recipe("training.max_steps=3", "training.checkpoint.every_steps=null", "training.log_every=1",
                          "training.checkpoint.every_minutes=0.000001", "training.checkpoint.keep_last=5",
