@@ -11,6 +11,7 @@ IGNORE_INDEX is defined once, by the data code that writes the labels (ftcli.dat
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import numpy as np
 import torch
@@ -88,15 +89,16 @@ def liger_loss():
     return LigerFusedLinearCrossEntropyLoss(**kwargs)
 
 
-def attach_loss(model: nn.Module, impl: str, chunk_tokens: int) -> None:
+def attach_loss(model: nn.Module, impl: str, chunk_tokens: int, *, loss_fn: Callable = token_loss_sum) -> None:
     """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
-    `token_loss_sum` with the LM head's weight. Registered with FSDP as a forward method, so the root's
-    parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
+    `loss_fn` (`token_loss_sum`; a test may pass a faulty one) with the LM head's weight. Registered with
+    FSDP as a forward method, so the root's parameters (embeddings, final norm, LM head) are all-gathered
+    around it like around `forward`."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     def loss_sum(self, input_ids, labels, **inputs):
         hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
-        return token_loss_sum(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
+        return loss_fn(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
 
     model.loss_sum = types.MethodType(loss_sum, model)
     register_fsdp_forward_method(model, "loss_sum")
