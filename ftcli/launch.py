@@ -29,7 +29,7 @@ def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_train(recipe, *, recipe_ref: str, overrides: list[str], resume: str | None, force: bool) -> None:
+def run_train(recipe, *, resume: str | None, force: bool) -> None:
     if recipe.training.method == "full" and not recipe.data.packing.enabled:
         raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
     if _inside_torchrun():
