@@ -28,7 +28,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -106,24 +106,26 @@ class CheckpointSchedule:
     rank 0's answer to every rank (`ftcli.distributed.rank0_decides`, or one all-reduce MAX with other
     numbers), so that all ranks save at the same step. `mark_saved()` restarts the clock."""
 
-    def __init__(self, enabled: bool, every_steps: int | None, every_minutes: float | None):
+    def __init__(self, enabled: bool, every_steps: int | None, every_minutes: float | None, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.enabled, self.every_steps, self.every_minutes = enabled, every_steps, every_minutes
-        self.last_save = time.monotonic()
+        self.clock = clock
+        self.last_save = clock()
 
     @classmethod
-    def from_config(cls, cfg) -> "CheckpointSchedule":
+    def from_config(cls, cfg, **kwargs) -> "CheckpointSchedule":
         """From the recipe's `training.checkpoint`."""
-        return cls(cfg.enabled, cfg.every_steps, cfg.every_minutes)
+        return cls(cfg.enabled, cfg.every_steps, cfg.every_minutes, **kwargs)
 
     def time_due(self) -> bool:
-        return self.every_minutes is not None and time.monotonic() - self.last_save >= 60 * self.every_minutes
+        return self.every_minutes is not None and self.clock() - self.last_save >= 60 * self.every_minutes
 
     def due(self, step: int, time_due: bool) -> bool:
         """Save after `step`? `time_due`: rank 0's `time_due()`, shared by every rank."""
         return self.enabled and ((self.every_steps is not None and step % self.every_steps == 0) or bool(time_due))
 
     def mark_saved(self) -> None:
-        self.last_save = time.monotonic()
+        self.last_save = self.clock()
 
 
 # -------------------------------------------------------------------------------------------- RNG

@@ -132,9 +132,3 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
 
-
-def rank0_first(first, then=None):
-    """Moved to ftcli.distributed; this forwarder goes once ftcli.train_lora imports it from there."""
-    from ftcli.distributed import rank0_first as moved
-
-    return moved(first, then)

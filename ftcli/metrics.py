@@ -8,7 +8,7 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -64,8 +64,10 @@ class StepMetrics:
     process pay for warm-up (compilation, allocator) and are left out of `throughput()`.
     """
 
-    def __init__(self, flops_per_token: float, device: torch.device, world_size: int, *, untimed_steps: int = 1):
+    def __init__(self, flops_per_token: float, device: torch.device, world_size: int, *, untimed_steps: int = 1,
+                 clock: Callable[[], float] = time.perf_counter):
         self.flops_per_token = flops_per_token
+        self.clock = clock
         self.peak = peak_flops(device)
         self.device = device
         self.world_size = world_size
@@ -75,7 +77,7 @@ class StepMetrics:
         self.start_window()
 
     def start_window(self) -> None:
-        self.window_tokens, self.window_steps, self.window_start = 0.0, 0, time.perf_counter()
+        self.window_tokens, self.window_steps, self.window_start = 0.0, 0, self.clock()
 
     def step_done(self, tokens_seen: float, seconds: float) -> None:
         """One step: `tokens_seen` fed to the model by all ranks together, in `seconds`."""
@@ -91,7 +93,7 @@ class StepMetrics:
              tokens_seen: int) -> dict[str, Any]:
         """The metrics dict of the window that ends now (what `format_step` prints and metrics.jsonl holds);
         starts the next window."""
-        seconds = time.perf_counter() - self.window_start
+        seconds = self.clock() - self.window_start
         tokens_per_s = self.window_tokens / seconds
         per_device = tokens_per_s / self.world_size
         mem, reserved, unit = peak_memory_gib(self.device)

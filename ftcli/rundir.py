@@ -205,7 +205,3 @@ def new_run_record(recipe, *, method: Literal["full", "lora"], mlflow: dict | No
     return RunRecord(ftcli_version=__version__, method=method, recipe=recipe.to_dict(), base_model=base,
                      mlflow=mlflow, **fields)
 
-
-def write_run_json(run_dir: Path, payload: dict[str, Any]) -> Path:
-    """Deprecated shim while the trainers move to RunRecord: validates the payload, then writes it."""
-    return write_run_record(run_dir, RunRecord.model_validate(payload))
