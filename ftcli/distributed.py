@@ -56,7 +56,8 @@ def init_distributed() -> World:
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> list[float]:
-    """A few python numbers reduced over every rank in one collective (float64: exact for token counts)."""
+    """A few python numbers reduced over every rank in one collective (float64: exact for token counts).
+    `device`: where the backend reduces, i.e. the rank's GPU under NCCL (a CPU tensor needs gloo)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
@@ -64,7 +65,7 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device |
 
 def rank0_decides(flag: bool, device: torch.device | str = "cpu") -> bool:
     """Rank 0's `flag` on every rank (e.g. "rank 0's clock says save now"), so that all ranks act at the
-    same step. Without a process group (one plain process) it is `flag`."""
+    same step. Without a process group (one plain process) it is `flag`. `device` as for `all_reduce`."""
     if not dist.is_initialized():
         return bool(flag)
     t = torch.tensor([float(flag)], device=device)
