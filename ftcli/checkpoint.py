@@ -28,13 +28,14 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ftcli.errors import UserError
+from ftcli.rundir import CHECKPOINTS
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -57,21 +58,74 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
-    """`--resume` -> a committed checkpoint dir (None: start fresh)."""
-    from ftcli.rundir import CHECKPOINTS
+def _last_trl_checkpoint(root: Path) -> Path | None:
+    from transformers.trainer_utils import get_last_checkpoint
 
+    last = get_last_checkpoint(str(root)) if Path(root).is_dir() else None
+    return Path(last) if last else None
+
+
+# kind -> (newest checkpoint under a folder, the file a complete checkpoint holds, message when none, when not one)
+_RESUME_KINDS = {
+    "dcp": (latest_checkpoint, "meta.json", "--resume: no checkpoint in {root}; train without --resume",
+            "--resume {resume}: not a complete ftcli checkpoint (no meta.json)"),
+    "trl": (_last_trl_checkpoint, "trainer_state.json",
+            "--resume: no checkpoint-N in {root}; train without --resume to start fresh",
+            "--resume {resume}: not a LoRA checkpoint (no trainer_state.json)"),
+}
+
+
+def resolve_resume(run_dir: Path, resume: str | None, kind: Literal["dcp", "trl"] = "dcp") -> Path | None:
+    """`--resume` -> the checkpoint dir to resume from (None: start fresh). Both trainers call it.
+
+    resume: None | "latest" (the newest under <run>/checkpoints) | a checkpoint dir | a folder of them
+    (e.g. a run's checkpoints/: its newest). kind: "dcp" for the full path's step_XXXXXXXX dirs (this
+    module), "trl" for the LoRA path's checkpoint-N dirs (transformers' Trainer). A path that is not a
+    complete checkpoint of that kind is one UserError."""
     if resume is None:
         return None
-    path = latest_checkpoint(Path(run_dir) / CHECKPOINTS) if resume == "latest" else Path(resume)
-    if path is None:
-        raise UserError(f"--resume: no checkpoint in {Path(run_dir) / CHECKPOINTS}; train without --resume")
-    if not (path / "meta.json").is_file():
-        latest = latest_checkpoint(path)  # a run dir's checkpoints/ folder is accepted too
-        if latest is None:
-            raise UserError(f"--resume {path}: not a complete ftcli checkpoint (no meta.json)")
-        path = latest
+    newest, marker, none_found, not_one = _RESUME_KINDS[kind]
+    if resume == "latest":
+        root = Path(run_dir) / CHECKPOINTS
+        path = newest(root)
+        if path is None:
+            raise UserError(none_found.format(root=root))
+        return path
+    path = Path(resume)
+    if not (path / marker).is_file():
+        path = newest(path) or path  # a run dir's checkpoints/ folder is accepted too
+    if not (path / marker).is_file():
+        raise UserError(not_one.format(resume=resume))
     return path
+
+
+class CheckpointSchedule:
+    """When to save: every `every_steps` steps and/or every `every_minutes` minutes (both trainers).
+
+    The clock is a single rank's (rank 0's): `time_due()` is only meaningful there, and the trainer hands
+    rank 0's answer to every rank (`ftcli.distributed.rank0_decides`, or one all-reduce MAX with other
+    numbers), so that all ranks save at the same step. `mark_saved()` restarts the clock."""
+
+    def __init__(self, enabled: bool, every_steps: int | None, every_minutes: float | None, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.enabled, self.every_steps, self.every_minutes = enabled, every_steps, every_minutes
+        self.clock = clock
+        self.last_save = clock()
+
+    @classmethod
+    def from_config(cls, cfg, **kwargs) -> "CheckpointSchedule":
+        """From the recipe's `training.checkpoint`."""
+        return cls(cfg.enabled, cfg.every_steps, cfg.every_minutes, **kwargs)
+
+    def time_due(self) -> bool:
+        return self.every_minutes is not None and self.clock() - self.last_save >= 60 * self.every_minutes
+
+    def due(self, step: int, time_due: bool) -> bool:
+        """Save after `step`? `time_due`: rank 0's `time_due()`, shared by every rank."""
+        return self.enabled and ((self.every_steps is not None and step % self.every_steps == 0) or bool(time_due))
+
+    def mark_saved(self) -> None:
+        self.last_save = self.clock()
 
 
 # -------------------------------------------------------------------------------------------- RNG

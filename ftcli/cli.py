@@ -207,7 +207,7 @@ def train(
     r = _load(recipe, overrides)
     from ftcli.launch import run_train
 
-    run_train(r, recipe_ref=recipe, overrides=list(overrides or []), resume=resume, force=force)
+    run_train(r, resume=resume, force=force)
 
 
 # ---------------------------------------------------------------------------------------- merge-lora

@@ -29,7 +29,7 @@ def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_train(recipe, *, recipe_ref: str, overrides: list[str], resume: str | None, force: bool) -> None:
+def run_train(recipe, *, resume: str | None, force: bool) -> None:
     if recipe.training.method == "full" and not recipe.data.packing.enabled:
         raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
     if _inside_torchrun():
@@ -108,7 +108,7 @@ def _preflight(recipe) -> None:
     from ftcli import data
 
     if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
-        from ftcli.train_full import liger_loss
+        from ftcli.loss import liger_loss
 
         liger_loss()
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
@@ -132,30 +132,3 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
 
-
-def rank0_first(first, then=None):
-    """Run `first()` on global rank 0 (it downloads, or fills the on-disk data cache), then on local rank 0
-    of every other node (a node-local disk gets its own cache, a shared one is a cache hit), then `then()`
-    (default: `first`) on all remaining ranks. If global rank 0 fails with a UserError, every rank stops
-    with it and only rank 0 reports it, instead of the others dying at a barrier with a traceback."""
-    import torch
-    import torch.distributed as dist
-
-    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
-    result, error = None, None
-    if rank == 0:
-        try:
-            result = first()
-        except UserError as e:
-            error = e
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
-    dist.broadcast(failed, src=0)
-    if failed.item():
-        raise TrainingStopped(str(error) if error is not None else "rank 0 failed")
-    if rank != 0 and local_rank == 0:
-        result = first()
-    dist.barrier()
-    if local_rank != 0:
-        result = (then or first)()
-    return result

@@ -3,9 +3,9 @@
 Three sources, one function:
 - hub id + revision, or a local directory: `from_pretrained` (MXFP4 checkpoints dequantized to the
   recipe dtype with `Mxfp4Config(dequantize=True)`, pure torch, so it also runs on CPU);
-- `init: random` + a config.json: random weights. With `meta=True` the model is built on the meta
-  device, so a 27B config never exists whole anywhere; the FSDP2 trainer shards it first and then
-  materializes only each rank's shard (`materialize_on`).
+- `init: random` + a config.json: random weights, on `device` (default CPU). The FSDP2 trainer does not
+  come here for random init: it builds on the meta device, shards, and materializes only each rank's
+  shard (ftcli.train_full.build_model), so a 27B config never exists whole anywhere.
 """
 
 from __future__ import annotations
@@ -85,10 +85,9 @@ def load_model(
     *,
     attn_implementation: str | None = None,
     dtype: torch.dtype | None = None,
-    meta: bool = False,
     device: str | torch.device | None = None,
 ) -> nn.Module:
-    """The recipe's model. `meta=True` (random init only) builds without allocating any weights."""
+    """The recipe's model, on `device` (default: CPU)."""
     dtype = dtype or DTYPES[cfg.dtype]
     cls = auto_class(cfg.model_class)
     attn = attn_implementation or (None if cfg.attn_implementation == "auto" else cfg.attn_implementation)
@@ -98,13 +97,8 @@ def load_model(
         kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
         if attn:
             kwargs["attn_implementation"] = attn
-        if meta:
-            with torch.device("meta"):
-                return cls.from_config(config, **kwargs)
         with torch.device(device or "cpu"):
             return cls.from_config(config, **kwargs)
-    if meta:
-        raise UserError("meta-device loading is for random init; pretrained weights load per rank")
     kwargs = {"revision": cfg.revision, "dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_cache": False}
     if attn:
         kwargs["attn_implementation"] = attn

@@ -192,6 +192,16 @@ def write_run_record(run_dir: Path, record: RunRecord) -> Path:
     return path
 
 
-def write_run_json(run_dir: Path, payload: dict[str, Any]) -> Path:
-    """Deprecated shim while the trainers move to RunRecord: validates the payload, then writes it."""
-    return write_run_record(run_dir, RunRecord.model_validate(payload))
+def new_run_record(recipe, *, method: Literal["full", "lora"], mlflow: dict | None, base_path: str | None = None,
+                   **fields: Any) -> RunRecord:
+    """The part of run.json both trainers fill the same way (ftcli version, method, the resolved recipe,
+    the base model from recipe.model, the MLflow run), plus the trainer's own `fields` (steps, tokens,
+    final_loss, throughput, model_dir, status). `base_path`: a base saved beside the run (LoRA random init)."""
+    from ftcli import __version__
+
+    m = recipe.model
+    base = BaseModelRecord(id=m.id, revision=m.revision, init=m.init, config=m.config, model_type=m.model_type,
+                           model_class=m.model_class, path=base_path)
+    return RunRecord(ftcli_version=__version__, method=method, recipe=recipe.to_dict(), base_model=base,
+                     mlflow=mlflow, **fields)
+

@@ -34,83 +34,38 @@ the last `activation_checkpointing_keep` layers, which keep their activations (m
 where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
 recompute (a layer-level choice works the same for the linear-attention and full-attention layers
 of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
-logits unless `loss.impl: full` asks for the reference behaviour; see `token_loss_sum`.
+logits unless `loss.impl: full` asks for the reference behaviour; see `ftcli.loss.token_loss_sum`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import math
-import os
 import time
 import traceback
-import types
 import zlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
-from ftcli import __version__, data, kernels
-from ftcli.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_hf_checkpoint,
-                              set_rng_state)
+from ftcli import data, kernels
+from ftcli.checkpoint import (CheckpointSchedule, load_checkpoint, resolve_resume, rng_state, save_checkpoint,
+                              save_hf_checkpoint, set_rng_state)
+from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.launch import rank0_first
-from ftcli.metrics import format_step, peak_flops, peak_memory_gib
+from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
+from ftcli.metrics import StepMetrics, log_step
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
-from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, write_run_json
+from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.tracking import start_tracking
-
-IGNORE_INDEX = -100
-
-# ===================================================================================== distributed
-@dataclass
-class World:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: Any
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> World:
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; multi-node works the same way."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # Generous: rank 0 may tokenize and pack a whole dataset while the others wait at a barrier.
-    timeout = timedelta(minutes=60)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    mesh = init_device_mesh(device.type, (world_size,))
-    return World(rank, world_size, local_rank, device, mesh)
-
-
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
 
 # ========================================================================================== model
 def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
@@ -131,6 +86,13 @@ def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None =
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "visual", None)
+
+
+def count_text_params(model: nn.Module) -> int:
+    """Non-embedding parameters a text token goes through (the vision tower of a VLM class excluded)."""
+    _, non_embedding = count_params(model)
+    visual = vision_tower(model)
+    return non_embedding - (sum(p.numel() for p in visual.parameters()) if visual is not None else 0)
 
 
 def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
@@ -238,77 +200,6 @@ def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Mod
     return model
 
 
-# =========================================================================================== loss
-def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of rows of `hidden` against `targets`; logits in fp32, then freed."""
-    logits = F.linear(hidden, weight).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int):
-    """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
-
-    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
-    (HF convention: position t predicts labels[t + 1]; -100 = no loss).
-      chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
-               recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
-      full     the reference: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
-      liger    liger-kernel's fused linear cross-entropy (GPU).
-    """
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if impl == "full":
-        return _ce_sum(hidden, weight, targets)
-    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
-    if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
-        return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
-    if impl == "liger":
-        return liger_loss()(weight, hidden, targets).float()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False
-        )
-    return total
-
-
-def liger_loss():
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        raise UserError(
-            "training.loss.impl=liger needs liger-kernel (GPU only: pip install 'ftcli[gpu]'); "
-            "or set training.loss.impl=chunked"
-        ) from None
-    import inspect
-
-    kwargs = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
-    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
-        kwargs["accum_dtype"] = torch.float32  # the LM head gradient adds up over chunks in fp32
-    return LigerFusedLinearCrossEntropyLoss(**kwargs)
-
-
-def attach_loss(model: nn.Module, impl: str, chunk_tokens: int) -> None:
-    """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
-    `token_loss_sum` with the LM head's weight. Registered with FSDP as a forward method, so the root's
-    parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    def loss_sum(self, input_ids, labels, **inputs):
-        hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
-        return token_loss_sum(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
-
-    model.loss_sum = types.MethodType(loss_sum, model)
-    register_fsdp_forward_method(model, "loss_sum")
-
-
-def count_trained_tokens(labels) -> int:
-    """Trained tokens of one block after the shift (labels[0] is never a target)."""
-    return int(np.count_nonzero(np.asarray(labels).reshape(-1)[1:] != IGNORE_INDEX))
-
-
 # ================================================================================ loss algebra
 # One optimizer step covers W ranks x M micro-batches (blocks). The objective is the mean token loss
 # over every trained token of the step, wherever it sits:
@@ -383,7 +274,7 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
     return norm
 
 
-# ======================================================================================== logging
+# ================================================================================== micro-batches
 def _padding_inputs(like: dict | None, device: torch.device) -> dict:
     """A micro-batch with no trained token: lets a rank that ran out of blocks still join the FSDP
     collectives of a step. It contributes 0 to the summed loss and 0 to the token count."""
@@ -416,11 +307,16 @@ class TrainResult:
 
 
 # ========================================================================================= train
-def train(recipe, run_dir: Path, resume: str | None) -> TrainResult:
-    """The entry point in every torchrun worker: set up torch.distributed, train, always tear it down."""
+def train(recipe, run_dir: Path, resume: str | None, *, loss_fn: Callable = token_loss_sum,
+          blocks: Callable[[data.BlockStream], Iterable[data.Block]] | None = None) -> TrainResult:
+    """The entry point in every torchrun worker: set up torch.distributed, train, always tear it down.
+
+    The seams tests inject faults through: `loss_fn` replaces `token_loss_sum` (same signature), and
+    `blocks(stream)` turns this rank's BlockStream into the blocks the loop reads (default: the stream)."""
     world = init_distributed()
     try:
-        return run_training(recipe, Path(run_dir), resume, world)
+        run = FullRun(recipe, Path(run_dir), resume, world, loss_fn=loss_fn)
+        return run.train(blocks(run.stream) if blocks is not None else None)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # let the model go (below) while the exception propagates
         raise
@@ -431,233 +327,230 @@ def train(recipe, run_dir: Path, resume: str | None) -> TrainResult:
         dist.destroy_process_group()
 
 
-def run_training(recipe, run_dir: Path, resume: str | None, world: World) -> TrainResult:
-    tcfg = recipe.training
-    run_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(highlight=False, soft_wrap=True)
+class FullRun:
+    """One run on this rank, in the order it happens (the numbers of the module docstring):
 
-    # ---- 1. setup --------------------------------------------------------------------------------
-    say = console.print if world.is_main else (lambda *a, **k: None)
-    torch.manual_seed(tcfg.seed)
-    if tcfg.per_device_batch != 1:
-        say(f"warning: training.per_device_batch={tcfg.per_device_batch} has no effect here (one packed block "
-            "per micro-batch); use training.grad_accum")
-    tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
+        run = FullRun(recipe, run_dir, resume, world)    1-5  tracking, data, model, optimizer, resume
+        run.train()                                      6    for each step's blocks:
+            run.step(blocks, num_micro_batches)                 count -> all-reduce -> forward/backward
+                                                                -> clip -> step or skip -> log
+            run.maybe_checkpoint(save_by_time)
+        run.finish()                                     7    last checkpoint, HF export, run.json
 
-    # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it ----
-    tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-    packed = rank0_first(lambda: data.prepare_blocks(recipe, tokenizer), then=lambda: data.open_prepared(recipe, tokenizer))
-    stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
-    windows = math.ceil(len(stream) / tcfg.grad_accum)
-    total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
-    if total_steps == 0:
-        raise UserError("the data gave no packed block; check data.path / data.max_examples")
+    The attributes are the run's state; `result` is what `train` returns (and what a checkpoint keeps)."""
 
-    # ---- 3. model: meta -> shard -> materialize this rank's shard ---------------------------------
-    attn = None
-    if recipe.model.attn_implementation == "auto":
-        attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
-        say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
-    model = build_model(recipe, world, attn)
-    attach_loss(model, tcfg.loss.impl, tcfg.loss.chunk_tokens)
-    if tcfg.loss.impl == "liger":
-        liger_loss()  # fail now, not after the first forward
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    _, non_embedding = count_params(model)
-    visual = vision_tower(model)
-    non_embedding -= sum(p.numel() for p in visual.parameters()) if visual is not None else 0
-    flops_per_token = 6 * non_embedding  # MFU convention: 6 x non-embedding params per token processed
-    # (attention scores and recomputation are not counted: model FLOPs, not hardware FLOPs)
-    peak = peak_flops(world.device)
+    def __init__(self, recipe, run_dir: Path, resume: str | None, world: World, *,
+                 loss_fn: Callable = token_loss_sum):
+        self.recipe, self.run_dir, self.world = recipe, run_dir, world
+        tcfg = self.tcfg = recipe.training
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(highlight=False, soft_wrap=True)
 
-    # ---- 4. optimizer + schedule -----------------------------------------------------------------
-    optimizer = build_optimizer(model, recipe, world.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, tcfg.schedule))
+        # ---- 1. setup ----------------------------------------------------------------------------
+        say = self.say = self.console.print if world.is_main else (lambda *a, **k: None)
+        torch.manual_seed(tcfg.seed)
+        if tcfg.per_device_batch != 1:
+            say(f"warning: training.per_device_batch={tcfg.per_device_batch} has no effect here (one packed "
+                "block per micro-batch); use training.grad_accum")
+        self.tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
 
-    # ---- 5. resume -------------------------------------------------------------------------------
-    result = TrainResult()
-    ckpt_root = run_dir / CHECKPOINTS
-    start = resolve_resume(run_dir, resume)
-    if start is not None:
-        rank_state, meta = load_checkpoint(start, model, optimizer)
-        scheduler.load_state_dict(rank_state["scheduler"])
-        stream.load_state_dict(rank_state["data"])
-        set_rng_state(rank_state["rng"])
-        for key in ("steps", "optimizer_steps", "skipped_empty", "skipped_nonfinite", "tokens_trained", "tokens_seen"):
-            setattr(result, key, meta["result"][key])
-        result.final_loss = meta["result"]["final_loss"]
-        result.checkpoint = str(start)
-        say(f"resumed from {start} at step {result.steps}")
+        # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
+                             then=lambda: data.open_prepared(recipe, self.tokenizer))
+        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+        windows = math.ceil(len(self.stream) / tcfg.grad_accum)
+        self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
+        if self.total_steps == 0:
+            raise UserError("the data gave no packed block; check data.path / data.max_examples")
 
-    say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
-        f"{world.world_size} x {world.device.type}, {total_steps} steps of {tcfg.grad_accum} block(s) per rank, "
-        f"run dir {run_dir}")
+        # ---- 3. model: meta -> shard -> materialize this rank's shard -----------------------------
+        attn = None
+        if recipe.model.attn_implementation == "auto":
+            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
+            say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
+        self.model = build_model(recipe, world, attn)
+        attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
+        if tcfg.loss.impl == "liger":
+            liger_loss()  # fail now, not after the first forward
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        non_embedding = count_text_params(self.model)
+        # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation
+        # are not counted: model FLOPs, not hardware FLOPs)
+        self.meter = StepMetrics(6 * non_embedding, world.device, world.world_size)
 
-    def checkpoint_now() -> Path:
-        rank_state = {"scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rng": rng_state()}
-        meta = {"result": {k: v for k, v in vars(result).items() if k not in ("losses", "checkpoint")}}
-        path = save_checkpoint(ckpt_root, result.steps, model, optimizer, rank_state, meta,
-                               keep_last=tcfg.checkpoint.keep_last)
-        result.checkpoint = str(path)
+        # ---- 4. optimizer + schedule -------------------------------------------------------------
+        self.optimizer = build_optimizer(self.model, recipe, world.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, tcfg.schedule))
+
+        # ---- 5. resume ---------------------------------------------------------------------------
+        self.result = TrainResult()
+        start = resolve_resume(run_dir, resume, kind="dcp")
+        if start is not None:
+            self.restore(start)
+            say(f"resumed from {start} at step {self.result.steps}")
+        self.save_schedule = CheckpointSchedule.from_config(tcfg.checkpoint)
+        self.last_save_step = self.result.steps
+        self.bad_in_a_row = 0  # consecutive steps with a non-finite loss or grad norm
+        self.last_inputs: dict | None = None  # this rank's last micro-batch (the shape of its padding)
+
+        say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
+            f"{world.world_size} x {world.device.type}, {self.total_steps} steps of {tcfg.grad_accum} block(s) "
+            f"per rank, run dir {run_dir}")
+        self.metrics_path = run_dir / METRICS_FILE if world.is_main else None
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+                                 disable=not world.is_main)
+        self.task = self.progress.add_task("train", total=self.total_steps, completed=self.result.steps)
+
+    # ---- 6. the loop -------------------------------------------------------------------------------
+    def train(self, batches: Iterable[data.Block] | None = None) -> TrainResult:
+        """Steps until the schedule or the data ends, then `finish`. `batches`: the blocks this rank reads
+        (default: its BlockStream)."""
+        batches = iter(self.stream if batches is None else batches)
+        self.meter.start_window()  # the first step line's window starts here, not at the model build
+        try:
+            self.progress.start()
+            while self.result.steps < self.total_steps:
+                step_start = time.perf_counter()
+                # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
+                blocks = list(islice(batches, self.tcfg.grad_accum))
+                time_due = int(self.world.is_main and self.save_schedule.time_due())  # rank 0's clock decides
+                num_micro_batches, save_by_time = all_reduce([len(blocks), time_due], dist.ReduceOp.MAX,
+                                                             self.world.device)
+                if num_micro_batches == 0:
+                    break  # every rank is out of data
+                if self.step(blocks, int(num_micro_batches), started=step_start):
+                    self.maybe_checkpoint(bool(save_by_time))
+            return self.finish()
+        except BaseException:
+            self.progress.stop()
+            self.tracker.finish("FAILED")
+            raise
+
+    def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None) -> bool:
+        """One step over this rank's `blocks`, padded to `num_micro_batches` (the most any rank has).
+        True when the optimizer stepped; False when the step was skipped (no trained token on any rank,
+        or a non-finite loss or grad norm). Raises TrainingStopped after max_bad_steps bad steps in a row."""
+        started = time.perf_counter() if started is None else started
+        world, tcfg, result, say = self.world, self.tcfg, self.result, self.say
+        micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
+        if micro_batches:
+            self.last_inputs = micro_batches[-1]
+        while len(micro_batches) < num_micro_batches:  # this rank ran out first
+            micro_batches.append(_padding_inputs(self.last_inputs, world.device))
+
+        # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
+        num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
+        num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+        global_valid_tokens, global_seen_tokens = map(
+            int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
+        result.steps += 1
+        result.tokens_seen += global_seen_tokens
+        if global_valid_tokens == 0:
+            result.skipped_empty += 1
+            say(f"step {result.steps}: no trained token on any rank; skipped")
+            self.progress.advance(self.task)
+            return False
+
+        # 6c. forward + backward, grad norm, then step or skip
+        lr = self.scheduler.get_last_lr()[0]
+        summed_loss = forward_backward(self.model, micro_batches, global_valid_tokens, world.world_size)
+        (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
+        loss = global_loss_sum / global_valid_tokens
+        grad_norm = grad_norm_and_clip(self.model, tcfg.grad_clip)
+        loss_is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if loss_is_finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.bad_in_a_row = 0
+            result.optimizer_steps += 1
+            result.tokens_trained += global_valid_tokens
+            result.final_loss = loss
+            result.losses.append((result.steps, loss))
+        else:
+            self.bad_in_a_row += 1
+            result.skipped_nonfinite += 1
+            say(f"[yellow]step {result.steps}: non-finite loss ({loss}) or grad norm ({grad_norm}); skipped, "
+                f"no optimizer step ({self.bad_in_a_row}/{tcfg.max_bad_steps} in a row)[/]")
+            self.tracker.log_metrics({"skipped_nonfinite": result.skipped_nonfinite}, step=result.steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.bad_in_a_row >= tcfg.max_bad_steps:
+            latest = result.checkpoint or "none was saved"
+            raise TrainingStopped(
+                f"stopped at step {result.steps}: {self.bad_in_a_row} consecutive steps had a non-finite loss or "
+                f"gradient norm (training.max_bad_steps={tcfg.max_bad_steps}); no update was applied from them. "
+                f"Last good checkpoint: {latest}"
+            )
+
+        # 6d. log
+        self.meter.step_done(global_seen_tokens, time.perf_counter() - started)
+        self.progress.advance(self.task)
+        if loss_is_finite and (result.steps % tcfg.log_every == 0 or result.steps == self.total_steps):
+            m = self.meter.line(step=result.steps, loss=loss, grad_norm=grad_norm, lr=lr,
+                                tokens_trained=result.tokens_trained, tokens_seen=result.tokens_seen)
+            if world.is_main:
+                log_step(m, self.total_steps, say=say, metrics_path=self.metrics_path, tracker=self.tracker)
+        return loss_is_finite
+
+    def maybe_checkpoint(self, save_by_time: bool) -> Path | None:
+        """6e. Save if the schedule says so (`save_by_time`: rank 0's clock, shared), but never in the
+        middle of a run of bad steps (the last good checkpoint must survive) nor at the last step
+        (`finish` saves that one). Collective: every rank calls it with the same arguments."""
+        steps = self.result.steps
+        if not (self.save_schedule.due(steps, save_by_time) and self.bad_in_a_row == 0 and steps < self.total_steps):
+            return None
+        path = self.save()
+        self.say(f"checkpoint: {path}")
         return path
 
-    # ---- 6. the loop -----------------------------------------------------------------------------
-    metrics_file = open(run_dir / METRICS_FILE, "a") if world.is_main else None
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not world.is_main)
-    task = progress.add_task("train", total=total_steps, completed=result.steps)
-    batches = iter(stream)
-    first_step = result.steps + 1
-    last_inputs: dict | None = None
-    bad_in_a_row = 0
-    last_save_step, last_save_time = result.steps, time.monotonic()
-    window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
-    timed_tokens, timed_seconds, timed_steps = 0.0, 0.0, 0
-    try:
-        progress.start()
-        while result.steps < total_steps:
-            step_start = time.perf_counter()
-            # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
-            blocks = list(islice(batches, tcfg.grad_accum))
-            minutes_due = int(
-                world.is_main and tcfg.checkpoint.every_minutes is not None
-                and time.monotonic() - last_save_time >= 60 * tcfg.checkpoint.every_minutes
-            )
-            num_micro_batches, save_by_time = all_reduce([len(blocks), minutes_due], dist.ReduceOp.MAX, world.device)
-            if num_micro_batches == 0:
-                break  # every rank is out of data
-            micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
-            if micro_batches:
-                last_inputs = micro_batches[-1]
-            while len(micro_batches) < num_micro_batches:  # this rank ran out first
-                micro_batches.append(_padding_inputs(last_inputs, world.device))
+    def restore(self, path: Path) -> None:
+        """Model, optimizer, scheduler, data position, RNG and the step accounting that `save` wrote."""
+        rank_state, meta = load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self.stream.load_state_dict(rank_state["data"])
+        set_rng_state(rank_state["rng"])
+        for key in ("steps", "optimizer_steps", "skipped_empty", "skipped_nonfinite", "tokens_trained", "tokens_seen"):
+            setattr(self.result, key, meta["result"][key])
+        self.result.final_loss = meta["result"]["final_loss"]
+        self.result.checkpoint = str(path)
 
-            # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
-            num_valid_tokens = sum(count_trained_tokens(b.labels) for b in blocks)
-            num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
-            global_valid_tokens, global_seen_tokens = map(
-                int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
-            result.steps += 1
-            result.tokens_seen += global_seen_tokens
-            if global_valid_tokens == 0:
-                result.skipped_empty += 1
-                say(f"step {result.steps}: no trained token on any rank; skipped")
-                progress.advance(task)
-                continue
+    def save(self) -> Path:
+        """Collective: a DCP checkpoint of this step (ftcli.checkpoint)."""
+        rank_state = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rng_state()}
+        meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")}}
+        path = save_checkpoint(self.run_dir / CHECKPOINTS, self.result.steps, self.model, self.optimizer, rank_state,
+                               meta, keep_last=self.tcfg.checkpoint.keep_last)
+        self.result.checkpoint = str(path)
+        self.last_save_step = self.result.steps
+        self.save_schedule.mark_saved()
+        return path
 
-            # 6c. forward + backward, grad norm, then step or skip
-            lr = scheduler.get_last_lr()[0]
-            summed_loss = forward_backward(model, micro_batches, global_valid_tokens, world.world_size)
-            (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
-            loss = global_loss_sum / global_valid_tokens
-            grad_norm = grad_norm_and_clip(model, tcfg.grad_clip)
-            loss_is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if loss_is_finite:
-                optimizer.step()
-                scheduler.step()
-                bad_in_a_row = 0
-                result.optimizer_steps += 1
-                result.tokens_trained += global_valid_tokens
-                result.final_loss = loss
-                result.losses.append((result.steps, loss))
-            else:
-                bad_in_a_row += 1
-                result.skipped_nonfinite += 1
-                say(f"[yellow]step {result.steps}: non-finite loss ({loss}) or grad norm ({grad_norm}); skipped, "
-                    f"no optimizer step ({bad_in_a_row}/{tcfg.max_bad_steps} in a row)[/]")
-                tracker.log_metrics({"skipped_nonfinite": result.skipped_nonfinite}, step=result.steps)
-            optimizer.zero_grad(set_to_none=True)
-            if bad_in_a_row >= tcfg.max_bad_steps:
-                latest = result.checkpoint or "none was saved"
-                raise TrainingStopped(
-                    f"stopped at step {result.steps}: {bad_in_a_row} consecutive steps had a non-finite loss or "
-                    f"gradient norm (training.max_bad_steps={tcfg.max_bad_steps}); no update was applied from them. "
-                    f"Last good checkpoint: {latest}"
-                )
-
-            # 6d. log
-            step_seconds = time.perf_counter() - step_start
-            window_tokens += global_seen_tokens
-            window_steps += 1
-            if result.steps > first_step:  # the first step of a process pays for warm-up: not timed
-                timed_tokens += global_seen_tokens
-                timed_seconds += step_seconds
-                timed_steps += 1
-            progress.advance(task)
-            if loss_is_finite and (result.steps % tcfg.log_every == 0 or result.steps == total_steps):
-                seconds = time.perf_counter() - window_start
-                tokens_per_s = window_tokens / seconds
-                per_device = tokens_per_s / world.world_size
-                mem, reserved, unit = peak_memory_gib(world.device)
-                m = {
-                    "step": result.steps, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
-                    "mfu": flops_per_token * per_device / peak if peak else None,
-                    "peak_mem": mem, "peak_mem_reserved": reserved, "mem_unit": unit,
-                    "s_per_step": seconds / window_steps,
-                    "tokens_trained": result.tokens_trained, "tokens_seen": result.tokens_seen,
-                }
-                say(format_step(m, total_steps))
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(m) + "\n")
-                    metrics_file.flush()
-                tracker.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"},
-                                    step=result.steps)
-                window_tokens, window_steps, window_start = 0.0, 0, time.perf_counter()
-
-            # 6e. checkpoint (never in the middle of a run of bad steps: the last good one must survive)
-            every = tcfg.checkpoint.every_steps
-            due = (every is not None and result.steps % every == 0) or save_by_time
-            if tcfg.checkpoint.enabled and due and bad_in_a_row == 0 and result.steps < total_steps:
-                path = checkpoint_now()
-                last_save_step, last_save_time = result.steps, time.monotonic()
-                say(f"checkpoint: {path}")
-
-        # ---- 7. finish: last checkpoint, Hugging Face export, run.json ----------------------------
-        progress.stop()
-        if tcfg.checkpoint.enabled and last_save_step != result.steps:
-            say(f"checkpoint: {checkpoint_now()}")
-        final_dir = run_dir / FINAL
+    # ---- 7. finish: last checkpoint, Hugging Face export, run.json --------------------------------
+    def finish(self) -> TrainResult:
+        recipe, tcfg, result, world, tracker = self.recipe, self.tcfg, self.result, self.world, self.tracker
+        self.progress.stop()
+        if tcfg.checkpoint.enabled and self.last_save_step != result.steps:
+            self.say(f"checkpoint: {self.save()}")
+        final_dir = self.run_dir / FINAL
         if tcfg.checkpoint.save_final_hf:
             save_hf_checkpoint(
-                model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), tokenizer, final_dir,
-                DTYPES[recipe.model.dtype],
+                self.model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), self.tokenizer,
+                final_dir, DTYPES[recipe.model.dtype],
             )
         if world.is_main:
-            tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
-            summary = {
-                "ftcli_version": __version__,
-                "method": "full",
-                "recipe": recipe.to_dict(),
-                "model_dir": FINAL if tcfg.checkpoint.save_final_hf else None,
-                "base_model": {
-                    "id": recipe.model.id, "revision": recipe.model.revision, "init": recipe.model.init,
-                    "config": recipe.model.config, "model_type": recipe.model.model_type,
-                    "model_class": recipe.model.model_class,
-                },
-                "mlflow": tracker.info,
-                "steps": result.steps,
-                "tokens": {"trained": result.tokens_trained, "seen": result.tokens_seen},
-                "final_loss": result.final_loss,
-                "throughput": {
-                    "tokens_per_s": tokens_per_s,
-                    "s_per_step": timed_seconds / timed_steps if timed_steps else None,
-                },
-                "status": "completed",
-            }
-            path = write_run_json(run_dir, summary)
+            record = new_run_record(
+                recipe, method="full", mlflow=tracker.info, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                final_loss=result.final_loss, throughput=self.meter.throughput(), status="completed",
+            )
+            path = write_run_record(self.run_dir, record)
             tracker.log_artifact(path)
-            tracker.log_artifact(run_dir / "recipe.yaml")
+            tracker.log_artifact(self.run_dir / "recipe.yaml")
             tracker.finish()
             where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
             loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
-            say(f"done: {result.steps} steps, final loss {loss}{where}")
+            self.say(f"done: {result.steps} steps, final loss {loss}{where}")
         dist.barrier()  # leave together: a rank that tears down its process group early aborts the others
         return result
-    except BaseException:
-        progress.stop()
-        tracker.finish("FAILED")
-        raise
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()

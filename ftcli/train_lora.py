@@ -12,15 +12,17 @@ schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
 3. the recipe -> SFTConfig mapping (`sft_config_kwargs`, pure, tested value by value);
 4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`).
 
-Outputs follow the run-dir contract: <run>/checkpoints/checkpoint-N (resumable), <run>/final (adapter
-+ tokenizer + chat template), <run>/run.json, and <run>/base for random-init bases.
+What both trainers share comes from the modules below them: the step line (`ftcli.metrics.StepMetrics`),
+the checkpoint timing and the resume rule (`ftcli.checkpoint`), the trained-token count (`ftcli.loss`),
+run.json (`ftcli.rundir.RunRecord`). Outputs follow the run-dir contract: <run>/checkpoints/checkpoint-N
+(resumable), <run>/final (adapter + tokenizer + chat template), <run>/run.json, and <run>/base for
+random-init bases.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,10 @@ import torch
 
 from ftcli.errors import UserError
 from ftcli.recipe import Recipe
+
+# Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
+_VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 
 
 @functools.cache
@@ -44,9 +50,6 @@ def checkpointing_arg() -> str:
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
-# Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
-_VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
-
 
 # ------------------------------------------------------------------------------- recipe -> SFTConfig
 def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -57,62 +60,39 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
     """
     t = recipe.training
-    opt, sched, ckpt = t.optimizer, t.schedule, t.checkpoint
-    dtype = recipe.model.dtype
-    ckpt_arg = checkpointing_arg()
-    kwargs: dict[str, Any] = dict(
-        output_dir=str(Path(run_dir) / "checkpoints"),
-        run_name=recipe.tracking.run_name or recipe.name,
-        seed=t.seed,
-        data_seed=t.seed,
+    opt, sched, ckpt, ac = t.optimizer, t.schedule, t.checkpoint, t.activation_checkpointing
+    ac_kwargs = {"use_reentrant": False, **({"selective": True} if ac == "selective" else {})}
+    return dict(
+        output_dir=str(Path(run_dir) / "checkpoints"), run_name=recipe.tracking.run_name or recipe.name,
+        seed=t.seed, data_seed=t.seed,
         # schedule of steps
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps or -1,
-        per_device_train_batch_size=t.per_device_batch,
-        gradient_accumulation_steps=t.grad_accum,
+        num_train_epochs=t.epochs, max_steps=t.max_steps or -1,
+        per_device_train_batch_size=t.per_device_batch, gradient_accumulation_steps=t.grad_accum,
         # optimizer
-        optim="adamw_torch_fused" if opt.fused else "adamw_torch",
-        learning_rate=opt.lr,
-        adam_beta1=opt.betas[0],
-        adam_beta2=opt.betas[1],
-        adam_epsilon=opt.eps,
-        weight_decay=opt.weight_decay,
+        optim="adamw_torch_fused" if opt.fused else "adamw_torch", learning_rate=opt.lr,
+        adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_epsilon=opt.eps, weight_decay=opt.weight_decay,
         max_grad_norm=t.grad_clip or 0.0,  # 0 disables clipping
         lr_scheduler_type=sched.name,
         lr_scheduler_kwargs={"min_lr_rate": sched.min_lr_ratio} if sched.name == "cosine_with_min_lr" else {},
         warmup_steps=sched.warmup if sched.warmup < 1 else int(sched.warmup),
         # precision and memory
-        bf16=dtype == "bfloat16",
-        fp16=dtype == "float16",
-        **{ckpt_arg: t.activation_checkpointing != "none", f"{ckpt_arg}_kwargs": (
-            {"use_reentrant": False, **({"selective": True} if t.activation_checkpointing == "selective" else {})}
-            if t.activation_checkpointing != "none" else None
-        )},
+        bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
+        **{checkpointing_arg(): ac != "none", f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" else None},
         torch_compile=t.compile,
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
         # loss: sum of token losses / trained tokens of the whole step, across accumulation and ranks
-        average_tokens_across_devices=True,
-        loss_type="nll",
+        average_tokens_across_devices=True, loss_type="nll",
         router_aux_loss_coef=0.0,  # (ref) the reference trained without the MoE load-balancing loss
         # data: ftcli tokenizes, masks and packs; TRL must not touch the rows
-        dataset_kwargs={"skip_prepare_dataset": True},
-        packing=False,
-        padding_free=False,
-        max_length=None,
-        remove_unused_columns=False,
-        label_names=["labels"],
-        dataloader_num_workers=0,
+        dataset_kwargs={"skip_prepare_dataset": True}, packing=False, padding_free=False, max_length=None,
+        remove_unused_columns=False, label_names=["labels"], dataloader_num_workers=0,
         # logging, checkpoints, tracking
-        logging_steps=t.log_every,
-        logging_first_step=True,
-        disable_tqdm=False,
-        save_strategy="steps" if ckpt.enabled and ckpt.every_steps else "no",
-        save_steps=ckpt.every_steps or 500,
+        logging_steps=t.log_every, logging_first_step=True, disable_tqdm=False,
+        save_strategy="steps" if ckpt.enabled and ckpt.every_steps else "no", save_steps=ckpt.every_steps or 500,
         save_total_limit=ckpt.keep_last,
         report_to="none",  # (ref: mlflow) ftcli's tracker logs every step line, synchronously, like the full path
     )
-    return kwargs
 
 
 def lora_config(recipe: Recipe, model: torch.nn.Module):
@@ -140,15 +120,9 @@ def lora_config(recipe: Recipe, model: torch.nn.Module):
         if towers:  # PEFT full-matches a string against module names: everything inside a tower
             exclude = r"(" + "|".join(t.replace(".", r"\.") for t in sorted(towers)) + r")(\..*)?"
     return LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        bias=lora.bias,
-        target_modules=lora.target_modules,
-        target_parameters=list(lora.target_parameters) or None,
-        exclude_modules=exclude,
-        revision=recipe.model.revision,
-        task_type="CAUSAL_LM",
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias, target_modules=lora.target_modules,
+        target_parameters=list(lora.target_parameters) or None, exclude_modules=exclude,
+        revision=recipe.model.revision, task_type="CAUSAL_LM",
     )
 
 
@@ -168,91 +142,34 @@ def training_rows(recipe: Recipe, tokenizer):
     blocks = [packed[i] for i in range(len(packed))]
     if not blocks:
         raise UserError(f"data: no example with trained tokens in {recipe.data.path}")
-    columns = {
-        "input_ids": [b.input_ids.astype(np.int64) for b in blocks],
-        "labels": [b.labels.astype(np.int64) for b in blocks],
-        "position_ids": [b.position_ids.astype(np.int64) for b in blocks],
-    }
+    columns = {key: [getattr(b, key).astype(np.int64) for b in blocks] for key in ("input_ids", "labels", "position_ids")}
     return datasets.Dataset.from_dict(columns).with_format("numpy")
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rows -> one padding-free row, the model inputs of a packed block.
+    """Rows -> one padding-free row: the rows laid end to end as one block (`ftcli.data.make_block`, a
+    segment wherever position_ids restart), given to the model as `ftcli.data.block_to_model_inputs`.
 
-    One row gives exactly `ftcli.data.block_to_model_inputs` of its block. Several rows
-    (per_device_batch > 1) are laid end to end; a segment starts wherever position_ids restart, and a
-    row's first label is dropped when another row precedes it (it would be predicted across rows):
+    One row is exactly its block again. With several rows (per_device_batch > 1) a row's first label is
+    dropped when another row precedes it (it would be predicted across rows), as at every segment start:
 
         position_ids   0 1 2 3 0 1 | 0 1 2 0 1 2 3      <- two rows of the dataset
         cu_seq_lens    0       4   6     9         13   (int32; the same tensor for q and k)
         seq_idx        0 0 0 0 1 1   2 2 2 3 3 3 3      (int32)
         labels         . - x x - x   - x x - - x x      (- = -100; . = label[0], never used by the loss)
     """
-    def cat(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([np.asarray(r[key], dtype=np.int64) for r in rows]))
+    from ftcli.data import block_to_model_inputs, make_block
+    from ftcli.loss import IGNORE_INDEX
 
-    input_ids, labels, position_ids = cat("input_ids"), cat("labels"), cat("position_ids")
-    row_starts = np.cumsum([0] + [len(r["input_ids"]) for r in rows[:-1]])
-    labels[row_starts[1:]] = -100
-    starts = torch.nonzero(position_ids == 0).flatten()
-    if starts.numel() == 0 or starts[0] != 0:
+    input_ids, labels, position_ids = (np.concatenate([np.asarray(r[key], dtype=np.int64) for r in rows])
+                                       for key in ("input_ids", "labels", "position_ids"))
+    if len(position_ids) == 0 or position_ids[0] != 0:
         raise ValueError("a packed row must start a segment (position_ids[0] == 0)")
-    bounds = torch.cat([starts, torch.tensor([input_ids.numel()])])
-    lengths = bounds[1:] - bounds[:-1]
-    cu_seqlens = bounds.to(torch.int32)
-    max_len = int(lengths.max())
-    return {
-        "input_ids": input_ids[None],
-        "labels": labels[None],
-        "position_ids": position_ids[None],
-        "seq_idx": torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None],
-        "cu_seq_lens_q": cu_seqlens,
-        "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": max_len,
-        "max_length_k": max_len,
-    }
-
-
-def _token_counter(model: torch.nn.Module):
-    """Trained and seen tokens of the whole run, summed over ranks.
-
-    A forward pre-hook counts what this rank feeds the model (so batches the data loader prefetches
-    but never trains on are not counted); each step end all-reduces the step's counts (two numbers).
-    Checkpoints carry the totals (`ftcli_tokens.json`), so a resumed run keeps counting from there."""
-    from transformers import TrainerCallback
-
-    class TokenCounter(TrainerCallback):
-        FILE = "ftcli_tokens.json"
-
-        def __init__(self) -> None:
-            self.trained = self.seen = 0
-            self._pending = [0, 0]
-            model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-        def _count(self, module, args, kwargs):
-            if module.training and kwargs.get("labels") is not None:
-                self._pending[0] += int((kwargs["labels"][:, 1:] != -100).sum())
-                self._pending[1] += kwargs["input_ids"].numel()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            step = torch.tensor(self._pending, dtype=torch.float64)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(step)
-            self.trained, self.seen = self.trained + int(step[0]), self.seen + int(step[1])
-            self._pending = [0, 0]
-
-        def on_save(self, args, state, control, **kwargs):
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if state.is_world_process_zero and ckpt.is_dir():
-                (ckpt / self.FILE).write_text(json.dumps({"trained": self.trained, "seen": self.seen}))
-
-        def load(self, checkpoint: str | None) -> None:
-            path = Path(checkpoint or "") / self.FILE
-            if checkpoint and path.is_file():
-                saved = json.loads(path.read_text())
-                self.trained, self.seen = saved["trained"], saved["seen"]
-
-    return TokenCounter()
+    trained = labels != IGNORE_INDEX
+    assert (labels[trained] == input_ids[trained]).all(), "a trained label is its own input token (ftcli.data)"
+    starts = np.flatnonzero(position_ids == 0)
+    block = make_block(input_ids, trained, np.diff(starts, append=len(input_ids)).tolist(), len(input_ids), pad_id=0)
+    return block_to_model_inputs(block)
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -275,30 +192,69 @@ def normalize_loss_by_tokens(trainer) -> None:
 
 
 # ---------------------------------------------------------------------------------------- callbacks
-def _step_log_callback(counter, model, metrics_path: Path | None, tracker=None):
-    """TRL's progress bar, with ftcli's step line instead of a dict dump. Rank 0 appends every step line
-    to <run>/metrics.jsonl and logs it to MLflow through ftcli's tracker (ftcli.tracking)."""
+def _step_log_callback(recipe: Recipe, model, metrics_path: Path | None, tracker=None):
+    """TRL's progress bar with ftcli's step line instead of a dict dump (`ftcli.metrics`: printed, appended
+    to <run>/metrics.jsonl and logged to MLflow by rank 0), plus what TRL does not know about ftcli:
+
+    * the run's trained and seen tokens, summed over ranks: a forward pre-hook counts what this rank
+      feeds the model (`ftcli.loss.count_trained_tokens`; batches the data loader prefetches but never
+      trains on are not counted), each step end all-reduces the step's two numbers; every checkpoint
+      carries the totals (TOKENS_FILE), so a resumed run keeps counting from there;
+    * `training.checkpoint.every_minutes` (`ftcli.checkpoint.CheckpointSchedule`, rank 0's clock decides
+      for every rank); `every_steps` is TRL's own `save_steps`.
+    """
     from transformers.trainer_callback import ProgressCallback
 
-    from ftcli.metrics import format_step, peak_flops, peak_memory_gib
+    from ftcli.checkpoint import CheckpointSchedule
+    from ftcli.distributed import all_reduce, rank0_decides
+    from ftcli.loss import count_trained_tokens
+    from ftcli.metrics import StepMetrics, log_step
 
-    flops_per_token = 4 * active_params(model)  # LoRA: forward + input-gradient backward (no weight grads)
     device = next(model.parameters()).device
-    peak = peak_flops(device)
+    schedule = CheckpointSchedule.from_config(recipe.training.checkpoint)
+    save_by_time = schedule.enabled and schedule.every_minutes is not None
 
     class StepLog(ProgressCallback):
         def __init__(self) -> None:
             super().__init__()
-            self.t0, self.seen0, self.steps0 = time.perf_counter(), 0.0, 0
+            self.trained = self.seen = 0
+            self._pending = [0, 0]
+            self.meter: StepMetrics | None = None
+            model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+        def _count(self, module, args, kwargs):
+            if module.training and kwargs.get("labels") is not None:
+                self._pending[0] += count_trained_tokens(kwargs["labels"])
+                self._pending[1] += kwargs["input_ids"].numel()
+
+        def load(self, checkpoint: Path | None) -> None:
+            path = Path(checkpoint or "") / TOKENS_FILE
+            if checkpoint and path.is_file():
+                saved = json.loads(path.read_text())
+                self.trained, self.seen = saved["trained"], saved["seen"]
 
         def on_train_begin(self, args, state, control, **kwargs):
             if not args.disable_tqdm:
                 super().on_train_begin(args, state, control, **kwargs)
-            self.t0, self.seen0, self.steps0 = time.perf_counter(), counter.seen, state.global_step
+            self.meter = StepMetrics(4 * active_params(model), device, args.world_size)  # LoRA: no weight grads
+            self.step_start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.training_bar is not None:
                 super().on_step_end(args, state, control, **kwargs)
+            step = all_reduce(self._pending, device=device) if torch.distributed.is_initialized() else self._pending
+            self.trained, self.seen, self._pending = self.trained + int(step[0]), self.seen + int(step[1]), [0, 0]
+            now = time.perf_counter()
+            self.meter.step_done(int(step[1]), now - self.step_start)
+            self.step_start = now
+            if save_by_time and rank0_decides(schedule.time_due(), device):
+                control.should_save = True
+
+        def on_save(self, args, state, control, **kwargs):
+            schedule.mark_saved()
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if state.is_world_process_zero and ckpt.is_dir():
+                (ckpt / TOKENS_FILE).write_text(json.dumps({"trained": self.trained, "seen": self.seen}))
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.training_bar is not None:
@@ -307,48 +263,15 @@ def _step_log_callback(counter, model, metrics_path: Path | None, tracker=None):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs is None or "loss" not in logs:  # the end-of-training summary: printed by TRL as is
                 return super().on_log(args, state, control, logs=logs, **kwargs)
-            now = time.perf_counter()
-            seconds, steps = now - self.t0, max(state.global_step - self.steps0, 1)
-            tokens_per_s = (counter.seen - self.seen0) / seconds
-            per_device = tokens_per_s / args.world_size
-            mem, reserved, unit = peak_memory_gib(device)
-            m = {"step": state.global_step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm") or 0.0,
-                 "lr": logs.get("learning_rate", 0.0), "tokens_per_s": tokens_per_s,
-                 "tokens_per_s_per_device": per_device, "mfu": flops_per_token * per_device / peak if peak else None,
-                 "peak_mem": mem, "peak_mem_reserved": reserved, "mem_unit": unit, "s_per_step": seconds / steps,
-                 "tokens_trained": counter.trained, "tokens_seen": counter.seen}
+            m = self.meter.line(step=state.global_step, loss=logs["loss"], grad_norm=logs.get("grad_norm") or 0.0,
+                                lr=logs.get("learning_rate", 0.0), tokens_trained=self.trained, tokens_seen=self.seen)
             logs.update({k: v for k, v in m.items() if k not in ("step", "loss", "grad_norm", "lr", "mem_unit")
                          and v is not None})
-            self.t0, self.seen0, self.steps0 = now, counter.seen, state.global_step
             if state.is_world_process_zero:
-                line = format_step(m, state.max_steps)
-                self.training_bar.write(line) if self.training_bar is not None else print(line, flush=True)
-                if metrics_path is not None:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(m) + "\n")
-                if tracker is not None:
-                    tracker.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"},
-                                        step=state.global_step)
+                say = self.training_bar.write if self.training_bar is not None else functools.partial(print, flush=True)
+                log_step(m, state.max_steps, say=say, metrics_path=metrics_path, tracker=tracker)
 
     return StepLog()
-
-
-def _save_every_minutes_callback(minutes: float):
-    from transformers import TrainerCallback
-
-    class SaveEveryMinutes(TrainerCallback):
-        def __init__(self) -> None:
-            self.last = time.monotonic()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            # rank 0's clock decides, so every rank saves at the same step
-            due = torch.tensor([float(time.monotonic() - self.last >= minutes * 60)])
-            if torch.distributed.is_initialized():
-                torch.distributed.broadcast(due, src=0)
-            if due.item():
-                control.should_save, self.last = True, time.monotonic()
-
-    return SaveEveryMinutes()
 
 
 def active_params(model) -> int:
@@ -366,12 +289,6 @@ def active_params(model) -> int:
 
 
 # -------------------------------------------------------------------------------------------- model
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def _attn_implementation(recipe: Recipe, device: torch.device) -> str | None:
     """ftcli's packed kernels for "auto" (they keep the segments of a block apart; refuse where they
     cannot); a named implementation is only allowed unpacked (the recipe schema enforces it), since e.g.
@@ -403,21 +320,19 @@ def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | N
 # -------------------------------------------------------------------------------------------- train
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's step line; returns
-    (trainer, token counter). Shared by `train` and benchmarks/lora_gpt_oss_gpu.py."""
+    (trainer, step log: its `.trained` / `.seen` are the run's tokens). Shared by `train` and
+    benchmarks/lora_gpt_oss_gpu.py."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                          processing_class=tokenizer, peft_config=lora_config(recipe, model))
     normalize_loss_by_tokens(trainer)
-    counter = _token_counter(trainer.model)
-    trainer.add_callback(counter)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
-    trainer.callback_handler.callbacks.insert(0, _step_log_callback(counter, trainer.model, metrics_path, tracker))
-    if recipe.training.checkpoint.enabled and recipe.training.checkpoint.every_minutes:
-        trainer.add_callback(_save_every_minutes_callback(recipe.training.checkpoint.every_minutes))
-    return trainer, counter
+    step_log = _step_log_callback(recipe, trainer.model, metrics_path, tracker)
+    trainer.callback_handler.callbacks.insert(0, step_log)
+    return trainer, step_log
 
 
 def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
@@ -425,54 +340,57 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.launch import rank0_first
-    from ftcli.rundir import FINAL, METRICS_FILE
+    from ftcli.checkpoint import resolve_resume
+    from ftcli.distributed import local_device, rank0_first
+    from ftcli.rundir import FINAL, METRICS_FILE, new_run_record, write_run_record
     from ftcli.tracking import start_tracking
 
     run_dir = Path(run_dir)
     if recipe.training.method != "lora":
         raise UserError(f"train_lora got training.method={recipe.training.method}")
-    rank = int(os.environ.get("RANK", 0))
-    checkpoint = _resolve_resume(resume, run_dir)
-    if rank == 0:
+    checkpoint = resolve_resume(run_dir, resume, kind="trl")
+    device = local_device()
+    # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
+    args = SFTConfig(**sft_config_kwargs(recipe, run_dir), use_cpu=device.type == "cpu")
+    if args.process_index == 0:
         for message in ignored_settings(recipe):
             print(f"warning: {message}", flush=True)
 
     # MLflow (rank 0): ftcli.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
     # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
-    tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=checkpoint is not None)
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
     try:
-        device = _device()
-        # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
-        args = SFTConfig(**sft_config_kwargs(recipe, run_dir), use_cpu=device.type == "cpu")
         attn = _attn_implementation(recipe, device)
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
         rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
 
         model = load_base(recipe, run_dir, device, attn, resume=checkpoint is not None)
         if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
-            _save_base(model, tokenizer, run_dir / "base")
+            model.save_pretrained(run_dir / "base")
+            tokenizer.save_pretrained(run_dir / "base")
 
-        trainer, counter = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE,
-                                         tracker=tracker)
+        trainer, step_log = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE,
+                                          tracker=tracker)
         if args.process_index == 0:
-            trainable, total = _count_params(trainer.model)
+            trainable, total = trainer.model.get_nb_trainable_parameters()
             print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "
                   f"{len(rows)} rows ({'packed blocks' if recipe.data.packing.enabled else 'examples'}), "
                   f"{args.world_size} x {device.type}, attention {attn or 'default'}, run dir {run_dir}", flush=True)
 
-        counter.load(checkpoint)
-        seen_before, steps_before = counter.seen, _checkpoint_step(checkpoint)
-        start = time.perf_counter()
-        trainer.train(resume_from_checkpoint=checkpoint)
-        wall = time.perf_counter() - start
-        steps_run = trainer.state.global_step - steps_before
-        throughput = {"tokens_per_s": (counter.seen - seen_before) / wall, "s_per_step": wall / max(steps_run, 1)}
+        step_log.load(checkpoint)
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
 
         if args.process_index == 0:
-            path = _write_run_json(recipe, run_dir, trainer, counter, throughput, tracker.info)
-            tracker.log_artifact(path)
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            record = new_run_record(
+                recipe, method="lora", mlflow=tracker.info, base_path="base" if recipe.model.init == "random" else None,
+                model_dir=FINAL, steps=trainer.state.global_step,
+                tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
+                throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+                status="completed",
+            )
+            tracker.log_artifact(write_run_record(run_dir, record))
             tracker.log_artifact(run_dir / "recipe.yaml")
             print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
         tracker.finish()
@@ -494,67 +412,3 @@ def ignored_settings(recipe: Recipe) -> list[str]:
     if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
         out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
     return out
-
-
-def _resolve_resume(resume: str | None, run_dir: Path) -> str | None:
-    """None | "latest" | a checkpoint dir -> the TRL checkpoint-N dir to resume from."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if resume is None:
-        return None
-    if resume == "latest":
-        ckpt_dir = run_dir / "checkpoints"
-        last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
-        if last is None:
-            raise UserError(f"--resume: no checkpoint-N in {ckpt_dir}; train without --resume to start fresh")
-        return last
-    path = Path(resume)
-    if path.is_dir() and not (path / "trainer_state.json").is_file():
-        last = get_last_checkpoint(str(path))  # a run dir's checkpoints/ folder is accepted too
-        path = Path(last) if last else path
-    if not (path / "trainer_state.json").is_file():
-        raise UserError(f"--resume {resume}: not a LoRA checkpoint (no trainer_state.json)")
-    return str(path)
-
-
-def _save_base(model, tokenizer, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def _count_params(model) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
-
-
-def _checkpoint_step(checkpoint: str | None) -> int:
-    if checkpoint is None:
-        return 0
-    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
-
-
-def _write_run_json(recipe: Recipe, run_dir: Path, trainer, counter, throughput: dict, mlflow_info) -> Path:
-    from ftcli import __version__
-    from ftcli.rundir import FINAL, write_run_json
-
-    steps = trainer.state.global_step
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    m = recipe.model
-    base = {"id": m.id, "revision": m.revision, "init": m.init, "config": m.config, "model_type": m.model_type,
-            "model_class": m.model_class}
-    if m.init == "random":
-        base["path"] = "base"
-    return write_run_json(run_dir, {
-        "ftcli_version": __version__,
-        "method": "lora",
-        "recipe": recipe.to_dict(),
-        "model_dir": FINAL,
-        "base_model": base,
-        "mlflow": mlflow_info,
-        "steps": steps,
-        "tokens": {"trained": counter.trained, "seen": counter.seen},
-        "final_loss": losses[-1] if losses else None,
-        "throughput": throughput,  # of this invocation (a resumed run: the part after the checkpoint)
-        "status": "completed",
-    })

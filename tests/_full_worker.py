@@ -8,11 +8,11 @@
         Saves initial weights, gradients and losses to OUT/grads.pt.
 
     ... tests/_full_worker.py train OUT RECIPE_YAML [--nan-steps 2,5,6,7] [--truncate-rank1 K] [--mask-from J]
-        runs train_full.train on the recipe (its output.dir is the run dir); --nan-steps poisons the
-        summed loss on rank 0 at those steps, --truncate-rank1 makes rank 1's block stream end K blocks
-        early (streams of unequal length), --mask-from replaces every rank's blocks from index J on by
-        all-masked padding blocks. Each rank writes OUT/rank{r}.json: the TrainResult, or the error that
-        stopped it, and what its stream yielded.
+        runs train_full.train on the recipe (its output.dir is the run dir) through its seams: --nan-steps
+        passes a loss_fn that poisons the summed loss on rank 0 at those steps, --truncate-rank1 a blocks
+        stream that ends rank 1's blocks K early (streams of unequal length), --mask-from one that replaces
+        every rank's blocks from index J on by all-masked padding blocks. Each rank writes
+        OUT/rank{r}.json: the TrainResult, or the error that stopped it, and what its stream yielded.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def grads(out: Path) -> None:
     from ftcli import data, kernels
     from ftcli.modeling import DTYPES
     from ftcli.recipe import load_recipe
-    from ftcli.train_full import (attach_loss, build_empty_model, build_model, count_trained_tokens, forward_backward,
-                                  init_distributed, init_random_weights)
+    from ftcli.distributed import init_distributed
+    from ftcli.loss import attach_loss, count_trained_tokens
+    from ftcli.train_full import build_empty_model, build_model, forward_backward, init_random_weights
 
     recipe = load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=selective"])
     world = init_distributed()
@@ -128,39 +129,35 @@ def grads(out: Path) -> None:
 
 
 def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int, mask_from: int | None) -> None:
+    """train_full.train with faults injected through its seams (`loss_fn`, `blocks`), no global patched."""
     from ftcli import data, train_full
     from ftcli.errors import UserError
+    from ftcli.loss import token_loss_sum
     from ftcli.recipe import load_recipe
 
     rank = int(os.environ["RANK"])
     recipe = load_recipe(recipe_path)
     yielded = {"trained": 0, "blocks": 0}
-
     calls = {"n": 0}
-    real_loss = train_full.token_loss_sum
 
     def poisoned_loss(*args, **kwargs):  # grad_accum 1: call n is step n
         calls["n"] += 1
-        loss = real_loss(*args, **kwargs)
-        return loss * float("nan") if rank == 0 and calls["n"] in nan_steps else loss
+        value = token_loss_sum(*args, **kwargs)
+        return value * float("nan") if rank == 0 and calls["n"] in nan_steps else value
 
-    train_full.token_loss_sum = poisoned_loss
+    def counted_blocks(stream):
+        limit = len(stream) - truncate_rank1 if rank == 1 else None
+        for i, block in enumerate(stream):
+            if limit is not None and i >= limit:
+                return
+            if mask_from is not None and i >= mask_from:
+                block = data.padding_block(len(block.input_ids), 0)
+            yielded["trained"] += block.num_trained_tokens
+            yielded["blocks"] += 1
+            yield block
 
-    class CountingStream(data.BlockStream):
-        def __iter__(self):
-            limit = len(self) - truncate_rank1 if rank == 1 else None
-            for i, block in enumerate(super().__iter__()):
-                if limit is not None and i >= limit:
-                    return
-                if mask_from is not None and i >= mask_from:
-                    block = data.padding_block(len(block.input_ids), 0)
-                yielded["trained"] += block.num_trained_tokens
-                yielded["blocks"] += 1
-                yield block
-
-    data.BlockStream = CountingStream
     try:
-        result = asdict(train_full.train(recipe, recipe.output_dir, None))
+        result = asdict(train_full.train(recipe, recipe.output_dir, None, loss_fn=poisoned_loss, blocks=counted_blocks))
     except UserError as e:
         result = {"error": str(e)}
     result["yielded"] = yielded

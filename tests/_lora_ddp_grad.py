@@ -24,6 +24,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     from trl import SFTConfig, SFTTrainer
 
     from ftcli.kernels import enable_packed_kernels
+    from ftcli.loss import count_trained_tokens
     from ftcli.recipe import resolve_path
     from ftcli.train_lora import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
     from test_lora_loss import _token_mean_grads
@@ -59,7 +60,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
                     grads[n] = p.grad.clone()
 
     trainer.model.register_forward_pre_hook(
-        lambda m, a, kw: trained.append(int((kw["labels"][:, 1:] != -100).sum())), with_kwargs=True)
+        lambda m, a, kw: trained.append(count_trained_tokens(kw["labels"])), with_kwargs=True)
     trainer.add_callback(Grab())
     trainer.train()
     if args.process_index == 0:

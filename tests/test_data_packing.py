@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ftcli.data.packing import IGNORE, make_block, num_trained, pack_bfd, pack_none, pack_split, padding_block
+from ftcli.data.packing import IGNORE_INDEX, make_block, num_trained, pack_bfd, pack_none, pack_split, padding_block
 from ftcli.data.stats import DataStats
 
 PAD = 0
@@ -99,7 +99,7 @@ def test_padding_segment_is_masked_and_separate():
     assert block.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
     assert block.max_seqlen == 5 and block.num_trained_tokens == 2
     pad = padding_block(8, pad_id=5)
-    assert pad.num_trained_tokens == 0 and (pad.labels == IGNORE).all() and pad.cu_seqlens.tolist() == [0, 8]
+    assert pad.num_trained_tokens == 0 and (pad.labels == IGNORE_INDEX).all() and pad.cu_seqlens.tolist() == [0, 8]
 
 
 def test_num_trained_tokens_is_what_the_shifted_loss_counts():

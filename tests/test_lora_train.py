@@ -1,16 +1,17 @@
 """`ftcli train` with a LoRA recipe, end to end on 2 CPU processes (gloo): a tiny gpt-oss written in
 MXFP4 by the fixture is loaded dequantized, trained with LoRA on attention and experts, saved, reloaded,
-resumed and merged."""
+resumed and merged. In one process: the timed checkpoint save and the token counts it carries."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from _lora_common import run_ftcli, tiny_model
+from _lora_common import run_ftcli, tiny_model, tiny_recipe
 
 STEPS, SAVE_EVERY, LOG_EVERY = 30, 15, 5
 
@@ -167,3 +168,35 @@ def test_merge_lora_of_the_trained_run(trained):
     report = json.loads((out / "merge.json").read_text())
     assert report["passed"] and report["max_abs_diff"] < 1e-4 and report["adapter_effect"] > 0.1
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path):
+    """training.checkpoint.every_minutes alone (no every_steps): rank 0's clock triggers TRL's save; every
+    checkpoint-N holds the run's token counts at step N, which a resume starts from."""
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer, prepare_blocks
+    from ftcli.train_lora import TOKENS_FILE, build_trainer, sft_config_kwargs, training_rows
+
+    recipe = tiny_recipe("training.max_steps=3", "training.checkpoint.every_steps=null", "training.log_every=1",
+                         "training.checkpoint.every_minutes=0.000001", "training.checkpoint.keep_last=5",
+                         "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
+    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    assert kwargs["save_strategy"] == "no"  # only the clock saves here
+    tokenizer = load_tokenizer(recipe)
+    rows = training_rows(recipe, tokenizer)
+    trainer, step_log = build_trainer(recipe, tiny_model(), tokenizer, rows,
+                                      SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True),
+                                      metrics_path=tmp_path / "metrics.jsonl")
+    trainer.train()
+    saved = {n: json.loads((tmp_path / "run" / "checkpoints" / f"checkpoint-{n}" / TOKENS_FILE).read_text())
+             for n in (1, 2, 3)}
+    assert [saved[n]["seen"] for n in (1, 2, 3)] == [1024, 2048, 3072]  # one 1024-token block per step
+    # the blocks of the first 3 batches (the seeded sampler gives the same order again), by their own counts
+    packed, order = prepare_blocks(recipe, tokenizer), list(iter(trainer.get_train_dataloader().batch_sampler))
+    by_block = [sum(packed[i].num_trained_tokens for i in order[n]) for n in range(3)]
+    assert [saved[n]["trained"] for n in (1, 2, 3)] == list(np.cumsum(by_block)), (saved, by_block)
+    assert (step_log.trained, step_log.seen) == (saved[3]["trained"], saved[3]["seen"])
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["tokens_seen"]) for m in lines] == [(1, 1024), (2, 2048), (3, 3072)]
+    assert [m["tokens_trained"] for m in lines] == [saved[n]["trained"] for n in (1, 2, 3)]

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "_full_worker.py"
-FAST = ["training.log_every=1", "tracking.enabled=false"]
+from _run_common import FAST, REPO, ftcli, metrics, recipe_file, subprocess_env, torchrun, train_args
+
 # The reference run (2 processes, 8 steps of the tiny recipe) must get below this loss (measured: see
 # test_train_end_to_end_loss_falls_and_hf_checkpoint_reloads; step 1 is ~6.99).
 LOSS_AFTER_8_STEPS = 4.4  # measured 4.04 (step losses 6.99 5.96 5.43 4.89 4.65 4.33 ... 4.04)
@@ -32,37 +30,7 @@ STEPS = 8
 # ------------------------------------------------------------------------------------------ helpers
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FTCLI_CACHE=str(tmp_path_factory.mktemp("ftcli-cache")))
-    return out
-
-
-def ftcli(args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ftcli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def train_args(run_dir: Path, *sets: str) -> list[str]:
-    args = ["train", "--recipe", "tiny-qwen-cpu", "--set", f"output.dir={run_dir}"]
-    for s in sets:
-        args += ["--set", s]
-    return args
-
-
-def torchrun(nproc: int, args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def recipe_file(path: Path, *sets: str) -> Path:
-    from ftcli.recipe import dump_recipe, load_recipe
-
-    path.write_text(dump_recipe(load_recipe("tiny-qwen-cpu", list(sets))))
-    return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
 
 
 def safetensors_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -92,34 +60,6 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 # --------------------------------------------------------------------------------- pure functions
-def test_chunked_loss_equals_full_loss():
-    """Value and gradients (hidden states and LM head) of the chunked loss equal the full-logit loss."""
-    from ftcli.train_full import token_loss_sum
-
-    g = torch.Generator().manual_seed(0)
-    T, H, V = 300, 32, 500
-    hidden = torch.randn(1, T, H, generator=g) * 2
-    weight = torch.randn(V, H, generator=g) * 0.3
-    labels = torch.randint(0, V, (1, T), generator=g)
-    labels[0, torch.rand(T, generator=g) < 0.4] = -100
-
-    def run(impl, chunk):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = token_loss_sum(h, w, labels, impl, chunk)
-        loss.backward()
-        return loss.detach(), h.grad, w.grad
-
-    logits = hidden[0, :-1] @ weight.T
-    ref = torch.nn.functional.cross_entropy(logits, labels[0, 1:], ignore_index=-100, reduction="sum")
-    full = run("full", 0)
-    assert torch.allclose(full[0], ref, rtol=1e-6)
-    for chunk in (7, 64, 1000):
-        chunked = run("chunked", chunk)
-        assert torch.allclose(chunked[0], full[0], rtol=1e-5, atol=0), chunk
-        for got, want in zip(chunked[1:], full[1:]):  # hidden grad, LM head grad
-            assert float((got - want).norm() / want.norm()) < 1e-6, chunk
-
-
 def test_activation_checkpointing_modes_give_the_same_gradients():
     """none, full, full keeping the last 2 layers, selective: which layers recompute differs, the gradient
     of a packed block does not."""
@@ -146,32 +86,6 @@ def test_activation_checkpointing_modes_give_the_same_gradients():
                      ("selective", 0): [True, False, True, False]}
     for key in grads:
         assert relative_error(grads[key], grads["none", 0]) < 1e-6, key
-
-
-def test_all_masked_block_loss_is_zero_with_zero_grads():
-    """The reference's 0/0: a block without trained tokens gives loss 0 and zero (not missing) grads."""
-    from ftcli.train_full import token_loss_sum
-
-    h = torch.randn(1, 16, 8, requires_grad=True)
-    w = torch.randn(40, 8, requires_grad=True)
-    loss = token_loss_sum(h, w, torch.full((1, 16), -100), "chunked", 4)
-    loss.backward()
-    assert loss.item() == 0 and torch.count_nonzero(w.grad) == 0 and h.grad is not None
-
-
-def testliger_loss_without_liger_is_a_one_line_error():
-    from ftcli.errors import UserError
-    from ftcli.train_full import liger_loss, token_loss_sum
-
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        with pytest.raises(UserError, match="loss.impl=liger needs liger-kernel .* or set training.loss.impl=chunked"):
-            token_loss_sum(torch.randn(1, 4, 8), torch.randn(16, 8), torch.ones(1, 4, dtype=torch.long), "liger", 0)
-        with pytest.raises(UserError, match="liger-kernel"):  # also at startup, before any compute
-            liger_loss()
-    else:
-        pytest.skip("liger-kernel is installed here")
 
 
 def test_schedule_warmup_then_decay_to_min_lr():
@@ -240,119 +154,6 @@ def test_bf16_models_keep_fp32_rotary_frequencies():
         rotary = {n: b.dtype for n, b in model.named_buffers() if n.endswith("inv_freq")}
         assert rotary and set(rotary.values()) == {torch.float32}, rotary
         assert model.model.rotary_emb.inv_freq.device.type == "cpu"  # real, not meta: no checkpoint holds it
-
-
-def test_refuses_nonempty_output_dir(tmp_path):
-    from ftcli import cli
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import prepare_run_dir
-
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    (foreign / "notes.txt").write_text("mine")
-    res = CliRunner().invoke(cli.app, train_args(foreign))
-    assert res.exit_code == 2 and "holds files that are not an ftcli run" in " ".join(res.output.split())
-    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # nothing written
-
-    other = tmp_path / "other"
-    prepare_run_dir(load_recipe("tiny-gpt-oss-cpu", [f"output.dir={other}"]))
-    res = CliRunner().invoke(cli.app, train_args(other))
-    assert res.exit_code == 2 and "a run of recipe 'tiny-gpt-oss-cpu'" in " ".join(res.output.split())
-
-    own = tmp_path / "own"  # our own run with a checkpoint: --resume or --force, not a silent restart
-    recipe = load_recipe("tiny-qwen-cpu", [f"output.dir={own}"])
-    prepare_run_dir(recipe)
-    (own / "checkpoints" / "step_00000003").mkdir(parents=True)
-    (own / "checkpoints" / "step_00000003" / "meta.json").write_text("{}")
-    res = CliRunner().invoke(cli.app, train_args(own))
-    assert res.exit_code == 2 and "pass --resume to continue it, or --force" in " ".join(res.output.split())
-    prepare_run_dir(recipe, resume="latest")  # allowed
-    prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={foreign}"]), force=True)  # allowed
-    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "recipe.yaml").is_file()
-    prepare_run_dir(recipe, force=True)
-    assert not (own / "checkpoints").exists()
-
-
-def test_full_training_without_packing_is_a_one_line_error(tmp_path):
-    from ftcli import cli
-
-    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "data.packing.enabled=false"))
-    assert res.exit_code == 2
-    assert res.output.strip() == "error: training.method=full trains on packed blocks; set data.packing.enabled=true"
-    assert not (tmp_path / "run").exists()
-
-
-def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_path, env):
-    """The launcher prepares the data before torchrun starts; under a torchrun started by hand, rank 0
-    reports the error and the other ranks stop quietly instead of dying at a barrier with a traceback."""
-    res = ftcli(train_args(tmp_path / "run", "data.path=/nonexistent.jsonl", "tracking.enabled=false"), tmp_path, env)
-    assert res.returncode == 2 and res.stderr.strip() == "error: data.path '/nonexistent.jsonl' does not exist"
-
-    recipe = recipe_file(tmp_path / "bad.yaml", "data.path=/nonexistent.jsonl", "tracking.enabled=false",
-                         f"output.dir={tmp_path / 'bare'}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "ftcli", "train", "--recipe", str(recipe)]
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode != 0
-    worker_lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert worker_lines == ["error: data.path '/nonexistent.jsonl' does not exist"]
-    assert "gloo" not in res.stderr and "[rank1]" not in res.stderr
-
-
-def test_two_nodes_with_node_local_data_caches(tmp_path, env):
-    """Two torchrun agents as two nodes (one process each) whose data caches are separate directories, as on
-    nodes without a shared disk: each node's local rank 0 prepares its own cache and the run trains to the end."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    recipe = recipe_file(tmp_path / "r.yaml", "training.max_steps=2", "training.log_every=1", "tracking.enabled=false",
-                         "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false",
-                         f"output.dir={tmp_path / 'run'}")
-    nodes = []
-    for node in (0, 1):
-        node_env = {**env, "FTCLI_CACHE": str(tmp_path / f"cache-node{node}")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-               "-m", "ftcli", "train", "--recipe", str(recipe)]
-        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=node_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = [n.communicate(timeout=240)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
-    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]
-    assert all(any((tmp_path / f"cache-node{node}").rglob("meta.json")) for node in (0, 1))
-
-
-def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server(tmp_path, monkeypatch):
-    import mlflow
-
-    from ftcli.errors import UserError
-    from ftcli.recipe import load_recipe
-    from ftcli.tracking import NoTracking, start_tracking
-
-    assert isinstance(start_tracking(load_recipe("tiny-qwen-cpu", ["tracking.enabled=false"])), NoTracking)
-    assert isinstance(start_tracking(load_recipe("tiny-qwen-cpu"), rank=1), NoTracking)
-
-    unreachable = load_recipe("tiny-qwen-cpu", ["tracking.tracking_uri=http://user:pw@127.0.0.1:9"])
-    t0 = time.perf_counter()
-    with pytest.raises(UserError, match=r"cannot reach the MLflow tracking server at http://\*\*\*@127.0.0.1:9"):
-        start_tracking(unreachable)
-    assert time.perf_counter() - t0 < 15
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the job's run (AI Runtime sets MLFLOW_RUN_ID)
-    mlflow.set_tracking_uri(uri)
-    job_run = mlflow.MlflowClient(uri).create_run(mlflow.set_experiment("job").experiment_id)
-    monkeypatch.setenv("MLFLOW_RUN_ID", job_run.info.run_id)
-    recipe = load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={uri}", "tracking.log_system_metrics=false",
-                                           "compute.env_variables={HF_TOKEN: hunter2}"])
-    tracker = start_tracking(recipe, run_dir=tmp_path / "run")
-    tracker.log_metrics({"loss": 1.5}, step=3)
-    tracker.finish()
-    assert tracker.info["run_id"] == job_run.info.run_id
-    run = mlflow.MlflowClient(uri).get_run(job_run.info.run_id)
-    assert run.data.metrics["loss"] == 1.5 and run.data.params["compute.env_variables.HF_TOKEN"] == "***"
-    assert json.loads((tmp_path / "run" / "tracking.json").read_text())["run_id"] == job_run.info.run_id
 
 
 # --------------------------------------------------------------------------- gradients across ranks
@@ -546,7 +347,7 @@ def test_pretrained_weights_load_into_every_shard(reference_run, tmp_path, env, 
 
     from ftcli import data, kernels
     from ftcli.recipe import load_recipe
-    from ftcli.train_full import attach_loss, count_trained_tokens
+    from ftcli.loss import attach_loss, count_trained_tokens
 
     final = reference_run["run_dir"] / "final"
     run_dir = tmp_path / "pretrained"

@@ -13,7 +13,7 @@ Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this pac
 
 from ftcli.data.cache import PackedDataset
 from ftcli.data.chat import ChatEncoder, load_tokenizer, reference_encode
-from ftcli.data.packing import Block, make_block, padding_block
+from ftcli.data.packing import IGNORE_INDEX, Block, make_block, padding_block
 from ftcli.data.pipeline import Example, iter_examples, open_prepared, prepare, prepare_blocks
 from ftcli.data.stats import DataStats
 from ftcli.data.stream import BlockStream
@@ -28,6 +28,7 @@ def block_to_model_inputs(block, device="cpu"):
 
 
 __all__ = [
+    "IGNORE_INDEX",
     "Block",
     "BlockStream",
     "ChatEncoder",

@@ -49,7 +49,7 @@ import numpy as np
 
 from ftcli.data.stats import DataStats
 
-IGNORE = -100
+IGNORE_INDEX = -100  # the label of a token without loss (the Hugging Face convention); the one definition
 Packed = tuple[np.ndarray, np.ndarray, list[int]]  # (input_ids int32, loss mask bool, segment lengths)
 
 
@@ -89,8 +89,8 @@ def make_block(
     lens = np.asarray(seg_lens, dtype=np.int32)
     cu = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=cu[1:])
-    labels = np.where(mask, input_ids, IGNORE).astype(np.int32)
-    labels[cu[1:-1]] = IGNORE  # no prediction across a segment boundary
+    labels = np.where(mask, input_ids, IGNORE_INDEX).astype(np.int32)
+    labels[cu[1:-1]] = IGNORE_INDEX  # no prediction across a segment boundary
     position_ids = (np.arange(len(input_ids), dtype=np.int32) - np.repeat(cu[:-1], lens)).astype(np.int32)
     seq_idx = np.repeat(np.arange(len(lens), dtype=np.int32), lens)
     return Block(
@@ -100,7 +100,7 @@ def make_block(
         seq_idx=seq_idx,
         cu_seqlens=cu,
         max_seqlen=int(lens.max()) if len(lens) else 0,
-        num_trained_tokens=int((labels[1:] != IGNORE).sum()),
+        num_trained_tokens=int((labels[1:] != IGNORE_INDEX).sum()),
         index=index,
     )
 

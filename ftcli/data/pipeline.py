@@ -28,7 +28,7 @@ import numpy as np
 from ftcli.data import sources
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
-from ftcli.data.packing import IGNORE, pack_bfd, pack_none, pack_split
+from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
 from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
@@ -52,7 +52,7 @@ class Example:
 
     @property
     def num_trained_tokens(self) -> int:
-        return sum(1 for label in self.labels[1:] if label != IGNORE)
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
 
 
 def _strict_error(index: int, reason: str, detail: str = "", source: str | None = None) -> UserError:
@@ -268,7 +268,7 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
     """Tokenized, masked, validated, unpacked examples (input_ids and labels lists), in source order."""
     stats = DataStats() if stats is None else stats
     for index, ids, mask in encoded_examples(recipe, tokenizer, stats):
-        labels = np.where(mask, ids, IGNORE)
+        labels = np.where(mask, ids, IGNORE_INDEX)
         yield Example(index=index, input_ids=ids.tolist(), labels=labels.tolist())
 
 

@@ -1,0 +1,50 @@
+"""Shared by the tests that run `ftcli train` or torchrun in subprocesses (test_train_full, test_launch,
+test_distributed): a clean environment, the command lines, and what a run dir holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "_full_worker.py"
+FAST = ["training.log_every=1", "tracking.enabled=false"]
+
+
+def subprocess_env(cache_dir: Path) -> dict[str, str]:
+    """This environment without MLflow / torchrun variables, one thread per process, its own data cache."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FTCLI_CACHE=str(cache_dir))
+    return out
+
+
+def ftcli(args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftcli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train_args(run_dir: Path, *sets: str) -> list[str]:
+    args = ["train", "--recipe", "tiny-qwen-cpu", "--set", f"output.dir={run_dir}"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    """tests/_full_worker.py under torchrun (standalone, `nproc` processes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def recipe_file(path: Path, *sets: str) -> Path:
+    from ftcli.recipe import dump_recipe, load_recipe
+
+    path.write_text(dump_recipe(load_recipe("tiny-qwen-cpu", list(sets))))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,42 @@
+"""`ftcli train`'s launcher (ftcli.launch): what it refuses before torchrun starts, and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from _run_common import ftcli, recipe_file, subprocess_env, train_args
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
+
+
+def test_full_training_without_packing_is_a_one_line_error(tmp_path):
+    from ftcli import cli
+
+    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "data.packing.enabled=false"))
+    assert res.exit_code == 2
+    assert res.output.strip() == "error: training.method=full trains on packed blocks; set data.packing.enabled=true"
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_path, env):
+    """The launcher prepares the data before torchrun starts; under a torchrun started by hand, rank 0
+    reports the error and the other ranks stop quietly instead of dying at a barrier with a traceback."""
+    res = ftcli(train_args(tmp_path / "run", "data.path=/nonexistent.jsonl", "tracking.enabled=false"), tmp_path, env)
+    assert res.returncode == 2 and res.stderr.strip() == "error: data.path '/nonexistent.jsonl' does not exist"
+
+    recipe = recipe_file(tmp_path / "bad.yaml", "data.path=/nonexistent.jsonl", "tracking.enabled=false",
+                         f"output.dir={tmp_path / 'bare'}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ftcli", "train", "--recipe", str(recipe)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode != 0
+    worker_lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert worker_lines == ["error: data.path '/nonexistent.jsonl' does not exist"]
+    assert "gloo" not in res.stderr and "[rank1]" not in res.stderr
