@@ -1,0 +1,84 @@
+"""The house's shape: ftcli's modules import only downwards (no import circles, lazy imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ftcli
+
+PACKAGE_ROOT = Path(ftcli.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every ftcli module `name` imports, at module level or inside a function."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from pkg import sub` imports the submodule pkg.sub when there is one
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_import_graph_is_found():
+    """Guards the walker itself: a few edges every version of ftcli has."""
+    modules = _modules()
+    graph = {n: _imports(n, p, set(modules)) for n, p in modules.items()}
+    assert "ftcli.recipe" in graph["ftcli.cli"] or any("ftcli.recipe" in graph[m] for m in graph["ftcli.cli"])
+    assert "ftcli.errors" in graph["ftcli.recipe"]
+    assert len(modules) >= 20
+
+
+def test_no_import_circles():
+    modules = _modules()
+    graph = {n: _imports(n, p, set(modules)) for n, p in modules.items()}
+    # A package's __init__ re-exporting its own submodules is not a circle of design.
+    for n in graph:
+        graph[n] = {m for m in graph[n] if not (n.startswith(m + ".") and modules[m].name == "__init__.py")}
+    assert _cycles(graph) == []
+
+
+def test_walker_finds_a_planted_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
