@@ -6,6 +6,13 @@ package, so it works after a plain `pip install`), `load_recipe("my.yaml")` read
 with their dotted path and the closest valid key; type errors name the path. No pydantic dumps reach
 the user: every problem becomes a `RecipeError` with one short line per problem.
 
+What YAML allows but a recipe refuses (`parse_yaml`, also used for workloads): duplicate keys, aliases
+(`*name`; anchors alone are harmless), nesting deeper than 64 levels, files that are not UTF-8 text or
+are over 8 MiB. What the schema refuses everywhere: inf/nan (also inside `model.config_overrides`),
+`true`/`false` where a number goes, `data.packing.block_len` over 2**20 or over the model's
+`max_position_embeddings` when its config.json is a file here. `ftcli.model_check` goes further and
+builds the model config (and the model, on the meta device) before any worker starts.
+
 Paths inside a recipe may use `pkg://assets/...` for files shipped with ftcli (tiny configs, the tiny
 tokenizer and dataset). They stay `pkg://` in the validated recipe (so a recipe rendered into a
 workload still points at the installed package there); code that opens one calls `resolve_path`.
@@ -712,5 +719,12 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(format_validation_error(e, source)) from None
 
 
+class YamlDumper(yaml.SafeDumper):
+    """Writes a value out wherever it appears: no `&anchor`/`*alias`, which `parse_yaml` refuses."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+    return yaml.dump(recipe.to_dict(), Dumper=YamlDumper, sort_keys=False)

@@ -47,6 +47,7 @@ from ftcli.recipe import (
     NAME_RE,
     NAME_RULE,
     Recipe,
+    YamlDumper,
     check_accelerator_type,
     check_secret_ref,
     did_you_mean,
@@ -356,7 +357,7 @@ def build_workload(recipe: Recipe) -> dict[str, Any]:
     return data
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(YamlDumper):
     pass
 
 

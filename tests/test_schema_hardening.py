@@ -269,3 +269,14 @@ def test_tracking_names_have_no_control_characters(key, tmp_path):
         f"invalid recipe {path}: {key}: contains the control character '\\n'; use printable characters only "
         "(got 'a\\nb')"
     )
+
+
+def test_dumped_recipe_has_no_aliases_and_loads_back(tmp_path):
+    from ftcli.recipe import dump_recipe
+
+    recipe = load_recipe(TINY)
+    shared = [1, 2, 3]
+    recipe.model.config_overrides = {"a": shared, "b": shared}  # one object twice: YAML would alias it
+    text = dump_recipe(recipe)
+    assert "&" not in text and "*" not in text
+    assert load_recipe(_file(tmp_path, text)).model.config_overrides == {"a": [1, 2, 3], "b": [1, 2, 3]}
