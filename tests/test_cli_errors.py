@@ -21,6 +21,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from test_workload import _DELETE, _set
+
 from ftcli import cli
 from ftcli.recipe import builtin_recipe_text
 
@@ -48,21 +50,10 @@ def invoke(*args: str):
 
 
 # ------------------------------------------------------------------------------- the corpus
-def _with(path: str, value, base: dict | None = None) -> str:
-    """The tiny recipe with `path` (dotted) set to `value`, or deleted for `value is _DELETE`."""
-    data = json.loads(json.dumps(base or TINY))
-    *parents, last = path.split(".")
-    node = data
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is _DELETE:
-        node.pop(last)
-    else:
-        node[last] = value
-    return yaml.safe_dump(data, sort_keys=False)
+def _with(path: str, value) -> str:
+    """The tiny recipe's YAML with `path` (dotted) set to `value`, or deleted for `value is _DELETE`."""
+    return yaml.safe_dump(_set(json.loads(json.dumps(TINY)), path, value), sort_keys=False)
 
-
-_DELETE = object()
 _BOMB = "\n".join(
     ["  config_overrides:", "    a0: &a0 [" + ",".join(['"lol"'] * 10) + "]"]
     + [f"    a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 24)]
