@@ -145,7 +145,7 @@ def recipes_show(
 @recipes_app.command("cp")
 def recipes_cp(
     name: str = typer.Argument(..., help="Built-in recipe to start from."),
-    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML."),
+    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist)."),
     force: bool = ForceOpt,
 ) -> None:
     """Copy a built-in recipe to DEST to start a custom one."""
@@ -164,7 +164,7 @@ def recipes_cp(
 def render_workload(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout); its folder must exist."),
     check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
     force: bool = ForceOpt,
 ) -> None:
@@ -202,7 +202,7 @@ def pack_preview(
     blocks: int = typer.Option(2, "--blocks", min=0, help="Blocks to show in detail."),
     examples: Optional[int] = typer.Option(None, "--examples", min=1, help="Read at most this many examples."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    dump: Optional[Path] = typer.Option(None, "--dump", help="Write the exact blocks as JSON lines."),
+    dump: Optional[Path] = typer.Option(None, "--dump", help="Write the exact blocks as JSON lines (the folder must exist)."),
     strict: bool = typer.Option(False, "--strict", help="Stop at the first bad row."),
     force: bool = ForceOpt,
 ) -> None:
