@@ -9,6 +9,7 @@ directories and hub configs already in the local Hugging Face cache (no network,
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,20 @@ def _one_line(err: BaseException) -> str:
     return (text or type(err).__name__)[:300]
 
 
+def _check_override_keys(config: Any, overrides: dict[str, Any]) -> None:
+    """An override the config does not have would be set and then ignored by the model (a typo, or a
+    key that moved, like `rope_theta` into `rope_parameters` in transformers 5)."""
+    from ftcli.modeling import text_config
+
+    known = set(config.to_dict()) | set(text_config(config).to_dict())
+    for key in overrides:
+        if not (hasattr(config, key) or hasattr(text_config(config), key)):
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UserError(f"model.config_overrides.{key}: {type(config).__name__} has no such key, the model would "
+                            f"ignore it{hint}")
+
+
 def check_model_config(recipe: Recipe) -> Any:
     """The transformers config the workers will build, or None when it cannot be read offline here.
 
@@ -51,6 +66,7 @@ def check_model_config(recipe: Recipe) -> Any:
         return None
     overrides = f" with model.config_overrides {cfg.config_overrides}" if cfg.config_overrides else ""
     try:
+        _check_override_keys(load_config(cfg.model_copy(update={"config_overrides": {}})), cfg.config_overrides)
         config = load_config(cfg)
     except UserError:
         raise

@@ -280,3 +280,17 @@ def test_dumped_recipe_has_no_aliases_and_loads_back(tmp_path):
     text = dump_recipe(recipe)
     assert "&" not in text and "*" not in text
     assert load_recipe(_file(tmp_path, text)).model.config_overrides == {"a": [1, 2, 3], "b": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("key,hint", [
+    ("hiden_size", "; did you mean 'hidden_size'?"),
+    ("rope_theta", "; did you mean 'rope_parameters'?"),  # moved in transformers 5: would be ignored
+])
+def test_config_override_the_model_would_ignore_is_refused(key, hint):
+    from ftcli.model_check import check_model_config
+
+    with pytest.raises(UserError) as err:
+        check_model_config(load_recipe(TINY, [f"model.config_overrides.{key}=64"]))
+    assert str(err.value) == (
+        f"model.config_overrides.{key}: Qwen3_5TextConfig has no such key, the model would ignore it{hint}"
+    )
