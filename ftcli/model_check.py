@@ -56,7 +56,8 @@ def check_model_config(recipe: Recipe) -> Any:
     """The transformers config the workers will build, or None when it cannot be read offline here.
 
     Raises `UserError` (one line) when the config or the model cannot be built from it, or when
-    `data.packing.block_len` is over the built config's `max_position_embeddings`."""
+    `data.packing.block_len` is over the built config's `max_position_embeddings`. A pretrained
+    model without overrides is not built: its published config is what its weights were saved with."""
     import torch
 
     from ftcli.modeling import auto_class, load_config, text_config
@@ -79,6 +80,8 @@ def check_model_config(recipe: Recipe) -> Any:
             f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit}; "
             "lower block_len or raise model.config_overrides.max_position_embeddings"
         )
+    if cfg.init == "pretrained" and not cfg.config_overrides:
+        return config  # a published config as it is: its weights will load (or fail with their own line)
     try:
         with torch.device("meta"):
             auto_class(cfg.model_class).from_config(config)

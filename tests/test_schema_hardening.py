@@ -294,3 +294,30 @@ def test_config_override_the_model_would_ignore_is_refused(key, hint):
     assert str(err.value) == (
         f"model.config_overrides.{key}: Qwen3_5TextConfig has no such key, the model would ignore it{hint}"
     )
+
+
+def _fake_hub_cache(root: Path, repo_id: str, config: dict) -> None:
+    """The Hugging Face cache layout for one repo whose `main` holds only config.json."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+
+
+def test_hub_model_in_the_local_cache_is_checked_offline(monkeypatch, tmp_path):
+    from ftcli.model_check import check_model_config
+
+    config = json.loads((Path(__file__).parents[1] / "ftcli/assets/tiny-gpt-oss.json").read_text())
+    _fake_hub_cache(tmp_path, "openai/gpt-oss-20b", config)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    assert check_model_config(load_recipe("gpt-oss-h100")).hidden_size == config["hidden_size"]
+    with pytest.raises(UserError) as err:
+        check_model_config(load_recipe("gpt-oss-h100", ["model.config_overrides.num_attention_heads=-2"]))
+    assert str(err.value).startswith(f"model config {tmp_path}/models--openai--gpt-oss-20b/snapshots/{'0' * 40} "
+                                     "with model.config_overrides {'num_attention_heads': -2} does not build a model: ")
+    with pytest.raises(UserError) as err:  # the cached config's limit applies to block_len as well
+        check_model_config(load_recipe("gpt-oss-h100", ["data.packing.block_len=8192"]))
+    assert str(err.value) == ("data.packing.block_len=8192 is over the model's max_position_embeddings=4096; lower "
+                              "block_len or raise model.config_overrides.max_position_embeddings")
