@@ -55,7 +55,7 @@ def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: 
         tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
     info = _log({"model": model, "tokenizer": tokenizer}, model.dtype, run=run, tracking_uri=tracking_uri,
                 metadata=metadata, adapter=True, pinned_revision=None if base.local else base.revision,
-                input_example=input_example, validate_example=base.local,
+                input_example=input_example,
                 **({"base_model_path": str(base.path)} if base.local else {}))
     assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
     return info
@@ -113,13 +113,12 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
 
 
 def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: dict, adapter: bool,
-         pinned_revision: str | None = None, input_example: dict | None = None, validate_example: bool = True,
-         **extra):
+         pinned_revision: str | None = None, input_example: dict | None = None, **extra):
     """mlflow.transformers.log_model's own call, `Model.log(flavor=mlflow.transformers, ...)`, made
-    here so that the input example's serving check can be turned off: MLflow checks an example by
-    loading the logged model and predicting, which for an adapter over a hub base downloads the
-    base's weights (`validate_example=False`; register's probe has generated on the model already).
-    For a checkpoint dir MLflow never runs that check (it would load the model a second time)."""
+    here to turn off MLflow's serving check of the input example. For a model object (an adapter)
+    that check loads the logged model a second time and generates a full-length reply (a minute on
+    the tiny CPU model; for an adapter over a hub base it downloads the base's weights); for a
+    checkpoint dir MLflow skips it itself. Register's probe generation has run on the model already."""
     import mlflow
     from mlflow.models import Model
 
@@ -129,7 +128,7 @@ def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: d
             name="model", task="llm/v1/chat", run_id=run.info.run_id,
             metadata=dict(metadata),  # a copy: MLflow adds to it
             input_example=input_example,
-            validate_serving_input=validate_example and not isinstance(transformers_model, str),
+            validate_serving_input=False,
             pip_requirements=_pip_requirements(adapter), **extra,
         )
 

@@ -311,9 +311,8 @@ def _probe(model_dir: Path, mode: Mode, source: Source) -> str | None:
         _warn(f"no probe generation: the adapter's base {base} is on the hub and register does not download it")
         return None
     messages = probe_conversation(source.recipe)
-    max_new = ((source.recipe or {}).get("eval") or {}).get("samples_max_new_tokens") or PROBE_MAX_NEW_TOKENS
     with err_console.status("probe generation"):
-        text = probe_generation(model_dir, base, source, messages, int(max_new))
+        text = probe_generation(model_dir, base, source, messages)
     err_console.print(f"probe: {messages[-1].get('content')!r} -> {text!r}", highlight=False, soft_wrap=True)
     return text
 
@@ -394,6 +393,7 @@ class Result:
     tracking_uri: str
     registry_uri: str
     seconds: float
+    probe_reply: str | None = None  # the probe generation (None: not probed)
 
 
 def _warn(message: str) -> None:
@@ -544,7 +544,7 @@ def log_and_register(
         _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
     if mode in ("full", "merged"):
         mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
-    _probe(model_dir, mode, source)
+    probe = _probe(model_dir, mode, source)
     input_example = _input_example(source)
 
     run, attached = _run_to_log_into(client, source, name)
@@ -583,6 +583,7 @@ def log_and_register(
         base_model=str(base) if base is not None else None,
         run_id=run.info.run_id, experiment_id=run.info.experiment_id, attached_to_training_run=attached,
         tracking_uri=mask_uri(tracking_uri), registry_uri=mask_uri(registry_uri), seconds=round(time.time() - t0, 1),
+        probe_reply=probe,
     )
 
 
