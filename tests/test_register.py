@@ -621,3 +621,16 @@ def test_unreadable_data_falls_back_to_a_fixed_example_with_a_warning(tmp_path, 
     err = " ".join(capsys.readouterr().err.split())
     assert (f"warning: input example: a fixed chat request, not one from the training data (cannot read "
             f"{tmp_path / 'moved.jsonl'} (data.path {str(tmp_path / 'moved.jsonl')!r} does not exist))") in err
+
+
+def test_data_that_cannot_give_a_chat_request_says_why():
+    import datasets
+
+    assert reg.chat_request_from_data(None) == (None, "no training recipe to read the data from")
+    assert reg.chat_request_from_data({"data": {"source": "synthetic"}}) == (None, "synthetic data has no chat turns")
+    plain = {"data": {"source": "local", "path": "pkg://assets/tiny_chat.jsonl", "format": "prompt_completion"}}
+    assert reg.chat_request_from_data(plain) == (
+        None, f"no row with a user turn in the first {reg.EXAMPLE_SCAN_ROWS} rows of pkg://assets/tiny_chat.jsonl")
+    if datasets.config.HF_HUB_OFFLINE:  # set before datasets was imported (this module's HF_HUB_OFFLINE)
+        example, why = reg.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
+        assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
