@@ -276,11 +276,14 @@ def probe_conversation(recipe: dict | None) -> list[dict]:
 
 
 def probe_generation(model_dir: Path, base: BaseRef | None, source: Source, messages: list[dict],
-                     max_new_tokens: int = PROBE_MAX_NEW_TOKENS) -> str:
+                     max_new_tokens: int = PROBE_MAX_NEW_TOKENS) -> str | None:
     """One greedy reply (ftcli.generate.sample_greedy) from the model about to be logged: `model_dir`
     as a checkpoint, or as an adapter over the local `base`. A model that cannot load, generate or
     produce a single token before its end of turn is a UserError: registering it would serve
-    errors or empty replies."""
+    errors or empty replies. One that does not fit in memory here is not probed (None, a warning):
+    that says nothing about the model."""
+    import torch
+
     from ftcli import generate
 
     where = f"{model_dir} (over {base})" if base is not None else str(model_dir)
@@ -294,6 +297,9 @@ def probe_generation(model_dir: Path, base: BaseRef | None, source: Source, mess
         [text] = generate.sample_greedy(loaded.model, loaded.tokenizer, [messages], max_new_tokens)
     except UserError as e:
         raise UserError(f"probe generation on {where} failed: {e}") from None
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        _warn(f"no probe generation: {where} does not fit in memory here ({type(e).__name__})")
+        return None
     except Exception as e:  # noqa: BLE001 - whatever breaks here would break serving too
         raise UserError(f"probe generation on {where} failed ({type(e).__name__}: {first_line(e)}); "
                         "the model files are broken or do not match its config") from None
@@ -313,7 +319,8 @@ def _probe(model_dir: Path, mode: Mode, source: Source) -> str | None:
     messages = probe_conversation(source.recipe)
     with err_console.status("probe generation"):
         text = probe_generation(model_dir, base, source, messages)
-    err_console.print(f"probe: {messages[-1].get('content')!r} -> {text!r}", highlight=False, soft_wrap=True)
+    if text is not None:
+        err_console.print(f"probe: {messages[-1].get('content')!r} -> {text!r}", highlight=False, soft_wrap=True)
     return text
 
 

@@ -634,3 +634,16 @@ def test_data_that_cannot_give_a_chat_request_says_why():
     if datasets.config.HF_HUB_OFFLINE:  # set before datasets was imported (this module's HF_HUB_OFFLINE)
         example, why = reg.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
         assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
+
+
+def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):
+    from ftcli import generate
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(generate, "load", out_of_memory)
+    source = reg.Source(model_dir=tmp_path, kind="checkpoint")
+    assert reg.probe_generation(tmp_path, None, source, [{"role": "user", "content": "hi"}]) is None
+    assert " ".join(capsys.readouterr().err.split()) == (
+        f"warning: no probe generation: {tmp_path} does not fit in memory here (OutOfMemoryError)")
