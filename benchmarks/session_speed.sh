@@ -21,17 +21,19 @@ LOG="$OUT/session.log"
 BUDGET=${SPEED_BUDGET:-490}
 START=$(date +%s)
 TINY=${SPEED_TINY:-}
-if [ -n "$TINY" ]; then T=(--tiny); B32=512; B8=512; PY=python; else T=(); B32=32768; B8=8192; PY=python3; fi
+# tiny (CPU, a shared machine): 4 steps a part, every timeout x8, no budget of its own
+if [ -n "$TINY" ]; then T=(--tiny); B32=512; B8=512; PY=python; STEPS=4; SCALE=8; BUDGET=${SPEED_BUDGET:-4000}
+else T=(); B32=32768; B8=8192; PY=python3; STEPS=8; SCALE=1; fi
 export HF_HUB_OFFLINE=1 TRITON_CACHE_AUTOTUNING=1
 cd "$ROOT" || exit 1
 
 left() { echo $((START + BUDGET - $(date +%s))); }
-cap() {  # cap SECONDS: min(SECONDS, time left - 15)
-  local l; l=$(($(left) - 15)); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"
+cap() {  # cap SECONDS: min(SECONDS x SCALE, time left - 15)
+  local l c; l=$(($(left) - 15)); c=$(($1 * SCALE)); [ "$c" -lt "$l" ] && echo "$c" || echo "$l"
 }
 say() { echo "$@" | tee -a "$LOG"; }
 run() {  # run NAME MIN_SECONDS MAX_SECONDS cmd...: skipped when fewer than MIN_SECONDS are left
-  local name=$1 min=$2 t; t=$(cap "$3"); shift 3
+  local name=$1 min=$(($2 * SCALE)) t; t=$(cap "$3"); shift 3
   if [ "$t" -lt "$min" ]; then say "### $name: skipped, $(left) s left"; return 0; fi
   say "### $name ($(($(date +%s) - START)) s in, timeout $t s): $*"
   timeout -k 45 "$t" "$@" 2>&1 | grep --line-buffered -v -e '^train ' -e 'it/s\]$' | tee -a "$LOG"
@@ -66,7 +68,7 @@ EOF
 
 # a + c: 4 layers, 32k, one process: with the per-block tensors (pays the compile), eval, without them
 run "a+c lever and eval, 32k, 4 layers" 120 330 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B32" \
-  --what lever eval --inproc-layers 4 --inproc-steps 8 --timeout $(($(cap 330) - 5)) --out /tmp/speed-inproc
+  --what lever eval --inproc-layers 4 --inproc-steps "$STEPS" --timeout $(($(cap 330) - 5)) --out /tmp/speed-inproc
 
 # b: 8k, the published loop and ftcli at 4 and 8 layers, each sub-run in its own call (its own timeout)
 R8="$OUT/rows-$B8.jsonl"
