@@ -33,7 +33,8 @@ the loss uses, `labels[1:] != -100`.
 
 Strategies:
 * split (the published qwen-b300 example's packing): concatenate examples; when the block is full,
-  cut. The rest of a cut example starts the next block as a new segment (positions from 0; its first label is label[0], unused).
+  cut. The rest of a cut example starts the next block as a new segment (positions from 0; its first
+  label is label[0], unused).
 * bfd: best-fit decreasing over a buffer of `bfd_buffer` examples: longest first, each into the fullest
   open block it fits; no example is ever split. An example longer than a block is truncated to the
   block or dropped (`overlong`), counted either way.
