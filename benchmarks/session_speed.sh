@@ -9,7 +9,7 @@
 #   c  in the same process, between the two: the eval pass (forward only, no grad, summed token CE)  (eval)
 #      The first Qwen3.5 step on a fresh machine compiles fla/tilelang kernels (>= 170 s): a pays it.
 #   b  8k blocks: the published loop at 4 and 8 layers, then `ftcli train` at 4 and 8 layers, the fit
-#   d  benchmarks/generate_gpu.py --new-tokens 256 --batches 8,32 (random-init gpt-oss-20b), if time is left
+#   d  benchmarks/generate_gpu.py --new-tokens 256 --batches 8,32 (random-init gpt-oss-20b); runs before b
 #   device: source .gpu/activate.sh && python3 -m pip install -q --no-index --no-deps --upgrade \
 #           --target /tmp/gpu-site .whl/*.whl && bash benchmarks/session_speed.sh
 #   CPU logic check of every step (tiny models, 512-token blocks): SPEED_TINY=1 bash benchmarks/session_speed.sh
@@ -70,6 +70,14 @@ EOF
 run "a+c lever and eval, 32k, 4 layers" 120 330 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B32" \
   --what lever eval --inproc-layers 4 --inproc-steps "$STEPS" --timeout $(($(cap 330) - 5)) --out /tmp/speed-inproc
 
+# d: decoding speed (random-init gpt-oss-20b), before b (the decode figure is wanted more than the 8k fit)
+if [ -n "$TINY" ]; then
+  run "d generate" 30 120 $PY benchmarks/generate_gpu.py --device cpu --dtype float32 \
+    --config pkg://assets/tiny-gpt-oss.json --new-tokens 8 --batches 2,4
+else
+  run "d generate" 75 150 $PY benchmarks/generate_gpu.py --new-tokens 256 --batches 8,32
+fi
+
 # b: 8k, the published loop and ftcli at 4 and 8 layers, each sub-run in its own call (its own timeout)
 R8="$OUT/rows-$B8.jsonl"
 run "b reference loop, 8k, 4 and 8 layers" 60 120 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B8" \
@@ -80,11 +88,4 @@ for n in 4 8; do
 done
 run "b fit, 8k" 5 60 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B8" --what fit --out /tmp/speed-8k --rows "$R8"
 
-# d: decoding speed (random-init gpt-oss-20b), with what is left
-if [ -n "$TINY" ]; then
-  run "d generate" 30 120 $PY benchmarks/generate_gpu.py --device cpu --dtype float32 \
-    --config pkg://assets/tiny-gpt-oss.json --new-tokens 8 --batches 2,4
-else
-  run "d generate" 75 200 $PY benchmarks/generate_gpu.py --new-tokens 256 --batches 8,32
-fi
 say "### session done at $(($(date +%s) - START)) s of $BUDGET"
