@@ -9,8 +9,8 @@
 
 Secret values have no place in a recipe at all: `compute.env_variables` refuses names that look secret
 (`looks_secret`; they belong in `compute.secrets` as scope/key references), and a password in the
-tracking URI is masked wherever the recipe is written; the launcher hands it to the workers as
-MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (ftcli.tracking). Plain data code: no MLflow, no torch.
+tracking URI is masked wherever the recipe is written; the launcher hands the URI with it to the workers
+as $MLFLOW_TRACKING_URI (ftcli.tracking). Plain data code: no MLflow, no torch.
 """
 
 from __future__ import annotations

@@ -43,24 +43,23 @@ PROBE_TIMEOUT_S = 10
 def resolve_tracking_uri(uri: str | None = None) -> str:
     """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else $MLFLOW_TRACKING_URI,
     else sqlite:///<abs cwd>/mlflow.db. A URI whose credentials were masked (`https://***@host`, as
-    <run>/recipe.yaml and run.json hold it) is used without them: MLflow then reads
-    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (`export_credentials` sets them for the workers)."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
-    return split_credentials(uri)[0] if has_masked_credentials(uri) else uri
+    <run>/recipe.yaml and run.json hold it) stands for $MLFLOW_TRACKING_URI when that is the same URI
+    with them (what the launcher hands its workers, `export_credentials`); otherwise it is used
+    without them, and MLflow reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = uri or env or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    if not has_masked_credentials(uri):
+        return uri
+    return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
 
 
 def export_credentials(recipe) -> None:
-    """The launcher: a user:password in tracking.tracking_uri goes to the workers as MLflow's own
-    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (inherited through torchrun), because the
-    recipe.yaml they read holds the URI masked."""
+    """The launcher: the workers read recipe.yaml, where the tracking URI's credentials are masked, so
+    the URI with them goes to the workers as $MLFLOW_TRACKING_URI (inherited through torchrun; MLflow's
+    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI)."""
     uri = recipe.tracking.tracking_uri
-    if not uri or has_masked_credentials(uri):
-        return
-    _, user, password = split_credentials(uri)
-    if user is not None:
-        os.environ["MLFLOW_TRACKING_USERNAME"] = user
-    if password is not None:
-        os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    if uri and mask_uri(uri) != uri and not has_masked_credentials(uri):
+        os.environ["MLFLOW_TRACKING_URI"] = uri
 
 
 def first_line(exc: BaseException) -> str:
@@ -164,6 +163,8 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
     mlflow.set_tracking_uri(uri)
+    if mask_uri(uri) != uri:  # MLflow prints the run's link, credentials and all, when the run ends
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     run_id = os.environ.get("MLFLOW_RUN_ID")
     saved = Path(run_dir) / TRACKING_FILE if run_dir is not None else None
     if not run_id and resume and saved is not None and saved.is_file():
