@@ -1,10 +1,11 @@
 """`ftcli train`: prepare the run dir, start torchrun, and in each worker hand over to the trainer.
 
     ftcli train --recipe R            (no RANK in the environment: the launcher)
-      -> refusal rule + <run>/recipe.yaml            ftcli.rundir.prepare_run_dir
+      -> the run dir's lock (one writer), after the refusal rule   run_dir_lock, ftcli.rundir.check_run_dir
       -> tokenizer, data tokenized + packed into the on-disk cache (errors are one line here)
+      -> only then: an earlier run's outputs cleared (--force), <run>/recipe.yaml   ftcli.rundir.prepare_run_dir
       -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
-           (inside torchrun, RANK is set: the worker)
+           (inside torchrun, RANK is set: the worker; it dies with the launcher, _die_with_launcher)
            -> method full: ftcli.train_full.train(recipe, run_dir, resume)
               method lora: ftcli.train_lora.train(recipe, run_dir, resume)
 
@@ -213,15 +214,14 @@ def _refuse_if_locked(path: Path) -> None:
 
 
 def _die_with_launcher() -> None:
-    """A worker started by the launcher ends when the launcher does, SIGKILL included. torchrun starts
-    workers in their own session, so a signal to the launcher's process group does not reach them; a
-    worker outliving its launcher would keep writing into a run dir whose lock is gone (a --resume
-    started then would interleave with it). On Linux the kernel sends SIGKILL on the parent's death
-    (prctl PR_SET_PDEATHSIG); elsewhere a watchdog thread polls the parent's PID. Either way, a
-    launcher that is already gone ends the worker at once."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if not launcher:
-        return  # torchrun started by hand: its agent is the parent, and the user's to stop
+    """A worker ends when its parent does, SIGKILL included. torchrun starts workers in their own
+    session, so a signal to the launcher's process group does not reach them; a worker outliving its
+    launcher would keep writing into a run dir whose lock is gone (a --resume started then would
+    interleave with it). The parent is the launcher (`ftcli train`, which runs torchrun's agent in
+    its process), or torchrun's agent when torchrun was started by hand (a Databricks workload). On
+    Linux the kernel sends SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG); elsewhere a
+    watchdog thread polls the parent's PID. A launcher that is already gone ends the worker at once."""
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
     armed = False
     if sys.platform.startswith("linux"):
         import ctypes
@@ -229,12 +229,12 @@ def _die_with_launcher() -> None:
 
         pr_set_pdeathsig = 1
         armed = ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != int(launcher):
+    if os.getppid() != parent:
         os._exit(1)
     if not armed:
         def watch() -> None:
-            while os.getppid() == int(launcher):
+            while os.getppid() == parent:
                 time.sleep(0.5)
             os._exit(1)
 
-        threading.Thread(target=watch, name="ftcli-launcher-watchdog", daemon=True).start()
+        threading.Thread(target=watch, name="ftcli-parent-watchdog", daemon=True).start()
