@@ -1,7 +1,9 @@
 """The run directory: what a training run writes, and when `ftcli train` may write there.
 
     <run>/                        recipe.output_dir, made absolute (default runs/<recipe name>)
-      recipe.yaml                 the resolved recipe; the torchrun workers load this file
+      .ftcli-run                  marker: ftcli made this dir (the proof --force needs)
+      .ftcli.lock                 held (flock) by the launcher while a run writes here (ftcli.launch)
+      recipe.yaml                 the resolved recipe, tracking-URI credentials masked; the workers load it
       run.json                    summary written at the end (contracts: read by merge-lora, register)
       tracking.json               the MLflow run this dir logs to (so --resume continues it)
       metrics.jsonl               one JSON object per logged step (rank 0): what benchmarks and tests read
