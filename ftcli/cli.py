@@ -226,7 +226,8 @@ def train(
     resume: Optional[str] = typer.Option(
         None, "--resume", help="Resume from the latest checkpoint of the run dir, or from DIR.", metavar="[DIR]"
     ),
-    force: bool = typer.Option(False, "--force", help="Write into a non-empty output dir that is not this run's."),
+    force: bool = typer.Option(False, "--force", help="Start over in an ftcli run dir: delete its checkpoints, final "
+                               "model and metrics (never files ftcli did not write)."),
 ) -> None:
     """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun."""
     r = _load(recipe, overrides)

@@ -430,6 +430,17 @@ class ComputeConfig(_Section):
     permissions: list[PermissionConfig] = Field(default_factory=list)
     ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
 
+    @field_validator("env_variables")
+    @classmethod
+    def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
+        from ftcli.redact import looks_secret
+
+        secret = sorted(k for k in env if looks_secret(k))
+        if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
+            raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
+                             f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")
+        return env
+
     @model_validator(mode="after")
     def _topology(self) -> ComputeConfig:
         problems = placement_problems(self.accelerator_type, self.num_accelerators, self.pool_id, self.priority_class)
