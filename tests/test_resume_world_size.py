@@ -98,3 +98,4 @@ def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterr
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     if before == 2:  # the first leg is the uninterrupted run's layout: bit for bit
         assert got[:STOP] == want[:STOP]
+
