@@ -67,6 +67,9 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
                   file=sys.stderr)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
+    from ftcli.model_check import check_model_config
+
+    check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
     try:
         _preflight(recipe)

@@ -291,8 +291,9 @@ def encoder_fingerprint() -> dict[str, Any]:
     return {"version": chat.ENCODER_VERSION, "code_sha256": h.hexdigest()}
 
 
-def cache_parts(recipe, tokenizer) -> dict[str, Any]:
-    """Everything that changes the packed bytes (the cache key is its hash)."""
+def recipe_cache_parts(recipe) -> dict[str, Any]:
+    """The recipe's share of the cache key: everything but the tokenizer (`ftcli plan` matches a cache entry's
+    meta.json key_parts against it without loading a tokenizer)."""
     data = recipe.data
     packing = data.packing.model_dump() if data.packing.enabled else {"enabled": False}
     return {
@@ -315,9 +316,12 @@ def cache_parts(recipe, tokenizer) -> dict[str, Any]:
         "special_tokens_in_text": data.special_tokens_in_text,
         "max_length": data.max_length,
         "packing": packing,
-        "tokenizer": describe(tokenizer),
-        "vocab_size": len(tokenizer),
     }
+
+
+def cache_parts(recipe, tokenizer) -> dict[str, Any]:
+    """Everything that changes the packed bytes (the cache key is its hash)."""
+    return {**recipe_cache_parts(recipe), "tokenizer": describe(tokenizer), "vocab_size": len(tokenizer)}
 
 
 def entry_path(recipe, tokenizer) -> Path:
