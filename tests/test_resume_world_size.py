@@ -5,7 +5,7 @@ The comparison: the same global batch, i.e. ranks x training.grad_accum blocks p
 and 1 x 2), so every optimizer step trains the same blocks as the uninterrupted 2-rank run. Then
   * the blocks of every step are exactly the uninterrupted run's (each block once overall);
   * lr, trained and seen tokens are equal, losses within rel 1e-5 and grad norms within rel 1e-4 (fp32;
-    only the order of the sums differs between layouts; measured: loss rel <= 1e-7, grad norm rel <= 1e-5,
+    only the order of the sums differs between layouts; measured: loss rel <= 1.8e-7, grad norm rel <= 1.1e-5,
     the bound test_train_full::test_loss_same_for_1_and_2_ranks uses for 1 vs 2 ranks).
 The first leg stops at step 4 by SIGTERM to rank 0 only (tests/_preempt_worker.py): every rank stops there.
 """
