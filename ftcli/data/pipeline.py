@@ -12,8 +12,8 @@ counts into the summary pack-preview shows and train prints.
 
 `prepare` does the work (rank 0 before a barrier, or any command) and is a no-op when the cache already
 has the result; `open_prepared` is what the other ranks call after the barrier; `prepare_blocks` is both
-in one call. `iter_examples` is the same path without packing (LoRA reference mode). `pack-preview`
-calls exactly these, so what it shows is what training consumes.
+in one call. `iter_examples` is the same path without packing (unpacked, as the published gpt-oss
+example trains). `pack-preview` calls exactly these, so what it shows is what training consumes.
 """
 
 from __future__ import annotations
