@@ -15,14 +15,22 @@ rank 0 deletes all but the newest `keep_last`. The checkpoint dir must be on a f
 sees (one node, or a shared filesystem across nodes).
 
 Model and optimizer state go through `get_state_dict` / `set_state_dict`, so the sharded DTensors are
-saved as shards and reloaded into the same sharding.
+saved as shards; DCP reshards them on load, so a checkpoint written by N ranks resumes on M. The rest
+is world-size-free too: the data position is the number of GLOBAL blocks consumed
+(`ftcli.data.BlockStream.state_dict`), the scheduler and the step accounting are the same on every
+rank. Only the RNG state is per rank: on M != N, rank r takes rank r's state when r < N, else rank 0's
+(`rank_state_source`); the trainers draw no random numbers per step (no dropout), so this changes
+nothing they compute. With the same global batch (ranks x grad_accum) the resumed run takes the same
+blocks per optimizer step as the uninterrupted one.
+
+A save that a SIGKILL interrupted leaves a `.tmp_step_*` dir: `remove_interrupted_saves` (rank 0,
+at the next start) deletes those.
 
 Loading never runs code from the checkpoint dir (a run dir may come from anywhere): ftcli's own state is
 JSON plus a safetensors file (`write_rank_state` / `read_rank_state`; an older ftcli's rank_*.pt is read
 with torch.load(weights_only=True)), DCP's pickled `.metadata` is unpickled first with an allowlist of
 DCP's own record classes (`check_dcp_metadata`), and DCP's non-tensor items load through
-torch.load(weights_only=True) (`SafeLoadPlanner`). A file that fails these is one UserError naming it. The per-rank state (RNG) and the step
-accounting belong to one run layout, so a checkpoint resumes with the world size that wrote it.
+torch.load(weights_only=True) (`SafeLoadPlanner`). A file that fails these is one UserError naming it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from ftcli.errors import UserError
 from ftcli.rundir import CHECKPOINTS
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
 
 
 def step_dir_name(step: int) -> str:
@@ -193,6 +202,34 @@ def save_checkpoint(
     return final
 
 
+def rank_state_source(saved_world_size: int, rank: int) -> int:
+    """Whose per-rank trainer state rank `rank` loads from a checkpoint of `saved_world_size` ranks: its
+    own when it had one, else rank 0's (scheduler, data position and step accounting are equal on every
+    rank; only the RNG differs, see the module doc)."""
+    return rank if rank < saved_world_size else 0
+
+
+def remove_interrupted_saves(root: Path) -> list[Path]:
+    """Delete the `.tmp_step_*` dirs under `root` (saves a crash or a second kill interrupted; never
+    resumed from). Rank 0, before the run's first save; returns what was removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted(p for p in root.iterdir() if p.is_dir() and _TMP_STEP_DIR.match(p.name))
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a committed checkpoint dir: step_XXXXXXXX (full) or checkpoint-N (LoRA, TRL)."""
+    name = Path(path).name
+    match = _STEP_DIR.match(name) or re.match(r"^checkpoint-(\d+)$", name)
+    if not match:
+        raise ValueError(f"not a checkpoint dir: {path}")
+    return int(match.group(1))
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Collective. Loads model + optimizer in place; returns (this rank's trainer state, meta)."""
     import torch.distributed.checkpoint as dcp
@@ -200,12 +237,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     path = Path(path)
     meta = read_meta(path)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if meta["world_size"] != world_size:
-        raise UserError(
-            f"checkpoint {path} was written by {meta['world_size']} processes and this run has {world_size}; "
-            "resume with the same number (steps, schedule and RNG are per run layout)"
-        )
+    rank = rank_state_source(meta["world_size"], dist.get_rank())  # the rank state this rank resumes from
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     rank_state = read_rank_state(path, rank)

@@ -229,7 +229,11 @@ def train(
     force: bool = typer.Option(False, "--force", help="Start over in an ftcli run dir: delete its checkpoints, final "
                                "model and metrics (never files ftcli did not write)."),
 ) -> None:
-    """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun."""
+    """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun.
+
+    SIGTERM / Ctrl-C: every rank stops at the next step with a checkpoint; exit 143 (SIGTERM) or 130 (SIGINT).
+
+    A full-path checkpoint resumes on any number of processes (same ranks x grad_accum: same blocks per step)."""
     r = _load(recipe, overrides)
     from ftcli.launch import run_train
 

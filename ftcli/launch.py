@@ -14,12 +14,18 @@ The launcher runs torchrun's agent in this process (`torch.distributed.run.run`)
 traceback. Multi-node: on Databricks AI Runtime (NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set)
 the launcher passes them on; anywhere else, run `torchrun --nnodes ... -m ftcli train --recipe R` on
 every node yourself: the workers read everything from the environment and the recipe.
+
+SIGTERM / SIGINT (Ctrl-C) to the launcher: torchrun's agent forwards it to every worker and waits up to
+`ftcli.preempt.STOP_GRACE_S`; the workers stop at the next step boundary with a checkpoint, and the
+launcher prints one line, `stopped at step N; resume with ftcli train --recipe <run>/recipe.yaml --resume`,
+and exits 143 (SIGTERM) or 130 (SIGINT). The same when the platform signals the workers themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,8 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.rundir import (LOCK_FILE, RECIPE_FILE, check_run_dir, is_own_run, prepare_run_dir, recipe_differences,
-                          run_dir_of)
+from ftcli.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
+from ftcli.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
+                          read_run_record, recipe_differences, run_dir_of)
 from ftcli.tracking import export_credentials
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
@@ -71,7 +78,11 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     from ftcli.model_check import check_model_config
 
     check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
-    _preflight(recipe)  # before anything in the run dir is cleared or written
+    try:
+        _preflight(recipe)  # before anything in the run dir is cleared or written
+    except KeyboardInterrupt:
+        print("interrupted before training started; nothing to resume", file=sys.stderr)
+        raise SystemExit(exit_code(signal.SIGINT)) from None
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
     export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
     nproc, unit = _processes_per_node(recipe)
@@ -82,7 +93,8 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     os.environ["FTCLI_LAUNCHED"] = "1"
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (_die_with_launcher)
 
-    torchrun_args = [f"--nproc_per_node={nproc}"]
+    # the workers' stop checkpoint (ftcli.preempt) may take minutes at 27B: torchrun's default grace is 30 s
+    torchrun_args = [f"--nproc_per_node={nproc}", f"--shutdown_timeout={STOP_GRACE_S}"]
     num_nodes = int(os.environ.get("NUM_NODES", "1"))
     if num_nodes > 1:
         torchrun_args += [
@@ -99,16 +111,24 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
 
     import logging
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from ftcli.rundir import CHECKPOINTS
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is reported below
+    # the failure or the stop is reported below; every elastic module's logger has its own level (LOGLEVEL)
+    for name in ["torch.distributed.elastic", *logging.Logger.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    started = time.time()
     try:
         run(parse_args([*torchrun_args, *worker]))
+    except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
+        _stopped(recipe, run_dir, int(e.sigval), started)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
+        signals = {_STOP_EXIT_CODES[c] for c in codes if c in _STOP_EXIT_CODES}
+        if len(codes) == len(signals) == 1:  # the workers were signalled directly (not through the launcher)
+            _stopped(recipe, run_dir, signals.pop(), started)
         ranks = sorted(e.failures)  # global ranks
         ckpts = run_dir / CHECKPOINTS
         hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
@@ -116,6 +136,40 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
             f"training stopped: rank(s) {', '.join(map(str, ranks))} exited with code(s) "
             f"{', '.join(map(str, codes))}; the reason is printed above{hint}"
         ) from None
+
+
+# a worker's exit code after a stop: its own (ftcli.preempt.EXIT_CODES) or killed by the signal (-signum)
+_STOP_EXIT_CODES = {code: int(sig) for sig, code in EXIT_CODES.items()} | {-int(sig): int(sig) for sig in STOP_SIGNALS}
+
+
+def _completed_since(run_dir: Path, started: float) -> bool:
+    """Did this launch's workers finish the run (a signal during the final export is too late to stop it)?"""
+    path = run_dir / RUN_JSON
+    try:
+        return path.stat().st_mtime >= started and read_run_record(run_dir).status == "completed"
+    except (OSError, UserError):
+        return False
+
+
+def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
+    """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
+    (none when the run had completed: it returns)."""
+    from ftcli.checkpoint import checkpoint_step, latest_checkpoint, resolve_resume
+
+    if _completed_since(run_dir, started):
+        return
+
+    if recipe.training.method == "lora":
+        try:
+            newest = resolve_resume(run_dir, "latest", kind="trl")
+        except UserError:
+            newest = None
+    else:
+        newest = latest_checkpoint(run_dir / CHECKPOINTS)
+    step = checkpoint_step(newest) if newest is not None else None
+    print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=recipe.training.checkpoint.enabled),
+          file=sys.stderr)
+    raise SystemExit(exit_code(signum))
 
 
 def _preflight(recipe) -> None:
@@ -137,12 +191,17 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
         prepare_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: same refusal rule
+    stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
     if recipe.training.method == "lora":
         from ftcli.train_lora import train
     else:
         from ftcli.train_full import train
     try:
         train(recipe, run_dir, resume)
+    except Stopped as e:
+        if rank == 0 and os.environ.get("FTCLI_LAUNCHED") != "1":  # started by hand: no launcher to say it
+            print(resume_hint(e.step if e.checkpoint else None, str(run_dir / RECIPE_FILE)), file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
     except TrainingStopped:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same

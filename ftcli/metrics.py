@@ -5,6 +5,7 @@ ftcli.train_lora)."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -130,3 +131,28 @@ def log_step(m: dict[str, Any], total_steps: int, *, say=print, metrics_path: Pa
             f.write(json.dumps(m) + "\n")
     if tracker is not None:
         tracker.log_metrics(numeric_metrics(m), step=m["step"])
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Resuming at checkpoint `step`: drop the lines of <run>/metrics.jsonl after it (those steps are
+    trained again and logged again), and a last line a kill cut short. Rank 0, before the first step.
+    Returns the number of lines dropped; the file is replaced atomically."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            logged = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if logged <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".tmp_{path.name}")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped

@@ -57,13 +57,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from ftcli import data, kernels
-from ftcli.checkpoint import (CheckpointSchedule, load_checkpoint, resolve_resume, rng_state, save_checkpoint,
-                              save_hf_checkpoint, set_rng_state)
+from ftcli.checkpoint import (CheckpointSchedule, load_checkpoint, remove_interrupted_saves, resolve_resume, rng_state,
+                              save_checkpoint, save_hf_checkpoint, set_rng_state)
 from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
 from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
-from ftcli.metrics import StepMetrics, log_step
+from ftcli.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
+from ftcli.preempt import Stopped, stop_flag
 from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.tracking import start_tracking
 
@@ -335,6 +336,7 @@ class FullRun:
             run.step(blocks, num_micro_batches)                 count -> all-reduce -> forward/backward
                                                                 -> clip -> step or skip -> log
             run.maybe_checkpoint(save_by_time)
+            run.stop(signum)  (at a step boundary, after SIGTERM / SIGINT on any rank: checkpoint, `Stopped`)
         run.finish()                                     7    last checkpoint, HF export, run.json
 
     The attributes are the run's state; `result` is what `train` returns (and what a checkpoint keeps)."""
@@ -342,6 +344,7 @@ class FullRun:
     def __init__(self, recipe, run_dir: Path, resume: str | None, world: World, *,
                  loss_fn: Callable = token_loss_sum):
         self.recipe, self.run_dir, self.world = recipe, run_dir, world
+        self.stop_flag = stop_flag()  # SIGTERM / SIGINT from here on: stop at the next step boundary
         tcfg = self.tcfg = recipe.training
         run_dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(highlight=False, soft_wrap=True)
@@ -386,6 +389,8 @@ class FullRun:
 
         # ---- 5. resume ---------------------------------------------------------------------------
         self.result = TrainResult()
+        if world.is_main:
+            remove_interrupted_saves(run_dir / CHECKPOINTS)
         start = resolve_resume(run_dir, resume, kind="dcp")
         if start is not None:
             self.restore(start)
@@ -413,6 +418,8 @@ class FullRun:
         try:
             self.progress.start()
             while self.result.steps < self.total_steps:
+                if signum := self.stop_flag.agreed(self.world.device):  # SIGTERM / SIGINT on any rank
+                    self.stop(signum)
                 step_start = time.perf_counter()
                 # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
                 blocks = list(islice(batches, self.tcfg.grad_accum))
@@ -424,9 +431,9 @@ class FullRun:
                 if self.step(blocks, int(num_micro_batches), started=step_start):
                     self.maybe_checkpoint(bool(save_by_time))
             return self.finish()
-        except BaseException:
+        except BaseException as e:
             self.progress.stop()
-            self.tracker.finish("FAILED")
+            self.tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
             raise
 
     def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None) -> bool:
@@ -505,9 +512,25 @@ class FullRun:
         self.say(f"checkpoint: {path}")
         return path
 
+    def stop(self, signum: int) -> None:
+        """Collective, at a step boundary, after a SIGTERM / SIGINT on any rank (ftcli.preempt): a checkpoint
+        of this step (unless it has one, or checkpoints are off), then `Stopped` on every rank."""
+        if self.tcfg.checkpoint.enabled and self.last_save_step != self.result.steps:
+            self.say(f"checkpoint: {self.save()}")
+        raise Stopped(self.result.steps, signum, self.result.checkpoint)
+
     def restore(self, path: Path) -> None:
-        """Model, optimizer, scheduler, data position, RNG and the step accounting that `save` wrote."""
+        """Model, optimizer, scheduler, data position, RNG and the step accounting that `save` wrote; the
+        checkpoint may come from another world size (ftcli.checkpoint). metrics.jsonl loses the steps
+        logged after the checkpoint: they are trained again."""
         rank_state, meta = load_checkpoint(path, self.model, self.optimizer)
+        blocks_per_step = self.world.world_size * self.tcfg.grad_accum
+        if meta.get("blocks_per_step", blocks_per_step) != blocks_per_step:
+            self.say(f"[yellow]warning: {path} was trained with {meta['blocks_per_step']} blocks per optimizer step "
+                     f"({meta['world_size']} ranks), this run takes {blocks_per_step} ({self.world.world_size} x "
+                     "training.grad_accum): the steps after it differ from the uninterrupted run's[/]")
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / METRICS_FILE, meta["result"]["steps"])
         self.scheduler.load_state_dict(rank_state["scheduler"])
         self.stream.load_state_dict(rank_state["data"])
         set_rng_state(rank_state["rng"])
@@ -519,7 +542,8 @@ class FullRun:
     def save(self) -> Path:
         """Collective: a DCP checkpoint of this step (ftcli.checkpoint)."""
         rank_state = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rng_state()}
-        meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")}}
+        meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")},
+                "blocks_per_step": self.world.world_size * self.tcfg.grad_accum}
         path = save_checkpoint(self.run_dir / CHECKPOINTS, self.result.steps, self.model, self.optimizer, rank_state,
                                meta, keep_last=self.tcfg.checkpoint.keep_last)
         self.result.checkpoint = str(path)

@@ -274,6 +274,27 @@ def _step_log_callback(recipe: Recipe, model, metrics_path: Path | None, tracker
     return StepLog()
 
 
+def _stop_callback(save: bool):
+    """SIGTERM / SIGINT (`ftcli.preempt`): at the end of the step in progress, every rank agrees on the
+    flag (one all-reduce MAX), saves checkpoint-N through TRL (`save`: checkpoints enabled) and stops;
+    `train` then raises `Stopped`. `.signum`: the agreed signal (0: none)."""
+    from transformers import TrainerCallback
+
+    from ftcli.preempt import stop_flag
+
+    class StopOnSignal(TrainerCallback):
+        def __init__(self) -> None:
+            self.flag, self.signum = stop_flag(), 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.signum = self.flag.agreed(args.device)
+            if self.signum:
+                control.should_save = control.should_save or save
+                control.should_training_stop = True
+
+    return StopOnSignal()
+
+
 def active_params(model) -> int:
     """Non-embedding parameters one token goes through: MoE experts count top-k / num_experts."""
     from ftcli.modeling import count_params, text_config
@@ -340,8 +361,10 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.checkpoint import resolve_resume
+    from ftcli.checkpoint import checkpoint_step, resolve_resume
     from ftcli.distributed import local_device, rank0_first
+    from ftcli.metrics import truncate_metrics
+    from ftcli.preempt import Stopped
     from ftcli.rundir import FINAL, METRICS_FILE, new_run_record, write_run_record
     from ftcli.tracking import start_tracking
 
@@ -359,6 +382,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     # MLflow (rank 0): ftcli.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
     # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
     tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
+    if checkpoint is not None and args.process_index == 0:
+        truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
     try:
         attn = _attn_implementation(recipe, device)
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
@@ -378,7 +403,13 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                   f"{args.world_size} x {device.type}, attention {attn or 'default'}, run dir {run_dir}", flush=True)
 
         step_log.load(checkpoint)
+        stop = _stop_callback(recipe.training.checkpoint.enabled)
+        trainer.add_callback(stop)
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        if stop.signum and trainer.state.global_step < trainer.state.max_steps:
+            step = trainer.state.global_step
+            saved = Path(args.output_dir) / f"checkpoint-{step}"
+            raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
         trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
 
         if args.process_index == 0:
@@ -394,8 +425,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             tracker.log_artifact(run_dir / "recipe.yaml")
             print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
         tracker.finish()
-    except BaseException:
-        tracker.finish("FAILED")
+    except BaseException as e:
+        tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
         raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits

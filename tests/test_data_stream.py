@@ -75,6 +75,23 @@ def test_resume_with_another_world_size_continues_without_drop_or_repeat(packed)
     assert sorted(real) == list(range(len(packed)))
 
 
+def test_stream_state_is_global_blocks_whatever_the_world_size(packed):
+    """After 3 rounds, 2 ranks and 3 ranks have consumed 6 and 9 global blocks: the state is that number
+    (every rank the same), and a resumed stream on any world size starts at that global position."""
+    two = [BlockStream(packed, r, 2, seed=4) for r in range(2)]
+    for s in two:
+        it = iter(s)
+        [next(it) for _ in range(3)]
+    assert [s.state_dict()["consumed"] for s in two] == [6, 6]
+    one = BlockStream(packed, 0, 1, seed=4)
+    one.load_state_dict(two[1].state_dict())
+    assert next(iter(one)).index == BlockStream(packed, 0, 1, seed=4).global_block(6)
+    for bad in (-1, len(packed) + 1, "6", None):
+        with pytest.raises(UserError, match=f"cannot resume the data stream: {bad!r} blocks consumed in the "
+                                            f"checkpoint, the run has {len(packed)}"):
+            one.load_state_dict({**two[0].state_dict(), "consumed": bad})
+
+
 def test_resume_refuses_changed_data(packed):
     state = BlockStream(packed, 0, 2, seed=1).state_dict()
     with pytest.raises(UserError, match="seed was 1 in the checkpoint, now 2"):

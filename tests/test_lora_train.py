@@ -148,7 +148,11 @@ def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):
     proc = run_ftcli(_train_args(mxfp4_base, run_dir, "--resume", str(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY}")),
                      cwd=work)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    resumed = _metrics(run_dir)[len(before):]
+    after = _metrics(run_dir)  # cut back to the checkpoint's step, then the resumed steps: each step once
+    assert [r["step"] for r in after] == [b["step"] for b in before]
+    assert after[: len(after) - len(range(SAVE_EVERY + LOG_EVERY, STEPS + 1, LOG_EVERY))] == [
+        b for b in before if b["step"] <= SAVE_EVERY]
+    resumed = [r for r in after if r["step"] > SAVE_EVERY]
     assert [r["step"] for r in resumed] == list(range(SAVE_EVERY + LOG_EVERY, STEPS + 1, LOG_EVERY))
     for r in resumed:
         original = next(b for b in before if b["step"] == r["step"])

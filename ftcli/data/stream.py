@@ -14,8 +14,11 @@ together; no block is dropped or repeated (the last round is completed with padd
 the trainer's global token count makes contribute nothing). The ranks' union is the single-rank
 sequence.
 
-State is the number of global blocks consumed (rounds done x world_size). Resuming continues at the
-exact next block, also under a different world size: the remaining blocks are dealt to the new ranks.
+State is the number of global blocks consumed (rounds done x world_size), the same on every rank and
+free of the world size (`world_size` in it is only a record). Resuming continues at the exact next
+block, also under a different world size: the remaining blocks are dealt round-robin to the new ranks,
+from global position `consumed` on (so a checkpoint of N ranks resumes on M with no block repeated or
+skipped; with the same ranks x grad_accum every optimizer step gets the same blocks as before).
 """
 
 from __future__ import annotations
@@ -102,4 +105,8 @@ class BlockStream:
                     f"cannot resume the data stream: {k} was {state.get(k)!r} in the checkpoint, now {mine[k]!r} "
                     "(the data, packing or schedule changed since the checkpoint)"
                 )
-        self._start, self._round = int(state["consumed"]), 0
+        consumed = state.get("consumed")
+        if not isinstance(consumed, int) or not 0 <= consumed <= self.total:
+            raise UserError(f"cannot resume the data stream: {consumed!r} blocks consumed in the checkpoint, "
+                            f"the run has {self.total}")
+        self._start, self._round = consumed, 0

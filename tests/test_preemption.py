@@ -1,0 +1,202 @@
+"""SIGTERM / SIGINT stop a run at the next step boundary with a checkpoint (ftcli.preempt, ftcli.launch).
+
+End to end through the real launcher (`ftcli train` -> torchrun -> 2 workers): SIGTERM to the launcher,
+as a platform sends it; SIGINT to the launcher's process group, as Ctrl-C in a terminal does (the
+workers are in their own session and only get it forwarded). Then `--resume` reproduces the
+uninterrupted run's metrics.jsonl exactly, each step once. The LoRA path stops the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _run_common import ftcli, metrics, subprocess_env, train_args
+
+STEPS = 10
+FULL = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false",
+        "training.checkpoint.save_final_hf=false"]
+
+
+# ------------------------------------------------------------------------------------------ units
+def test_stop_flag_records_the_first_signal_and_restores_the_handlers():
+    from ftcli.preempt import StopFlag
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    flag = StopFlag().install()
+    try:
+        assert flag.signum == 0 and flag.agreed() == 0
+        os.kill(os.getpid(), signal.SIGTERM)  # no exception, no exit: only recorded
+        os.kill(os.getpid(), signal.SIGINT)  # a second signal while stopping changes nothing
+        assert flag.signum == signal.SIGTERM == 15 and flag.agreed() == 15  # no process group: its own flag
+    finally:
+        flag.restore()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_exit_codes_and_the_one_line():
+    from ftcli.preempt import Stopped, exit_code, resume_hint
+
+    assert (exit_code(signal.SIGTERM), exit_code(signal.SIGINT)) == (143, 130)
+    assert Stopped(7, signal.SIGINT, None).exit_code == 130
+    assert resume_hint(7, "/r/recipe.yaml") == "stopped at step 7; resume with `ftcli train --recipe /r/recipe.yaml --resume`"
+    assert resume_hint(None, "/r/recipe.yaml", checkpoints_enabled=False) == (
+        "stopped before any checkpoint (training.checkpoint.enabled=false); "
+        "start again with `ftcli train --recipe /r/recipe.yaml`")
+
+
+def test_truncate_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    from ftcli.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
+    assert truncate_metrics(path, 4) == 3  # steps 5, 6 and the line a kill cut short
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert truncate_metrics(path, 4) == 0 and truncate_metrics(tmp_path / "missing.jsonl", 4) == 0
+    assert not list(tmp_path.glob(".tmp_*"))
+
+
+def test_interrupted_saves_are_removed_and_committed_ones_kept(tmp_path):
+    from ftcli.checkpoint import checkpoint_step, rank_state_source, remove_interrupted_saves
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_00000004", ".tmp_step_00000006", ".tmp_step_00000008"):
+        (root / name).mkdir(parents=True)
+        (root / name / "__0_0.distcp").write_bytes(b"x")
+    (root / "step_00000004" / "meta.json").write_text("{}")
+    removed = remove_interrupted_saves(root)
+    assert [p.name for p in removed] == [".tmp_step_00000006", ".tmp_step_00000008"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+    assert remove_interrupted_saves(tmp_path / "none") == []
+    assert checkpoint_step(root / "step_00000004") == 4 and checkpoint_step(Path("x/checkpoint-12")) == 12
+    # 2 ranks wrote it: on 1 rank rank 0 reads rank 0's state; on 3 ranks, rank 2 reads rank 0's
+    assert [rank_state_source(2, r) for r in range(3)] == [0, 1, 0]
+
+
+# -------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
+
+
+def numbers(run_dir: Path) -> list[dict]:
+    return [{k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_trained", "tokens_seen")}
+            for m in metrics(run_dir)]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return out
+
+
+def start(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    """`ftcli ...` as its own process group, like a job in a terminal."""
+    return subprocess.Popen([sys.executable, "-m", "ftcli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def signal_when(proc: subprocess.Popen, ready, send) -> tuple[str, str]:
+    deadline = time.monotonic() + 180
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    send()
+    return proc.communicate(timeout=180)
+
+
+def stop_line(out: str, err: str, run_dir: Path) -> int:
+    """The step of the one `stopped at step N; resume with ...` line; nothing else about the stop."""
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if "stopped" in line]
+    assert len(lines) == 1, lines
+    step = int(lines[0].split("stopped at step ")[1].split(";")[0])
+    assert lines[0] == f"stopped at step {step}; resume with `ftcli train --recipe {run_dir / 'recipe.yaml'} --resume`"
+    return step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, env):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    res = ftcli(train_args(tmp / "run", *FULL), tmp, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return numbers(tmp / "run")
+
+
+def test_sigterm_then_ctrl_c_stop_with_a_checkpoint_and_resume_reproduces_the_run(uninterrupted, tmp_path, env):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+
+    # 1. SIGTERM to the launcher once step 2 is logged
+    proc = start(train_args(run_dir, *FULL), tmp_path, env)
+    out, err = signal_when(proc, lambda: len(logged_steps(run_dir)) >= 2, lambda: os.kill(proc.pid, signal.SIGTERM))
+    assert proc.returncode == 143, err[-3000:]
+    first = stop_line(out, err, run_dir)
+    assert 2 <= first < STEPS - 3
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the stop's checkpoint, no .tmp
+    assert logged_steps(run_dir) == list(range(1, first + 1))
+    assert not (run_dir / "run.json").exists()
+
+    # what a kill -9 during the next step and its save would leave: a logged step after the checkpoint,
+    # a line cut short, a half-written checkpoint
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": first + 1, "loss": 0.0}) + '\n{"step": ')
+    (ckpts / f".tmp_step_{first + 1:08d}").mkdir()
+    (ckpts / f".tmp_step_{first + 1:08d}" / "__0_0.distcp").write_bytes(b"partial")
+
+    # 2. --resume, then Ctrl-C (SIGINT to the launcher's process group) two steps later
+    resume = ["train", "--recipe", str(run_dir / "recipe.yaml"), "--resume"]
+    proc = start(resume, tmp_path, env)
+    out, err = signal_when(proc, lambda: max(logged_steps(run_dir)) >= first + 2,
+                           lambda: os.killpg(proc.pid, signal.SIGINT))
+    assert proc.returncode == 130, err[-3000:]
+    second = stop_line(out, err, run_dir)
+    assert first + 2 <= second < STEPS
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}", f"step_{second:08d}"]  # keep_last 2
+    assert logged_steps(run_dir) == list(range(1, second + 1))  # truncated at `first`, then logged once each
+
+    # 3. --resume to the end: metrics.jsonl is the uninterrupted run's, number for number
+    res = ftcli(resume, tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {ckpts / f'step_{second:08d}'} at step {second}" in res.stdout
+    assert numbers(run_dir) == uninterrupted
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{second:08d}", f"step_{STEPS:08d}"]
+
+
+def test_lora_sigterm_stops_with_a_trl_checkpoint_and_resume_logs_each_step_once(tmp_path, env):
+    run_dir = tmp_path / "run"
+    args = ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", f"output.dir={run_dir}", "--set", "training.max_steps=8",
+            "--set", "training.log_every=1", "--set", "tracking.enabled=false"]
+    proc = start(args, tmp_path, env)
+    out, err = signal_when(proc, lambda: len(logged_steps(run_dir)) >= 1, lambda: os.kill(proc.pid, signal.SIGTERM))
+    assert proc.returncode == 143, err[-3000:]
+    step = stop_line(out, err, run_dir)
+    assert 1 <= step < 8
+    saved = run_dir / "checkpoints" / f"checkpoint-{step}"
+    assert [p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")] == [saved.name]
+    assert (saved / "adapter_model.safetensors").is_file() and (saved / "trainer_state.json").is_file()
+    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
+    assert not (run_dir / "final").exists() and not (run_dir / "run.json").exists()
+    losses = {m["step"]: m["loss"] for m in metrics(run_dir)}
+    assert sorted(losses) == list(range(1, step + 1))
+
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint (a kill -9)
+        f.write(json.dumps({"step": step + 1, "loss": 0.0}) + "\n")
+    res = ftcli([*args, "--resume"], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    after = metrics(run_dir)
+    assert [m["step"] for m in after] == list(range(1, 9))
+    assert {m["step"]: m["loss"] for m in after[:step]} == losses and all(m["loss"] > 0 for m in after)

@@ -1,0 +1,101 @@
+"""A full-path checkpoint written by N ranks resumes on M (ftcli.checkpoint: DCP reshards the model and
+optimizer; the data position is global blocks consumed, ftcli.data.BlockStream).
+
+The comparison: the same global batch, i.e. ranks x training.grad_accum blocks per optimizer step (2 x 1
+and 1 x 2), so every optimizer step trains the same blocks as the uninterrupted 2-rank run. Then
+  * the blocks of every step are exactly the uninterrupted run's (each block once overall);
+  * lr, trained and seen tokens are equal, losses within rel 1e-5 and grad norms within rel 1e-4 (fp32;
+    only the order of the sums differs between layouts; measured: loss rel <= 1.8e-7, grad norm rel <= 1.1e-5,
+    the bound test_train_full::test_loss_same_for_1_and_2_ranks uses for 1 vs 2 ranks).
+The first leg stops at step 4 by SIGTERM to rank 0 only (tests/_preempt_worker.py): every rank stops there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from _run_common import REPO, metrics, recipe_file, subprocess_env
+
+STEPS, STOP = 8, 4
+WORKER = REPO / "tests" / "_preempt_worker.py"
+COMMON = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false",
+          "training.checkpoint.save_final_hf=false", "training.checkpoint.every_steps=100"]
+
+
+def run_worker(tmp: Path, nproc: int, tag: str, run_dir: Path, grad_accum: int, *extra: str,
+               env: dict) -> list[dict]:
+    recipe = recipe_file(tmp / f"{tag}.yaml", f"output.dir={run_dir}", f"training.grad_accum={grad_accum}", *COMMON)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
+           str(tmp), tag, str(recipe), *extra]
+    res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def blocks_per_step(ranks: list[dict], grad_accum: int, first_step: int) -> dict[int, list[int]]:
+    """step -> the sorted packed-block indices every rank trained in it (padding blocks left out)."""
+    out: dict[int, list[int]] = {}
+    for r in ranks:
+        for i, index in enumerate(r["blocks"]):
+            if index >= 0:
+                out.setdefault(first_step + i // grad_accum, []).append(index)
+    return {step: sorted(v) for step, v in out.items()}
+
+
+def numbers(run_dir: Path) -> list[dict]:
+    return [{k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_trained", "tokens_seen")}
+            for m in metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, env):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    ranks = run_worker(tmp, 2, "u", tmp / "run", 1, env=env)
+    assert [r["steps"] for r in ranks] == [STEPS, STEPS]
+    return {"blocks": blocks_per_step(ranks, 1, 1), "metrics": numbers(tmp / "run")}
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
+def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterrupted, tmp_path, env, before, after):
+    run_dir = tmp_path / "run"
+    ga_before, ga_after = 2 // before, 2 // after  # 2 blocks per optimizer step in every layout
+    first = run_worker(tmp_path, before, "first", run_dir, ga_before,
+                       "--sigterm-at-block", str(STOP * ga_before), env=env)
+    assert [(r["stopped_at"], r["signal"]) for r in first] == [(STOP, 15)] * before  # rank 0 got it; all stopped
+    ckpt = run_dir / "checkpoints" / f"step_{STOP:08d}"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [ckpt.name]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert (meta["world_size"], meta["blocks_per_step"]) == (before, 2)
+    assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(before)]
+
+    second = run_worker(tmp_path, after, "second", run_dir, ga_after, "--resume", "latest", env=env)
+    assert [r["steps"] for r in second] == [STEPS] * after
+
+    # the blocks: step by step the uninterrupted run's, so none repeated or skipped overall
+    combined = {**blocks_per_step(first, ga_before, 1), **blocks_per_step(second, ga_after, STOP + 1)}
+    assert combined == uninterrupted["blocks"]
+    assert sorted(combined) == list(range(1, STEPS + 1)) and all(len(b) == 2 for b in combined.values())
+    overall = Counter(i for b in combined.values() for i in b)
+    assert max(overall.values()) == 1 and len(overall) == 2 * STEPS
+
+    # the trajectory: every step logged once, equal to the uninterrupted run within fp32 summation order
+    got, want = numbers(run_dir), uninterrupted["metrics"]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        assert (a["lr"], a["tokens_trained"], a["tokens_seen"]) == (b["lr"], b["tokens_trained"], b["tokens_seen"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    if before == 2:  # the first leg is the uninterrupted run's layout: bit for bit
+        assert got[:STOP] == want[:STOP]
+
