@@ -77,7 +77,7 @@ def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [ckpt.name]
     meta = json.loads((ckpt / "meta.json").read_text())
     assert (meta["world_size"], meta["blocks_per_step"]) == (before, 2)
-    assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(before)]
+    assert sorted(p.name for p in ckpt.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(before)]
 
     second = run_worker(tmp_path, after, "second", run_dir, ga_after, "--resume", "latest", env=env)
     assert [r["steps"] for r in second] == [STEPS] * after
