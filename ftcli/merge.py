@@ -2,20 +2,26 @@
 
     ADAPTER_DIR (a run dir with run.json, or an adapter dir)
       -> base: --base, else run.json base_model (path beats hub id@revision), else the adapter's
-         base_model_name_or_path; MXFP4 bases are dequantized (Mxfp4Config(dequantize=True))
-      -> load the base once, in --dtype, and attach the adapter (PEFT); a base of another
-         model_type or with other shapes is refused in one line
-      -> probe logits of base+adapter  ->  merge_and_unload (in place)  ->  probe logits again
+         base_model_name_or_path; its safetensors files are read tensor by tensor, MXFP4 experts
+         dequantized (ftcli.mxfp4)
+      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type or
+         with other shapes is refused in one line
+      -> three streamed forwards of a probe, one unit (decoder layer / root module) of base weights
+         resident at a time: base, base+adapter, and the merge (each unit merged by PEFT as it loads)
       -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
-         (MoE routing pinned, see RoutingReplay); otherwise nothing is written
-      -> save_pretrained(max_shard_size) + tokenizer + chat template + merge.json (the check's numbers)
+         (MoE routing pinned, see RoutingReplay); otherwise the shards written so far are removed
+      -> shards written as they fill (--format plain: every weight in --dtype; mxfp4: the experts
+         re-quantized by ftcli.mxfp4, bit for bit its quantizer) + config + tokenizer + merge.json
 
-Memory: the base is the only full copy that ever exists. The adapter is attached to it,
-`merge_and_unload` adds each low-rank delta into its weight in place, both probes run on that same
-object, and save_pretrained writes shard by shard. What comes on top is transient. Measured by benchmarks/merge_peak_rss.py on a 1.24B-param
-gpt-oss (8 layers) loaded from MXFP4, 2.31 GiB in bf16: peak RSS 3.83 GiB, 0.39 GiB of it imports, so
-1.49 bf16 copies; by phase: loading +0.44 GiB transient (dequantization), probes + merge +1.0 GiB
-transient (expert deltas, the bf16 LoRA forward's W + dW), saving +0.3 GiB whatever the shard size.
+Memory: the whole model never exists. Resident at once: one unit's base weights, PEFT's delta for it
+(fp32, the size of the adapted weight: for the experts of a gpt-oss layer, twice the unit's bf16 size),
+one pending output shard (MAX_SHARD_SIZE), the adapter, the imports. Measured by
+benchmarks/merge_peak_rss.py (peak RSS of the merge-lora process, ru_maxrss, minus that of a process that
+only imports the same modules), gpt-oss-20b's shape cut to 3 layers (3.63B params, 6.76 GiB in bf16,
+MXFP4 base, largest base shard 1.99 GiB, largest unit 1.53 GiB): 8.21 GiB, 4.1x the largest shard and
+1.21 bf16 copies of a model that small. None of it grows with depth (the pending shard is capped), so a
+deeper model of that width should stay near that figure (not measured beyond 3 layers). On the
+1.24B-param "mid" gpt-oss: 2.54 GiB, where the load-everything merge it replaced took 3.44 GiB.
 """
 
 from __future__ import annotations

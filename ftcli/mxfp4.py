@@ -61,6 +61,12 @@ def quantize_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(blocks `[E, out, G, 16]`, scales `[E, out, G]`) -> parameter `[E, in=G*32, out]` in `dtype`."""
+    if blocks.shape[0] > 1:  # one expert at a time: the lookup and scaling hold several fp32 copies of what they make
+        num_experts, fan_out, groups = blocks.shape[:3]
+        out = torch.empty(num_experts, groups * GROUP, fan_out, dtype=dtype)
+        for e in range(num_experts):
+            out[e] = dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], dtype)[0]
+        return out
     table = torch.tensor(E2M1_VALUES, dtype=dtype)
     lo, hi = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
     values = torch.stack((lo, hi), dim=-1).flatten(-2)  # [E, out, G, 32], element 2j then 2j+1
