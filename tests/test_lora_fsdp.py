@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _lora_common import run_ftcli
+from test_lora_train import _adapter, _metrics
 
 STEPS, SAVE_EVERY = 6, 3
 
@@ -56,16 +57,6 @@ def fsdp_run(tmp_path_factory):
     proc = run_ftcli(_train_args(run_dir), cwd=work)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return work, run_dir, proc
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _adapter(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "adapter_model.safetensors"))
 
 
 def test_the_run_says_its_base_is_sharded(fsdp_run):
