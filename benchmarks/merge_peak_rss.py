@@ -10,6 +10,7 @@ children's peak RSS is theirs alone (a fork copies the parent's resident pages i
 
     python benchmarks/merge_peak_rss.py              # tiny (the number is dominated by imports)
     python benchmarks/merge_peak_rss.py --size mid   # ~2.4 GB of bf16 weights, ~3 GB of disk
+    python benchmarks/merge_peak_rss.py --size 20b --layers 3   # gpt-oss-20b's shape cut to 3 layers (7.2 GB bf16)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def child_peak_rss(cmd: list[str]) -> int:
     return usage.ru_maxrss * 1024
 
 
-def make(size: str, out: Path) -> None:
+def make(size: str, out: Path, layers: int) -> None:
     """(child) a random gpt-oss written as MXFP4 to out/base, a random LoRA adapter to out/adapter."""
     import torch
     from peft import get_peft_model
@@ -56,6 +57,10 @@ def make(size: str, out: Path) -> None:
     cfg.pop("model_type")
     if size == "mid":
         cfg.update(MID)
+    if size == "20b":  # the shipped gpt-oss-20b shape, cut to `layers`
+        full = json.loads(Path(resolve_path("pkg://assets/models/openai--gpt-oss-20b.json")).read_text())
+        cfg.update({k: v for k, v in full.items() if k not in ("_comment", "model_type")})
+        cfg.update(num_hidden_layers=layers, layer_types=full["layer_types"][:layers], eos_token_id=10, pad_token_id=0)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **cfg), dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,16 +76,17 @@ def make(size: str, out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=["tiny", "mid"], default="tiny")
+    p.add_argument("--size", choices=["tiny", "mid", "20b"], default="tiny")
+    p.add_argument("--layers", type=int, default=3, help="decoder layers of --size 20b")
     p.add_argument("--make", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.make:
-        return make(args.size, args.make)
+        return make(args.size, args.make, args.layers)
 
     with tempfile.TemporaryDirectory(prefix="ftcli-merge-rss-") as tmp:
         tmp = Path(tmp)
-        subprocess.run([sys.executable, __file__, "--size", args.size, "--make", str(tmp)], check=True,
-                       capture_output=True)
+        subprocess.run([sys.executable, __file__, "--size", args.size, "--layers", str(args.layers), "--make", str(tmp)],
+                       check=True, capture_output=True)
         n_params = int((tmp / "n_params").read_text())
         imports = [sys.executable, "-c", "import torch, transformers, peft, safetensors, ftcli.merge, ftcli.modeling"]
         merge = [sys.executable, "-m", "ftcli", "merge-lora", str(tmp / "adapter"), "--base", str(tmp / "base"),
@@ -89,12 +95,18 @@ def main() -> None:
         peak = child_peak_rss(merge)
         model_bytes = 2 * n_params
         disk = sum(f.stat().st_size for f in (tmp / "merged").glob("*.safetensors"))
+        base_shard = max(f.stat().st_size for f in (tmp / "base").glob("*.safetensors"))
         report = json.loads((tmp / "merged" / "merge.json").read_text())
     gib = 2**30
     print(f"| model | params | bf16 size | import-only RSS | merge-lora peak RSS | merge - imports | in model copies |")
     print(f"|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| gpt-oss {args.size} | {n_params / 1e6:,.1f}M | {model_bytes / gib:.2f} GiB | {baseline / gib:.2f} GiB | "
+    name = f"gpt-oss {args.size}" + (f" ({args.layers} layers)" if args.size == "20b" else "")
+    print(f"| {name} | {n_params / 1e6:,.1f}M | {model_bytes / gib:.2f} GiB | {baseline / gib:.2f} GiB | "
           f"{peak / gib:.2f} GiB | {(peak - baseline) / gib:.2f} GiB | {(peak - baseline) / model_bytes:.2f} |")
+    shard = max(base_shard, report["largest_shard_bytes"])
+    print(f"\nlargest shard (base {base_shard / gib:.2f} GiB, merged {report['largest_shard_bytes'] / gib:.2f} GiB): "
+          f"merge - imports = {(peak - baseline) / shard:.2f} x the largest shard; the largest unit (a layer or a "
+          f"root module) is {report['largest_unit_bytes'] / gib:.2f} GiB of bf16 weights")
     print(f"\nmerged safetensors on disk: {disk / gib:.2f} GiB; merge check: max |merged - (base+adapter)| = "
           f"{report['max_abs_diff']:.3g} over {report['probe_tokens']} tokens, tolerance {report['tolerance']:.3g}, "
           f"{report['routing_ties']} near-tie routing choices replayed")

@@ -247,15 +247,17 @@ def merge_lora(
     base: Optional[str] = typer.Option(None, "--base", help="Base model id or path (default: from the adapter)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the merged model."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
+    fmt: str = typer.Option("plain", "--format", help="plain: every weight in --dtype; mxfp4: gpt-oss expert "
+                            "weights re-quantized to MXFP4 (the base's format), the rest in --dtype."),
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
     force: bool = ForceOpt,
 ) -> None:
-    """Merge a LoRA adapter into its base (MXFP4 bases dequantized) and verify the merge."""
+    """Merge a LoRA adapter into its base (MXFP4 bases dequantized), streamed one layer at a time, and verify it."""
     r = _load(recipe, overrides)
     from ftcli.merge import run_merge
 
-    run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=r, force=force)
+    run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=r, force=force, fmt=fmt)
 
 
 # ------------------------------------------------------------------------------------------ register

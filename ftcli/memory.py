@@ -5,7 +5,8 @@
     state       full SFT (FSDP2, sharded over W GPUs): P x (weights + grads + 2 AdamW moments) / W, at
                 4+4+8 bytes per parameter with fp32 master weights and 2+2+4 with bf16 ones, plus the frozen
                 vision tower's weights (sharded). LoRA (DDP): the whole base in the model dtype on every
-                GPU, plus the adapter's fp32 weights, grads and moments. Exact from the config.
+                GPU, plus the adapter's fp32 weights, grads and moments. LoRA (FSDP2, `sharding: fsdp`): the
+                base and the adapter's state sharded over W GPUs. Exact from the config.
     transient   what lives only during a step, the larger of two phases (neither depends on W: FSDP
                 gathers whole units on every rank):
 
@@ -19,6 +20,9 @@
                    + with bf16 master weights, the root's bf16 gradients next to their fp32 copy: 2 x P_root
         reduce       (the end of backward) the root unit's (embeddings, LM head) unsharded fp32 gradients
                      before their reduce-scatter: 4 x P_root (+ the bf16 copy with bf16 master weights)
+        sharded LoRA the frozen base's gathered units next to the activations: the root unit (FSDP2 keeps
+                     it unsharded from forward to backward) and two decoder layers (the one computing and
+                     the one prefetched), in the model dtype; no base gradients exist, so no reduce phase
 
     T = tokens per micro-batch (block_len x per_device_batch). K and F are fitted by least squares
     (`fit`) on the measured peaks in ftcli/assets/measured.json (one H200; BENCHMARKS.md); the fitted
@@ -166,6 +170,7 @@ class Setting:
     loss: str = "chunked"  # chunked | liger | full (| trl for LoRA)
     chunk_tokens: int = 4096
     adapter_params: int = 0  # LoRA
+    sharding: str = "ddp"  # LoRA: ddp (a whole base per GPU) | fsdp (the base sharded, FSDP2)
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,11 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     if s.method == "lora":
         base = (shape.total_params + shape.frozen_params) * s.compute_bytes
         a = s.adapter_params
+        if s.sharding == "fsdp":
+            w = s.world
+            gathered = (shape.root_params + 2 * max(shape.layer_params)) * s.compute_bytes
+            return Estimate(params=(base + 4 * a) / w / GiB, grads=4 * a / w / GiB, optimizer=8 * a / w / GiB,
+                            activations=activations / GiB, loss=loss / GiB, other=gathered / GiB)
         return Estimate(params=(base + 4 * a) / GiB, grads=4 * a / GiB, optimizer=8 * a / GiB,
                         activations=activations / GiB, loss=loss / GiB, other=0.0)
     master = 4 if s.master == "fp32" else 2

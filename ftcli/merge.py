@@ -2,28 +2,36 @@
 
     ADAPTER_DIR (a run dir with run.json, or an adapter dir)
       -> base: --base, else run.json base_model (path beats hub id@revision), else the adapter's
-         base_model_name_or_path; MXFP4 bases are dequantized (Mxfp4Config(dequantize=True))
-      -> load the base once, in --dtype, and attach the adapter (PEFT); a base of another
-         model_type or with other shapes is refused in one line
-      -> probe logits of base+adapter  ->  merge_and_unload (in place)  ->  probe logits again
+         base_model_name_or_path; its safetensors files are read tensor by tensor, MXFP4 experts
+         dequantized (ftcli.mxfp4)
+      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type or
+         with other shapes is refused in one line
+      -> three streamed forwards of a probe, one unit (decoder layer / root module) of base weights
+         resident at a time: base, base+adapter, and the merge (each unit merged by PEFT as it loads)
       -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
-         (MoE routing pinned, see RoutingReplay); otherwise nothing is written
-      -> save_pretrained(max_shard_size) + tokenizer + chat template + merge.json (the check's numbers and
-         the files written), into a temporary sibling that then takes the output's place. `-o` is
-         checked before anything loads: never the adapter, its run, the base or a folder holding them,
-         never a dir with files merge-lora did not write; an earlier merge is replaced only with --force
+         (MoE routing pinned, see RoutingReplay); otherwise the shards written so far are removed
+      -> shards written as they fill (--format plain: every weight in --dtype; mxfp4: the experts
+         re-quantized by ftcli.mxfp4, bit for bit its quantizer) + config + tokenizer + merge.json (the
+         check's numbers and the files written), into a temporary sibling that then takes the output's
+         place. `-o` is checked before anything loads: never the adapter, its run, the base or a folder
+         holding them, never a dir with files merge-lora did not write; an earlier merge is replaced only
+         with --force, once the new one has passed
 
-Memory: the base is the only full copy that ever exists. The adapter is attached to it,
-`merge_and_unload` adds each low-rank delta into its weight in place, both probes run on that same
-object, and save_pretrained writes shard by shard. What comes on top is transient. Measured by benchmarks/merge_peak_rss.py on a 1.24B-param
-gpt-oss (8 layers) loaded from MXFP4, 2.31 GiB in bf16: peak RSS 3.83 GiB, 0.39 GiB of it imports, so
-1.49 bf16 copies; by phase: loading +0.44 GiB transient (dequantization), probes + merge +1.0 GiB
-transient (expert deltas, the bf16 LoRA forward's W + dW), saving +0.3 GiB whatever the shard size.
+Memory: the whole model never exists. Resident at once: one unit's base weights, PEFT's delta for it
+(fp32, the size of the adapted weight: for the experts of a gpt-oss layer, twice the unit's bf16 size),
+one pending output shard (MAX_SHARD_SIZE), the adapter, the imports. Measured by
+benchmarks/merge_peak_rss.py (peak RSS of the merge-lora process, ru_maxrss, minus that of a process that
+only imports the same modules), gpt-oss-20b's shape cut to 3 layers (3.63B params, 6.76 GiB in bf16,
+MXFP4 base, largest base shard 1.99 GiB, largest unit 1.53 GiB): 8.21 GiB, 4.1x the largest shard and
+1.21 bf16 copies of a model that small. None of it grows with depth (the pending shard is capped), so a
+deeper model of that width should stay near that figure (not measured beyond 3 layers). On the
+1.24B-param "mid" gpt-oss: 2.54 GiB, where the load-everything merge it replaced took 3.44 GiB.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -42,13 +50,15 @@ MERGE_REPORT = "merge.json"  # the check's numbers, and the files this merge wro
 # every merged weight is rounded once (W + dW -> 8 or 11 mantissa bits); measured on an 8-layer
 # gpt-oss of width 1024 in bf16: 0.039 at a logit scale of 3.3 (~3 ulps), so 8 ulps is the bound.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 8 * 2**-8, "float16": 8 * 2**-11}
+FORMATS = ("plain", "mxfp4")  # plain: every weight in --dtype; mxfp4: expert weights re-quantized (gpt-oss)
 
 
-def run_merge(adapter_dir: Path, *, base: str | None, output: Path | None, dtype: str, recipe, force: bool) -> None:
+def run_merge(adapter_dir: Path, *, base: str | None, output: Path | None, dtype: str, recipe, force: bool,
+              fmt: str = "plain") -> None:
     """The CLI command: merge, verify, save, and print one summary line."""
     from rich.console import Console
 
-    out, report = _merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force)
+    out, report = _merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force, fmt=fmt)
     Console(stderr=True).print(
         f"merged {report['adapter']} into {report['base']} -> {out}  "
         f"(check: max |merged - (base+adapter)| = {report['max_abs_diff']:.3g} over {report['probe_tokens']} probe "
@@ -59,9 +69,9 @@ def run_merge(adapter_dir: Path, *, base: str | None, output: Path | None, dtype
 
 
 def merge_lora(adapter_dir: Path, *, base: str | None = None, output: Path | None = None, dtype: str = "bfloat16",
-               recipe=None, force: bool = False) -> Path:
+               recipe=None, force: bool = False, fmt: str = "plain") -> Path:
     """Merge, verify and save; returns the output dir (what `ftcli register` calls)."""
-    return _merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force)[0]
+    return _merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force, fmt=fmt)[0]
 
 
 # ------------------------------------------------------------------------------------- resolution
@@ -187,7 +197,7 @@ def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: 
     """Where the merged model goes, checked before anything is loaded; deletes nothing. Refused: the
     adapter, its run dir, the base, any folder holding one of them, a folder inside the adapter or
     the base, and a non-empty dir that is not an earlier merge-lora output (merge.json lists the files
-    it wrote; with --force such an output is replaced, by `_save_merged`, once the new merge passed)."""
+    it wrote; with --force such an output is replaced, by `_put_in_place`, once the new merge passed)."""
     out = Path(output) if output else (run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged"))
     out = out.expanduser().resolve()
     for what, path in (("its run dir", run_dir), ("the adapter", adapter), ("the base model", base.path)):
@@ -228,82 +238,309 @@ def _merged_files(out: Path) -> set[str] | None:
     return {*files, MERGE_REPORT}
 
 
-def _save_merged(model, tokenizer_src, report: dict[str, Any], out: Path, force: bool) -> None:
-    """Write into a fresh temporary sibling, list the files in merge.json, then put it in place of `out`
-    (an earlier merge there is removed file by file, only after the new one is complete)."""
+def _put_in_place(tmp: Path, out: Path, report: dict[str, Any], force: bool) -> None:
+    """List the files in merge.json, then put the finished merge in `tmp` in place of `out` (an earlier
+    merge there is removed file by file, only now that the new one is complete)."""
+    report["files"] = sorted(p.name for p in tmp.iterdir()) + [MERGE_REPORT]
+    (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    if out.is_dir():
+        _check_replaceable(out, force)  # again: the dir may have changed while merging
+        for name in _merged_files(out) or ():
+            target = out / name
+            if target.is_file() or target.is_symlink():
+                target.unlink()
+        out.rmdir()
+    os.replace(tmp, out)
+
+
+# ------------------------------------------------------------------------------------------ merge
+def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = "plain") -> tuple[Path, dict[str, Any]]:
     import tempfile
 
     from transformers import AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
-        try:
-            AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
-        except OSError:
-            pass  # a base without tokenizer files: the merged model is still complete
-        report["files"] = sorted(p.name for p in tmp.iterdir()) + [MERGE_REPORT]
-        (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        if out.is_dir():
-            _check_replaceable(out, force)  # again: the dir may have changed while merging
-            for name in _merged_files(out) or ():
-                target = out / name
-                if target.is_file() or target.is_symlink():
-                    target.unlink()
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-# ------------------------------------------------------------------------------------------ merge
-def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force) -> tuple[Path, dict[str, Any]]:
-    import torch
-    from peft import PeftModel
-
-    from ftcli.modeling import load_model
-
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: use {' or '.join(FORMATS)}")
     adapter, run_dir, run = resolve_adapter(adapter_dir)
     resolved = resolve_base(adapter, run_dir, run, base)
     base_ref = resolved.ref
     out = _output_dir(output, adapter, run_dir, resolved, force)  # refuse before any loading
     cfg = _model_config(base_ref, resolved.revision, dtype, run, recipe)
+    if fmt == "mxfp4" and cfg.model_type != "gpt_oss":
+        raise UserError(f"--format mxfp4 writes gpt-oss expert weights; base {base_ref!r} is a '{cfg.model_type}' model")
 
-    model = load_model(cfg)
-    model.eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {_first_problem(e)}") from None
-    _check_all_adapter_weights_loaded(model, adapter, base_ref)
+        report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
+        report.update(adapter=str(adapter), base=base_ref)
+        tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
+        try:
+            AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
+        except OSError:
+            pass  # a base without tokenizer files: the merged model is still complete
+        _put_in_place(tmp, out, report, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, report
 
-    probe = _probe_batch(model.config.get_text_config().vocab_size)
+
+# -------------------------------------------------------------------------------------- streaming
+#
+# The merge never holds the whole model. Its skeleton lives on the meta device (no storage; the rotary
+# buffers on the CPU), the adapter is loaded whole (small), and one unit at a time -- a decoder layer,
+# or one of the root modules (embeddings, final norm, LM head) -- is materialized from the base's
+# safetensors files by a forward pre-hook and dropped back to meta by the forward post-hook:
+#
+#     probe -> embed -> layer 0 -> layer 1 -> ... -> norm -> lm_head -> logits
+#              ^load/drop ^load/drop                           (one unit resident at a time)
+#
+# Three streamed forwards of the probe: the base (adapter disabled), base+adapter (MoE routing
+# recorded), and the merge itself: the pre-hook loads the unit and merges its LoRA layers (PEFT's
+# `merge`, as merge_and_unload would), the forward runs on the merged weights (routing replayed), and
+# the post-hook checks them (W + dW) and hands them to the shard writer before dropping them. Host
+# memory: the largest unit + one pending output shard + the adapter + what the imports take.
+def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, fmt: str) -> dict[str, Any]:
+    import torch
+
+    from ftcli import mxfp4
+
+    reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype))
+    model, config = _meta_peft_model(cfg, adapter, resolved.ref)
+    units = _units(model)
+    probe = _probe_batch(config.get_text_config().vocab_size)
     routing = RoutingReplay(model)
+    writer = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE))  # `out`: the caller's fresh temporary dir
+
+    def discard() -> None:
+        writer.discard()
+    quant: dict[str, float] = {"max_abs_error": 0.0, "sq_error": 0.0, "sq_weight": 0.0}
+
+    def write(name: str, tensor) -> None:
+        for disk_name, disk_tensor in (mxfp4.mxfp4_tensors(name, tensor) if fmt == "mxfp4" else [(name, tensor)]):
+            writer.add(disk_name, disk_tensor)
+        if fmt == "mxfp4" and mxfp4.expert_param_name(name):
+            back = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(tensor), dtype=torch.float32)
+            err = back - tensor.float()
+            quant["max_abs_error"] = max(quant["max_abs_error"], err.abs().max().item())
+            quant["sq_error"] += err.square().sum().item()
+            quant["sq_weight"] += tensor.float().square().sum().item()
+
+    passes = [StreamedUnits(units, reader, dtype), StreamedUnits(units, reader, dtype),
+              StreamedUnits(units, reader, dtype, merge=True, write=write)]
     with torch.no_grad():
-        with model.disable_adapter():
+        with passes[0], model.disable_adapter():
             base_logits = model(input_ids=probe).logits.float()
-        with routing.record():
+        with passes[1], routing.record():
             adapted = model(input_ids=probe).logits.float()
-        expected = _expected_merged_slices(model)
-        model = model.merge_and_unload()
-        with routing.replay():
-            merged = model(input_ids=probe).logits.float()
-        _check_merged_weights(model, expected, dtype)
+        try:
+            with passes[2], routing.replay():
+                merged = model(input_ids=probe).logits.float()
+        except UserError:
+            discard()
+            raise
     routing.remove()
     report = _compare_logits(merged, adapted, base_logits, dtype)
-    report.update(adapter=str(adapter), base=base_ref, routing_ties=routing.flips)
+    report.update(routing_ties=routing.flips, format=fmt,
+                  max_resident_bytes=max(p.max_resident_bytes for p in passes),  # base weights materialized at once
+                  largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
+                                             if "lora_" not in n) for _, m in units))
     if not report["passed"]:
+        discard()
         raise UserError(f"merge check failed: merged logits differ from base+adapter by up to {report['max_abs_diff']:.3g} "
                         f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
                         f"(tolerance {report['tolerance']:.3g}); nothing was written")
+    writer.finish()
+    report["largest_shard_bytes"] = writer.largest_shard_bytes
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)  # the dequantized weights, unless re-quantized below
+    config_dict["dtype"] = dtype
+    if fmt == "mxfp4":
+        config_dict = mxfp4.mxfp4_config(config_dict)
+        report["mxfp4"] = {"max_abs_error": quant["max_abs_error"],
+                           "relative_rms_error": (quant["sq_error"] / max(quant["sq_weight"], 1e-30)) ** 0.5}
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    if (reader.folder / "generation_config.json").is_file():
+        shutil.copyfile(reader.folder / "generation_config.json", out / "generation_config.json")
+    return report
 
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config  # the weights are dequantized now
-    model.hf_quantizer = None
-    _save_merged(model, adapter if _has_tokenizer(adapter) else base_ref, report, out, force)
-    return out, report
+
+def _shard_bytes(size: str) -> int:
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3}
+    return int(float(size[:-2]) * units[size[-2:]]) if size[-2:] in units else int(size)
+
+
+def _base_folder(resolved: BaseRef) -> Path:
+    """The base's files on this machine: its dir, or the hub snapshot (config, safetensors; downloaded once)."""
+    if resolved.local:
+        return resolved.path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(resolved.id, revision=resolved.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as e:  # noqa: BLE001 - hub errors come in many classes; each is a one-line user problem
+        raise UserError(f"base {resolved}: cannot download it ({str(e).splitlines()[0]})") from None
+
+
+class CheckpointReader:
+    """The base's tensors by the model's state-dict names, one at a time, from its safetensors files (one file
+    or a sharded index); MXFP4 expert weights (`{name}_blocks` + `{name}_scales`) dequantized by
+    `ftcli.mxfp4.dequantize_mxfp4` (checked against transformers' loader in tests/test_lora_mxfp4.py)."""
+
+    def __init__(self, folder: Path, dtype) -> None:
+        self.folder, self.dtype = Path(folder), dtype
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.folder / "model.safetensors"), "pt") as f:
+                self.files = {k: self.folder / "model.safetensors" for k in f.keys()}
+        else:
+            raise UserError(f"base {self.folder} has no model.safetensors(.index.json); merge-lora reads safetensors")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files or f"{name}_blocks" in self.files
+
+    def _raw(self, name: str):
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def get(self, name: str):
+        from ftcli.mxfp4 import dequantize_mxfp4
+
+        if name in self.files:
+            return self._raw(name).to(self.dtype)
+        if f"{name}_blocks" in self.files:
+            return dequantize_mxfp4(self._raw(f"{name}_blocks"), self._raw(f"{name}_scales"), dtype=self.dtype)
+        raise UserError(f"base {self.folder}: no tensor {name} in its safetensors files")
+
+
+def _meta_peft_model(cfg, adapter: Path, base_ref: str):
+    """base+adapter with every base weight on the meta device and the adapter's weights loaded (float32, as
+    PEFT keeps adapters of a bf16 base); a base of other shapes is refused in one line."""
+    import torch
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from peft import PeftModel, load_peft_weights
+
+    from ftcli.modeling import DTYPES, auto_class, load_config
+
+    config = load_config(cfg)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        base = auto_class(cfg.model_class).from_config(config, dtype=DTYPES[cfg.dtype],
+                                                        trust_remote_code=cfg.trust_remote_code)
+    base.eval()
+    try:
+        model = PeftModel.from_pretrained(base, str(adapter), low_cpu_mem_usage=True)
+        saved = load_peft_weights(str(adapter), device="cpu")
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {_first_problem(e)}") from None
+    slots = {name.replace(".default", ""): name for name, _ in model.named_parameters() if "lora_" in name}
+    missing = sorted(set(saved) - set(slots))
+    if missing:
+        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {len(missing)} adapter tensors "
+                        f"have no place in it (e.g. {missing[0]})")
+    params = dict(model.named_parameters())
+    for key, tensor in saved.items():
+        name = slots[key]
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            plain = key.removeprefix("base_model.model.")
+            raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {plain} is "
+                            f"{list(tensor.shape)} in the adapter but {list(params[name].shape)} on this base")
+        set_module_tensor_to_device(model, name, "cpu", value=tensor.to(torch.float32))
+    return model, config
+
+
+def plain_name(peft_name: str) -> str:
+    """A PEFT model's state-dict name -> the merged (plain) model's name."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def _units(model) -> list[tuple[str, Any]]:
+    """(prefix, module) of what is resident at once: each decoder layer, and each other module that holds
+    base weights of its own (embeddings, final norm, LM head)."""
+    from ftcli.modeling import decoder_layers
+
+    layers = decoder_layers(model.get_base_model())
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [(names[id(layer)], layer) for layer in layers]
+    inside = tuple(prefix + "." for prefix, _ in units)
+    for name, module in model.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False) if "lora_" not in name + n]
+        if own and not (name + ".").startswith(inside):
+            units.append((name, module))
+    return units
+
+
+class StreamedUnits:
+    """While active: each unit's base weights are read (`reader`) in its forward pre-hook and dropped back to
+    meta in its post-hook. With `merge`, the unit's LoRA layers are merged right after loading, and the
+    post-hook checks each adapted weight against W + dW and passes every merged tensor to `write`."""
+
+    def __init__(self, units, reader: CheckpointReader, dtype: str, *, merge: bool = False, write=None) -> None:
+        self.units, self.reader, self.dtype, self.merge, self.write = units, reader, dtype, merge, write
+        self.handles: list = []
+        self.expected: dict[str, tuple] = {}
+        self.resident_bytes = self.max_resident_bytes = 0
+
+    def __enter__(self):
+        for prefix, module in self.units:
+            self.handles.append(module.register_forward_pre_hook(functools.partial(self._load, prefix)))
+            self.handles.append(module.register_forward_hook(functools.partial(self._drop, prefix)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _base_tensors(self, prefix: str, module):
+        """(name in the module, plain name) of the unit's base weights and persistent buffers."""
+        for name, _ in module.state_dict().items():
+            if "lora_" not in name:
+                yield name, plain_name(f"{prefix}.{name}")
+
+    def _load(self, prefix: str, module, args) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        for name, plain in self._base_tensors(prefix, module):
+            value = self.reader.get(plain)
+            set_module_tensor_to_device(module, name, "cpu", value=value)
+            self.resident_bytes += value.numel() * value.element_size()
+        self.max_resident_bytes = max(self.max_resident_bytes, self.resident_bytes)
+        if self.merge:
+            self.expected = _expected_merged_slices(module, prefix)
+            for sub in _lora_layers(module):
+                sub.merge(adapter_names=["default"])
+
+    def _drop(self, prefix: str, module, args, output) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        if self.merge:
+            state = {plain: module.state_dict()[name] for name, plain in self._base_tensors(prefix, module)}
+            _check_merged_weights(state, self.expected, self.dtype)
+            for plain, tensor in state.items():
+                self.write(plain, tensor.detach())
+        for name, _ in self._base_tensors(prefix, module):
+            tensor = module.state_dict()[name]
+            self.resident_bytes -= tensor.numel() * tensor.element_size()
+            set_module_tensor_to_device(module, name, "meta")
+
+
+def _is_lora(module) -> bool:
+    from peft.tuners.lora.layer import LoraLayer
+
+    return isinstance(module, LoraLayer) and "default" in module.lora_A
+
+
+def _lora_layers(module) -> list:
+    return [m for m in module.modules() if _is_lora(m)]
 
 
 class RoutingReplay:
@@ -357,16 +594,16 @@ def _compare_logits(merged, adapted, base_logits, dtype: str) -> dict[str, Any]:
             "passed": over == 0}
 
 
-def _expected_merged_slices(peft_model) -> dict[str, tuple]:
-    """For every adapted weight, a few rows of (base weight, low-rank delta) taken before the merge,
-    keyed by the weight's name in the merged model (exactness check of the merge itself)."""
-    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+def _expected_merged_slices(unit, prefix: str) -> dict[str, tuple]:
+    """For every adapted weight of a unit, its first row of (base weight, low-rank delta) taken before the
+    merge, keyed by the weight's plain name (exactness check of the merge itself)."""
+    from peft.tuners.lora.layer import ParamWrapper
 
     expected = {}
-    for name, module in peft_model.named_modules():
-        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+    for name, module in unit.named_modules():
+        if not _is_lora(module):
             continue
-        target = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        target = plain_name(f"{prefix}.{name}" if name else prefix)
         if isinstance(module, ParamWrapper):
             target, weight = f"{target}.{module.parameter_name}", module.get_param()
         else:
@@ -376,15 +613,14 @@ def _expected_merged_slices(peft_model) -> dict[str, tuple]:
     return expected
 
 
-def _check_merged_weights(model, expected: dict[str, tuple], dtype: str) -> None:
+def _check_merged_weights(state: dict, expected: dict[str, tuple], dtype: str) -> None:
     import torch
 
-    params = dict(model.named_parameters())
     eps = torch.finfo(getattr(torch, dtype)).eps
     for name, (w0, delta) in expected.items():
-        if name not in params:
-            raise UserError(f"merge check failed: {name} is missing after merge_and_unload; nothing was written")
-        got = params[name][:1].float()
+        if name not in state:
+            raise UserError(f"merge check failed: {name} is missing after the merge; nothing was written")
+        got = state[name][:1].float()
         bound = 2 * eps * (w0.abs() + delta.abs()) + 1e-30
         if not bool(((got - (w0 + delta)).abs() <= bound).all()):
             raise UserError(f"merge check failed: {name} did not receive its LoRA delta; nothing was written")
@@ -412,19 +648,3 @@ def _first_problem(e: Exception) -> str:
             name = m.group(1).removeprefix("base_model.model.").replace(".default", "")
             return f"{name} is {m.group(2)} in the adapter but {m.group(3)} on this base"
     return lines[0] if lines else type(e).__name__
-
-
-def _check_all_adapter_weights_loaded(model, adapter: Path, base_ref: str) -> None:
-    """PEFT only warns about adapter tensors that found no place in the base; that is a wrong base."""
-    from safetensors import safe_open
-
-    path = adapter / "adapter_model.safetensors"
-    if not path.is_file():
-        return
-    with safe_open(str(path), "pt") as f:
-        saved = set(f.keys())
-    loaded = {name.replace(".default", "") for name, _ in model.named_parameters() if "lora_" in name}
-    missing = sorted(saved - loaded)
-    if missing:
-        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {len(missing)} adapter tensors "
-                        f"have no place in it (e.g. {missing[0]})")

@@ -42,6 +42,9 @@ def quantize_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_experts, fan_in, fan_out = param.shape
     if fan_in % GROUP:
         raise ValueError(f"MXFP4 needs the input dim to be a multiple of {GROUP}, got {fan_in}")
+    if num_experts > 1:  # one expert at a time: the nearest-code search holds 8 fp32 copies of what it quantizes
+        parts = [quantize_mxfp4(param[e : e + 1]) for e in range(num_experts)]
+        return torch.cat([b for b, _ in parts]), torch.cat([s for _, s in parts])
     w = param.detach().to(torch.float32).transpose(1, 2).reshape(num_experts, fan_out, fan_in // GROUP, GROUP)
     amax = w.abs().amax(dim=-1, keepdim=True)
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - 2, 0.0)
@@ -58,6 +61,12 @@ def quantize_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(blocks `[E, out, G, 16]`, scales `[E, out, G]`) -> parameter `[E, in=G*32, out]` in `dtype`."""
+    if blocks.shape[0] > 1:  # one expert at a time: the lookup and scaling hold several fp32 copies of what they make
+        num_experts, fan_out, groups = blocks.shape[:3]
+        out = torch.empty(num_experts, groups * GROUP, fan_out, dtype=dtype)
+        for e in range(num_experts):
+            out[e] = dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], dtype)[0]
+        return out
     table = torch.tensor(E2M1_VALUES, dtype=dtype)
     lo, hi = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
     values = torch.stack((lo, hi), dim=-1).flatten(-2)  # [E, out, G, 32], element 2j then 2j+1
@@ -66,19 +75,79 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.reshape(num_experts, fan_out, -1).transpose(1, 2).contiguous()
 
 
-def _expert_param_name(name: str) -> bool:
+def expert_param_name(name: str) -> bool:
+    """Whether the state-dict entry `name` is stored in MXFP4 by the gpt-oss checkpoints."""
     return ".mlp.experts." in name and name.rsplit(".", 1)[-1] in EXPERT_PARAMS
+
+
+def mxfp4_tensors(name: str, tensor: torch.Tensor):
+    """(name, tensor) in the on-disk layout: an expert weight as `_blocks`/`_scales`, anything else as is."""
+    if expert_param_name(name):
+        blocks, scales = quantize_mxfp4(tensor)
+        return [(f"{name}_blocks", blocks), (f"{name}_scales", scales)]
+    return [(name, tensor.detach().contiguous())]
+
+
+def mxfp4_config(config: dict) -> dict:
+    """config.json of an MXFP4 checkpoint: the published `quantization_config`."""
+    return {**config, "quantization_config": {"quant_method": "mxfp4",
+                                              "modules_to_not_convert": MODULES_TO_NOT_CONVERT}}
+
+
+class ShardWriter:
+    """Safetensors shards written as they fill (host memory: at most one shard of pending tensors), then
+    named like save_pretrained's: model.safetensors, or model-0000i-of-0000n.safetensors + the index."""
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
+        self.out, self.max_shard_bytes = Path(out_dir), max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[str, list[str]]] = []
+        self.largest_shard_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"model-{len(self.written) + 1:05d}.safetensors"
+        save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        self.written.append((fname, list(self.pending)))
+        self.largest_shard_bytes = max(self.largest_shard_bytes, self.pending_bytes)
+        self.pending, self.pending_bytes = {}, 0
+
+    def discard(self) -> None:
+        """Remove the shards written so far (a merge whose check failed leaves nothing behind)."""
+        for fname, _ in self.written:
+            (self.out / fname).unlink(missing_ok=True)
+        self.written, self.pending, self.pending_bytes = [], {}, 0
+
+    def finish(self) -> dict[str, str]:
+        """Flush, name the shards, write the index; returns the weight map (tensor name -> file)."""
+        self._flush()
+        weight_map = {}
+        for i, (fname, names) in enumerate(self.written):
+            final = f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            (self.out / fname).rename(self.out / final)
+            weight_map.update({n: final for n in names})
+        if len(self.written) == 1:
+            (self.out / weight_map[next(iter(weight_map))]).rename(self.out / "model.safetensors")
+            return {n: "model.safetensors" for n in weight_map}
+        total = sum((self.out / f).stat().st_size for f in set(weight_map.values()))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return weight_map
 
 
 def mxfp4_state_dict(model: nn.Module):
     """Yield (name, tensor) in the on-disk layout: expert weights as `_blocks`/`_scales`, the rest as is."""
     for name, tensor in model.state_dict().items():
-        if _expert_param_name(name):
-            blocks, scales = quantize_mxfp4(tensor)
-            yield f"{name}_blocks", blocks
-            yield f"{name}_scales", scales
-        else:
-            yield name, tensor.detach().contiguous()
+        yield from mxfp4_tensors(name, tensor)
 
 
 def save_mxfp4(model: nn.Module, out_dir: str | Path, *, tokenizer=None, max_shard_bytes: int = 2 << 30) -> Path:
@@ -86,47 +155,17 @@ def save_mxfp4(model: nn.Module, out_dir: str | Path, *, tokenizer=None, max_sha
 
     Tensors are quantized and written shard by shard, so host memory grows by at most one shard.
     """
-    from safetensors.torch import save_file
-
     if getattr(model.config, "model_type", None) != "gpt_oss":
         raise ValueError(f"MXFP4 writer supports gpt_oss models, got {getattr(model.config, 'model_type', None)!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    written: list[tuple[str, list[str]]] = []
-
-    def flush(index: int) -> None:
-        fname = f"model-{index:05d}.safetensors"
-        save_file(shards[-1], str(out / fname), metadata={"format": "pt"})
-        written.append((fname, list(shards[-1])))
-
+    writer = ShardWriter(out, max_shard_bytes)
     for name, tensor in mxfp4_state_dict(model):
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            flush(len(written) + 1)
-            shards[-1], shard_bytes = {}, 0
-        shards[-1][name] = tensor
-        shard_bytes += size
-    flush(len(written) + 1)
-
-    weight_map, total = {}, 0
-    for i, (fname, names) in enumerate(written):
-        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        (out / fname).rename(out / final)
-        weight_map.update({n: final for n in names})
-    if len(written) == 1:
-        (out / weight_map[next(iter(weight_map))]).rename(out / "model.safetensors")
-    else:
-        total = sum((out / f).stat().st_size for f in set(weight_map.values()))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
+        writer.add(name, tensor)
+    writer.finish()
     model.config.save_pretrained(out)
     config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
-    config_path.write_text(json.dumps(config, indent=2))
+    config_path.write_text(json.dumps(mxfp4_config(json.loads(config_path.read_text())), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out

@@ -2,7 +2,8 @@
 
 For the recipe's own accelerator and the other known cards, per GPU:
 
-    state        params + grads + AdamW moments (sharded by FSDP2; for LoRA the whole base on every GPU)
+    state        params + grads + AdamW moments (sharded by FSDP2; LoRA: the whole base on every GPU with
+                 `training.sharding: ddp`, the base sharded with fsdp; auto picks ddp where it fits)
     activations  for the recipe's checkpointing mode and block length
     loss         the loss's transient (full logits, one chunk of the chunked loss, liger's chunk)
     other        the rest of the peak phase (the root unit's unsharded gradients, bf16 gradient copies)
@@ -79,9 +80,11 @@ class CardPlan:
     step: StepTime
     wall_hours: float | None
     gpu_hours: float | None
+    sharding: str = "fsdp"  # LoRA: ddp (a whole base per GPU) | fsdp; full SFT: always fsdp
 
     def to_dict(self) -> dict[str, Any]:
         return {"accelerator": self.accelerator, "card": self.card, "gpus": self.gpus, "own": self.own,
+                "sharding": self.sharding,
                 "memory_gib": self.estimate.to_dict(), "usable_gib": round(self.usable_gib, 2), "fits": self.fits,
                 "keep_layers": self.keep_layers, "fitting_settings": [list(s.overrides) for s in self.suggestions],
                 "s_per_step": None if self.step.s_per_step is None else round(self.step.s_per_step, 4),
@@ -116,7 +119,7 @@ class Plan:
                 "frozen_params": self.frozen_params,
                 "setting": {"tokens_per_micro_batch": s.tokens, "master": s.master, "checkpointing": s.checkpointing,
                             "keep": s.keep, "loss": s.loss, "compute_bytes": s.compute_bytes,
-                            "adapter_params": s.adapter_params},
+                            "adapter_params": s.adapter_params, "sharding": s.sharding},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
                 "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
 
@@ -179,9 +182,39 @@ def adapter_params(recipe: Recipe, shape: memory.ModelShape) -> int:
     return total + per_layer_experts * shape.layers
 
 
-def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = None) -> memory.Setting:
+def lora_sharding(recipe: Recipe, shape: memory.ModelShape, card: str | None = None, world: int | None = None) -> str:
+    """`training.sharding` resolved for LoRA on `card` (default: the recipe's own): "auto" is ddp where a whole
+    base per GPU fits, else fsdp (also when neither fits: that is the one more GPUs or settings can fix); ddp
+    on a card ftcli has no figures for."""
+    chosen = recipe.training.sharding
+    if chosen != "auto":
+        return chosen
+    card = card or recipe.compute.accelerator_type.split("x", 1)[1]
+    if card not in CARDS:
+        return "ddp"
+    fits, _ = _fits(shape, setting_of(recipe, shape, world, sharding="ddp"), CARDS[card]["memory_gb"])
+    return "ddp" if fits else "fsdp"
+
+
+def resolved_sharding(recipe: Recipe) -> tuple[str, str]:
+    """(ddp | fsdp, why) for the LoRA trainer: the recipe's setting, or what `plan` says fits its accelerator."""
+    if recipe.training.sharding != "auto":
+        return recipe.training.sharding, "training.sharding"
+    try:
+        shape = model_shape(recipe)
+    except UserError as e:
+        return "ddp", f"training.sharding=auto, not sized ({e})"
+    chosen = lora_sharding(recipe, shape)
+    return chosen, (f"training.sharding=auto: a whole base per GPU {'fits' if chosen == 'ddp' else 'does not fit'} "
+                    f"{recipe.compute.accelerator_type}")
+
+
+def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = None, *, card: str | None = None,
+               sharding: str | None = None) -> memory.Setting:
     t = recipe.training
     lora = t.method == "lora"
+    if lora and sharding is None:
+        sharding = lora_sharding(recipe, shape, card, world)
     dtype = recipe.model.dtype if lora else t.precision.param_dtype
     block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
     return memory.Setting(
@@ -189,7 +222,7 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         master="fp32" if t.precision.master_dtype == "float32" else "bf16",
         compute_bytes=4 if dtype == "float32" else 2, checkpointing=t.activation_checkpointing,
         keep=t.activation_checkpointing_keep, loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
-        adapter_params=adapter_params(recipe, shape))
+        adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp")
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -201,8 +234,8 @@ def _fits(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estima
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
                      length_key: str = "data.packing.block_len", batch: int = 1) -> list[Suggestion]:
     """Single changes that make `s` fit `card`, nearest first: checkpointing, the largest block (`length_key`,
-    tokens per micro-batch / `batch`), bf16 master weights, more GPUs (full SFT only: LoRA keeps a whole base per
-    GPU); when none does, all of them together."""
+    tokens per micro-batch / `batch`), bf16 master weights, a sharded LoRA base, more GPUs (not for DDP LoRA: it
+    keeps a whole base per GPU); when none does, all of them together."""
     gb = CARDS[card]["memory_gb"]
     out: list[Suggestion] = []
 
@@ -228,7 +261,9 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
         block //= 2
     if s.method == "full" and s.master == "fp32":
         attempt(("training.precision.master_dtype=bfloat16",), master="bf16")
-    if s.method == "full":
+    if s.method == "lora" and s.sharding == "ddp":
+        attempt(("training.sharding=fsdp",), sharding="fsdp")
+    if s.method == "full" or s.sharding == "fsdp":
         for nodes in range(max(1, s.world // per_node) + 1, 65):
             if attempt((f"compute.num_accelerators={nodes * per_node}",), world=nodes * per_node):
                 break
@@ -247,11 +282,11 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
 
 def no_fit_reason(shape: memory.ModelShape, s: memory.Setting, card: str) -> str:
     usable = memory.usable_gib(CARDS[card]["memory_gb"])
-    if s.method == "lora":
+    if s.method == "lora" and s.sharding == "ddp":
         base = memory.estimate(shape, s).params
         if base > usable:
-            return (f"the base alone is {base:.1f} GiB > {usable:.1f} usable: LoRA keeps a whole base per GPU (DDP), "
-                    "so more GPUs do not help")
+            return (f"the base alone is {base:.1f} GiB > {usable:.1f} usable: LoRA with training.sharding=ddp keeps a "
+                    "whole base per GPU, so more GPUs do not help")
     return (f"no setting tried fits {usable:.1f} GiB (full checkpointing, bf16 master, blocks down to 512, up to 64 "
             "nodes)")
 
@@ -268,7 +303,8 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     if not rows:
         return StepTime(None, f"no measurement for {shape.family} at hidden {shape.hidden}, {s.method}, "
                               f"{s.tokens} tokens, checkpointing {s.checkpointing}")
-    exact = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)]
+    exact = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
+             and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
     row = (exact or rows)[0]
     measured_shape = memory.shipped_shape(row["model"]).cut(row["layers"])
     head = shape.vocab * shape.hidden
@@ -276,7 +312,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     depth = (shape.layers * layer + head) / (measured_shape.layers * layer + head)
     seconds = row["s_per_step"] * depth * recipe.training.grad_accum
     notes = [] if exact else [f"measured with {'master ' + row['master'] + ', ' if s.method == 'full' else ''}"
-                              f"loss {row['loss']}"]
+                              f"{row.get('sharding', 'ddp') + ', ' if s.method == 'lora' else ''}loss {row['loss']}"]
     if row["layers"] != shape.layers:
         notes.append(f"{row['layers']} -> {shape.layers} layers by matmul work")
     if recipe.training.grad_accum > 1:
@@ -441,7 +477,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
               steps: int | None) -> CardPlan:
     per_node, card = parse_accelerator(accelerator)
     world = max(per_node, math.ceil(recipe.compute.num_accelerators / per_node) * per_node)
-    s = setting_of(recipe, shape, world)
+    s = setting_of(recipe, shape, world, card=card)
     gb = CARDS[card]["memory_gb"]
     fits, e = _fits(shape, s, gb)
     keep = None
@@ -457,7 +493,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     return CardPlan(accelerator=accelerator, card=card, gpus=world, own=accelerator == recipe.compute.accelerator_type,
                     estimate=e, usable_gib=memory.usable_gib(gb), fits=fits, keep_layers=keep,
                     suggestions=suggestions, why=why, step=st, wall_hours=wall,
-                    gpu_hours=None if wall is None else wall * world)
+                    gpu_hours=None if wall is None else wall * world, sharding=s.sharding)
 
 
 def _steps(recipe: Recipe, data: DataSize, world: int) -> int | None:
@@ -529,7 +565,8 @@ def print_plan(plan: Plan) -> None:
     console = Console()
     s = plan.setting
     frozen = f" + {plan.frozen_params / 1e9:.2f}B frozen" if plan.frozen_params else ""
-    master = f", master {s.master}" if plan.method == "full" else f", adapter {s.adapter_params / 1e6:.2f}M params"
+    master = (f", master {s.master}" if plan.method == "full" else
+              f", adapter {s.adapter_params / 1e6:.2f}M params, base {'sharded (fsdp)' if s.sharding == 'fsdp' else 'whole per GPU (ddp)'}")
     console.print(f"[bold]{plan.recipe}[/]: {plan.method} of {plan.model} ({plan.params / 1e9:.3g}B params{frozen}); "
                   f"{s.tokens:,} tokens per micro-batch, checkpointing {s.checkpointing}"
                   f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}", highlight=False, soft_wrap=True)
@@ -561,6 +598,9 @@ def print_plan(plan: Plan) -> None:
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
+    if plan.method == "lora":
+        console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
+                      + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)
     for c in plan.cards:
         if c.suggestions:
             console.print(f"{c.accelerator} fits with: {' | '.join(sug.text() for sug in c.suggestions)}",

@@ -324,6 +324,10 @@ class TrainingConfig(_Section):
         "many fit per card)."
     )
     compile: bool = False
+    sharding: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="LoRA: ddp keeps the whole frozen base on every GPU, fsdp shards it (FSDP2); auto: "
+        "ddp where `ftcli plan` says it fits the recipe's accelerator, else fsdp. Full SFT always shards."
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     seed: int = 0
     log_every: int = Field(1, ge=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -52,16 +53,23 @@ def checkpointing_arg() -> str:
 
 
 # ------------------------------------------------------------------------------- recipe -> SFTConfig
-def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> dict[str, Any]:
     """The SFTConfig for a LoRA recipe (transformers 5 / TRL 1.x names). Pure: no I/O, no torch state
     (only the installed TrainingArguments' field names decide the checkpointing keyword).
 
     transformers 5 has no `warmup_ratio`: `warmup_steps` < 1 is read as a fraction of the total steps,
     which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
+
+    `sharding` is `training.sharding` resolved (`ftcli.plan.resolved_sharding`): "fsdp" hands the model to
+    accelerate's FSDP2 (`fsdp_config` version 2): every decoder layer (the model's `_no_split_modules`) one
+    unit and the root the rest, parameters resharded after forward, so the frozen base lives sharded and is
+    gathered one layer at a time; the LoRA weights shard with their layers. Activation checkpointing is
+    then FSDP's own (per unit; the TrainingArguments flag would all-gather every layer a second time).
     """
     t = recipe.training
     opt, sched, ckpt, ac = t.optimizer, t.schedule, t.checkpoint, t.activation_checkpointing
     ac_kwargs = {"use_reentrant": False, **({"selective": True} if ac == "selective" else {})}
+    fsdp = sharding == "fsdp"
     return dict(
         output_dir=str(Path(run_dir) / "checkpoints"), run_name=recipe.tracking.run_name or recipe.name,
         seed=t.seed, data_seed=t.seed,
@@ -77,10 +85,16 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
         warmup_steps=sched.warmup if sched.warmup < 1 else int(sched.warmup),
         # precision and memory
         bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
-        **{checkpointing_arg(): ac != "none", f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" else None},
+        **{checkpointing_arg(): ac != "none" and not fsdp,
+           f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" and not fsdp else None},
         torch_compile=t.compile,
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
+        # FSDP2 (training.sharding: fsdp): the base sharded; checkpoints are per-rank shards (DCP)
+        **({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                          "activation_checkpointing": ac != "none",
+                                          "cpu_ram_efficient_loading": True,  # rank 0 reads the base, then shards
+                                          "state_dict_type": "SHARDED_STATE_DICT"}} if fsdp else {}),
         # loss: sum of token losses / trained tokens of the whole step, across accumulation and ranks
         average_tokens_across_devices=True, loss_type="nll",
         router_aux_loss_coef=0.0,  # (ref) the reference trained without the MoE load-balancing loss
@@ -191,6 +205,40 @@ def normalize_loss_by_tokens(trainer) -> None:
     trainer.loss_is_scaled_for_ga = True
 
 
+# -------------------------------------------------------------------------------------------- sharding
+def fsdp_on_cpu_processes(trainer, args) -> None:
+    """Let accelerate's FSDP2 run on CPU processes (gloo), as it runs on GPUs.
+
+    accelerate only turns an FSDP plugin into `DistributedType.FSDP` for accelerator devices: in
+    `AcceleratorState.__init__` the FSDP branch sits under MULTI_GPU/MULTI_XPU/..., and MULTI_CPU silently
+    falls back to DDP (accelerate 1.15). FSDP2 itself (`fully_shard`) runs on gloo, so on CPU processes ftcli
+    sets the two attributes that branch would have set, and the trainer's FSDP flag read from them; from
+    there on the CPU run takes the GPU code path (accelerate's `fsdp2_prepare_model`, its FSDP checkpoint
+    save/load). Not public API, hence this one place; a no-op on GPUs."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    trainer.is_fsdp_enabled = True
+
+
+def save_fsdp_adapter(trainer, out: Path) -> None:
+    """The adapter of an FSDP2-sharded model, written once (rank 0) in PEFT format: the trainable parameters
+    only, gathered whole on every rank (torch's `get_model_state_dict`; the frozen base is never gathered).
+    Checkpoints are accelerate's SHARDED_STATE_DICT (per-rank DCP shards of the model and optimizer, which
+    resume exactly); transformers' `save_model` writes nothing for them, hence this."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                         ignore_frozen_params=True))
+    if trainer.args.process_index == 0:
+        trainer.model.save_pretrained(str(out), state_dict=state)
+        trainer.processing_class.save_pretrained(str(out))
+
+
 # ---------------------------------------------------------------------------------------- callbacks
 def _step_log_callback(recipe: Recipe, model, metrics_path: Path | None, tracker=None):
     """TRL's progress bar with ftcli's step line instead of a dict dump (`ftcli.metrics`: printed, appended
@@ -206,11 +254,11 @@ def _step_log_callback(recipe: Recipe, model, metrics_path: Path | None, tracker
     from transformers.trainer_callback import ProgressCallback
 
     from ftcli.checkpoint import CheckpointSchedule
-    from ftcli.distributed import all_reduce, rank0_decides
+    from ftcli.distributed import all_reduce, local_device, rank0_decides
     from ftcli.loss import count_trained_tokens
     from ftcli.metrics import StepMetrics, log_step
 
-    device = next(model.parameters()).device
+    device = local_device()  # where the model trains (an FSDP base is still on the CPU here)
     schedule = CheckpointSchedule.from_config(recipe.training.checkpoint)
     save_by_time = schedule.enabled and schedule.every_minutes is not None
 
@@ -348,6 +396,8 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                          processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    if args.fsdp:
+        fsdp_on_cpu_processes(trainer, args)
     normalize_loss_by_tokens(trainer)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
@@ -362,6 +412,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
 
     from ftcli import data
     from ftcli.checkpoint import checkpoint_step, resolve_resume
+    from ftcli.plan import resolved_sharding
     from ftcli.distributed import local_device, rank0_first
     from ftcli.metrics import truncate_metrics
     from ftcli.preempt import Stopped
@@ -373,10 +424,13 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         raise UserError(f"train_lora got training.method={recipe.training.method}")
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
+    sharding, why = resolved_sharding(recipe)
+    if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
+        os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
-    args = SFTConfig(**sft_config_kwargs(recipe, run_dir), use_cpu=device.type == "cpu")
+    args = SFTConfig(**sft_config_kwargs(recipe, run_dir, sharding), use_cpu=device.type == "cpu")
     if args.process_index == 0:
-        for message in ignored_settings(recipe):
+        for message in ignored_settings(recipe, sharding):
             print(f"warning: {message}", flush=True)
 
     # MLflow (rank 0): ftcli.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
@@ -389,7 +443,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
         rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
 
-        model = load_base(recipe, run_dir, device, attn, resume=checkpoint is not None)
+        # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
+        model = load_base(recipe, run_dir, device if sharding == "ddp" else None, attn, resume=checkpoint is not None)
         if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
             model.save_pretrained(run_dir / "base")
             tokenizer.save_pretrained(run_dir / "base")
@@ -400,7 +455,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             trainable, total = trainer.model.get_nb_trainable_parameters()
             print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "
                   f"{len(rows)} rows ({'packed blocks' if recipe.data.packing.enabled else 'examples'}), "
-                  f"{args.world_size} x {device.type}, attention {attn or 'default'}, run dir {run_dir}", flush=True)
+                  f"{args.world_size} x {device.type}, base {sharding} ({why}), attention {attn or 'default'}, "
+                  f"run dir {run_dir}", flush=True)
 
         step_log.load(checkpoint)
         stop = _stop_callback(recipe.training.checkpoint.enabled)
@@ -410,7 +466,10 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"
             raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
-        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+        if sharding == "fsdp":
+            save_fsdp_adapter(trainer, run_dir / FINAL)
+        else:
+            trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
 
         if args.process_index == 0:
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -432,9 +491,12 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         torch.distributed.barrier()  # run.json is written before any rank exits
 
 
-def ignored_settings(recipe: Recipe) -> list[str]:
+def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
     """Recipe settings the LoRA path has no use for (warned, not silently dropped)."""
     t, out = recipe.training, []
+    if sharding == "fsdp" and t.activation_checkpointing == "selective":
+        out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
+                   "(FSDP2 checkpoints whole units)")
     if t.loss.impl != "chunked":
         out.append(f"training.loss.impl={t.loss.impl} has no effect on LoRA: TRL's fused (chunked) LM head computes the loss")
     if t.activation_checkpointing_keep:

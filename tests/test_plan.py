@@ -64,19 +64,24 @@ def test_gpt_oss_lora_plan():
     assert round(c["GPU_8xH100"].estimate.total, 1) == 63.1 and c["GPU_8xH100"].fits
     assert c["GPU_8xH200"].step.measured and c["GPU_8xH200"].step.s_per_step == 0.374
     assert c["GPU_8xH100"].step.s_per_step == 0.374 and not c["GPU_8xH100"].step.measured  # same peak FLOP/s
-    assert not c["GPU_1xA10"].fits and not c["GPU_1xA10"].suggestions
-    assert c["GPU_1xA10"].why.startswith("the base alone is 39.0 GiB > 20.6 usable: LoRA keeps a whole base per GPU")
+    assert p.setting.sharding == "ddp" and c["GPU_8xH100"].sharding == "ddp"  # auto: a whole base fits an H100
+    assert c["GPU_1xA10"].sharding == "fsdp" and not c["GPU_1xA10"].fits  # auto: 39 GiB of base do not fit an A10
+    assert [s.overrides for s in c["GPU_1xA10"].suggestions][0] == ("training.activation_checkpointing=full",)
     assert p.data.tokens is None and "pack-preview --recipe gpt-oss-h100" in p.data.source
     assert c["GPU_8xH100"].wall_hours is None
+    ddp = cards(plan.make_plan(load_recipe("gpt-oss-h100", ["training.sharding=ddp"])))["GPU_1xA10"]
+    assert not ddp.fits and not ddp.suggestions
+    assert ddp.why.startswith("the base alone is 39.0 GiB > 20.6 usable: LoRA with training.sharding=ddp keeps a "
+                              "whole base per GPU")
 
 
 def test_lora_that_does_not_fit_suggests_checkpointing_and_blocks():
-    r = load_recipe("gpt-oss-h100", ["data.packing.block_len=8192"])  # 87.2 GiB: more than an H100 holds
+    r = load_recipe("gpt-oss-h100", ["data.packing.block_len=8192", "training.sharding=ddp"])  # 87.2 GiB > H100
     h100 = cards(plan.make_plan(r))["GPU_8xH100"]
     assert not h100.fits and round(h100.estimate.total, 1) == 87.2
     assert [s.overrides for s in h100.suggestions] == [("training.activation_checkpointing=full",),
-                                                        ("data.packing.block_len=4096",)]
-    assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1]  # measured: 43.1 and 63.1
+                                                        ("data.packing.block_len=4096",), ("training.sharding=fsdp",)]
+    assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1, 58.3]  # measured: 43.1 and 63.1, -
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt-oss-cpu", "tiny-qwen-cpu"])
@@ -202,9 +207,55 @@ def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
 
 
 def test_block_suggestions_count_the_micro_batch():
-    r = load_recipe("gpt-oss-h100", ["training.per_device_batch=2"])  # 2 x 4096 tokens per micro-batch
+    r = load_recipe("gpt-oss-h100", ["training.per_device_batch=2", "training.sharding=ddp"])  # 2 x 4096 tokens
     h100 = cards(plan.make_plan(r))["GPU_8xH100"]
     assert not h100.fits and h100.suggestions[1].overrides == ("data.packing.block_len=2048",)
     unpacked = load_recipe("gpt-oss-h100", ["data.packing.enabled=false", "data.max_length=8192",
-                                            "model.attn_implementation=eager"])
+                                            "model.attn_implementation=eager", "training.sharding=ddp"])
     assert cards(plan.make_plan(unpacked))["GPU_8xH100"].suggestions[1].overrides == ("data.max_length=4096",)
+
+
+def test_gpt_oss_120b_recipe_fits_8xh100_only_sharded():
+    """gpt-oss-120b (shipped config: 36 layers, 128 experts) with LoRA on attention and experts: the whole bf16
+    base (219.6 GiB) fits no card with DDP; sharded over 8 H100s it is 27.5 GiB of a 44.1 GiB peak."""
+    r = load_recipe("gpt-oss-120b-h100")
+    assert (r.training.sharding, r.compute.accelerator_type) == ("fsdp", "GPU_8xH100")
+    assert r.lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    shape = plan.model_shape(r)
+    assert (shape.layers, shape.total_params, shape.expert_shapes[0][1]) == (36, 116_829_156_672, 128)
+    p = plan.make_plan(r)
+    h100 = cards(p)["GPU_8xH100"]
+    assert h100.own and h100.fits and h100.sharding == "fsdp" and h100.gpus == 8
+    e = h100.estimate
+    a = p.setting.adapter_params
+    assert a == 36 * (8 * 128 * (2880 + 5760) + 8 * 128 * (2880 + 2880)) + 36 * 8 * 20_736  # q k v o
+    assert e.params == pytest.approx((116_829_156_672 * 2 + 4 * a) / 8 / memory.GiB)
+    assert e.other == pytest.approx((1_158_269_760 + 2 * 3_213_080_192) * 2 / memory.GiB)  # root + 2 gathered layers
+    assert round(e.total, 1) == 44.1 and round(h100.usable_gib, 1) == 68.5
+    assert plan.fit_check(r).reason == "fits GPU_8xH100: 44.1 of 68.5 GiB usable per GPU"
+    ddp = cards(plan.make_plan(load_recipe("gpt-oss-120b-h100", ["training.sharding=ddp"])))["GPU_8xH100"]
+    assert not ddp.fits and round(ddp.estimate.params, 1) == 219.6
+    assert ddp.suggestions[-1].overrides == ("training.sharding=fsdp",)
+
+
+def test_auto_sharding_is_what_fits():
+    assert plan.resolved_sharding(load_recipe("gpt-oss-h100"))[0] == "ddp"
+    chosen, why = plan.resolved_sharding(load_recipe("gpt-oss-120b-h100", ["training.sharding=auto"]))
+    assert (chosen, why) == ("fsdp", "training.sharding=auto: a whole base per GPU does not fit GPU_8xH100")
+    assert plan.resolved_sharding(load_recipe("tiny-gpt-oss-cpu"))[0] == "ddp"
+    assert plan.resolved_sharding(load_recipe("tiny-gpt-oss-cpu", ["training.sharding=fsdp"])) == (
+        "fsdp", "training.sharding")
+
+
+def test_plan_cli_for_the_120b_recipe_offline(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached: the shipped config is used
+    result = CliRunner().invoke(app, ["plan", "--recipe", "gpt-oss-120b-h100"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("  GPU_8xH100")]
+    assert rows[0] == ["GPU_8xH100", "8", "27.5", "0.2", "0.5", "1.8", "0.0", "14.1", "44.1", "68.5", "yes", "-"]
+    assert "base sharded (fsdp)" in result.output and "LoRA base: GPU_8xH100 fsdp" in result.output

@@ -1,0 +1,66 @@
+"""Run by tests/test_lora_fsdp.py under torchrun (2 CPU processes, gloo): one SFTTrainer step of the tiny gpt-oss
+with LoRA on attention and experts, the base kept whole per rank (ddp) or sharded by FSDP2 (fsdp), over four
+blocks with very different trained-token counts (two per rank, grad_accum 2). Rank 0 saves the step's LoRA
+gradients (gathered to full tensors under FSDP2) to OUT/grads-<sharding>.pt, and whether the base weights
+were sharded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
+
+
+def main(out: Path, sharding: str) -> None:
+    import datasets
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTConfig
+
+    from ftcli.kernels import enable_packed_kernels
+    from ftcli.recipe import resolve_path
+    from ftcli.train_lora import build_trainer, sft_config_kwargs
+
+    rng = np.random.default_rng(0)
+    rows = [packed_row(rng, [40, 30], 0.1), packed_row(rng, [120, 60], 0.95),
+            packed_row(rng, [20], 0.5), packed_row(rng, [90, 10, 50], 0.3)]
+    recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
+                         "training.checkpoint.enabled=false", "training.max_steps=1", f"training.sharding={sharding}")
+    kwargs = sft_config_kwargs(recipe, out / "run", sharding)
+    kwargs.update(disable_tqdm=True, use_cpu=True)
+    args = SFTConfig(**kwargs)
+    attn, _ = enable_packed_kernels("gpt_oss", "cpu")
+    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
+    tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
+    trainer, _ = build_trainer(recipe, tiny_model(attn=attn), tok, ds, args)
+    torch.manual_seed(1)  # the same nonzero adapters on both ranks and in both runs
+    for p in trainer.model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.02)
+    grads, sharded = {}, {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, a, s, c, **kw):
+            for n, p in trainer.model.named_parameters():
+                if isinstance(p, DTensor) and "lora_" not in n:
+                    sharded[n] = p.to_local().numel() < p.numel()
+                if p.requires_grad:
+                    g = p.grad
+                    grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+
+    trainer.add_callback(Grab())
+    trainer.train()
+    if args.process_index == 0:
+        torch.save({n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}, out / f"grads-{sharding}.pt")
+        (out / f"sharded-{sharding}.json").write_text(json.dumps(sharded))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

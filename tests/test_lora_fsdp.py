@@ -1,0 +1,127 @@
+"""LoRA with the frozen base sharded by FSDP2 (`training.sharding: fsdp`, accelerate's FSDP2 through TRL) on 2 CPU
+processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's, a resumed run
+ends where the uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _lora_common import run_ftcli
+from test_lora_train import _adapter, _metrics
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+def _worker(out: Path, sharding: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(__file__).with_name("_lora_fsdp_worker.py")), str(out), sharding],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_fsdp_lora_gradients_equal_ddp(tmp_path):
+    """One step, grad_accum 2 x 2 ranks over blocks of 6..170 trained tokens: every LoRA gradient (attention and
+    expert adapters) under FSDP2 equals the DDP one; every base weight was a DTensor holding half of itself."""
+    _worker(tmp_path, "ddp")
+    _worker(tmp_path, "fsdp")
+    ddp, fsdp = torch.load(tmp_path / "grads-ddp.pt"), torch.load(tmp_path / "grads-fsdp.pt")
+    assert ddp.keys() == fsdp.keys() and len(ddp) == 24  # A and B of q/k/v/o + 2 expert params, 2 layers
+    worst = max(((fsdp[n] - ddp[n]).abs().max() / ddp[n].abs().max()).item() for n in ddp)
+    print(f"FSDP2 vs DDP LoRA gradients: max relative difference {worst:.2e}")
+    assert worst < 1e-5
+    sharded = json.loads((tmp_path / "sharded-fsdp.json").read_text())
+    assert len(sharded) == 37 and all(sharded.values())  # every base tensor of the tiny gpt-oss
+    assert json.loads((tmp_path / "sharded-ddp.json").read_text()) == {}
+
+
+def _train_args(run_dir, *extra):
+    return ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", "training.sharding=fsdp",
+            "--set", f"training.max_steps={STEPS}", "--set", f"training.checkpoint.every_steps={SAVE_EVERY}",
+            "--set", "training.checkpoint.keep_last=3", "--set", "training.log_every=1",
+            "--set", "data.max_examples=400", "--set", "tracking.enabled=false", "--set", f"output.dir={run_dir}",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora-fsdp")
+    run_dir = work / "run"
+    proc = run_ftcli(_train_args(run_dir), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return work, run_dir, proc
+
+
+def test_the_run_says_its_base_is_sharded(fsdp_run):
+    _, run_dir, proc = fsdp_run
+    assert "base fsdp (training.sharding)" in proc.stdout
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+
+
+def test_adapter_saved_once_whole_in_peft_format_and_loadable(fsdp_run):
+    """<run>/final holds one PEFT adapter with full (gathered) tensors; PEFT loads it onto the saved base and holds
+    exactly those weights."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    _, run_dir, _ = fsdp_run
+    final = run_dir / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    assert not list(final.glob("pytorch_model*")) and not list(final.glob("model*.safetensors"))  # no base weights
+    saved = _adapter(run_dir)
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"]) == ("LORA", 16)
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    a = saved["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert a.shape == (16, 128)  # the whole matrix, not one rank's shard
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base", dtype=torch.float32),
+                                      str(final))
+    loaded = get_peft_model_state_dict(model)
+    assert loaded.keys() == saved.keys() and len(saved) == 24
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert max(v.abs().max().item() for k, v in saved.items() if "lora_B" in k) > 0  # trained
+
+
+def test_resume_from_checkpoint_is_exact(fsdp_run):
+    """--resume checkpoint-3 (accelerate's per-rank DCP shards of model and optimizer) replays steps 4..6 with the
+    uninterrupted losses and ends with the same adapter."""
+    work, run_dir, _ = fsdp_run
+    before, adapter_before = _metrics(run_dir), _adapter(run_dir)
+    proc = run_ftcli(_train_args(run_dir, "--resume", str(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY}")),
+                     cwd=work)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    resumed = _metrics(run_dir)[len(before):]
+    assert [r["step"] for r in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    worst_loss = max(abs(r["loss"] - next(b for b in before if b["step"] == r["step"])["loss"]) for r in resumed)
+    adapter_after = _adapter(run_dir)
+    worst_weight = max((adapter_after[k] - adapter_before[k]).abs().max().item() for k in adapter_before)
+    print(f"resume vs uninterrupted: max loss difference {worst_loss:.2e}, max adapter difference {worst_weight:.2e}")
+    assert worst_loss < 1e-5 and worst_weight < 1e-6
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["steps"] == STEPS and run["tokens"]["seen"] == STEPS * 2 * 1024
+
+
+def test_sft_config_for_a_sharded_base():
+    """training.sharding=fsdp -> accelerate's FSDP2 (version 2, resharded after forward, rank-0 loading, per-rank
+    checkpoint shards) with FSDP's own activation checkpointing instead of the TrainingArguments flag."""
+    from ftcli.recipe import load_recipe
+    from ftcli.train_lora import checkpointing_arg, sft_config_kwargs
+
+    recipe = load_recipe("gpt-oss-120b-h100")
+    fsdp = sft_config_kwargs(recipe, Path("/tmp/run"), "fsdp")
+    assert fsdp["fsdp"] is True and fsdp["fsdp_config"] == {
+        "version": 2, "reshard_after_forward": True, "activation_checkpointing": True,
+        "cpu_ram_efficient_loading": True, "state_dict_type": "SHARDED_STATE_DICT"}
+    assert fsdp[checkpointing_arg()] is False and fsdp[f"{checkpointing_arg()}_kwargs"] is None
+    ddp = sft_config_kwargs(recipe, Path("/tmp/run"), "ddp")
+    assert "fsdp" not in ddp and ddp[checkpointing_arg()] is True
+    assert {k: v for k, v in fsdp.items() if k not in ("fsdp", "fsdp_config") and "checkpointing" not in k} == {
+        k: v for k, v in ddp.items() if "checkpointing" not in k}
