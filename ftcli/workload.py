@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ftcli.errors import UserError
+from ftcli.redact import mask_uri
 from ftcli.recipe import (
     NAME_RE,
     NAME_RULE,
@@ -429,6 +430,13 @@ def _setup_comment(recipe: Recipe) -> list[str]:
 def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
     """What renders fine but would likely go wrong on the cluster."""
     out = []
+    uri = recipe.tracking.tracking_uri
+    if uri and mask_uri(uri) != uri:
+        raise UserError(
+            f"tracking.tracking_uri {mask_uri(uri)} carries credentials, which the workload file would hold in "
+            "clear; use the URI without them and put the password in compute.secrets "
+            "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"
+        )
     if fit_check:
         from ftcli.plan import fit_check as plan_fit_check
 

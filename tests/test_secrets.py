@@ -167,3 +167,21 @@ def test_no_secret_in_any_file_of_the_run_or_the_mlflow_store(mlflow_server, tmp
     assert run.data.params["tracking.tracking_uri"] == masked
     assert run.data.params["compute.env_variables.NCCL_SOCKET_IFNAME"] == "***"
     assert {"run.json", "recipe.yaml"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_render_workload_refuses_a_tracking_uri_with_credentials(tmp_path):
+    """A workload file is shared and versioned: it must not hold a password in clear (the rendered
+    parameters would carry the recipe's tracking URI as it is)."""
+    from typer.testing import CliRunner
+
+    from ftcli import cli
+
+    out = tmp_path / "w.yaml"
+    res = CliRunner().invoke(cli.app, ["render-workload", "--recipe", "tiny-qwen-cpu", "--no-fit-check", "-o", str(out),
+                                       "--set", "tracking.tracking_uri=https://alice:hunter2@mlflow.example.com"])
+    assert res.exit_code == 2
+    assert "hunter2" not in res.output and not out.exists()
+    assert res.output.strip().splitlines() == [
+        "error: tracking.tracking_uri https://***@mlflow.example.com carries credentials, which the workload file "
+        "would hold in clear; use the URI without them and put the password in compute.secrets "
+        "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"]

@@ -143,6 +143,8 @@ def _read_file(f: Path) -> Iterator[Any]:
                     raise UserError(f"{f}: not UTF-8 (byte {e.start}); a JSON array file is read whole") from None
                 except json.JSONDecodeError as e:
                     raise UserError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from None
+                except RecursionError:
+                    raise UserError(f"{f}: JSON nested deeper than Python's parser allows") from None
                 yield from rows
                 return
             for lineno, raw in enumerate(fh, 1):
@@ -156,9 +158,12 @@ def _read_file(f: Path) -> Iterator[Any]:
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield InvalidRow("invalid JSON", f"{f.name} line {lineno}: {e.msg}")
+                    row = InvalidRow("invalid JSON", f"{f.name} line {lineno}: {e.msg}")
+                except RecursionError:  # e.g. 200,000 nested brackets: one bad row, not a crashed run
+                    row = InvalidRow("invalid JSON", f"{f.name} line {lineno}: nested deeper than the parser allows")
+                yield row
     elif f.suffix == ".csv":
         import csv
 
