@@ -167,6 +167,7 @@ class RunRecord(_Record):
     throughput: Throughput = Field(default_factory=Throughput)
     status: str = "completed"
     data: dict[str, Any] | None = None  # the training data's summary (ftcli.data.DataSummary.to_dict())
+    eval_data: dict[str, dict[str, Any]] | None = None  # each eval source's data summary
     evals: list[dict[str, Any]] = Field(default_factory=list)  # every eval: step, loss, ppl, tokens, sources
     best_step: int | None = None  # the step of the best eval loss
     best_eval_loss: float | None = None

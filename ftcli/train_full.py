@@ -67,7 +67,8 @@ from ftcli.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoi
                               step_dir_name)
 from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.evaluate import EvalResult, EvalTracker, Evaluator, generate_samples, prepare_eval, samples_due, write_samples
+from ftcli.evaluate import (EvalResult, EvalTracker, Evaluator, eval_summaries, generate_samples, prepare_eval,
+                            samples_due, write_samples)
 from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
 from ftcli.metrics import StepMetrics, log_step
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
@@ -433,6 +434,8 @@ class FullRun:
         (default: its BlockStream)."""
         batches = iter(self.stream if batches is None else batches)
         self.meter.start_window()  # the first step line's window starts here, not at the model build
+        self.save_schedule.mark_saved()  # so do the clocks of time-based saves and evals
+        self.eval_schedule.mark_saved()
         try:
             self.progress.start()
             if self.evaluator and self.eval_cfg.at_start and self.result.steps == 0:
@@ -646,6 +649,7 @@ class FullRun:
                 steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
                 final_loss=result.final_loss, throughput=self.meter.throughput(), status="completed",
                 data=self.data_summary.to_dict(), evals=evals.history if evals else [],
+                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, self.evaluator.packed).items()} or None,
                 best_step=best_step, best_eval_loss=evals.best_loss if evals else None,
                 best_checkpoint=str(best) if best is not None else None, best_model_dir=best_model_dir,
                 stopped_early=self.stop_reason,

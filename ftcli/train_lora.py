@@ -429,7 +429,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
 
     from ftcli import data
     from ftcli.checkpoint import resolve_resume
-    from ftcli.evaluate import Evaluator, prepare_eval
+    from ftcli.evaluate import Evaluator, eval_summaries, prepare_eval
     from ftcli.distributed import local_device, rank0_first
     from ftcli.rundir import FINAL, METRICS_FILE, new_run_record, write_run_record
     from ftcli.tracking import start_tracking
@@ -492,6 +492,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                 tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
                 throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
                 status="completed", data=summary.to_dict(), evals=evals.history if evals else [],
+                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
                 best_step=best_step, best_eval_loss=evals.best_loss if evals else None, best_model_dir=best_model_dir,
                 stopped_early=step_log.stop_reason,
             )

@@ -22,7 +22,7 @@ SOURCE = "pkg://assets/tiny_chat.jsonl"
 COMMON = ["training.max_steps=8", "training.optimizer.lr=0.03", "data.max_examples=600", "training.log_every=1"]
 PROMPTS = '["What is 2 plus 3?", [{"role": "user", "content": "Name a color."}]]'
 # separate eval rows (the first 40 of the file; training reads the same 600 rows either way), every step
-EVAL = ["eval.path=" + SOURCE, "eval.max_examples=40", "eval.every_steps=1", "eval.at_start=true",
+EVAL = ["eval.holdout=null", "eval.path=" + SOURCE, "eval.max_examples=40", "eval.every_steps=1", "eval.at_start=true",
         "eval.early_stop={patience: 1, min_delta: 0.0}", "eval.export=best", f"eval.samples={PROMPTS}",
         "eval.samples_max_new_tokens=8", "training.checkpoint.keep_best=true", "training.checkpoint.every_steps=1",
         "training.checkpoint.keep_last=1"]
@@ -36,7 +36,8 @@ def env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, env):
     cwd = tmp_path_factory.mktemp("plain")
-    res = ftcli(train_args(cwd / "run", *COMMON, "tracking.enabled=false", "training.checkpoint.enabled=false"), cwd, env)
+    res = ftcli(train_args(cwd / "run", *COMMON, "eval=null", "tracking.enabled=false", "training.checkpoint.enabled=false"),
+                cwd, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return cwd / "run"
 
@@ -88,7 +89,7 @@ def test_holdout_and_eval_keys_validated():
     with pytest.raises(RecipeError, match="set one of holdout, path, sources"):
         load_recipe("tiny-qwen-cpu", ["eval.holdout=0.1", f"eval.path={SOURCE}"])
     with pytest.raises(RecipeError, match="keep_best needs eval data"):
-        load_recipe("tiny-qwen-cpu", ["training.checkpoint.keep_best=true"])
+        load_recipe("tiny-qwen-cpu", ["eval=null", "training.checkpoint.keep_best=true"])
     with pytest.raises(RecipeError, match="export=best needs training.checkpoint.keep_best"):
         load_recipe("tiny-qwen-cpu", ["eval.holdout=0.1", "eval.export=best"])
     with pytest.raises(RecipeError, match="whole row count"):
@@ -151,6 +152,10 @@ def test_eval_results_in_step_line_metrics_mlflow_and_run_json(eval_run):
     history = sorted((h.step, h.value) for h in history)
     assert [h[0] for h in history] == [e[0] for e in evals]
     assert [h[1] for h in history] == pytest.approx([e[1] for e in evals], rel=1e-12)
+    (blocks,) = client.get_metric_history(record["mlflow"]["run_id"], "data/blocks")
+    assert (blocks.step, blocks.value) == (0, record["data"]["blocks"])
+    (eval_split,) = record["eval_data"].values()
+    assert eval_split["examples"]["kept"] == 40 and eval_split["trained_tokens"] == lines[0]["eval_tokens"]
     tables = {a.path for a in client.list_artifacts(record["mlflow"]["run_id"], "samples")}
     assert tables == {f"samples/step_{s:08d}.json" for s in (1, 2, 3, 4)}, tables
 
@@ -219,3 +224,66 @@ def weights_from_dcp(ckpt) -> dict[str, torch.Tensor]:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     return state["model"]
+
+
+# ------------------------------------------------------------------------------------ per source
+def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
+    """Two sources, 12 rows held out of each: every source's eval loss (packed, bfd) equals the token-weighted
+    mean CE of a plain Hugging Face forward of its examples one at a time, and the overall loss is the
+    token-weighted mean of the two."""
+    import torch.nn.functional as F
+
+    from ftcli import kernels
+    from ftcli.data import iter_examples, load_tokenizer
+    from ftcli.data.evalsplit import eval_recipes
+    from ftcli.evaluate import Evaluator, prepare_eval
+    from ftcli.loss import attach_loss
+    from ftcli.modeling import load_model
+    from ftcli.recipe import load_recipe, resolve_path
+
+    rows = open(resolve_path(SOURCE)).read().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(rows[:150]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(rows[150:300]) + "\n")
+    sources = f'[{{name: a, source: local, path: {tmp_path / "a.jsonl"}}}, {{name: b, source: local, path: {tmp_path / "b.jsonl"}}}]'
+    recipe = load_recipe("tiny-qwen-cpu", [f"data.sources={sources}", "eval.holdout=12", f"data.cache_dir={tmp_path / 'c'}"])
+    tokenizer = load_tokenizer(recipe)
+    torch.manual_seed(0)
+    attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, torch.device("cpu"))
+    model = load_model(recipe.model, dtype=torch.float32, attn_implementation=attn)
+    attach_loss(model, "chunked", 64)
+    result = Evaluator(prepare_eval(recipe, tokenizer), 0, 1, torch.device("cpu")).run(
+        model, lambda inputs: model.loss_sum(**inputs), step=5)
+    assert list(result.sources) == ["a", "b"]
+
+    plain = load_model(recipe.model.model_copy(), dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    for label, ev in eval_recipes(recipe).items():
+        summed, count = 0.0, 0
+        for ex in iter_examples(ev, tokenizer):
+            with torch.no_grad():
+                logits = plain(torch.tensor([ex.input_ids])).logits[0, :-1].double()
+            labels = torch.tensor(ex.labels[1:])
+            summed += float(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+            count += int((labels != -100).sum())
+        assert result.sources[label]["tokens"] == count
+        assert result.sources[label]["loss"] == pytest.approx(summed / count, rel=1e-6, abs=0), label
+    a, b = result.sources["a"], result.sources["b"]
+    assert result.tokens == a["tokens"] + b["tokens"]
+    assert result.loss == pytest.approx((a["loss"] * a["tokens"] + b["loss"] * b["tokens"]) / result.tokens, rel=1e-12)
+    metrics_ = result.metrics()
+    assert set(metrics_) == {"eval_loss", "eval_ppl", "eval_tokens", "eval_loss/a", "eval_loss/b"}
+    assert "eval step 5 | eval loss" in result.line() and " | a " in result.line()
+
+
+def test_register_takes_the_best_checkpoint(eval_run, tmp_path):
+    from ftcli import register as reg
+    from ftcli.errors import UserError
+
+    run_dir = eval_run["run_dir"]
+    assert reg.resolve_source(run_dir, checkpoint="best").model_dir == run_dir / "final"  # export=best
+    assert reg.resolve_source(run_dir).model_dir == run_dir / "final"
+    with pytest.raises(UserError, match="takes the run dir"):
+        reg.resolve_source(run_dir / "final", checkpoint="best")
+    with pytest.raises(UserError, match="use last .* or best"):
+        reg.run_register(run_dir, name="m", checkpoint="newest")

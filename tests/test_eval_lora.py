@@ -13,10 +13,11 @@ import torch
 
 from _lora_common import run_ftcli
 
+SOURCE = "pkg://assets/tiny_chat.jsonl"
 COMMON = ["training.max_steps=8", "training.log_every=1", "data.max_examples=300", "tracking.enabled=false"]
 # eval 0: 6.96, step 3: 6.40 (better by > 0.5: the best), step 6: 6.02 (better, but by < 0.5): stop at 6
-EVAL = ["eval.holdout=30", "eval.every_steps=3", "eval.at_start=true", "eval.early_stop={patience: 1, min_delta: 0.5}",
-        "training.checkpoint.keep_best=true", "training.checkpoint.every_steps=4", 'eval.samples=["What is 2 plus 3?"]',
+EVAL = ["eval.holdout=null", f"eval.path={SOURCE}", "eval.max_examples=30", "eval.every_steps=3", "eval.at_start=true",
+        "eval.early_stop={patience: 1, min_delta: 0.5}", "training.checkpoint.keep_best=true", "training.checkpoint.every_steps=4", 'eval.samples=["What is 2 plus 3?"]',
         "eval.samples_max_new_tokens=6"]
 
 
@@ -31,7 +32,7 @@ def _args(run_dir, *sets):
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("lora-eval")
     out = {}
-    for name, sets in (("plain", ["eval.holdout=30"]), ("eval", EVAL)):  # the same training rows in both
+    for name, sets in (("plain", ["eval=null"]), ("eval", EVAL)):  # the same training rows in both
         proc = run_ftcli(_args(work / name, *COMMON, *sets), cwd=work)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         out[name] = (work / name, proc.stdout)
@@ -97,7 +98,7 @@ def test_lora_early_stop_and_keep_best(runs):
     assert record["stopped_early"].startswith("early stop") and "early stop" in stdout
     assert (run_dir / "checkpoints" / "checkpoint-6" / "trainer_state.json").is_file()  # the final checkpoint
     assert (run_dir / "best" / "adapter_model.safetensors").is_file()
-    assert record["data"]["blocks"] > 0 and record["data"]["examples"]["read"] == 270  # 300 read, 30 held out
+    assert record["data"]["blocks"] > 0 and record["data"]["examples"]["read"] == 300
 
 
 def test_lora_samples_equal_sample_greedy_on_the_final_adapter(runs):
