@@ -606,7 +606,7 @@ def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
     if owner is None:
         return ""
     close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
-    found = close[0] if close else _nested_key(owner, str(loc[-1]))
+    found = _nested_key(owner, str(loc[-1])) or (close[0] if close else None)  # an exact key deeper beats a near one
     return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
 
 
