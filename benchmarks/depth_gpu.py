@@ -15,12 +15,21 @@ conv) against the card's dense bf16 peak (ftcli.metrics), recomputation not coun
                length, max_steps and log_every=1; one run per depth (benchmarks/train_full_gpu.run_one)
     profile    torch.profiler over one `ftcli train` step (worker in this process, steps 4 of 5):
                kernel time by category, GPU idle time, host syncs
+    lever      the per-block tensors (ftcli.data.collate: fla_cu_seqlens, fla_chunk_indices,
+               trained_positions) measured alone: `ftcli train`'s worker (FullRun, world size 1, the
+               qwen-b300 settings at --inproc-layers) steps the same blocks twice from the same init, with
+               them and with them stripped from the model call (the kernels and the loss then derive them
+               on the device, as before); s/step, losses and host syncs per step
+               (torch.cuda.set_sync_debug_mode, by source line) of both
+    eval       forward-only pass (model.eval(), no grad, summed token CE through ftcli.loss's loss_sum,
+               the recipe's loss impl and chunked) over the same blocks, next to the training step
 
 Each sub-run is a child process with its own timeout (--timeout); its rows go to --rows (JSON lines) and
 its table to stdout as soon as it is measured; `--what fit` prints the combined tables from --rows.
 
 H200, one block length per call (from the project root, .gpu carried, see DEVELOPERS.md):
     python benchmarks/depth_gpu.py --block-len 32768 --layers 4 8 --what reference ftcli profile fit
+    python benchmarks/depth_gpu.py --block-len 32768 --what lever eval    (one child: after, eval, before)
 CPU logic check (tiny config, 512-token blocks, the same code path):
     python benchmarks/depth_gpu.py --tiny
 """
@@ -112,15 +121,23 @@ def child(cmd: list[str], timeout: float) -> int:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"=== timed out after {timeout:.0f} s: stopping it", flush=True)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
         code = 124
+    except BaseException:  # SIGTERM from an outer `timeout` (main turns it into SystemExit), Ctrl-C
+        print("=== stopped from outside: stopping the child too", flush=True)
+        stop(proc)
+        raise
     print(f"=== exit {code} after {time.perf_counter() - start:.0f} s", flush=True)
     return code
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def sub_args(args, *extra: str) -> list[str]:
@@ -262,6 +279,193 @@ def profile_step(args, out: Path) -> None:
     print(kernel_table(kernels, window, cpu_events), flush=True)
 
 
+# ----------------------------------------------------------------------------- in-process: lever, eval
+PER_BLOCK_KEYS = ("fla_cu_seqlens", "fla_chunk_indices", "trained_positions")  # ftcli.data.collate's
+
+
+def _world():
+    import socket
+
+    from ftcli.distributed import init_distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    return init_distributed()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_syncs(fn, device) -> tuple[int, dict[str, int]]:
+    """Host syncs while fn() runs (torch.cuda.set_sync_debug_mode warns at each one), total and by the
+    Python line that caused it; (0, {}) off CUDA."""
+    import warnings
+
+    import torch
+
+    if device.type != "cuda":
+        fn()
+        return 0, {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.set_sync_debug_mode(0)  # the synchronize below is the measurement's, not the step's
+            _sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    by_line: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+            by_line[where] = by_line.get(where, 0) + 1
+    return sum(by_line.values()), by_line
+
+
+def _train_steps(run, blocks, warmup: int, device) -> dict:
+    """FullRun.step over `blocks`, one block a step; the median s/step of the steps after `warmup` (each
+    between two device syncs), the losses, and the host syncs of one more step on the first block."""
+    times = []
+    for block in blocks:
+        _sync(device)
+        start = time.perf_counter()
+        run.step([block], 1)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    n_syncs, by_line = count_syncs(lambda: run.step([blocks[-1]], 1), device)
+    losses = [round(loss, 4) for _, loss in run.result.losses[:len(blocks)]]
+    return {"s_per_step": statistics.median(times[warmup:]), "times": [round(t, 4) for t in times],
+            "losses": losses, "syncs_per_step": n_syncs, "syncs_by_line": by_line}
+
+
+def _eval_passes(run, blocks, warmup: int, device, impls: list[str], chunk_tokens: int) -> list[dict]:
+    """model.eval() + no_grad: loss_sum over every block with each loss impl; median s/pass after `warmup`."""
+    import torch
+
+    from ftcli import data
+    from ftcli.loss import attach_loss
+
+    rows = []
+    run.model.eval()
+    for impl in impls:
+        attach_loss(run.model, impl, chunk_tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times, ce = [], []
+        with torch.no_grad():
+            for block in blocks:
+                _sync(device)
+                start = time.perf_counter()
+                summed = run.model.loss_sum(**data.block_to_model_inputs(block, device))
+                _sync(device)
+                times.append(time.perf_counter() - start)
+                ce.append(float(summed) / max(block.num_trained_tokens, 1))
+        n_syncs, _ = count_syncs(lambda: run.model.loss_sum(**data.block_to_model_inputs(blocks[-1], device)), device) \
+            if device.type == "cuda" else (0, {})
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        rows.append({"impl": impl, "s_per_pass": statistics.median(times[warmup:]), "peak_mem_gib": peak_gib,
+                     "mean_ce": [round(x, 4) for x in ce], "syncs_per_pass": n_syncs})
+    run.model.train()
+    attach_loss(run.model, run.tcfg.loss.impl, chunk_tokens)
+    return rows
+
+
+def _fmt_syncs(by_line: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(by_line.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def inproc(args, out: Path) -> None:
+    """The lever and eval parts in one process (module doc): after -> eval -> before, as asked in --what."""
+    import gc
+
+    import torch
+
+    from ftcli import data
+    from ftcli.recipe import load_recipe
+    from ftcli.train_full import FullRun
+
+    n = args.inproc_layers
+    config = write_depth_config(n, args.tiny, out / "configs")
+    sets = [*(TINY if args.tiny else []), *b300_settings(args.tiny), f"model.config={config}",
+            *data_overrides(args.block_len, args.tiny), "training.log_every=1", "training.max_steps=1000"]
+    world = _world()
+    device = world.device
+    steps = args.inproc_steps
+    blocks = bench_blocks(args.block_len, args.tiny, steps)
+    tokens = statistics.mean(len(b.input_ids) for b in blocks[args.warmup:])
+    flops = step_flops(depth_config(n, args.tiny), blocks[args.warmup:])
+    p = peak()
+    parts = [part for part in ("after", "eval", "before") if ("lever" if part != "eval" else "eval") in args.what]
+    if "eval" in parts and "after" not in parts:
+        parts.insert(0, "after")  # eval runs next to the training step of the same model
+    print(f"=== in-process ({', '.join(parts)}): {n} layers, block {args.block_len}, {steps} steps, "
+          f"medians over steps > {args.warmup}; --set {' '.join(sets)}", flush=True)
+    original = data.block_to_model_inputs
+    trained: dict[str, dict] = {}
+    run = None
+    for part in parts:
+        if part in ("after", "before"):
+            if run is not None:
+                del run
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if part == "before":  # the model call without the per-block tensors: kernels and loss derive them
+                data.block_to_model_inputs = lambda *a, **k: {key: v for key, v in original(*a, **k).items()
+                                                              if key not in PER_BLOCK_KEYS}
+            recipe = load_recipe(RECIPE, [*sets, f"output.dir={out / f'inproc-{part}-b{args.block_len}-l{n}'}"])
+            run = FullRun(recipe, recipe.output_dir, None, world)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            row = _train_steps(run, blocks, args.warmup, device)
+            data.block_to_model_inputs = original
+            if device.type == "cuda":
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            trained[part] = row
+            label = {"after": "with the per-block tensors", "before": "without them (derived on the device)"}[part]
+            mem = f"{row['peak_mem_gib']:.1f}" if row.get("peak_mem_gib") is not None else "-"
+            print(f"\n| ftcli train step, {n} layers, block {args.block_len} | s/step | tokens/s | MFU | peak GiB "
+                  f"| host syncs per step | losses |\n|---|---:|---:|---:|---:|---:|---|\n"
+                  f"| {label} | {row['s_per_step']:.3f} | {tokens / row['s_per_step']:,.0f} | "
+                  f"{100 * flops['total'] / row['s_per_step'] / p:.1f}% | {mem} | {row['syncs_per_step']} | "
+                  f"{row['losses']} |\nsyncs by line: {_fmt_syncs(row['syncs_by_line'])}\nstep times: {row['times']}",
+                  flush=True)
+            print("INPROC " + json.dumps({"part": part, "layers": n, "block": args.block_len, **row}), flush=True)
+        else:
+            impls = list(dict.fromkeys([run.tcfg.loss.impl, "chunked"]))
+            rows = _eval_passes(run, blocks, args.warmup, device, impls, run.tcfg.loss.chunk_tokens)
+            step_s = trained["after"]["s_per_step"]
+            lines = [f"\n| {n} layers, block {args.block_len} | s | tokens/s | vs the training step | peak GiB | "
+                     "host syncs | mean CE per block |", "|---|---:|---:|---:|---:|---:|---|",
+                     f"| training step ({run.tcfg.loss.impl} loss, qwen-b300 settings) | {step_s:.3f} | "
+                     f"{tokens / step_s:,.0f} | 1.00x | - | {trained['after']['syncs_per_step']} | - |"]
+            for r in rows:
+                mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+                lines.append(f"| eval forward, no grad ({r['impl']} loss) | {r['s_per_pass']:.3f} | "
+                             f"{tokens / r['s_per_pass']:,.0f} | {r['s_per_pass'] / step_s:.2f}x | {mem} | "
+                             f"{r['syncs_per_pass']} | {r['mean_ce']} |")
+            print("\n".join(lines), flush=True)
+            print("EVAL " + json.dumps({"layers": n, "block": args.block_len, "train_s": step_s, "rows": rows}),
+                  flush=True)
+    if {"after", "before"} <= trained.keys():
+        a, b = trained["after"], trained["before"]
+        same = len(a["losses"]) == len(b["losses"]) and all(abs(x - y) < 5e-4 for x, y in zip(a["losses"], b["losses"]))
+        print(f"\nlever: {b['s_per_step']:.3f} -> {a['s_per_step']:.3f} s/step "
+              f"({b['s_per_step'] / a['s_per_step']:.3f}x), host syncs per step {b['syncs_per_step']} -> "
+              f"{a['syncs_per_step']}; losses equal to 3 decimals over {len(a['losses'])} steps: {same}", flush=True)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------------- fit
 def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares s/step = intercept + slope * layers; None with fewer than two depths."""
@@ -336,26 +540,31 @@ def main() -> int:
     parser.add_argument("--block-len", type=int, default=None, help="default 32768 (tiny 512)")
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--what", nargs="+", default=["reference", "ftcli", "profile", "fit"],
-                        choices=["reference", "ftcli", "profile", "fit"])
+                        choices=["reference", "ftcli", "profile", "fit", "lever", "eval"])
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     parser.add_argument("--ref-steps", type=int, default=4, help="timed reference steps (after --warmup)")
     parser.add_argument("--ftcli-steps", type=int, default=6, help="ftcli max_steps (median over steps > warmup)")
     parser.add_argument("--profile-layers", type=int, default=4)
+    parser.add_argument("--inproc-layers", type=int, default=4, help="lever / eval: decoder layers")
+    parser.add_argument("--inproc-steps", type=int, default=8, help="lever / eval: steps (blocks) per part")
     parser.add_argument("--timeout", type=float, nargs="+", default=[900.0],
-                        help="seconds per sub-run: one value, or reference, ftcli (each depth), profile")
+                        help="seconds per sub-run: one value, or reference, ftcli (each depth), profile, "
+                             "lever/eval")
     parser.add_argument("--rows", type=Path, default=None, help="JSON-lines results (default <out>/rows.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="run dirs (default: a temp dir)")
     parser.add_argument("--trace", type=Path, default=None, help="profile: also write the chrome trace here")
     parser.add_argument("--tiny", action="store_true", help="CPU logic check: tiny config, 512-token blocks")
     parser.add_argument("--ftcli-one", type=int, default=None, help=argparse.SUPPRESS)  # child: one ftcli depth
     parser.add_argument("--profile-one", action="store_true", help=argparse.SUPPRESS)  # child: the profile
+    parser.add_argument("--inproc-one", action="store_true", help=argparse.SUPPRESS)  # child: lever / eval
     args = parser.parse_args()
     args.block_len = args.block_len or (512 if args.tiny else 32768)
     args.out = (args.out or Path(tempfile.mkdtemp(prefix="ftcli-depth-"))).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     args.rows = (args.rows or args.out / "rows.jsonl").resolve()
-    timeouts = dict(zip(("reference", "ftcli", "profile"), (args.timeout * 3)[:3] if len(args.timeout) == 1
-                        else args.timeout))
+    timeouts = dict(zip(("reference", "ftcli", "profile", "inproc"), (args.timeout * 4)[:4]
+                        if len(args.timeout) == 1 else args.timeout))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer `timeout`: `child` stops its group
 
     if args.ftcli_one is not None:  # child
         row = ftcli_row(args, args.ftcli_one, args.out)
@@ -365,6 +574,9 @@ def main() -> int:
         return 0 if row["exit"] == 0 else 1
     if args.profile_one:  # child
         profile_step(args, args.out)
+        return 0
+    if args.inproc_one:  # child
+        inproc(args, args.out)
         return 0
 
     failed = 0
@@ -380,6 +592,10 @@ def main() -> int:
         extra = ["--profile-one", "--profile-layers", str(args.profile_layers)]
         failed += child(sub_args(args, *extra, *(["--trace", str(args.trace)] if args.trace else [])),
                         timeouts["profile"]) != 0
+    if {"lever", "eval"} & set(args.what):
+        extra = ["--inproc-one", "--inproc-layers", str(args.inproc_layers), "--inproc-steps", str(args.inproc_steps),
+                 "--what", *[w for w in args.what if w in ("lever", "eval")]]
+        failed += child(sub_args(args, *extra), timeouts.get("inproc", timeouts["ftcli"])) != 0
     if "fit" in args.what:
         print(f"\n## depth fit{' (tiny CPU mode)' if args.tiny else ''}\n", flush=True)
         print(fit_tables(read_rows(args.rows), args.block_len, args.tiny), flush=True)

@@ -5,7 +5,7 @@ One checkpoint is one directory, committed by a rename:
     <run>/checkpoints/
       step_00000200/            committed: `latest_checkpoint` only ever returns one of these
         .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: model + optimizer, each rank writes its shards
-        rank_00000.pt, rank_00001.pt                   per-rank trainer state: data position, RNG, ...
+        rank_00000.json, rank_00000.safetensors, ...   per-rank trainer state: data position, RNG, ...
         meta.json                                      step, world size, token counts (written last)
       .tmp_step_00000250/       a save in progress, or one a crash interrupted: never resumed from
 
@@ -15,7 +15,13 @@ rank 0 deletes all but the newest `keep_last`. The checkpoint dir must be on a f
 sees (one node, or a shared filesystem across nodes).
 
 Model and optimizer state go through `get_state_dict` / `set_state_dict`, so the sharded DTensors are
-saved as shards and reloaded into the same sharding. The per-rank state (RNG) and the step
+saved as shards and reloaded into the same sharding.
+
+Loading never runs code from the checkpoint dir (a run dir may come from anywhere): ftcli's own state is
+JSON plus a safetensors file (`write_rank_state` / `read_rank_state`; an older ftcli's rank_*.pt is read
+with torch.load(weights_only=True)), DCP's pickled `.metadata` is unpickled first with an allowlist of
+DCP's own record classes (`check_dcp_metadata`), and DCP's non-tensor items load through
+torch.load(weights_only=True) (`SafeLoadPlanner`). A file that fails these is one UserError naming it. The per-rank state (RNG) and the step
 accounting belong to one run layout, so a checkpoint resumes with the world size that wrote it.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -33,6 +40,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.errors import UserError
 from ftcli.rundir import CHECKPOINTS
@@ -172,7 +180,7 @@ def save_checkpoint(
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    write_rank_state(tmp, rank, rank_state)
     dist.barrier()  # every rank's files are on disk
 
     if rank == 0:
@@ -195,7 +203,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if meta["world_size"] != world_size:
         raise UserError(
@@ -204,9 +212,167 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    rank_state = read_rank_state(path, rank)
+    check_dcp_metadata(path)
+    try:
+        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+    except CheckpointException as e:  # DCP wraps what each rank raised; ours is one line
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
+        if refused:
+            raise UserError(f"checkpoint {path}: {refused[0]}") from None
+        raise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(path / f"rank_{rank:05d}.pt", weights_only=False), meta
+    return rank_state, meta
+
+
+# ----------------------------------------------------------------------- loading that runs no code
+def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The trainer state as JSON: tensors go to `tensors` (safetensors) and leave a reference; numpy
+    arrays and tuples (the RNG states) are tagged so they come back as they were."""
+    if isinstance(value, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = value.detach().cpu().contiguous().clone()
+        return {"__tensor__": name}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) and not k.startswith("__") for k in value), f"state keys: {list(value)[:5]}"
+        return {k: _encode(v, tensors) for k, v in value.items()}
+    assert value is None or isinstance(value, (bool, int, float, str)), f"cannot save {type(value).__name__}"
+    return value
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.asarray(value["__ndarray__"], dtype=np.dtype(value["dtype"]))
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
+    """This rank's trainer state (scheduler, data position, RNG) as rank_XXXXX.json + .safetensors."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(state, tensors)
+    save_file(tensors, str(Path(ckpt_dir) / f"rank_{rank:05d}.safetensors"))
+    (Path(ckpt_dir) / f"rank_{rank:05d}.json").write_text(json.dumps(encoded) + "\n")
+
+
+def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
+    """What `write_rank_state` wrote; an older ftcli's rank_XXXXX.pt through torch.load(weights_only=True).
+    Anything else (a pickle that would run code, a damaged file) is one UserError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / f"rank_{rank:05d}.json"
+    if path.is_file():
+        try:
+            encoded = json.loads(path.read_text(encoding="utf-8"))
+            tensors = load_file(str(path.with_suffix(".safetensors")))
+            return _decode(encoded, tensors)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            raise UserError(f"checkpoint {ckpt_dir}: cannot read {path.name} and its .safetensors ({e}); "
+                            "resume from another checkpoint") from None
+    legacy = ckpt_dir / f"rank_{rank:05d}.pt"
+    if not legacy.is_file():
+        raise UserError(f"checkpoint {ckpt_dir} has no trainer state for rank {rank} ({path.name}); "
+                        "resume from another checkpoint")
+    try:  # an older ftcli pickled it; the numpy RNG state is the only non-torch type it holds
+        with torch.serialization.safe_globals([np.ndarray, np.dtype, np.dtypes.UInt32DType,
+                                               np._core.multiarray._reconstruct]):
+            return torch.load(legacy, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, or whatever a damaged file raises
+        raise UserError(f"checkpoint {ckpt_dir}: {legacy.name} holds more than tensors and plain data, so ftcli does "
+                        f"not load it (loading could run code: {_first_line(e)})") from None
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint {ckpt_dir}: cannot read meta.json ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
+        raise UserError(f"checkpoint {ckpt_dir}: meta.json is not one ftcli wrote (no world_size)")
+    return meta
+
+
+def _first_line(e: BaseException) -> str:
+    """The line that says why: torch.load's weights_only refusal names the global on a later line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    found = [ln.split(" was not an allowed global")[0] for ln in lines if "Unsupported global" in ln]
+    return found[0].removeprefix("WeightsUnpickler error: ") if found else lines[0]
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` allowing only the records DCP itself writes there (dataclasses and
+    enums of torch.distributed.checkpoint, torch.Size, dtypes, layouts, paths); any other global, the
+    way a crafted pickle runs code, raises before it is looked up, let alone called."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+    _NAMED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        import dataclasses
+        import enum
+
+        if (module, name) in self._NAMED:
+            return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif module in self._MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def check_dcp_metadata(ckpt_dir: Path) -> None:
+    """Every *.metadata file of a DCP checkpoint unpickles with `_DcpMetadataUnpickler`, or UserError.
+    (DCP then reads the same file with pickle; a file swapped in between needs write access to the
+    checkpoint while it is being resumed.)"""
+    import io
+
+    for path in sorted(Path(ckpt_dir).glob("*.metadata")) or [Path(ckpt_dir) / ".metadata"]:
+        try:
+            _DcpMetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, ... on a damaged or crafted file
+            raise UserError(f"checkpoint {ckpt_dir}: {path.name} is not DCP metadata ftcli can load safely "
+                            f"({_first_line(e)}); resume from another checkpoint") from None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner, except that a non-tensor item (the optimizer's hyperparameters) must load
+    with torch.load(weights_only=True) first: the default unpickles it with weights_only=False."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - UnpicklingError on a crafted item
+            raise UserError(f"item {read_item.dest_index.fqn} holds more than plain data, so ftcli does "
+                            f"not load it (loading could run code: {_first_line(e)})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def best_checkpoint(root: Path, step: int | None) -> Path | None:

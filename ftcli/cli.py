@@ -16,6 +16,7 @@ Each subcommand's work lives in one module, imported only when that command runs
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -59,8 +60,32 @@ ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
 
 
 def _fail(message: str) -> None:
+    """Print `error: <message>` and exit 2. The message is one line; a list of problems (several recipe
+    keys at once) follows it as indented `  - ` lines."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _check_output(path: Path, force: bool) -> None:
+    """Refuse before any work: an existing file without --force, a dangling symlink (writing through it
+    would create a file wherever it points), a missing or non-directory parent."""
+    if path.is_symlink() and not path.exists():
+        _fail(f"{path} is a symlink to {os.readlink(path)}, which does not exist; refusing to write through it")
+    if path.is_dir():
+        _fail(f"{path} is a directory; give a file path")
+    if path.exists() and not force:
+        _fail(f"{path} exists; pass --force to overwrite it")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        _fail(f"cannot write {path}: {parent} {what}; create it first (mkdir -p {parent})")
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        _fail(f"cannot write {path}: {e.strerror or e}")
 
 
 def _load(recipe: str | None, overrides: list[str] | None):
@@ -122,7 +147,7 @@ def recipes_show(
 @recipes_app.command("cp")
 def recipes_cp(
     name: str = typer.Argument(..., help="Built-in recipe to start from."),
-    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML."),
+    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist)."),
     force: bool = ForceOpt,
 ) -> None:
     """Copy a built-in recipe to DEST to start a custom one."""
@@ -130,9 +155,9 @@ def recipes_cp(
 
     if dest.is_dir():
         dest = dest / f"{name}.yaml"
-    if dest.exists() and not force:
-        _fail(f"{dest} exists; pass --force to overwrite it")
-    dest.write_text(builtin_recipe_text(name))
+    text = builtin_recipe_text(name)
+    _check_output(dest, force)
+    _write(dest, text)
     console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")
 
 
@@ -141,7 +166,7 @@ def recipes_cp(
 def render_workload(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout); its folder must exist."),
     check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
     no_fit_check: bool = typer.Option(False, "--no-fit-check", help="Render even when the plan says it does not fit."),
     force: bool = ForceOpt,
@@ -151,24 +176,24 @@ def render_workload(
 
     if check is not None:
         problems = workload.check_workload_file(check)
+        if len(problems) == 1:
+            _fail(f"{check}: {problems[0]}")
         if problems:
-            for p in problems:
-                err_console.print(f"[red]-[/] {p}", highlight=False, soft_wrap=True)
-            _fail(f"{check}: {len(problems)} problem(s)")
+            _fail(f"{check}: {len(problems)} problems\n" + "\n".join(f"  - {p}" for p in problems))
         console.print(f"{check}: valid AI Runtime workload")
         return
     r = _load(recipe, overrides)
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
+    if output is not None:
+        _check_output(output, force)
     text = workload.render_workload(r, fit_check=not no_fit_check)
     for warning in workload.render_warnings(r, fit_check=not no_fit_check):
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is None:
         print(text, end="")
         return
-    if output.exists() and not force:
-        _fail(f"{output} exists; pass --force to overwrite it")
-    output.write_text(text)
+    _write(output, text)
     err_console.print(f"wrote {output}; submit with: databricks air run -f {output}")
 
 
@@ -180,7 +205,7 @@ def pack_preview(
     blocks: int = typer.Option(2, "--blocks", min=0, help="Blocks to show in detail."),
     examples: Optional[int] = typer.Option(None, "--examples", min=1, help="Read at most this many examples."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    dump: Optional[Path] = typer.Option(None, "--dump", help="Write the exact blocks as JSON lines."),
+    dump: Optional[Path] = typer.Option(None, "--dump", help="Write the exact blocks as JSON lines (the folder must exist)."),
     strict: bool = typer.Option(False, "--strict", help="Stop at the first bad row."),
     force: bool = ForceOpt,
 ) -> None:
@@ -188,8 +213,8 @@ def pack_preview(
     r = _load(recipe, overrides)
     from ftcli.preview import run_preview
 
-    if dump is not None and dump.exists() and not force:
-        _fail(f"{dump} exists; pass --force to overwrite it")
+    if dump is not None:
+        _check_output(dump, force)
     run_preview(r, blocks=blocks, examples=examples, as_json=as_json, dump=dump, strict=strict)
 
 
@@ -201,7 +226,8 @@ def train(
     resume: Optional[str] = typer.Option(
         None, "--resume", help="Resume from the latest checkpoint of the run dir, or from DIR.", metavar="[DIR]"
     ),
-    force: bool = typer.Option(False, "--force", help="Write into a non-empty output dir that is not this run's."),
+    force: bool = typer.Option(False, "--force", help="Start over in an ftcli run dir: delete its checkpoints, final "
+                               "model and metrics (never files ftcli did not write)."),
 ) -> None:
     """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun."""
     r = _load(recipe, overrides)
@@ -245,6 +271,12 @@ def register(
     checkpoint: str = typer.Option("last", "--checkpoint", help="A run dir's last (final) or best (best eval) model."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
+    from ftcli.recipe import plain_text_problem
+
+    for flag, value in (("--name", name), ("--alias", alias)):
+        problem = None if value is None else plain_text_problem(value)
+        if problem:
+            _fail(f"{flag} {value!r}: {problem}")
     r = _load(recipe, overrides)
     from ftcli.register import run_register
 

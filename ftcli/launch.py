@@ -1,10 +1,11 @@
 """`ftcli train`: prepare the run dir, start torchrun, and in each worker hand over to the trainer.
 
     ftcli train --recipe R            (no RANK in the environment: the launcher)
-      -> refusal rule + <run>/recipe.yaml            ftcli.rundir.prepare_run_dir
+      -> the run dir's lock (one writer), after the refusal rule   run_dir_lock, ftcli.rundir.check_run_dir
       -> tokenizer, data tokenized + packed into the on-disk cache (errors are one line here)
+      -> only then: an earlier run's outputs cleared (--force), <run>/recipe.yaml   ftcli.rundir.prepare_run_dir
       -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
-           (inside torchrun, RANK is set: the worker)
+           (inside torchrun, RANK is set: the worker; it dies with the launcher, _die_with_launcher)
            -> method full: ftcli.train_full.train(recipe, run_dir, resume)
               method lora: ftcli.train_lora.train(recipe, run_dir, resume)
 
@@ -17,12 +18,20 @@ every node yourself: the workers read everything from the environment and the re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.rundir import RECIPE_FILE, is_own_run, prepare_run_dir, recipe_differences, run_dir_of
+from ftcli.rundir import (LOCK_FILE, RECIPE_FILE, check_run_dir, is_own_run, prepare_run_dir, recipe_differences,
+                          run_dir_of)
+from ftcli.tracking import export_credentials
+
+LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
 
 def _inside_torchrun() -> bool:
@@ -35,7 +44,8 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
     else:
-        _launch(recipe, resume=resume, force=force)
+        with run_dir_lock(recipe, resume=resume, force=force):
+            _launch(recipe, resume=resume, force=force)
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -58,14 +68,19 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
                   file=sys.stderr)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
+    from ftcli.model_check import check_model_config
+
+    check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
+    _preflight(recipe)  # before anything in the run dir is cleared or written
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
-    _preflight(recipe)
+    export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
     nproc, unit = _processes_per_node(recipe)
     if unit == "CPU process":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("PYTHONSAFEPATH", "1")  # `-m ftcli` must not pick up a folder named ftcli in the cwd
     os.environ["FTCLI_LAUNCHED"] = "1"
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (_die_with_launcher)
 
     torchrun_args = [f"--nproc_per_node={nproc}"]
     num_nodes = int(os.environ.get("NUM_NODES", "1"))
@@ -117,6 +132,7 @@ def _preflight(recipe) -> None:
 
 # -------------------------------------------------------------------------------------------- worker
 def _worker(recipe, *, resume: str | None, force: bool) -> None:
+    _die_with_launcher()
     run_dir = run_dir_of(recipe)
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
@@ -132,3 +148,96 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
 
+
+
+# ----------------------------------------------------------------------------- one run dir, one writer
+@contextlib.contextmanager
+def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
+    """The launcher holds an exclusive lock on <run>/.ftcli.lock (fcntl.flock) for the whole run, so a
+    second `ftcli train` on the same dir fails in one line naming the holder's PID. The kernel drops
+    the lock when the launcher dies, however it dies; the workers die with it (`_die_with_launcher`),
+    so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
+    refusal rule (check_run_dir, which writes nothing), and only then is the lock file created. On a
+    multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
+    (some network mounts) gets a warning, not a refusal."""
+    import fcntl
+
+    run_dir = run_dir_of(recipe)
+    path = run_dir / LOCK_FILE
+    if path.is_file():
+        _refuse_if_locked(path)
+    check_run_dir(recipe, force=force, resume=resume)
+    if os.environ.get("NODE_RANK", "0") != "0":
+        yield run_dir
+        return
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the workers
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        _refuse_if_locked(path)  # lost a race to another launcher: name it
+        raise
+    except OSError as e:
+        print(f"warning: cannot lock {path} ({e.strerror}); make sure no other `ftcli train` writes to {run_dir}",
+              file=sys.stderr)
+        os.close(fd)
+        yield run_dir
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield run_dir
+    finally:
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
+            path.unlink()
+            run_dir.rmdir()
+        os.close(fd)
+
+
+def _refuse_if_locked(path: Path) -> None:
+    """UserError naming the PID in the lock file when another process holds the lock; writes nothing."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        raise UserError(f"{path.parent} is in use by another `ftcli train` (pid {holder}); wait for it to finish "
+                        "or stop it, then run again") from None
+    except OSError:
+        pass  # no flock on this filesystem: run_dir_lock warns
+    finally:
+        os.close(fd)
+
+
+def _die_with_launcher() -> None:
+    """A worker ends when its parent does, SIGKILL included. torchrun starts workers in their own
+    session, so a signal to the launcher's process group does not reach them; a worker outliving its
+    launcher would keep writing into a run dir whose lock is gone (a --resume started then would
+    interleave with it). The parent is the launcher (`ftcli train`, which runs torchrun's agent in
+    its process), or torchrun's agent when torchrun was started by hand (a Databricks workload). On
+    Linux the kernel sends SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG); elsewhere a
+    watchdog thread polls the parent's PID. A launcher that is already gone ends the worker at once."""
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        armed = ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != parent:
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="ftcli-parent-watchdog", daemon=True).start()

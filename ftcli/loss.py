@@ -44,11 +44,14 @@ def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int):
+def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int,
+                   trained_positions: torch.Tensor | None = None):
     """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
 
     hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
-    (HF convention: position t predicts labels[t + 1]; -100 = no loss).
+    (HF convention: position t predicts labels[t + 1]; -100 = no loss). `trained_positions` (int64 [N],
+    ftcli.data.collate's, built on the host) are the positions whose target is trained; without them they
+    are found on the device (`nonzero`: a host sync). A listed position whose target is -100 adds 0.
       chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
                recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
       full     the reference: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
@@ -58,7 +61,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if impl == "full":
         return _ce_sum(hidden, weight, targets)
-    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1) if trained_positions is None else trained_positions
     hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
     if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
         return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
@@ -91,14 +94,14 @@ def liger_loss():
 
 def attach_loss(model: nn.Module, impl: str, chunk_tokens: int, *, loss_fn: Callable = token_loss_sum) -> None:
     """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
-    `loss_fn` (`token_loss_sum`; a test may pass a faulty one) with the LM head's weight. Registered with
-    FSDP as a forward method, so the root's parameters (embeddings, final norm, LM head) are all-gathered
-    around it like around `forward`."""
+    `loss_fn` (`token_loss_sum`; a test may pass a faulty one) with the LM head's weight and the block's
+    `trained_positions` (None when the call has none). Registered with FSDP as a forward method, so the
+    root's parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    def loss_sum(self, input_ids, labels, **inputs):
+    def loss_sum(self, input_ids, labels, trained_positions=None, **inputs):
         hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
-        return loss_fn(hidden, self.lm_head.weight, labels, impl, chunk_tokens)
+        return loss_fn(hidden, self.lm_head.weight, labels, impl, chunk_tokens, trained_positions=trained_positions)
 
     model.loss_sum = types.MethodType(loss_sum, model)
     register_fsdp_forward_method(model, "loss_sum")

@@ -8,7 +8,10 @@
       -> probe logits of base+adapter  ->  merge_and_unload (in place)  ->  probe logits again
       -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
          (MoE routing pinned, see RoutingReplay); otherwise nothing is written
-      -> save_pretrained(max_shard_size) + tokenizer + chat template + merge.json (the check's numbers)
+      -> save_pretrained(max_shard_size) + tokenizer + chat template + merge.json (the check's numbers and
+         the files written), into a temporary sibling that then takes the output's place. `-o` is
+         checked before anything loads: never the adapter, its run, the base or a folder holding them,
+         never a dir with files merge-lora did not write; an earlier merge is replaced only with --force
 
 Memory: the base is the only full copy that ever exists. The adapter is attached to it,
 `merge_and_unload` adds each low-rank delta into its weight in place, both probes run on that same
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ from ftcli.rundir import FINAL, RUN_JSON, RunRecord, read_run_record
 
 PROBE_TOKENS = 48
 MAX_SHARD_SIZE = "2GB"
+MERGE_REPORT = "merge.json"  # the check's numbers, and the files this merge wrote (what --force may replace)
 # The logits check: max |merged - (base+adapter)| over the probe, relative to max(1, max |logits|),
 # with MoE routing pinned (RoutingReplay). float32 merges agree up to summation order. In bf16/fp16
 # every merged weight is rounded once (W + dW -> 8 or 11 mantissa bits); measured on an 8-layer
@@ -178,30 +183,92 @@ def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | 
                        trust_remote_code=trust)
 
 
-def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, force: bool) -> Path:
+def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: BaseRef, force: bool) -> Path:
+    """Where the merged model goes, checked before anything is loaded; deletes nothing. Refused: the
+    adapter, its run dir, the base, any folder holding one of them, a folder inside the adapter or
+    the base, and a non-empty dir that is not an earlier merge-lora output (merge.json lists the files
+    it wrote; with --force such an output is replaced, by `_save_merged`, once the new merge passed)."""
     out = Path(output) if output else (run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged"))
     out = out.expanduser().resolve()
-    if out == adapter or (run_dir is not None and out == run_dir):
-        raise UserError(f"--output {out} would overwrite the adapter or its run; pick another dir")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise UserError(f"{out} exists and is not empty; pass --force to overwrite it, or --output DIR")
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    for what, path in (("its run dir", run_dir), ("the adapter", adapter), ("the base model", base.path)):
+        if path is None:
+            continue
+        path = Path(path).resolve()
+        if out == path or out in path.parents:
+            raise UserError(f"--output {out} would overwrite {what} ({path}); pick another dir")
+        if path in out.parents and what != "its run dir":  # <run>/merged is the default
+            raise UserError(f"--output {out} is inside {what} ({path}); pick another dir")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; pick a directory")
+    _check_replaceable(out, force)
     return out
+
+
+def _check_replaceable(out: Path, force: bool) -> None:
+    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not contents:
+        return
+    foreign = [name for name in contents if name not in (_merged_files(out) or ())]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{out} holds files merge-lora did not write ({shown}); merge-lora never deletes those: "
+                        "pass another --output")
+    if not force:
+        raise UserError(f"{out} holds an earlier merge; pass --force to replace it, or --output DIR")
+
+
+def _merged_files(out: Path) -> set[str] | None:
+    """The files an earlier merge wrote into `out` (its merge.json says), or None when it is not one."""
+    try:
+        files = json.loads((out / MERGE_REPORT).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(files, list) or not all(isinstance(f, str) and "/" not in f for f in files):
+        return None
+    return {*files, MERGE_REPORT}
+
+
+def _save_merged(model, tokenizer_src, report: dict[str, Any], out: Path, force: bool) -> None:
+    """Write into a fresh temporary sibling, list the files in merge.json, then put it in place of `out`
+    (an earlier merge there is removed file by file, only after the new one is complete)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
+        try:
+            AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
+        except OSError:
+            pass  # a base without tokenizer files: the merged model is still complete
+        report["files"] = sorted(p.name for p in tmp.iterdir()) + [MERGE_REPORT]
+        (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        if out.is_dir():
+            _check_replaceable(out, force)  # again: the dir may have changed while merging
+            for name in _merged_files(out) or ():
+                target = out / name
+                if target.is_file() or target.is_symlink():
+                    target.unlink()
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # ------------------------------------------------------------------------------------------ merge
 def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force) -> tuple[Path, dict[str, Any]]:
     import torch
     from peft import PeftModel
-    from transformers import AutoTokenizer
 
     from ftcli.modeling import load_model
 
     adapter, run_dir, run = resolve_adapter(adapter_dir)
     resolved = resolve_base(adapter, run_dir, run, base)
     base_ref = resolved.ref
-    out = _output_dir(output, adapter, run_dir, force)  # refuse before any loading
+    out = _output_dir(output, adapter, run_dir, resolved, force)  # refuse before any loading
     cfg = _model_config(base_ref, resolved.revision, dtype, run, recipe)
 
     model = load_model(cfg)
@@ -232,17 +299,10 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force) -> tuple[Pa
                         f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
                         f"(tolerance {report['tolerance']:.3g}); nothing was written")
 
-    out.mkdir(parents=True, exist_ok=True)
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config  # the weights are dequantized now
     model.hf_quantizer = None
-    model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
-    tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
-    try:
-        AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(out)
-    except OSError:
-        pass  # a base without tokenizer files: the merged model is still complete
-    (out / "merge.json").write_text(json.dumps(report, indent=2) + "\n")
+    _save_merged(model, adapter if _has_tokenizer(adapter) else base_ref, report, out, force)
     return out, report
 
 

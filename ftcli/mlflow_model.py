@@ -3,9 +3,11 @@
     log_chat_model(model_dir, base=None, run=..., ...)     a full checkpoint: files copied as is
     log_chat_model(adapter_dir, base=BaseRef, run=..., ...) a LoRA adapter: PEFT model, base referenced
 
-Both go through `mlflow.transformers.log_model(task="llm/v1/chat")`, so the model carries a chat
-signature (inputs and outputs) and serves OpenAI-style chat completions. It is the one fluent MLflow
-call ftcli makes (it takes no client); `_active_run` scopes it to the given run and store.
+Both go through MLflow's transformers flavor with `task="llm/v1/chat"` (`Model.log(flavor=
+mlflow.transformers)`, the call `mlflow.transformers.log_model` makes, see `_log`), so the model
+carries a chat signature (inputs and outputs), an input example (a chat request from the training
+data) and serves OpenAI-style chat completions. It is the one fluent MLflow call ftcli makes (it
+takes no client); `_active_run` scopes it to the given run and store.
 
 An adapter over a local base is logged with `base_model_path` (adapter + tokenizer + a path to the
 base), so it loads only where that path exists (this machine, a shared disk): MLflow's other route
@@ -36,13 +38,15 @@ from ftcli.tracking import first_line
 
 
 def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: str, metadata: dict, dtype: str,
-                   model_class: str = "causal_lm", trust_remote_code: bool = False):
+                   model_class: str = "causal_lm", trust_remote_code: bool = False,
+                   input_example: dict | None = None):
     """Log `model_dir` into `run`: with base=None a full HF checkpoint (files copied as is, `dtype`
     the fallback when config.json names none); else a LoRA adapter over `base`, which is referenced
-    (a local dir, or a hub id at its pinned revision), never copied."""
+    (a local dir, or a hub id at its pinned revision), never copied. `input_example`: an
+    llm/v1/chat request ({"messages": [...]}) saved with the model."""
     if base is None:
         return _log(str(model_dir), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
-                    metadata=metadata, adapter=False)
+                    metadata=metadata, adapter=False, input_example=input_example)
     from transformers import AutoTokenizer
 
     model = _adapter_model(model_dir, base, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
@@ -51,6 +55,7 @@ def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: 
         tokenizer.name_or_path = base.id  # referenced with the base (MLflow saves no components here)
     info = _log({"model": model, "tokenizer": tokenizer}, model.dtype, run=run, tracking_uri=tracking_uri,
                 metadata=metadata, adapter=True, pinned_revision=None if base.local else base.revision,
+                input_example=input_example,
                 **({"base_model_path": str(base.path)} if base.local else {}))
     assert "model_binary" not in info.flavors.get("transformers", {}), "adapter mode must not save base weights"
     return info
@@ -108,13 +113,22 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
 
 
 def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: dict, adapter: bool,
-         pinned_revision: str | None = None, **extra):
+         pinned_revision: str | None = None, input_example: dict | None = None, **extra):
+    """mlflow.transformers.log_model's own call, `Model.log(flavor=mlflow.transformers, ...)`, made
+    here to turn off MLflow's serving check of the input example. For a model object (an adapter)
+    that check loads the logged model a second time and generates a full-length reply (a minute on
+    the tiny CPU model; for an adapter over a hub base it downloads the base's weights); for a
+    checkpoint dir MLflow skips it itself. Register's probe generation has run on the model already."""
     import mlflow
+    from mlflow.models import Model
 
     with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision):
-        return mlflow.transformers.log_model(
-            transformers_model=transformers_model, torch_dtype=torch_dtype, name="model", task="llm/v1/chat",
-            run_id=run.info.run_id, metadata=dict(metadata),  # a copy: MLflow adds to it
+        return Model.log(
+            artifact_path=None, flavor=mlflow.transformers, transformers_model=transformers_model, torch_dtype=torch_dtype,
+            name="model", task="llm/v1/chat", run_id=run.info.run_id,
+            metadata=dict(metadata),  # a copy: MLflow adds to it
+            input_example=input_example,
+            validate_serving_input=False,
             pip_requirements=_pip_requirements(adapter), **extra,
         )
 

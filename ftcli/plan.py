@@ -325,17 +325,14 @@ def _clipped_lognormal_mean(mean: float, cap: float, sigma: float = 1.0) -> floa
 
 
 def _from_pack_cache(recipe: Recipe) -> DataSize | None:
-    from ftcli.data import sources
     from ftcli.data.cache import cache_root
+    from ftcli.data.pipeline import recipe_cache_parts
 
     root = cache_root(recipe.data) / "packed"
     if not root.is_dir():
         return None
-    d = recipe.data
     try:
-        want = {"source": sources.fingerprint(d), "format": d.format, "messages_field": d.messages_field,
-                "train_on": d.train_on, "max_examples": d.max_examples, "max_length": d.max_length,
-                "packing": d.packing.model_dump() if d.packing.enabled else {"enabled": False}}
+        want = recipe_cache_parts(recipe)
     except (UserError, OSError):
         return None
     want = json.loads(json.dumps(want, default=str))

@@ -6,6 +6,13 @@ package, so it works after a plain `pip install`), `load_recipe("my.yaml")` read
 with their dotted path and the closest valid key; type errors name the path. No pydantic dumps reach
 the user: every problem becomes a `RecipeError` with one short line per problem.
 
+What YAML allows but a recipe refuses (`parse_yaml`, also used for workloads): duplicate keys, aliases
+(`*name`; anchors alone are harmless), nesting deeper than 64 levels, files that are not UTF-8 text or
+are over 8 MiB. What the schema refuses everywhere: inf/nan (also inside `model.config_overrides`),
+`true`/`false` where a number goes, `data.packing.block_len` over 2**20 or over the model's
+`max_position_embeddings` when its config.json is a file here. `ftcli.model_check` goes further and
+builds the model config (and the model, on the meta device) before any worker starts.
+
 Paths inside a recipe may use `pkg://assets/...` for files shipped with ftcli (tiny configs, the tiny
 tokenizer and dataset). They stay `pkg://` in the validated recipe (so a recipe rendered into a
 workload still points at the installed package there); code that opens one calls `resolve_path`.
@@ -17,13 +24,28 @@ This module imports no torch: `ftcli --help` and `ftcli render-workload` stay in
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import re
+import types
+import typing
+import unicodedata
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ftcli.errors import UserError
 
@@ -33,14 +55,51 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
 NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
 ACCELERATOR_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")  # group 1: GPUs per node
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+MAX_BLOCK_LEN = 2**20  # tokens per packed block; past this one block's activations fit no GPU
 
 
 class RecipeError(UserError):
     """A user mistake in a recipe or an override; the message is ready to print."""
 
 
+def _members(annotation: Any) -> list:
+    """The alternatives a field accepts: `int | None` -> [int, NoneType]; `Annotated[X, ...]` -> [X]."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _bool_for_number(annotation: Any, value: Any) -> bool:
+    """True where YAML `true`/`false` stands in a number's place (pydantic would read it as 1/0)."""
+    members = _members(annotation)
+    if isinstance(value, bool):
+        kinds = {type(v) for m in members if typing.get_origin(m) is Literal for v in typing.get_args(m)}
+        kinds |= {m for m in members if typing.get_origin(m) is not Literal}
+        return bool(kinds & {int, float}) and not kinds & {bool, Any}
+    if isinstance(value, list):  # tuple[float, float], list[int]: look at the items
+        for m in members:
+            origin, args = typing.get_origin(m), typing.get_args(m)
+            if origin is tuple and any(_bool_for_number(t, v) for t, v in zip(args, value)):
+                return True
+            if origin is list and args and any(_bool_for_number(args[0], v) for v in value):
+                return True
+    return False
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Rules for every section: unknown keys fail, every float is finite, `true`/`false` is no number."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if _bool_for_number(cls.model_fields[info.field_name].annotation, value):
+            raise ValueError("expected a number, not true/false")
+        return value
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -357,11 +416,18 @@ class LoraConfig(_Section):
 
 
 # -------------------------------------------------------------------------------------- tracking
+def _plain_text(v: str | None) -> str | None:
+    problem = None if v is None else plain_text_problem(v)
+    if problem:
+        raise ValueError(problem)
+    return v
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
     tracking_uri: str | None = Field(None, description="Default: sqlite:///mlflow.db (or $MLFLOW_TRACKING_URI).")
-    experiment: str | None = None
-    run_name: str | None = None
+    experiment: Annotated[str | None, AfterValidator(_plain_text)] = None
+    run_name: Annotated[str | None, AfterValidator(_plain_text)] = None
     log_system_metrics: bool = True
 
 
@@ -430,6 +496,17 @@ class ComputeConfig(_Section):
     permissions: list[PermissionConfig] = Field(default_factory=list)
     ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
 
+    @field_validator("env_variables")
+    @classmethod
+    def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
+        from ftcli.redact import looks_secret
+
+        secret = sorted(k for k in env if looks_secret(k))
+        if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
+            raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
+                             f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")
+        return env
+
     @model_validator(mode="after")
     def _topology(self) -> ComputeConfig:
         problems = placement_problems(self.accelerator_type, self.num_accelerators, self.pool_id, self.priority_class)
@@ -447,6 +524,28 @@ class ComputeConfig(_Section):
     @property
     def num_nodes(self) -> int:
         return self.num_accelerators // self.gpus_per_node
+
+
+def max_position_embeddings(cfg: ModelConfig) -> tuple[int, str] | None:
+    """(the model's max_position_embeddings, where it comes from) when its config.json is a readable
+    file here (random init, or a local model dir); None otherwise (hub ids are checked by the workers)."""
+    override = cfg.config_overrides.get("max_position_embeddings")
+    if isinstance(override, int) and not isinstance(override, bool):
+        return override, "model.config_overrides"
+    source = cfg.config if cfg.init == "random" else cfg.id
+    try:
+        path = Path(resolve_path(source) or "")
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file() or path.stat().st_size > MAX_YAML_BYTES:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RuntimeError):  # unreadable here: the workers report it
+        return None
+    for section in (data, data.get("text_config") if isinstance(data, dict) else None):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, str(source)
+    return None
 
 
 # ---------------------------------------------------------------------------------------- recipe
@@ -479,6 +578,21 @@ class Recipe(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _block_len(self) -> Recipe:
+        """A hard cap, and the model's own limit where its config can be read here (a file, no hub)."""
+        block_len = self.data.packing.block_len
+        if block_len > MAX_BLOCK_LEN:
+            raise ValueError(f"data.packing.block_len={block_len} is over ftcli's limit of {MAX_BLOCK_LEN} "
+                             "tokens per block (2**20)")
+        limit = max_position_embeddings(self.model)
+        if self.data.packing.enabled and limit is not None and block_len > limit[0]:
+            raise ValueError(
+                f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
+                f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
+            )
+        return self
+
     @model_serializer(mode="wrap")
     def _dump(self, handler):  # no `eval: null` in dumps of recipes without eval (rendered workloads stay byte-identical)
         out = handler(self)
@@ -502,6 +616,109 @@ class Recipe(_Section):
         return self.model_dump(mode="json")
 
 
+# ------------------------------------------------------------------------------------------- YAML
+# One reader for every YAML file ftcli is handed (recipes, `--set` values, workloads to check).
+MAX_YAML_BYTES = 8 * 2**20
+MAX_YAML_DEPTH = 64
+
+
+class YamlError(UserError):
+    """What is wrong with a YAML text, in one line that names the line."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader minus what a recipe never needs and YAML makes dangerous: duplicate keys (the later
+    one silently replaced a whole section), aliases (a 1.5 KB alias bomb expands to billions of nodes,
+    which validation and `recipes show` then walk) and nesting deeper than MAX_YAML_DEPTH (PyYAML
+    composes recursively: 5,000 levels end in a RecursionError)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{event.anchor}) are not supported; write the value out", event.start_mark
+            )
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first set at line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse one YAML document with `_StrictLoader`; every failure is a one-line `YamlError`."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" line {mark.line + 1}" if mark else ""
+        raise YamlError(f"not valid YAML{where}: {e.problem or e.context}") from None
+    except yaml.reader.ReaderError as e:  # `character` is a code point (or a byte for bytes input)
+        raise YamlError(
+            f"not valid YAML: control character #x{e.character:04x} at offset {e.position} (a binary file?)"
+        ) from None
+    except yaml.YAMLError as e:
+        raise YamlError(f"not valid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`; a missing, unreadable, binary or oversized file is one line naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise UserError(f"{what} {path} is larger than {MAX_YAML_BYTES // 2**20} MiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); is it a binary file?"
+        ) from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte or an over-long name: not a file
+        return False
+
+
+def plain_text_problem(value: str) -> str | None:
+    """What is wrong with a name that ends up in MLflow, a registry or a terminal (None: nothing):
+    it must not be blank or hold control characters (newlines, escapes, bidi overrides)."""
+    if not value.strip():
+        return "must not be empty"
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    return None if bad is None else f"contains the control character {bad!r}; use printable characters only"
+
+
 # ------------------------------------------------------------------------------ loading & errors
 def builtin_recipe_names() -> list[str]:
     root = resources.files("ftcli") / "recipes"
@@ -510,7 +727,7 @@ def builtin_recipe_names() -> list[str]:
 
 def builtin_recipe_text(name: str) -> str:
     path = resources.files("ftcli") / "recipes" / f"{name}.yaml"
-    if not path.is_file():
+    if not NAME_RE.fullmatch(name) or not path.is_file():
         raise RecipeError(_unknown_recipe_message(name))
     return path.read_text()
 
@@ -528,9 +745,12 @@ def resolve_path(value: str | None, base: Path | None = None) -> str | None:
         return None
     if value.startswith(PKG_PREFIX):
         return str(resources.files("ftcli").joinpath(value[len(PKG_PREFIX) :]))
-    path = Path(value).expanduser()
-    if base is not None and not path.is_absolute() and (base / path).exists():
-        return str((base / path).resolve())
+    try:
+        path = Path(value).expanduser()
+        if base is not None and not path.is_absolute() and (base / path).exists():
+            return str((base / path).resolve())
+    except (OSError, ValueError, RuntimeError):  # NUL bytes, over-long names, `~nosuchuser`: left as given
+        pass
     return value
 
 
@@ -540,8 +760,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise RecipeError(f"--set {item!r}: expected dotted.key=value, e.g. training.optimizer.lr=2e-5")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except YamlError:
         value = raw
     if isinstance(value, str) and _FLOAT_RE.fullmatch(raw.strip()):
         value = float(raw)  # YAML 1.1 reads `1e-5` (no dot) as a string
@@ -624,10 +844,23 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             given = e.get("input")
             shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
             lines.append(f"{path}: {msg}{shown}" if loc else msg)  # top-level rules name their own keys
+    return _problems_message(lines, source)
+
+
+def _problems_message(lines: list[str], source: str) -> str:
+    """One line for one problem; a head line and one indented `  - ` line per problem for several."""
     head = f"invalid recipe {source}: "
     if len(lines) == 1:
         return head + lines[0]
     return head + f"{len(lines)} problems\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _non_finite(data: Any, path: str = "") -> list[tuple[str, float]]:
+    """(dotted path, value) of every inf/nan anywhere in parsed YAML, `config_overrides` included."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return [(path or "(top level)", data)]
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return [found for key, value in items for found in _non_finite(value, f"{path}.{key}" if path else str(key))]
 
 
 def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
@@ -650,21 +883,22 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
     """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
     path = Path(name_or_path).expanduser()
     base: Path | None = None
-    if path.is_file():
-        text, source, base = path.read_text(), str(path), path.resolve().parent
+    if _is_file(path):
+        text, source, base = read_text_file(path, "recipe"), str(path), path.resolve().parent
     elif str(name_or_path).endswith((".yaml", ".yml")) or "/" in str(name_or_path):
         raise RecipeError(f"recipe file not found: {name_or_path}")
     else:
         text, source = builtin_recipe_text(str(name_or_path)), f"'{name_or_path}'"
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"invalid recipe {source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        data = parse_yaml(text)
+    except YamlError as e:
+        raise RecipeError(f"invalid recipe {source}: {e}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"invalid recipe {source}: expected a mapping of sections at the top level")
     data = apply_overrides(data, overrides or [])
+    not_finite = [f"{key}: must be a finite number (got {value})" for key, value in _non_finite(data)]
+    if not_finite:
+        raise RecipeError(_problems_message(not_finite, source))
     _resolve_paths(data, base)
     try:
         return Recipe.model_validate(data)
@@ -672,5 +906,12 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(format_validation_error(e, source)) from None
 
 
+class YamlDumper(yaml.SafeDumper):
+    """Writes a value out wherever it appears: no `&anchor`/`*alias`, which `parse_yaml` refuses."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+    return yaml.dump(recipe.to_dict(), Dumper=YamlDumper, sort_keys=False)

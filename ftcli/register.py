@@ -24,7 +24,14 @@ $MLFLOW_REGISTRY_URI, else the tracking store.
 Order of work: every cheap check runs before anything is merged or uploaded.
 
     model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
-    -> alias free (or --force) -> [merge] -> log the model -> create the version -> set the alias
+    -> alias free (or --force) -> [merge] -> probe -> log the model -> create the version -> set the alias
+
+The probe: one greedy generation (ftcli.generate.sample_greedy) on the model to be logged, from the
+recipe's first `eval.samples` prompt or a default one; a model that fails to load or ends its turn
+before a single token stops the registration in one line. (An adapter over a hub base is not
+probed: register never downloads base weights.) The logged input example is a real chat request:
+the first training row with a user turn, cut before its first assistant reply; a fixed request,
+with a warning, when the data cannot be read here.
 
 Unity Catalog (`--registry-uri databricks-uc`):
 - the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
@@ -255,6 +262,134 @@ def choose_mode(source: Source, *, adapter_only: bool, merged: bool, uc: bool) -
     return "adapter"
 
 
+# ------------------------------------------------------------------------ probe and input example
+PROBE_PROMPT = "Hello! In one sentence, what can you do?"
+PROBE_MAX_NEW_TOKENS = 16
+FALLBACK_EXAMPLE = {"messages": [{"role": "user", "content": "Hello! What can you do?"}]}
+EXAMPLE_SCAN_ROWS = 1000  # rows read to find one with a user turn before giving up
+
+
+def probe_conversation(recipe: dict | None) -> list[dict]:
+    """What the probe asks: the recipe's first `eval.samples` entry (a prompt string or a list of
+    messages), else PROBE_PROMPT as one user turn."""
+    samples = ((recipe or {}).get("eval") or {}).get("samples")
+    first = samples[0] if isinstance(samples, list) and samples else None
+    if isinstance(first, dict) and isinstance(first.get("messages"), list):
+        first = first["messages"]
+    if isinstance(first, str) and first.strip():
+        return [{"role": "user", "content": first}]
+    if isinstance(first, list) and first and all(isinstance(m, dict) for m in first):
+        return first
+    return [{"role": "user", "content": PROBE_PROMPT}]
+
+
+def probe_generation(model_dir: Path, base: BaseRef | None, source: Source, messages: list[dict],
+                     max_new_tokens: int = PROBE_MAX_NEW_TOKENS) -> str | None:
+    """One greedy reply (ftcli.generate.sample_greedy) from the model about to be logged: `model_dir`
+    as a checkpoint, or as an adapter over the local `base`. A model that cannot load, generate or
+    produce a single token before its end of turn is a UserError: registering it would serve
+    errors or empty replies. One that does not fit in memory here is not probed (None, a warning):
+    that says nothing about the model."""
+    import torch
+
+    from ftcli import generate
+
+    where = f"{model_dir} (over {base})" if base is not None else str(model_dir)
+    dtype = source.dtype if source.dtype in generate.DTYPES else "auto"
+    target = generate.ModelSource(
+        model=str(base.path) if base is not None else str(model_dir), adapter=model_dir if base is not None else None,
+        model_class=source.model_class, trust_remote_code=source.trust_remote_code,
+    )
+    try:
+        loaded = generate.load(target, dtype=dtype, device="auto")
+        [text] = generate.sample_greedy(loaded.model, loaded.tokenizer, [messages], max_new_tokens)
+    except UserError as e:
+        raise UserError(f"probe generation on {where} failed: {e}") from None
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        _warn(f"no probe generation: {where} does not fit in memory here ({type(e).__name__})")
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever breaks here would break serving too
+        raise UserError(f"probe generation on {where} failed ({type(e).__name__}: {first_line(e)}); "
+                        "the model files are broken or do not match its config") from None
+    if not text:
+        raise UserError(f"probe generation on {where}: the model produced no token before its end of turn "
+                        f"(prompt {messages[-1].get('content')!r}); it would serve empty replies")
+    return text
+
+
+def _probe(model_dir: Path, mode: Mode, source: Source) -> str | None:
+    """The probe of what `mode` logs; None (with a warning) for an adapter over a hub base, whose
+    weights register never downloads."""
+    base = source.base if mode == "adapter" else None
+    if base is not None and not base.local:
+        _warn(f"no probe generation: the adapter's base {base} is on the hub and register does not download it")
+        return None
+    messages = probe_conversation(source.recipe)
+    with err_console.status("probe generation"):
+        text = probe_generation(model_dir, base, source, messages)
+    if text is not None:
+        err_console.print(f"probe: {messages[-1].get('content')!r} -> {text!r}", highlight=False, soft_wrap=True)
+    return text
+
+
+def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None]:
+    """(request, None): the first training row with a user turn, as an llm/v1/chat request
+    `{"messages": [...]}` of the turns before its first assistant reply (role and content); or
+    (None, why) when the recipe's data cannot be read here (offline hub data, a moved file, a
+    synthetic source) or holds no such row. Hub data is read as a stream (the first rows only),
+    or from the HF cache when HF_HUB_OFFLINE is set."""
+    from ftcli.data import sources
+    from ftcli.data.validate import BadRow, conversation
+    from ftcli.recipe import DataConfig
+
+    if not recipe or not recipe.get("data"):
+        return None, "no training recipe to read the data from"
+    try:
+        data = DataConfig.model_validate(recipe["data"])
+    except ValueError as e:
+        return None, f"the recipe's data section does not validate ({first_line(e)})"
+    problems = []
+    for src in data.source_list():
+        if src.source == "synthetic":
+            problems.append("synthetic data has no chat turns")
+            continue
+        if src.source == "hub" and not src.streaming and not _hf_offline():
+            src = src.model_copy(update={"streaming": True})
+        try:
+            rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
+            for _, row in rows:
+                try:
+                    messages = conversation(row, src.format, src.messages_field, src.tools_field).messages
+                except BadRow:
+                    continue
+                prompt = []
+                for m in messages or []:
+                    if m["role"] == "assistant":
+                        break
+                    prompt.append({"role": m["role"], "content": m.get("content") or ""})
+                if any(m["role"] == "user" for m in prompt):
+                    return {"messages": prompt}, None
+        except Exception as e:  # noqa: BLE001 - unreadable data never blocks registering
+            problems.append(f"cannot read {src.label} ({first_line(e)})")
+            continue
+        problems.append(f"no row with a user turn in the first {EXAMPLE_SCAN_ROWS} rows of {src.label}")
+    return None, "; ".join(problems)
+
+
+def _hf_offline() -> bool:
+    import datasets
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def _input_example(source: Source) -> dict:
+    example, why = chat_request_from_data(source.recipe)
+    if example is None:
+        _warn(f"input example: a fixed chat request, not one from the training data ({why})")
+        return FALLBACK_EXAMPLE
+    return example
+
+
 # ---------------------------------------------------------------------------------------- MLflow
 @dataclass
 class Result:
@@ -273,6 +408,7 @@ class Result:
     tracking_uri: str
     registry_uri: str
     seconds: float
+    probe_reply: str | None = None  # the probe generation (None: not probed)
 
 
 def _warn(message: str) -> None:
@@ -423,6 +559,8 @@ def log_and_register(
         _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
     if mode in ("full", "merged"):
         mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
+    probe = _probe(model_dir, mode, source)
+    input_example = _input_example(source)
 
     run, attached = _run_to_log_into(client, source, name)
 
@@ -437,7 +575,7 @@ def log_and_register(
             info = mlflow_model.log_chat_model(
                 model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
                 metadata=metadata, dtype=source.dtype, model_class=source.model_class,
-                trust_remote_code=source.trust_remote_code,
+                trust_remote_code=source.trust_remote_code, input_example=input_example,
             )
         if uc:
             require_uc_signature(info.signature)
@@ -460,6 +598,7 @@ def log_and_register(
         base_model=str(base) if base is not None else None,
         run_id=run.info.run_id, experiment_id=run.info.experiment_id, attached_to_training_run=attached,
         tracking_uri=mask_uri(tracking_uri), registry_uri=mask_uri(registry_uri), seconds=round(time.time() - t0, 1),
+        probe_reply=probe,
     )
 
 

@@ -1,7 +1,9 @@
 """The run directory: what a training run writes, and when `ftcli train` may write there.
 
     <run>/                        recipe.output_dir, made absolute (default runs/<recipe name>)
-      recipe.yaml                 the resolved recipe; the torchrun workers load this file
+      .ftcli-run                  marker: ftcli made this dir (the proof --force needs)
+      .ftcli.lock                 held (flock) by the launcher while a run writes here (ftcli.launch)
+      recipe.yaml                 the resolved recipe, tracking-URI credentials masked; the workers load it
       run.json                    summary written at the end (contracts: read by merge-lora, register)
       tracking.json               the MLflow run this dir logs to (so --resume continues it)
       metrics.jsonl               one JSON object per logged step (rank 0): what benchmarks and tests read
@@ -10,16 +12,22 @@
       best/                       the best eval's model (keep_best, eval.export=last; the LoRA path: its adapter)
       samples.jsonl               greedy completions of eval.samples during training (rank 0)
 
-The rule: a directory is "ours" when it holds recipe.yaml of a recipe with the same name. Training
-refuses a non-empty directory that is not ours unless --force. In our own directory, a fresh start
-(no --resume) that would mix with an earlier run's checkpoints or final model also needs --force,
-which then clears what the earlier run left (checkpoints, final, run.json; never foreign files).
+The rule (nothing is deleted or overwritten before it has passed): ftcli writes `.ftcli-run` into every
+run dir it makes; that marker (or, for dirs of an older ftcli, a recipe.yaml beside a run.json or a
+committed checkpoint) proves a directory is an ftcli run. Training writes into a new or empty dir, or
+into an ftcli run of the same recipe; any other non-empty dir is refused, with or without --force. In
+our own directory a fresh start (no --resume) that would mix with an earlier run's checkpoints, final
+model or metrics needs --force, which then removes only what a run writes (checkpoints/step_*, final,
+run.json, metrics.jsonl, tracking.json); --force also replaces an ftcli run of another recipe that way.
+`check_run_dir` applies the rule and writes nothing; `prepare_run_dir` applies it again and only then
+clears and writes, so the launcher runs every other check (tokenizer, data) in between.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +44,10 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 BEST = "best"  # the best eval's model beside final/ (training.checkpoint.keep_best with eval.export=last)
 SAMPLES_FILE = "samples.jsonl"
-_RUN_OUTPUTS = (CHECKPOINTS, FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")
+OWNER_FILE = ".ftcli-run"  # written when ftcli makes a run dir: proof the dir is ours
+LOCK_FILE = ".ftcli.lock"  # ftcli.launch's one-writer lock; never counts as content
+_RUN_OUTPUTS = (FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
+_CHECKPOINT_NAME = re.compile(r"^(\.tmp_)?step_\d{8}$")
 
 
 def run_dir_of(recipe) -> Path:
@@ -49,18 +60,59 @@ def saved_recipe_name(run_dir: Path) -> str | None:
         return None
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
         return None
     return data.get("name") if isinstance(data, dict) else None
 
 
+def written_by_ftcli(run_dir: Path) -> bool:
+    """Can we prove ftcli made this dir? Its marker; for an older ftcli's run, recipe.yaml beside a
+    run.json that names an ftcli version or beside a committed checkpoint. A recipe.yaml alone is not
+    proof: people keep their own recipe files in a directory."""
+    run_dir = Path(run_dir)
+    if (run_dir / OWNER_FILE).is_file():
+        return True
+    if saved_recipe_name(run_dir) is None:
+        return False
+    try:
+        if json.loads((run_dir / RUN_JSON).read_text()).get("ftcli_version"):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return any((p / "meta.json").is_file() for p in _checkpoint_entries(run_dir))
+
+
 def is_own_run(run_dir: Path, recipe) -> bool:
-    return saved_recipe_name(run_dir) == recipe.name
+    return written_by_ftcli(run_dir) and saved_recipe_name(run_dir) == recipe.name
+
+
+def _contents(run_dir: Path) -> list[str]:
+    """What the dir holds, ftcli's lock file left out (a failed start may leave just that)."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+
+
+def _checkpoint_entries(run_dir: Path) -> list[Path]:
+    ckpts = Path(run_dir) / CHECKPOINTS
+    return [p for p in ckpts.iterdir() if _CHECKPOINT_NAME.match(p.name)] if ckpts.is_dir() else []
 
 
 def _has_outputs(run_dir: Path) -> bool:
+    return bool(_checkpoint_entries(run_dir)) or any((run_dir / n).exists() for n in (FINAL, RUN_JSON, METRICS_FILE))
+
+
+def _clear_outputs(run_dir: Path) -> None:
+    """--force in an ftcli run dir: remove what a run writes, nothing else (a user's notes stay)."""
+    for path in _checkpoint_entries(run_dir):
+        shutil.rmtree(path)
     ckpts = run_dir / CHECKPOINTS
-    return (ckpts.is_dir() and any(ckpts.iterdir())) or (run_dir / FINAL).exists() or (run_dir / RUN_JSON).exists()
+    if ckpts.is_dir() and not any(ckpts.iterdir()):
+        ckpts.rmdir()
+    for name in _RUN_OUTPUTS:
+        target = run_dir / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
 
 
 def recipe_differences(run_dir: Path, recipe) -> list[str]:
@@ -71,43 +123,61 @@ def recipe_differences(run_dir: Path, recipe) -> list[str]:
     if not path.is_file():
         return []
     old = flatten(yaml.safe_load(path.read_text()) or {})
-    new = flatten(recipe.to_dict())
+    new = flatten(saved_recipe(recipe))
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "output.dir")
 
 
-def prepare_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
-    """Apply the refusal rule, then write <run>/recipe.yaml (output.dir made absolute). Returns the dir."""
+def saved_recipe(recipe) -> dict[str, Any]:
+    """The recipe as <run>/recipe.yaml holds it: credentials in the tracking URI masked
+    (ftcli.redact.mask_recipe_uris; the launcher hands them to the workers in the environment)."""
+    from ftcli.redact import mask_recipe_uris
+
+    return mask_recipe_uris(recipe.to_dict())
+
+
+def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
+    """The refusal rule (module doc). Writes nothing; returns the run dir."""
     run_dir = run_dir_of(recipe)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output dir {run_dir} is a file; set output.dir to a directory")
-    non_empty = run_dir.is_dir() and any(run_dir.iterdir())
-    own = non_empty and is_own_run(run_dir, recipe)
-    if non_empty and not own and not force:
-        other = saved_recipe_name(run_dir)
-        what = f"a run of recipe '{other}'" if other else "files that are not an ftcli run"
-        raise UserError(
-            f"output dir {run_dir} holds {what}; set output.dir to a new or empty dir, or pass --force to write there"
-        )
-    if resume is None and non_empty and _has_outputs(run_dir):
-        if own and not force:
-            raise UserError(
-                f"{run_dir} already holds a run of '{recipe.name}'; pass --resume to continue it, or --force to "
-                "start over (deletes its checkpoints and final model)"
-            )
-        for name in _RUN_OUTPUTS:  # --force: start over; only what a run writes is removed
-            target = run_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    if resume == "latest" and not (own and (run_dir / CHECKPOINTS).is_dir()):  # the trainer picks the checkpoint
+    contents = _contents(run_dir)
+    if contents and not written_by_ftcli(run_dir):
+        shown = ", ".join(contents[:3]) + (", ..." if len(contents) > 3 else "")
+        raise UserError(f"output dir {run_dir} holds files that are not an ftcli run ({shown}); ftcli never "
+                        "deletes or writes there: set output.dir to a new or empty dir")
+    other = (saved_recipe_name(run_dir) or recipe.name) if contents else recipe.name
+    if other != recipe.name:
+        if resume is not None:
+            raise UserError(f"--resume: {run_dir} is a run of recipe '{other}', not '{recipe.name}'")
+        if not force:
+            raise UserError(f"output dir {run_dir} holds a run of recipe '{other}'; set output.dir to another dir, "
+                            "or pass --force to replace that run (deletes its checkpoints, final model and metrics)")
+    elif resume is None and contents and _has_outputs(run_dir) and not force:
+        resumable = any((p / "meta.json").is_file() for p in _checkpoint_entries(run_dir))
+        how = "pass --resume to continue it, or --force to start over" if resumable else "pass --force to start over"
+        raise UserError(f"{run_dir} already holds a run of '{recipe.name}'; {how} "
+                        "(deletes its checkpoints, final model and metrics)")
+    if resume == "latest" and not (contents and (run_dir / CHECKPOINTS).is_dir()):  # the trainer picks the one
         raise UserError(f"--resume: {run_dir} holds no checkpoint of '{recipe.name}'; train without --resume")
     if resume not in (None, "latest") and not Path(resume).is_dir():
         raise UserError(f"--resume {resume}: no such checkpoint dir")
+    return run_dir
+
+
+def prepare_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
+    """`check_run_dir`, then (a fresh start with --force) clear the earlier run's outputs, and write the
+    marker and <run>/recipe.yaml (output.dir made absolute). Returns the dir."""
+    run_dir = check_run_dir(recipe, force=force, resume=resume)
+    if resume is None and _contents(run_dir) and _has_outputs(run_dir):  # passed the rule: --force was given
+        _clear_outputs(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = recipe.model_copy(deep=True)
-    resolved.output.dir = str(run_dir)
-    write_atomic(run_dir / RECIPE_FILE, yaml.safe_dump(resolved.to_dict(), sort_keys=False))
+    if not (run_dir / OWNER_FILE).is_file():
+        from ftcli import __version__
+
+        write_atomic(run_dir / OWNER_FILE, json.dumps({"ftcli_version": __version__, "recipe": recipe.name}) + "\n")
+    resolved = saved_recipe(recipe)
+    resolved["output"]["dir"] = str(run_dir)
+    write_atomic(run_dir / RECIPE_FILE, yaml.safe_dump(resolved, sort_keys=False))
     return run_dir
 
 
@@ -217,6 +287,6 @@ def new_run_record(recipe, *, method: Literal["full", "lora"], mlflow: dict | No
     m = recipe.model
     base = BaseModelRecord(id=m.id, revision=m.revision, init=m.init, config=m.config, model_type=m.model_type,
                            model_class=m.model_class, path=base_path)
-    return RunRecord(ftcli_version=__version__, method=method, recipe=recipe.to_dict(), base_model=base,
+    return RunRecord(ftcli_version=__version__, method=method, recipe=saved_recipe(recipe), base_model=base,
                      mlflow=mlflow, **fields)
 

@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ftcli.errors import UserError
-from ftcli.redact import mask_uri, scrub_recipe  # secrets and env values never reach MLflow params
+from ftcli.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
 
 TRACKING_FILE = "tracking.json"
 PROBE_TIMEOUT_S = 10
@@ -42,8 +42,24 @@ PROBE_TIMEOUT_S = 10
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
     """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else $MLFLOW_TRACKING_URI,
-    else sqlite:///<abs cwd>/mlflow.db."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    else sqlite:///<abs cwd>/mlflow.db. A URI whose credentials were masked (`https://***@host`, as
+    <run>/recipe.yaml and run.json hold it) stands for $MLFLOW_TRACKING_URI when that is the same URI
+    with them (what the launcher hands its workers, `export_credentials`); otherwise it is used
+    without them, and MLflow reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = uri or env or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    if not has_masked_credentials(uri):
+        return uri
+    return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
+
+
+def export_credentials(recipe) -> None:
+    """The launcher: the workers read recipe.yaml, where the tracking URI's credentials are masked, so
+    the URI with them goes to the workers as $MLFLOW_TRACKING_URI (inherited through torchrun; MLflow's
+    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI)."""
+    uri = recipe.tracking.tracking_uri
+    if uri and mask_uri(uri) != uri and not has_masked_credentials(uri):
+        os.environ["MLFLOW_TRACKING_URI"] = uri
 
 
 def first_line(exc: BaseException) -> str:
@@ -113,7 +129,9 @@ class MlflowTracking(NoTracking):
     def __init__(self, mlflow, run, tracking_uri: str):
         self._mlflow = mlflow
         self._live = True
-        self.info = {"tracking_uri": tracking_uri, "experiment_id": run.info.experiment_id, "run_id": run.info.run_id}
+        # what run.json and tracking.json record: the URI with its credentials masked
+        self.info = {"tracking_uri": mask_uri(tracking_uri), "experiment_id": run.info.experiment_id,
+                     "run_id": run.info.run_id}
 
     def _call(self, fn, *args, **kwargs) -> None:
         if not self._live:
@@ -122,7 +140,7 @@ class MlflowTracking(NoTracking):
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._live = False
-            print(f"warning: MLflow logging to {mask_uri(self.info['tracking_uri'])} failed ({first_line(e)}); "
+            print(f"warning: MLflow logging to {self.info['tracking_uri']} failed ({first_line(e)}); "
                   "tracking is off for the rest of this run", file=sys.stderr)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -153,11 +171,13 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
     mlflow.set_tracking_uri(uri)
+    if mask_uri(uri) != uri:  # MLflow prints the run's link, credentials and all, when the run ends
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     run_id = os.environ.get("MLFLOW_RUN_ID")
     saved = Path(run_dir) / TRACKING_FILE if run_dir is not None else None
     if not run_id and resume and saved is not None and saved.is_file():
         previous = json.loads(saved.read_text())
-        if previous.get("tracking_uri") == uri:
+        if previous.get("tracking_uri") in (uri, mask_uri(uri)):
             run_id = previous.get("run_id")
     try:
         if run_id:

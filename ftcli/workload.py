@@ -47,10 +47,13 @@ from ftcli.recipe import (
     NAME_RE,
     NAME_RULE,
     Recipe,
+    YamlDumper,
     check_accelerator_type,
     check_secret_ref,
     did_you_mean,
+    parse_yaml,
     placement_problems,
+    read_text_file,
 )
 
 # ------------------------------------------------------------------------------------------- schema
@@ -247,17 +250,10 @@ def validate_workload(data: Any) -> list[str]:
 
 def check_workload_file(path: str | Path) -> list[str]:
     """Read a workload YAML and return one line per problem (empty list: valid)."""
-    path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        return [f"cannot read {path}: {e.strerror or e}"]
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        return [f"not valid YAML{where}: {getattr(e, 'problem', None) or e}"]
+        data = parse_yaml(read_text_file(Path(path), "workload"))
+    except UserError as e:  # unreadable, binary, not YAML (duplicate keys, aliases, deep nesting included)
+        return [str(e)]
     if data is None:
         return ["the file is empty; a workload needs experiment_name, compute and command"]
     return validate_workload(data)
@@ -361,7 +357,7 @@ def build_workload(recipe: Recipe) -> dict[str, Any]:
     return data
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(YamlDumper):
     pass
 
 

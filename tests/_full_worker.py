@@ -8,6 +8,7 @@
         Saves initial weights, gradients and losses to OUT/grads.pt.
 
     ... tests/_full_worker.py train OUT RECIPE_YAML [--nan-steps 2,5,6,7] [--truncate-rank1 K] [--mask-from J]
+                                       [--block-delay-ms MS]
         runs train_full.train on the recipe (its output.dir is the run dir) through its seams: --nan-steps
         passes a loss_fn that poisons the summed loss on rank 0 at those steps, --truncate-rank1 a blocks
         stream that ends rank 1's blocks K early (streams of unequal length), --mask-from one that replaces
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -128,7 +130,8 @@ def grads(out: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
-def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int, mask_from: int | None) -> None:
+def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int, mask_from: int | None,
+          block_delay_ms: float = 0.0) -> None:
     """train_full.train with faults injected through its seams (`loss_fn`, `blocks`), no global patched."""
     from ftcli import data, train_full
     from ftcli.errors import UserError
@@ -154,6 +157,7 @@ def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int,
                 block = data.padding_block(len(block.input_ids), 0)
             yielded["trained"] += block.num_trained_tokens
             yielded["blocks"] += 1
+            time.sleep(block_delay_ms / 1000)  # reading a block takes time: a time-based save is then due
             yield block
 
     try:
@@ -172,10 +176,11 @@ if __name__ == "__main__":
     parser.add_argument("--nan-steps", default="")
     parser.add_argument("--truncate-rank1", type=int, default=0)
     parser.add_argument("--mask-from", type=int, default=None)
+    parser.add_argument("--block-delay-ms", type=float, default=0.0)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.mode == "grads":
         grads(args.out)
     else:
         steps = {int(s) for s in args.nan_steps.split(",") if s}
-        train(args.out, args.recipe, steps, args.truncate_rank1, args.mask_from)
+        train(args.out, args.recipe, steps, args.truncate_rank1, args.mask_from, args.block_delay_ms)

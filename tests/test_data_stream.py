@@ -88,6 +88,7 @@ def test_block_to_model_inputs_are_the_reference_kwargs(packed):
     assert set(kw) == {
         "input_ids", "labels", "position_ids", "seq_idx",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+        "fla_cu_seqlens", "fla_chunk_indices", "trained_positions",  # per-block tensors (ftcli.data.collate)
     }
     assert kw["input_ids"].shape == kw["labels"].shape == kw["position_ids"].shape == kw["seq_idx"].shape == (1, t)
     assert str(kw["input_ids"].dtype) == "torch.int64" and str(kw["seq_idx"].dtype) == "torch.int32"

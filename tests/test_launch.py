@@ -25,6 +25,17 @@ def test_full_training_without_packing_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+
+def test_config_override_that_builds_no_model_fails_before_the_run_dir_exists(tmp_path):
+    from ftcli import cli
+
+    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "model.config_overrides={hidden_size: -4}"))
+    assert res.exit_code == 2
+    assert res.output.startswith("error: model config pkg://assets/tiny-qwen3_5.json with model.config_overrides "
+                                 "{'hidden_size': -4} does not build a model")
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
 def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_path, env):
     """The launcher prepares the data before torchrun starts; under a torchrun started by hand, rank 0
     reports the error and the other ranks stop quietly instead of dying at a barrier with a traceback."""

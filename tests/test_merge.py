@@ -93,18 +93,26 @@ def _one_error_line(output: str) -> bool:
     return "Traceback" not in output and len([ln for ln in output.splitlines() if ln.startswith("error:")]) == 1
 
 
-def test_refuses_to_overwrite_output_without_force(lora_run, tmp_path):
+def test_output_with_foreign_files_refused_earlier_merge_replaced_only_with_force(lora_run, tmp_path):
     run, _ = lora_run
     out = tmp_path / "merged"
     out.mkdir()
     (out / "keep.txt").write_text("x")
+    for extra in ([], ["--force"]):  # files merge-lora did not write: never deleted, --force or not
+        result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32", *extra])
+        assert result.exit_code == 2 and _one_error_line(result.output)
+        assert f"{out} holds files merge-lora did not write (keep.txt)" in " ".join(result.output.split())
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32"]).exit_code == 0
+    written = json.loads((out / "merge.json").read_text())["files"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(written) and "model.safetensors" in written
     result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32"])
-    assert result.exit_code == 2
-    assert "exists and is not empty; pass --force" in result.output and _one_error_line(result.output)
-    assert (out / "keep.txt").exists()
+    assert result.exit_code == 2 and "holds an earlier merge; pass --force to replace it" in result.output
     result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32", "--force"])
     assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.iterdir()) == sorted(written)
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]  # no temporary dir left beside it
 
 
 def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):

@@ -63,7 +63,8 @@ def qwen35_text(layer_types=("linear_attention", "full_attention")):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    return _slow_decay(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_text_config(layer_types=list(layer_types)))))
+    config = _text_config(layer_types=list(layer_types), num_hidden_layers=len(layer_types))
+    return _slow_decay(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)))
 
 
 def qwen35_vlm():
@@ -305,26 +306,30 @@ def _fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sc
     return torch.cat(outs)
 
 
-def _fake_fla(monkeypatch):
-    """fla's varlen entry points (batch 1, long cu_seqlens, [B, T, D] conv layout) over exact references."""
+def _fake_fla(monkeypatch, calls: list | None = None):
+    """fla's varlen entry points (batch 1, long cu_seqlens, [B, T, D] conv layout) over exact references;
+    each call's (kernel, cu_seqlens, chunk_indices) is appended to `calls`."""
     kernels.disable_packed_kernels()
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    calls = [] if calls is None else calls
 
     def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_indices=None):
         assert cu_seqlens.dtype == torch.long and q.shape[0] == 1
+        calls.append(("gated_delta_rule", cu_seqlens, chunk_indices))
         cu = cu_seqlens.tolist()
         outs = [torch_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in zip(cu[:-1], cu[1:])]
         return torch.cat(outs, dim=1), None
 
-    def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
+    def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, chunk_indices=None):
         assert x.shape[-1] == weight.shape[0] and cu_seqlens.dtype == torch.long, "x is [B, T, D]"
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq_idx = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens)[None]
-        y = kernels.causal_conv1d_reference(x.transpose(1, 2), weight, bias, activation, seq_idx)
+        calls.append(("causal_conv1d", cu_seqlens, chunk_indices))
+        cu, x = cu_seqlens.tolist(), x.transpose(1, 2)
+        y = torch.cat([kernels.causal_conv1d_reference(x[..., s:e], weight, bias, activation)
+                       for s, e in zip(cu[:-1], cu[1:])], dim=-1)
         return y.transpose(1, 2), None
 
     fakes = {
@@ -349,6 +354,85 @@ def test_cuda_wrappers_keep_segments_apart_qwen35(monkeypatch):
             kernels.Backend("causal_conv1d", "fla_conv_varlen", "faked")]
     model, blk = qwen35_text(), block()
     assert_same(run_packed(model, "qwen3_5_text", blk, backends=fast), run_separate(model, "sdpa", blk))
+
+
+def _collated_block(lengths=LENGTHS, seed=0) -> dict:
+    """`block()` as ftcli's collator hands it to the model (ftcli.data.block_to_model_inputs)."""
+    import numpy as np
+
+    from ftcli.data import block_to_model_inputs, make_block
+
+    ids = block(lengths, seed)["input_ids"][0].numpy()
+    trained = np.ones(len(ids), dtype=bool)
+    trained[-lengths[-1]:] = False  # the last segment is padding
+    return block_to_model_inputs(make_block(ids, trained, list(lengths), len(ids), pad_id=0))
+
+
+def test_block_tensors_are_built_once_and_reach_every_layer(monkeypatch):
+    """fla's int64 boundaries and chunk indices come from the collator, once per block: every gated-delta
+    and conv call of every layer, forward and activation-checkpointing recompute alike, gets the same
+    tensor objects, no kernel searches the device for boundaries (`nonzero`), and the logits and
+    gradients stay those of separate runs."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", _fake_varlen_attn)
+    calls = []
+    _fake_fla(monkeypatch, calls)
+    fast = [kernels.Backend("attention", "torch_varlen", "faked"),
+            kernels.Backend("gated_delta_rule", "fla", "faked"),
+            kernels.Backend("causal_conv1d", "fla_conv_varlen", "faked")]
+    layer_types = ("linear_attention", "linear_attention", "full_attention")
+    model, blk = qwen35_text(layer_types), _collated_block()
+    assert blk["fla_cu_seqlens"].tolist() == [0, 70, 73, 74, 94, 99] and blk["fla_cu_seqlens"].dtype == torch.long
+    # 64-token chunks: segment 0 (70 tokens) has two, every other segment one
+    assert blk["fla_chunk_indices"].tolist() == [[0, 0], [0, 1], [1, 0], [2, 0], [3, 0], [4, 0]]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model_inputs = {k: v for k, v in blk.items() if k not in ("labels", "trained_positions")}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        packed = run_packed(model, "qwen3_5_text", model_inputs, backends=fast)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::nonzero") == 0
+    # 2 gated-delta layers x (forward + recompute in backward), for each of the two kernels
+    assert sorted(name for name, _, _ in calls) == ["causal_conv1d"] * 4 + ["gated_delta_rule"] * 4
+    assert all(cu is blk["fla_cu_seqlens"] and chunks is blk["fla_chunk_indices"] for _, cu, chunks in calls)
+    model.gradient_checkpointing_disable()
+    assert_same(packed, run_separate(model, "sdpa", block(), backward=True))
+
+
+def test_fla_kernels_without_block_tensors_derive_them():
+    """A call without the collator's tensors (another caller's model call) still gets int64 boundaries
+    from its own metadata, and no chunk indices (fla builds them)."""
+    from ftcli.kernels import ops
+
+    blk = block()
+    got = ops._fla_varlen({}, lambda: ops._cu_seqlens_from_seq_idx(blk["seq_idx"]))
+    assert set(got) == {"cu_seqlens"} and got["cu_seqlens"].dtype == torch.long
+    assert got["cu_seqlens"].tolist() == [0, 70, 73, 74, 94, 99]
+    given = _collated_block()
+    other_chunk = ops._fla_varlen(given, lambda: None, chunk_size=32)
+    assert other_chunk == {"cu_seqlens": given["fla_cu_seqlens"]}  # indices are for 64-token chunks only
+
+
+@pytest.mark.parametrize("impl", ["chunked", "full"])
+def test_loss_with_collated_trained_positions_equals_device_search(impl):
+    """token_loss_sum over the collator's trained_positions: the same sum and gradients as finding the
+    trained targets on the device, without `nonzero` (a host sync) on the way."""
+    from ftcli.loss import token_loss_sum
+
+    blk = _collated_block()
+    labels, trained = blk["labels"], blk["trained_positions"]
+    assert trained.tolist() == [t for t in range(98) if labels[0, t + 1] != -100] and len(trained) == 90
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(1, 99, 16, requires_grad=True), torch.randn(VOCAB, 16, requires_grad=True)
+    searched = token_loss_sum(hidden, weight, labels, impl, 32)
+    searched_grads = torch.autograd.grad(searched, (hidden, weight))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        given = token_loss_sum(hidden, weight, labels, impl, 32, trained_positions=trained)
+    given_grads = torch.autograd.grad(given, (hidden, weight))
+    assert impl == "full" or sum(e.count for e in prof.key_averages() if e.key == "aten::nonzero") == 0
+    assert abs(given.item() - searched.item()) <= 1e-4 * abs(searched.item())
+    for a, b in zip(given_grads, searched_grads):
+        assert (a - b).abs().max().item() <= 1e-5
 
 
 def test_flex_sinks_forward_equals_separate_gpt_oss():

@@ -478,3 +478,172 @@ def test_uc_adapter_rules(tmp_path):
     assert choose(adapter(hub), adapter_only=False, merged=True, uc=True) == "merged"
     with pytest.raises(UserError, match="needs a LoRA adapter"):
         choose(reg.Source(model_dir=tmp_path, kind="checkpoint"), adapter_only=True, merged=False, uc=False)
+
+
+# ------------------------------------------------------------------ probe generation, input example
+def _registry_versions(uri: str) -> list[str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri, registry_uri=uri)
+    return [f"{v.name}/{v.version}" for v in client.search_model_versions()]
+
+
+def _set_recipe(run_dir: Path, **sections) -> None:
+    run = json.loads((run_dir / "run.json").read_text())
+    run["recipe"] = {**run["recipe"], **sections}
+    (run_dir / "run.json").write_text(json.dumps(run))
+
+
+def _logged_input_example(model_uri: str, tracking_uri: str):
+    import mlflow
+    from mlflow.models import Model
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    local = mlflow.artifacts.download_artifacts(model_uri)
+    return Model.load(local).load_input_example(local)
+
+
+def test_probe_reply_equals_sample_greedy(tmp_path, tiny_full_final, sqlite_uri):
+    """The probe is sample_greedy on the logged weights, asked the recipe's first eval sample (the
+    default prompt without one: test_probe_conversation_reads_eval_samples_defensively)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ftcli.generate import sample_greedy
+
+    samples = ["What is 9 plus 2?", "unused"]
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    _set_recipe(run_dir, eval={"samples": samples})
+    result = reg.run_register(run_dir, name="probed", tracking_uri=sqlite_uri)
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    [expected] = sample_greedy(model, tokenizer, [[{"role": "user", "content": samples[0]}]], reg.PROBE_MAX_NEW_TOKENS)
+    assert expected and result.probe_reply == expected
+
+
+def test_probe_conversation_reads_eval_samples_defensively():
+    default = [{"role": "user", "content": reg.PROBE_PROMPT}]
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert reg.probe_conversation(None) == default
+    assert reg.probe_conversation({"eval": None}) == default
+    assert reg.probe_conversation({"eval": {"samples": []}}) == default
+    assert reg.probe_conversation({"eval": {"samples": ["hi", "no"]}}) == [{"role": "user", "content": "hi"}]
+    assert reg.probe_conversation({"eval": {"samples": [turns]}}) == turns
+
+
+def _silent_model(src: Path, dst: Path) -> Path:
+    """The tiny checkpoint with an all-zero lm_head (every logit 0, so greedy picks id 0) and id 0
+    as the generation config's eos: every reply ends before its first token."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    model.save_pretrained(dst)
+    GenerationConfig(eos_token_id=0).save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("broken", ["silent", "garbage_weights"])
+def test_model_that_cannot_produce_a_token_is_refused_in_one_line_before_registering(
+        tmp_path, tiny_full_final, sqlite_uri, broken):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    shutil.rmtree(run_dir / "final")
+    if broken == "silent":
+        _silent_model(tiny_full_final, run_dir / "final")
+        expected = (f"error: probe generation on {run_dir / 'final'}: the model produced no token before its end "
+                    f"of turn (prompt {reg.PROBE_PROMPT!r}); it would serve empty replies")
+    else:
+        shutil.copytree(tiny_full_final, run_dir / "final")
+        for f in (run_dir / "final").glob("*.safetensors"):
+            f.write_bytes(b"\x00" * 64)
+        expected = f"error: probe generation on {run_dir / 'final'} failed ("
+
+    result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "silent", "--tracking-uri", sqlite_uri])
+    assert result.exit_code == 2 and result.stdout == ""
+    # one error line, no traceback (the rest of stderr is MLflow's store log and transformers' load bar)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr
+    assert "Traceback" not in result.stderr
+    assert _registry_versions(sqlite_uri) == []  # nothing registered, no model logged
+    from mlflow import MlflowClient
+
+    assert MlflowClient(sqlite_uri).search_runs([e.experiment_id for e in MlflowClient(sqlite_uri).search_experiments()]) == []
+
+
+def test_input_example_is_the_first_data_row_with_a_user_turn(tmp_path, tiny_full_final, sqlite_uri):
+    """Rows without a user turn (or unparsable) are passed over; the request keeps the turns before
+    the first assistant reply."""
+    rows = [
+        "not json",
+        json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}),
+        json.dumps({"messages": [
+            {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "11"},
+        ]}),
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    recipe = json.loads((run_dir / "run.json").read_text())["recipe"]
+    _set_recipe(run_dir, data={**recipe["data"], "path": str(data)})
+
+    result = reg.run_register(run_dir, name="example", tracking_uri=sqlite_uri)
+    assert _logged_input_example(result.model_uri, sqlite_uri) == {"messages": [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."},
+    ]}
+
+
+def test_input_example_of_the_shipped_data_on_an_adapter(tmp_path, tiny_lora_files, sqlite_uri):
+    """The tiny recipe's own data (pkg://assets/tiny_chat.jsonl), logged with an adapter over a
+    local base (probed as base + adapter)."""
+    first = json.loads(Path(resolve_path("pkg://assets/tiny_chat.jsonl")).read_text().splitlines()[0])["messages"]
+    assert [m["role"] for m in first[:2]] == ["user", "assistant"]
+    run_dir = make_lora_run(tmp_path, tiny_lora_files, tracking_uri=None)
+    result = reg.run_register(run_dir, name="oss-example", adapter_only=True, tracking_uri=sqlite_uri)
+    assert result.probe_reply
+    assert _logged_input_example(result.model_uri, sqlite_uri) == {"messages": first[:1]}
+
+
+def test_unreadable_data_falls_back_to_a_fixed_example_with_a_warning(tmp_path, tiny_full_final, sqlite_uri, capsys):
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    recipe = json.loads((run_dir / "run.json").read_text())["recipe"]
+    _set_recipe(run_dir, data={**recipe["data"], "path": str(tmp_path / "moved.jsonl")})
+    result = reg.run_register(run_dir, name="fallback", tracking_uri=sqlite_uri)
+    assert _logged_input_example(result.model_uri, sqlite_uri) == reg.FALLBACK_EXAMPLE
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"warning: input example: a fixed chat request, not one from the training data (cannot read "
+            f"{tmp_path / 'moved.jsonl'} (data.path {str(tmp_path / 'moved.jsonl')!r} does not exist))") in err
+
+
+def test_data_that_cannot_give_a_chat_request_says_why():
+    import datasets
+
+    assert reg.chat_request_from_data(None) == (None, "no training recipe to read the data from")
+    assert reg.chat_request_from_data({"data": {"source": "synthetic"}}) == (None, "synthetic data has no chat turns")
+    plain = {"data": {"source": "local", "path": "pkg://assets/tiny_chat.jsonl", "format": "prompt_completion"}}
+    assert reg.chat_request_from_data(plain) == (
+        None, f"no row with a user turn in the first {reg.EXAMPLE_SCAN_ROWS} rows of pkg://assets/tiny_chat.jsonl")
+    if datasets.config.HF_HUB_OFFLINE:  # set before datasets was imported (this module's HF_HUB_OFFLINE)
+        example, why = reg.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
+        assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
+
+
+def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):
+    from ftcli import generate
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(generate, "load", out_of_memory)
+    source = reg.Source(model_dir=tmp_path, kind="checkpoint")
+    assert reg.probe_generation(tmp_path, None, source, [{"role": "user", "content": "hi"}]) is None
+    assert " ".join(capsys.readouterr().err.split()) == (
+        f"warning: no probe generation: {tmp_path} does not fit in memory here (OutOfMemoryError)")

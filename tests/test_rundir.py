@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from _run_common import train_args
@@ -11,6 +12,7 @@ from _run_common import train_args
 
 def test_output_dir_refused_unless_empty_own_resumed_or_forced(tmp_path):
     from ftcli import cli
+    from ftcli.errors import UserError
     from ftcli.recipe import load_recipe
     from ftcli.rundir import prepare_run_dir
 
@@ -34,8 +36,9 @@ def test_output_dir_refused_unless_empty_own_resumed_or_forced(tmp_path):
     res = CliRunner().invoke(cli.app, train_args(own))
     assert res.exit_code == 2 and "pass --resume to continue it, or --force" in " ".join(res.output.split())
     prepare_run_dir(recipe, resume="latest")  # allowed
-    prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={foreign}"]), force=True)  # allowed
-    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "recipe.yaml").is_file()
+    with pytest.raises(UserError, match="not an ftcli run"):  # --force never opens a foreign dir
+        prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={foreign}"]), force=True)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
     prepare_run_dir(recipe, force=True)
     assert not (own / "checkpoints").exists()
 

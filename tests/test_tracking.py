@@ -29,11 +29,11 @@ def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server
     job_run = mlflow.MlflowClient(uri).create_run(mlflow.set_experiment("job").experiment_id)
     monkeypatch.setenv("MLFLOW_RUN_ID", job_run.info.run_id)
     recipe = load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={uri}", "tracking.log_system_metrics=false",
-                                           "compute.env_variables={HF_TOKEN: hunter2}"])
+                                           "compute.env_variables={NCCL_SOCKET_IFNAME: hunter2}"])
     tracker = start_tracking(recipe, run_dir=tmp_path / "run")
     tracker.log_metrics({"loss": 1.5}, step=3)
     tracker.finish()
     assert tracker.info["run_id"] == job_run.info.run_id
     run = mlflow.MlflowClient(uri).get_run(job_run.info.run_id)
-    assert run.data.metrics["loss"] == 1.5 and run.data.params["compute.env_variables.HF_TOKEN"] == "***"
+    assert run.data.metrics["loss"] == 1.5 and run.data.params["compute.env_variables.NCCL_SOCKET_IFNAME"] == "***"
     assert json.loads((tmp_path / "run" / "tracking.json").read_text())["run_id"] == job_run.info.run_id

@@ -292,6 +292,8 @@ def nan_run(tmp_path_factory, env):
 
 
 def test_nan_step_skipped_and_reported(nan_run):
+    from ftcli.checkpoint import read_rank_state
+
     run_dir = nan_run["run_dir"]
     out = nan_run["stdout"]
     assert "step 2: non-finite loss (nan)" in out and "no optimizer step (1/3 in a row)" in out
@@ -300,7 +302,7 @@ def test_nan_step_skipped_and_reported(nan_run):
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in logged)
     meta = json.loads((run_dir / "checkpoints" / "step_00000004" / "meta.json").read_text())["result"]
     assert meta["optimizer_steps"] == 3 and meta["skipped_nonfinite"] == 1  # no optimizer step at 2
-    sched = torch.load(run_dir / "checkpoints" / "step_00000004" / "rank_00000.pt", weights_only=False)["scheduler"]
+    sched = read_rank_state(run_dir / "checkpoints" / "step_00000004", 0)["scheduler"]
     assert sched["last_epoch"] == 3  # ... and no scheduler step
 
 
@@ -320,13 +322,15 @@ def test_repeated_nan_stops_with_checkpoint_intact(nan_run):
 def test_uneven_end_of_data_all_ranks_stop_same_step_no_nan_step(tmp_path, env):
     """9 blocks over 2 ranks x 2 micro-batches; rank 1's stream ends 2 blocks early (the loop pads it)
     and the last step has no trained token on any rank (skipped): both ranks take the same 3 steps,
-    every step finite, every yielded trained token trained. (Checkpoints every 6 ms of rank 0's clock:
-    the time-based decision is broadcast, so both ranks save together; the last 2 are kept.)"""
+    every step finite, every yielded trained token trained. (Checkpoints every 6 ms of rank 0's clock, which
+    is read when a step's blocks are in hand; reading a block takes 10 ms here, so every step that trains is
+    due. The time-based decision is broadcast, so both ranks save together; the last 2 are kept.)"""
     recipe = recipe_file(tmp_path / "recipe.yaml", f"output.dir={tmp_path / 'run'}", "data.max_examples=90",
                          "eval=null",  # all 90 rows train (the tiny recipe holds 2% out for eval)
                          "training.grad_accum=2", "training.checkpoint.every_minutes=0.0001",
                          "training.checkpoint.keep_last=2", "training.checkpoint.save_final_hf=false", *FAST)
-    res = torchrun(2, ["train", str(tmp_path), str(recipe), "--truncate-rank1", "2", "--mask-from", "4"],
+    res = torchrun(2, ["train", str(tmp_path), str(recipe), "--truncate-rank1", "2", "--mask-from", "4",
+                             "--block-delay-ms", "10"],
                    cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -420,7 +420,7 @@ def test_check_reports_every_violation_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("experiment_name: [unclosed\n", "not valid YAML (line 2)"),
+    ("experiment_name: [unclosed\n", "not valid YAML line 2"),
     ("- a\n- b\n", "expected a mapping of workload keys at the top level, got list"),
     ("", "the file is empty"),
 ])

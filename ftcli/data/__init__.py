@@ -5,7 +5,7 @@
     prepare(...) / open_prepared(...)        the same split for distributed runs: rank 0, barrier, others
     BlockStream(packed, rank, world_size)    each rank's equal, disjoint, resumable share of the blocks
     block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
-    iter_examples(recipe, tokenizer)         unpacked examples (LoRA reference mode)
+    iter_examples(recipe, tokenizer)         unpacked examples (as the published gpt-oss example trains)
     data_summary(recipe, packed)             the data summary (pack-preview, train log, run.json, MLflow)
 
 Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this package.

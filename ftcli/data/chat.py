@@ -27,7 +27,8 @@ How ftcli finds it (`ChatEncoder`):
   kept as an oracle for prefix-preserving templates and the benchmark baseline.
 
 Tokens: the conversation is tokenized once and character spans become token spans with the fast
-tokenizer's offsets (a token is trained iff it *starts* inside the span: this reproduces the reference's
+tokenizer's offsets (a token is trained iff it *starts* inside the span: this reproduces the published
+example's
 token counts where BPE merges across a boundary, e.g. `<think>\n|\n`). For byte-level BPE tokenizers the
 one tokenization is itself done the tokenizer's own way: cut at added tokens (`<|im_end|>`), encode the
 pieces in one batch without offsets, and ask for offsets only in the pieces a span edge falls in.
@@ -37,7 +38,7 @@ Template quirks, and what ftcli does:
 * Prefix property failures. Several real templates render a turn differently once a later turn exists
   (Qwen3/3.5/3.6 drop the empty think block of earlier turns, gpt-oss ends the last final message with
   `<|return|>` but earlier ones with `<|end|>` and drops earlier reasoning, phi3, deepseek, nemotron add a
-  prefill to the generation prompt). There the reference's token counts land on the wrong tokens. The
+  prefill to the generation prompt). There the published method's token counts land on the wrong tokens. The
   marker families are parsed structurally (above); for the rest, ftcli measures both edges in the full
   render instead: the turn starts where the generation-prompt render and
   the full render stop agreeing, and ends where the turn's own closing text (what follows its last text
@@ -48,7 +49,7 @@ Template quirks, and what ftcli does:
   turns train `text<|im_end|>\\n`.
 * Token-level prefix failures. Where a vocabulary tokenizes the generation prompt alone differently from
   the same characters inside the conversation (Llama-3's header ends in "\\n\\n": one token alone, two
-  before text in a whitespace-merging BPE), the reference's count trains a prompt token; ftcli follows
+  before text in a whitespace-merging BPE), the published method's count trains a prompt token; ftcli follows
   the characters.
 * The `{% generation %}` twins (`*_training.jinja`) mark the same tokens except the generation prompt's
   text inside their blocks (`<think>\\n` on Qwen3.x, `\\n` on Qwen2.5, `<|start|>assistant` on gpt-oss) and
@@ -441,7 +442,7 @@ class ChatEncoder:
         anchor: Callable[[int, str, str, int], tuple[int, int] | None],
         tools: list | None = None,
     ) -> list[tuple[int, int, int]]:
-        """(message index, start, end) in `full` for every assistant turn: the reference's per-turn renders,
+        """(message index, start, end) in `full` for every assistant turn: the published per-turn renders,
         on characters, with the prefix-failure rules of the module docstring."""
         spans = []
         for i, message in enumerate(messages):
@@ -774,12 +775,13 @@ def _first_token_at(enc, char: int, text_len: int, n: int, starts):
     return int(np.searchsorted(starts, char, side="left")), starts
 
 
-# ---------------------------------------------------------------------------------- the reference
+# ------------------------------------------------------------------ the published method (comparison)
 def reference_encode(
     tokenizer, messages: list[dict], train_on: str = "assistant", chat_template: str | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The reference method, verbatim: for each assistant turn i, tokenize messages[:i] with the generation
-    prompt and messages[:i+1]; the tokens between the two lengths are that turn's response tokens.
+    """The published qwen-b300 example's method, verbatim: for each assistant turn i, tokenize messages[:i]
+    with the generation prompt and messages[:i+1]; the tokens between the two lengths are that turn's
+    response tokens.
     Uses `tokenizer.apply_chat_template` as-is (the real date on gpt-oss). Oracle and benchmark baseline."""
 
     def ids(msgs: list[dict], gen: bool = False) -> list[int]:

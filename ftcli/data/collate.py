@@ -1,10 +1,29 @@
 """Block -> the packed model call's kwargs (the only torch in ftcli.data).
 
     model(**block_to_model_inputs(block))  ==  model(input_ids, labels, position_ids, seq_idx,
-                                                      cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)
+                                                      cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                                                      fla_cu_seqlens, fla_chunk_indices, trained_positions)
 
 input_ids / labels / position_ids are int64 [1, T]; seq_idx int32 [1, T]; cu_seq_lens_q/k the same
 int32 [S + 1] tensor; max_length_q/k python ints. Labels stay unshifted (the model shifts).
+
+Everything a kernel or the loss would otherwise derive from the block on the device (a host sync each
+time: the output size depends on the data) is built here once, on the host, and handed to every layer:
+
+    block           | a0 a1 a2 a3 a4 | b0 b1 | c0 |          (3 segments, T = 8; chunks of 4 for the picture)
+    cu_seq_lens_q   0                5       7    8        int32 [S + 1]: varlen attention / flash-attn
+    fla_cu_seqlens  0                5       7    8        int64 [S + 1]: fla's gated-delta rule and conv
+    fla_chunk_indices [[0, 0], [0, 1], [1, 0], [2, 0]]     int64 [NT, 2]: (segment, chunk within it) of every
+                     a0..a3   a4      b0 b1   c0           FLA_CHUNK-token chunk, the layout fla's varlen
+                                                           kernels take (`chunk_indices`); segment a has 2
+    labels          .  -  x  x  x    -  x    -             (- = -100; position t predicts labels[t + 1])
+    trained_positions [1, 2, 3, 5]                         int64 [N]: the t whose target labels[t + 1] is
+                                                           trained (N = Block.num_trained_tokens)
+
+The fla_* tensors and trained_positions pass through transformers' model call as keyword arguments to
+every decoder layer (ftcli.kernels reads them) and to `ftcli.loss` (attach_loss pops trained_positions);
+a kernel that does not get them derives the same values itself. The same tensor objects reach every
+layer, its activation-checkpointing recompute and its backward, so fla's identity-keyed caches hit too.
 """
 
 from __future__ import annotations
@@ -12,21 +31,41 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ftcli.data.packing import Block
+from ftcli.data.packing import IGNORE_INDEX, Block
+
+FLA_CHUNK = 64  # fla's chunk size (tokens) of the gated-delta rule and the conv; fla_chunk_indices is for it
+
+
+def fla_chunk_indices(cu_seqlens: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
+    """int64 [NT, 2]: (segment, chunk index within the segment) of every `chunk`-token chunk, segments in
+    order (what fla's `prepare_chunk_indices` computes on the device)."""
+    lens = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+    counts = -(-lens // chunk)
+    segment = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([segment, np.arange(len(segment), dtype=np.int64) - first], axis=1)
+
+
+def trained_positions(labels: np.ndarray) -> np.ndarray:
+    """int64 [N]: the positions t whose next-token target labels[t + 1] is trained."""
+    return np.flatnonzero(np.asarray(labels)[1:] != IGNORE_INDEX).astype(np.int64)
 
 
 def block_to_model_inputs(block: Block, device="cpu") -> dict:
-    def long(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(a, dtype=np.int64)).unsqueeze(0).to(device)
+    def tensor(a: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
 
-    cu = torch.from_numpy(np.asarray(block.cu_seqlens, dtype=np.int32)).to(device)
+    cu = tensor(block.cu_seqlens, np.int32)
     return {
-        "input_ids": long(block.input_ids),
-        "labels": long(block.labels),
-        "position_ids": long(block.position_ids),
-        "seq_idx": torch.from_numpy(np.asarray(block.seq_idx, dtype=np.int32)).unsqueeze(0).to(device),
+        "input_ids": tensor(block.input_ids, np.int64).unsqueeze(0),
+        "labels": tensor(block.labels, np.int64).unsqueeze(0),
+        "position_ids": tensor(block.position_ids, np.int64).unsqueeze(0),
+        "seq_idx": tensor(block.seq_idx, np.int32).unsqueeze(0),
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": int(block.max_seqlen),
         "max_length_k": int(block.max_seqlen),
+        "fla_cu_seqlens": tensor(block.cu_seqlens, np.int64),
+        "fla_chunk_indices": tensor(fla_chunk_indices(block.cu_seqlens), np.int64),
+        "trained_positions": tensor(trained_positions(block.labels), np.int64),
     }

@@ -32,8 +32,9 @@ first. label[0] of the block is never used by the loss; `num_trained_tokens` cou
 the loss uses, `labels[1:] != -100`.
 
 Strategies:
-* split (the reference): concatenate examples; when the block is full, cut. The rest of a cut example
-  starts the next block as a new segment (positions from 0; its first label is label[0], unused).
+* split (the published qwen-b300 example's packing): concatenate examples; when the block is full,
+  cut. The rest of a cut example starts the next block as a new segment (positions from 0; its first
+  label is label[0], unused).
 * bfd: best-fit decreasing over a buffer of `bfd_buffer` examples: longest first, each into the fullest
   open block it fits; no example is ever split. An example longer than a block is truncated to the
   block or dropped (`overlong`), counted either way.
@@ -113,7 +114,8 @@ def padding_block(block_len: int, pad_id: int) -> Block:
 def pack_split(
     examples: Iterable[tuple[int, np.ndarray, np.ndarray]], block_len: int, stats: DataStats
 ) -> Iterator[Packed]:
-    """The reference: concatenate, cut at the block edge, carry the rest into the next block."""
+    """The published qwen-b300 example's packing: concatenate, cut at the block edge, carry the rest into the
+    next block."""
     ids_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
     segs: list[int] = []

@@ -12,8 +12,8 @@ counts into the summary pack-preview shows and train prints.
 
 `prepare` does the work (rank 0 before a barrier, or any command) and is a no-op when the cache already
 has the result; `open_prepared` is what the other ranks call after the barrier; `prepare_blocks` is both
-in one call. `iter_examples` is the same path without packing (LoRA reference mode). `pack-preview`
-calls exactly these, so what it shows is what training consumes.
+in one call. `iter_examples` is the same path without packing (unpacked, as the published gpt-oss
+example trains). `pack-preview` calls exactly these, so what it shows is what training consumes.
 """
 
 from __future__ import annotations
@@ -294,8 +294,9 @@ def encoder_fingerprint() -> dict[str, Any]:
     return {"version": chat.ENCODER_VERSION, "code_sha256": h.hexdigest()}
 
 
-def cache_parts(recipe, tokenizer) -> dict[str, Any]:
-    """Everything that changes the packed bytes (the cache key is its hash)."""
+def recipe_cache_parts(recipe) -> dict[str, Any]:
+    """The recipe's share of the cache key: everything but the tokenizer (`ftcli plan` matches a cache entry's
+    meta.json key_parts against it without loading a tokenizer)."""
     data = recipe.data
     packing = data.packing.model_dump() if data.packing.enabled else {"enabled": False}
     return {
@@ -319,9 +320,12 @@ def cache_parts(recipe, tokenizer) -> dict[str, Any]:
         "max_length": data.max_length,
         "packing": packing,
         **({"holdout": vars(holdout_rule(recipe))} if holdout_rule(recipe) else {}),
-        "tokenizer": describe(tokenizer),
-        "vocab_size": len(tokenizer),
     }
+
+
+def cache_parts(recipe, tokenizer) -> dict[str, Any]:
+    """Everything that changes the packed bytes (the cache key is its hash)."""
+    return {**recipe_cache_parts(recipe), "tokenizer": describe(tokenizer), "vocab_size": len(tokenizer)}
 
 
 def entry_path(recipe, tokenizer) -> Path:

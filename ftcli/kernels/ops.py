@@ -14,6 +14,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from ftcli.data.collate import FLA_CHUNK
 from ftcli.kernels.choose import QWEN35_MODULE
 
 # The qwen3_5 module's own functions, as transformers defined them: saved by `install` before it
@@ -53,6 +54,18 @@ def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(edges).to(torch.int32)
 
 
+def _fla_varlen(kwargs: dict, cu_seqlens, chunk_size: int = FLA_CHUNK) -> dict:
+    """fla's varlen arguments: the block's own `fla_cu_seqlens` / `fla_chunk_indices` when the model call
+    carries them (ftcli.data.collate builds them once per block; the same tensors reach every layer, so
+    nothing here reads the device), else int64 boundaries from `cu_seqlens()` (fla then derives the chunk
+    indices itself, one host sync per call)."""
+    given = kwargs.get("fla_cu_seqlens")
+    if given is None:
+        return {"cu_seqlens": cu_seqlens().to(torch.long)}
+    chunks = kwargs.get("fla_chunk_indices") if chunk_size == FLA_CHUNK else None
+    return {"cu_seqlens": given, **({"chunk_indices": chunks} if chunks is not None else {})}
+
+
 def _refuse_half_metadata(op: str, own: object, own_name: str, other: object, other_name: str) -> None:
     if own is None and other is not None:
         raise ValueError(
@@ -86,10 +99,10 @@ def gated_delta_fla(query, key, value, g, beta, chunk_size=64, initial_state=Non
     _refuse_half_metadata("gated-delta rule", cu_seqlens, "cu_seq_lens_q", kwargs.get("seq_idx"), "seq_idx")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    varlen = {} if cu_seqlens is None else _fla_varlen(kwargs, lambda: cu_seqlens, chunk_size)
     return chunk_gated_delta_rule(
         query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **varlen,
     )
 
 
@@ -122,8 +135,8 @@ def conv_fla_varlen(hidden_states, weight, bias=None, activation=None, seq_idx=N
     _refuse_half_metadata("causal conv", seq_idx, "seq_idx", kwargs.get("cu_seq_lens_q"), "cu_seq_lens_q")
     from fla.modules.causal_conv1d import causal_conv1d
 
-    cu_seqlens = None if seq_idx is None else _cu_seqlens_from_seq_idx(seq_idx).to(torch.long)
-    y, _ = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation, cu_seqlens=cu_seqlens)
+    varlen = {} if seq_idx is None else _fla_varlen(kwargs, lambda: _cu_seqlens_from_seq_idx(seq_idx))
+    y, _ = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation, **varlen)
     return y.transpose(1, 2)
 
 
