@@ -171,8 +171,10 @@ def save_checkpoint(
     meta: dict[str, Any],
     *,
     keep_last: int,
+    protect: list[Path] = (),
 ) -> Path:
-    """Collective: every rank calls it. Returns the committed checkpoint dir."""
+    """Collective: every rank calls it. Returns the committed checkpoint dir. Rotation keeps the newest
+    `keep_last` and every checkpoint in `protect` (the best eval's, training.checkpoint.keep_best)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -196,8 +198,10 @@ def save_checkpoint(
         if final.exists():  # re-saving a step (a resumed run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
+        kept = {Path(p).resolve() for p in protect}
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.resolve() not in kept:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -401,6 +405,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                             f"not load it (loading could run code: {_first_line(e)})") from None
         value.seek(0)
         super().load_bytes(read_item, value)
+
+
+def best_checkpoint(root: Path, step: int | None) -> Path | None:
+    """The committed checkpoint of `step` under `root` (the best eval's), or None."""
+    if step is None:
+        return None
+    path = Path(root) / step_dir_name(step)
+    return path if (path / "meta.json").is_file() else None
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Collective. Only the model weights of a checkpoint, into the (sharded) model: the best eval's model
+    before the final export (eval.export=best). The optimizer and trainer state are left alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
 
 
 # ------------------------------------------------------------------------------------- final export

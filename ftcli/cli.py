@@ -274,6 +274,7 @@ def register(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
     force: bool = typer.Option(False, "--force", help="Move an alias that already points at another version."),
+    checkpoint: str = typer.Option("last", "--checkpoint", help="A run dir's last (final) or best (best eval) model."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
     from ftcli.recipe import plain_text_problem
@@ -287,7 +288,7 @@ def register(
 
     run_register(
         model_dir, name=name, registry_uri=registry_uri, tracking_uri=tracking_uri, alias=alias,
-        adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=r, force=force,
+        adapter_only=adapter_only, merged=merged, as_json=as_json, recipe=r, force=force, checkpoint=checkpoint,
     )
 
 

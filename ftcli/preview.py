@@ -9,6 +9,8 @@ reads blocks through the same `BlockStream` a single-rank run uses (1 epoch, the
   block, trained-token share, skipped rows by reason (with the first row indices), truncated / split
   examples, trained tokens lost to truncation, dropped turns, special-token strings in text, per-source
   rows / tokens / trained tokens (a table when the recipe mixes sources), pipeline tokens/s;
+* the eval split (`recipe.eval`: held-out rows or separate data, packed the eval way) beside the
+  training split: rows, tokens, trained tokens and blocks of each (`--json`: under "eval", per source);
 * `--json`: the summary only, as JSON on stdout; `--dump FILE`: every block's arrays, one JSON object
   per line, in stream order.
 """
@@ -66,7 +68,12 @@ def run_preview(
     from ftcli.data.summary import data_summary
 
     table = data_summary(recipe, packed)
+    from ftcli.data.evalsplit import eval_recipes
+
+    evals = {label: data_summary(r, data.prepare_blocks(r, tokenizer)) for label, r in eval_recipes(recipe).items()}
     summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
+    if evals:
+        summary["eval"] = {label: s.to_dict() for label, s in evals.items()}
 
     if dump is not None:
         with open(dump, "w") as f:
@@ -82,6 +89,8 @@ def run_preview(
             break
         _show_block(out, tokenizer, block, n)
     _show_summary(out, table)
+    if evals:
+        out.print(_splits_table(table, evals))
     if dump is not None:
         err.print(f"wrote {summary['blocks']} blocks to {dump}")
 
@@ -109,6 +118,18 @@ def _show_summary(out: Console, summary) -> None:
     out.print(t)
     if len(summary.sources) > 1:
         out.print(_sources_table(summary))
+
+
+def _splits_table(train, evals: dict) -> Table:
+    """The training split and each eval source's split, side by side."""
+    t = Table(title="splits", title_justify="left")
+    for col in ("split", "rows", "tokens", "trained tokens", "blocks", "packing"):
+        t.add_column(col, justify="left" if col in ("split", "packing") else "right")
+    named = [(f"eval {label}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
+    for name, s in [("train", train), *named]:
+        t.add_row(name, str(s.examples["kept"]), str(s.tokens), str(s.trained_tokens), str(s.blocks),
+                  f"{s.strategy} {s.block_len or ''}".strip())
+    return t
 
 
 def _sources_table(summary) -> Table:

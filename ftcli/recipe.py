@@ -268,6 +268,62 @@ class DataConfig(_Section):
         ]
 
 
+# ------------------------------------------------------------------------------------------ eval
+class EarlyStopConfig(_Section):
+    patience: int = Field(3, ge=1, description="Evals in a row without an improvement before the run stops.")
+    min_delta: float = Field(0.0, ge=0, description="An eval improves when it beats the best by more than this.")
+
+
+class EvalConfig(_Section):
+    """A held-out loss: a share of the training rows (`holdout`) or separate data (`path` / `sources`),
+    encoded, masked and packed by the training data path. Every source gets its own loss (ftcli.evaluate)."""
+
+    holdout: float | None = Field(
+        None, gt=0, description="Training rows held out for eval: a share (<1, e.g. 0.02) or a row count per "
+        "source (>=1), picked by a hash of the row and holdout_seed; training never sees them.")
+    holdout_seed: int = 0
+    source: SourceKind = "local"
+    path: str | None = Field(None, description="Separate eval data (same forms as data.path).")
+    revision: str | None = None
+    split: str = "validation"
+    sources: list[SourceConfig] | None = Field(None, description="Separate eval data as a list (data.sources form).")
+    max_examples: int | None = Field(None, ge=1, description="Eval rows read (per source).")
+    block_len: int | None = Field(None, ge=8, description="Eval block length; default data.packing.block_len.")
+    strategy: Literal["bfd", "split", "none"] = Field(
+        "bfd", description="bfd (default): no example is cut, so the loss does not depend on the block length; "
+        "split: as training's split; none: one example per block.")
+    every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(None, gt=0)
+    at_start: bool = Field(False, description="Also evaluate before the first step (step 0).")
+    export: Literal["last", "best"] = Field("last", description="What becomes <run>/final: the last or the best model.")
+    early_stop: EarlyStopConfig | None = None
+    samples: list[str | list[dict[str, Any]]] = Field(
+        default_factory=list, description="Prompts (a user message, or a conversation) generated greedily during "
+        "training into <run>/samples.jsonl.")
+    samples_every: int = Field(1, ge=1, description="Generate the samples every N evals (and at the end).")
+    samples_every_steps: int | None = Field(None, ge=1, description="Generate the samples every N steps instead.")
+    samples_max_new_tokens: int = Field(32, ge=1)
+    _side: str = "train"  # not a key: ftcli.data.evalsplit marks the recipes of the eval split "eval"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        given = [k for k in ("holdout", "path", "sources") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"eval: set one of holdout, path, sources (got {', '.join(given)})")
+        if self.holdout is not None and self.holdout >= 1 and self.holdout != int(self.holdout):
+            raise ValueError("eval.holdout: a share below 1 (0.02) or a whole row count (200)")
+        if not self.has_data and (self.early_stop is not None or self.export == "best"):
+            raise ValueError("eval.early_stop / eval.export=best need eval data (eval.holdout, eval.path or eval.sources)")
+        return self
+
+    @property
+    def has_data(self) -> bool:
+        return self.holdout is not None or self.path is not None or self.sources is not None
+
+    def sample_conversations(self) -> list[list[dict[str, Any]]]:
+        return [[{"role": "user", "content": s}] if isinstance(s, str) else s for s in self.samples]
+
+
 # -------------------------------------------------------------------------------------- training
 class OptimizerConfig(_Section):
     name: Literal["adamw"] = "adamw"
@@ -298,6 +354,16 @@ class CheckpointConfig(_Section):
     every_minutes: float | None = Field(None, gt=0)
     keep_last: int = Field(2, ge=1)
     save_final_hf: bool = Field(True, description="Write a Hugging Face checkpoint at the end.")
+    keep_best: bool = Field(
+        False, description="Keep the checkpoint of the best eval loss beside the last keep_last (needs eval data)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):  # left out at its default: dumps of recipes without eval stay as they were
+        out = handler(self)
+        if out.get("keep_best") is False:
+            del out["keep_best"]
+        return out
 
 
 class LossConfig(_Section):
@@ -494,6 +560,7 @@ class Recipe(_Section):
     data: DataConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    eval: EvalConfig | None = None
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
@@ -528,6 +595,21 @@ class Recipe(_Section):
                 f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):  # no `eval: null` in dumps of recipes without eval (rendered workloads stay byte-identical)
+        out = handler(self)
+        if out.get("eval", 0) is None:
+            del out["eval"]
+        return out
+
+    @model_validator(mode="after")
+    def _keep_best(self) -> Recipe:
+        if self.training.checkpoint.keep_best and not (self.eval and self.eval.has_data):
+            raise ValueError("training.checkpoint.keep_best needs eval data (eval.holdout, eval.path or eval.sources)")
+        if self.eval and self.eval.export == "best" and not self.training.checkpoint.keep_best:
+            raise ValueError("eval.export=best needs training.checkpoint.keep_best=true")
         return self
 
     @property
@@ -748,7 +830,7 @@ def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
     if owner is None:
         return ""
     close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
-    found = close[0] if close else _nested_key(owner, str(loc[-1]))
+    found = _nested_key(owner, str(loc[-1])) or (close[0] if close else None)  # an exact key deeper beats a near one
     return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
 
 

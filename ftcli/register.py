@@ -167,8 +167,9 @@ class Source:
         return recorded or recipe_model(self.recipe).get("model_class") or "causal_lm"
 
 
-def resolve_source(path: Path, recipe: dict | None = None) -> Source:
-    """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir."""
+def resolve_source(path: Path, recipe: dict | None = None, checkpoint: str = "last") -> Source:
+    """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir. checkpoint="best":
+    a run dir's best eval model (run.json best_model_dir, training.checkpoint.keep_best)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise UserError(f"{path} does not exist; pass a run dir (with run.json) or a model dir")
@@ -186,7 +187,14 @@ def resolve_source(path: Path, recipe: dict | None = None) -> Source:
         source = Source(model_dir=path, kind=kind, recipe=recipe)
     else:
         run = read_run_record(run_dir)
-        if path == run_dir and not run.model_dir:
+        if checkpoint == "best":
+            if path != run_dir or not run.best_model_dir:
+                raise UserError(
+                    f"--checkpoint best: {run_dir} records no best eval model (train with eval data and "
+                    "training.checkpoint.keep_best=true), or pass the run dir itself" if path == run_dir else
+                    f"--checkpoint best takes the run dir ({run_dir}), not a model dir inside it")
+            path = run.best_model_path(run_dir)
+        elif path == run_dir and not run.model_dir:
             raise UserError(
                 f"{run_dir} has no final model (run.json model_dir is null: training.checkpoint.save_final_hf "
                 "was false); retrain with it on, or register a model dir"
@@ -598,7 +606,7 @@ def log_and_register(
 def run_register(
     model_dir: Path, *, name: str, registry_uri: str | None = None, tracking_uri: str | None = None,
     alias: str | None = None, adapter_only: bool = False, merged: bool = False, as_json: bool = False,
-    recipe=None, force: bool = False,
+    recipe=None, force: bool = False, checkpoint: str = "last",
 ) -> Result:
     """`ftcli register`: see the module docstring. Prints a summary (or JSON) and returns it."""
     if adapter_only and merged:
@@ -611,7 +619,9 @@ def run_register(
     elif force:
         _warn("--force has no effect without --alias")
     recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
-    source = resolve_source(Path(model_dir), recipe_dict)
+    if checkpoint not in ("last", "best"):
+        raise UserError(f"--checkpoint {checkpoint}: use last (the final model) or best (the best eval's)")
+    source = resolve_source(Path(model_dir), recipe_dict, checkpoint)
     mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
     if mode == "adapter" and not source.base.local and not source.base.revision:
         _warn(f"the base {source.base} has no pinned revision in run.json; MLflow records the hub's latest commit")

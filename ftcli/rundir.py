@@ -9,6 +9,8 @@
       metrics.jsonl               one JSON object per logged step (rank 0): what benchmarks and tests read
       checkpoints/step_XXXXXXXX/  resumable sharded checkpoints (ftcli.checkpoint)
       final/                      the Hugging Face checkpoint
+      best/                       the best eval's model (keep_best, eval.export=last; the LoRA path: its adapter)
+      samples.jsonl               greedy completions of eval.samples during training (rank 0)
 
 The rule (nothing is deleted or overwritten before it has passed): ftcli writes `.ftcli-run` into every
 run dir it makes; that marker (or, for dirs of an older ftcli, a recipe.yaml beside a run.json or a
@@ -40,9 +42,11 @@ RUN_JSON = "run.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
+BEST = "best"  # the best eval's model beside final/ (training.checkpoint.keep_best with eval.export=last)
+SAMPLES_FILE = "samples.jsonl"
 OWNER_FILE = ".ftcli-run"  # written when ftcli makes a run dir: proof the dir is ours
 LOCK_FILE = ".ftcli.lock"  # ftcli.launch's one-writer lock; never counts as content
-_RUN_OUTPUTS = (FINAL, RUN_JSON, METRICS_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
+_RUN_OUTPUTS = (FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
 _CHECKPOINT_NAME = re.compile(r"^(\.tmp_)?step_\d{8}$")
 
 
@@ -232,6 +236,17 @@ class RunRecord(_Record):
     final_loss: float | None = None
     throughput: Throughput = Field(default_factory=Throughput)
     status: str = "completed"
+    data: dict[str, Any] | None = None  # the training data's summary (ftcli.data.DataSummary.to_dict())
+    eval_data: dict[str, dict[str, Any]] | None = None  # each eval source's data summary
+    evals: list[dict[str, Any]] = Field(default_factory=list)  # every eval: step, loss, ppl, tokens, sources
+    best_step: int | None = None  # the step of the best eval loss
+    best_eval_loss: float | None = None
+    best_checkpoint: str | None = None  # its checkpoint, kept by training.checkpoint.keep_best
+    best_model_dir: str | None = None  # relative to the run dir: the best eval's model (final or best)
+    stopped_early: str | None = None  # why eval.early_stop ended the run
+
+    def best_model_path(self, run_dir: Path) -> Path | None:
+        return Path(run_dir) / self.best_model_dir if self.best_model_dir else None
 
     def model_path(self, run_dir: Path) -> Path | None:
         return Path(run_dir) / self.model_dir if self.model_dir else None

@@ -116,6 +116,9 @@ class NoTracking:
     def log_artifact(self, path: str | Path) -> None:
         pass
 
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        pass
+
     def finish(self, status: str = "FINISHED") -> None:
         pass
 
@@ -145,6 +148,11 @@ class MlflowTracking(NoTracking):
 
     def log_artifact(self, path: str | Path) -> None:
         self._call(self._mlflow.log_artifact, str(path))
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows of equal keys as an MLflow table artifact (e.g. the training samples)."""
+        columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
+        self._call(self._mlflow.log_table, data=columns, artifact_file=artifact_file)
 
     def finish(self, status: str = "FINISHED") -> None:
         self._call(self._mlflow.end_run, status=status)

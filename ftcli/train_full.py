@@ -11,7 +11,11 @@
     6. loop          count trained tokens -> all-reduce -> forward/backward every micro-batch with
                      the loss divided by the GLOBAL count -> grad norm, clip -> step (or skip) -> log
                      -> checkpoint
-    7. finish        last checkpoint, Hugging Face export to <run>/final, run.json
+    7. finish        last checkpoint, Hugging Face export to <run>/final (the last or the best model), run.json
+
+Eval (`recipe.eval`, ftcli.evaluate): the held-out loss every eval.every_steps / every_minutes, at step 0
+if asked and at the last step, in the step line; the best eval's checkpoint kept (keep_best), early
+stopping, and greedy samples (every rank generates: each decoding step is a sharded forward).
 
 Precision: the sharded parameters are the master weights, in `precision.master_dtype` (float32 by
 default). FSDP2's MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16) for compute and
@@ -40,6 +44,7 @@ logits unless `loss.impl: full` asks for the reference behaviour; see `ftcli.los
 from __future__ import annotations
 
 import gc
+import json
 import math
 import time
 import traceback
@@ -57,15 +62,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from ftcli import data, kernels
-from ftcli.checkpoint import (CheckpointSchedule, load_checkpoint, remove_interrupted_saves, resolve_resume, rng_state,
-                              save_checkpoint, save_hf_checkpoint, set_rng_state)
+from ftcli.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
+                              remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
+                              save_hf_checkpoint, set_rng_state, step_dir_name)
 from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
+from ftcli.evaluate import (EvalResult, EvalTracker, Evaluator, eval_summaries, generate_samples, prepare_eval,
+                            samples_due, write_samples)
 from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
 from ftcli.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
 from ftcli.preempt import Stopped, stop_flag
-from ftcli.rundir import CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
+from ftcli.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.tracking import start_tracking
 
 # ========================================================================================== model
@@ -362,6 +370,22 @@ class FullRun:
         packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
                              then=lambda: data.open_prepared(recipe, self.tokenizer))
         self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+        self.data_summary = data.data_summary(recipe, packed)
+        for line in self.data_summary.lines():
+            say(f"data {line}")
+        self.tracker.log_metrics(self.data_summary.metrics(), step=0)
+        self.eval_cfg = recipe.eval
+        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
+                                   world.device)
+        self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
+        self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
+            if recipe.eval is not None else CheckpointSchedule(False, None, None)
+        for label, p in self.evaluator.packed.items():
+            say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
+                f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
+        self.stop_reason: str | None = None  # set by early stopping
+        self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
+        self.last_sample_step: int | None = None
         windows = math.ceil(len(self.stream) / tcfg.grad_accum)
         self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
         if self.total_steps == 0:
@@ -415,8 +439,13 @@ class FullRun:
         (default: its BlockStream)."""
         batches = iter(self.stream if batches is None else batches)
         self.meter.start_window()  # the first step line's window starts here, not at the model build
+        self.save_schedule.mark_saved()  # so do the clocks of time-based saves and evals
+        self.eval_schedule.mark_saved()
         try:
             self.progress.start()
+            if self.evaluator and self.eval_cfg.at_start and self.result.steps == 0:
+                self.log_eval(self.evaluate())
+                self.new_best = False  # nothing to keep: the weights of step 0 are the init
             while self.result.steps < self.total_steps:
                 if signum := self.stop_flag.agreed(self.world.device):  # SIGTERM / SIGINT on any rank
                     self.stop(signum)
@@ -424,19 +453,24 @@ class FullRun:
                 # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
                 blocks = list(islice(batches, self.tcfg.grad_accum))
                 time_due = int(self.world.is_main and self.save_schedule.time_due())  # rank 0's clock decides
-                num_micro_batches, save_by_time = all_reduce([len(blocks), time_due], dist.ReduceOp.MAX,
-                                                             self.world.device)
+                eval_time_due = int(self.world.is_main and self.eval_schedule.time_due())
+                num_micro_batches, save_by_time, eval_by_time = all_reduce(
+                    [len(blocks), time_due, eval_time_due], dist.ReduceOp.MAX, self.world.device)
                 if num_micro_batches == 0:
                     break  # every rank is out of data
-                if self.step(blocks, int(num_micro_batches), started=step_start):
+                if self.step(blocks, int(num_micro_batches), started=step_start, eval_by_time=bool(eval_by_time)):
                     self.maybe_checkpoint(bool(save_by_time))
+                if self.stop_reason:
+                    self.say(f"[yellow]{self.stop_reason}[/]")
+                    break
             return self.finish()
         except BaseException as e:
             self.progress.stop()
             self.tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
             raise
 
-    def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None) -> bool:
+    def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None,
+             eval_by_time: bool = False) -> bool:
         """One step over this rank's `blocks`, padded to `num_micro_batches` (the most any rank has).
         True when the optimizer stepped; False when the step was skipped (no trained token on any rank,
         or a non-finite loss or grad norm). Raises TrainingStopped after max_bad_steps bad steps in a row."""
@@ -491,22 +525,60 @@ class FullRun:
                 f"Last good checkpoint: {latest}"
             )
 
-        # 6d. log
+        # 6d. eval (when due), then log
         self.meter.step_done(global_seen_tokens, time.perf_counter() - started)
         self.progress.advance(self.task)
-        if loss_is_finite and (result.steps % tcfg.log_every == 0 or result.steps == self.total_steps):
+        last = result.steps == self.total_steps
+        evaluated = None
+        if loss_is_finite and self.eval_schedule.due(result.steps, eval_by_time) or (self.evaluator and last):
+            evaluated = self.evaluate()
+        if loss_is_finite and (result.steps % tcfg.log_every == 0 or last or evaluated):
             m = self.meter.line(step=result.steps, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens_trained=result.tokens_trained, tokens_seen=result.tokens_seen)
+            if evaluated is not None:
+                m.update(evaluated.metrics())
             if world.is_main:
                 log_step(m, self.total_steps, say=say, metrics_path=self.metrics_path, tracker=self.tracker)
+        if samples_due(self.eval_cfg, result.steps, len(self.evals.history) if self.evals else 0,
+                       evaluated is not None, last):
+            self.sample()
         return loss_is_finite
+
+    # ---- eval -------------------------------------------------------------------------------------
+    def evaluate(self) -> EvalResult:
+        """Collective: the held-out loss now (ftcli.evaluate), recorded; early stopping decides here."""
+        result = self.evaluator.run(self.model, lambda inputs: self.model.loss_sum(**inputs), self.result.steps)
+        self.eval_schedule.mark_saved()
+        self.new_best = self.evals.add(result)
+        self.stop_reason = self.evals.stop_reason()
+        if self.world.is_main and len(result.sources) > 1:
+            self.say(result.line())
+        return result
+
+    def log_eval(self, result: EvalResult) -> None:
+        """An eval outside a step line (step 0): printed, in metrics.jsonl and MLflow."""
+        if self.world.is_main:
+            self.say(result.line())
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": result.step, **result.metrics()}) + "\n")
+            self.tracker.log_metrics(result.metrics(), step=result.step)
+
+    def sample(self) -> None:
+        """Collective: greedy completions of eval.samples; every rank takes part in each sharded forward."""
+        completions = generate_samples(self.model, self.tokenizer, self.eval_cfg, synced_gpus=True)
+        self.last_sample_step = self.result.steps
+        if self.world.is_main:
+            write_samples(self.run_dir, self.result.steps, self.eval_cfg, completions, self.tracker)
 
     def maybe_checkpoint(self, save_by_time: bool) -> Path | None:
         """6e. Save if the schedule says so (`save_by_time`: rank 0's clock, shared), but never in the
         middle of a run of bad steps (the last good checkpoint must survive) nor at the last step
         (`finish` saves that one). Collective: every rank calls it with the same arguments."""
         steps = self.result.steps
-        if not (self.save_schedule.due(steps, save_by_time) and self.bad_in_a_row == 0 and steps < self.total_steps):
+        keep_best = self.tcfg.checkpoint.keep_best and getattr(self, "new_best", False)
+        self.new_best = False
+        if not ((self.save_schedule.due(steps, save_by_time) or keep_best) and self.bad_in_a_row == 0
+                and steps < self.total_steps and not self.stop_reason):
             return None
         path = self.save()
         self.say(f"checkpoint: {path}")
@@ -538,36 +610,73 @@ class FullRun:
             setattr(self.result, key, meta["result"][key])
         self.result.final_loss = meta["result"]["final_loss"]
         self.result.checkpoint = str(path)
+        if self.evals is not None:
+            self.evals.load_state_dict(meta.get("evals"))
 
     def save(self) -> Path:
         """Collective: a DCP checkpoint of this step (ftcli.checkpoint)."""
         rank_state = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rng_state()}
         meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")},
                 "blocks_per_step": self.world.world_size * self.tcfg.grad_accum}
+        if self.evals is not None:
+            meta["evals"] = self.evals.state_dict()
         path = save_checkpoint(self.run_dir / CHECKPOINTS, self.result.steps, self.model, self.optimizer, rank_state,
-                               meta, keep_last=self.tcfg.checkpoint.keep_last)
+                               meta, keep_last=self.tcfg.checkpoint.keep_last, protect=self.protected())
         self.result.checkpoint = str(path)
         self.last_save_step = self.result.steps
         self.save_schedule.mark_saved()
         return path
 
+    def protected(self) -> list[Path]:
+        """Checkpoints rotation must keep: the best eval's (training.checkpoint.keep_best)."""
+        best = self.evals.best_step if self.evals is not None and self.tcfg.checkpoint.keep_best else None
+        return [self.run_dir / CHECKPOINTS / step_dir_name(best)] if best is not None else []
+
     # ---- 7. finish: last checkpoint, Hugging Face export, run.json --------------------------------
     def finish(self) -> TrainResult:
         recipe, tcfg, result, world, tracker = self.recipe, self.tcfg, self.result, self.world, self.tracker
         self.progress.stop()
+        if self.evaluator and (not self.evals.history or self.evals.history[-1]["step"] != result.steps):
+            self.log_eval(self.evaluate())  # the data ended before the schedule did: the end's eval
+        if self.eval_cfg is not None and self.eval_cfg.samples and self.last_sample_step != result.steps:
+            self.sample()  # the end's samples (an early stop, or the data ended first)
         if tcfg.checkpoint.enabled and self.last_save_step != result.steps:
             self.say(f"checkpoint: {self.save()}")
         final_dir = self.run_dir / FINAL
+        best_step = self.evals.best_step if self.evals is not None else None
+        best = best_checkpoint(self.run_dir / CHECKPOINTS, best_step) if tcfg.checkpoint.keep_best else None
+        best_model_dir = None
         if tcfg.checkpoint.save_final_hf:
-            save_hf_checkpoint(
-                self.model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), self.tokenizer,
-                final_dir, DTYPES[recipe.model.dtype],
-            )
+            def export(out_dir: Path) -> None:
+                save_hf_checkpoint(
+                    self.model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), self.tokenizer,
+                    out_dir, DTYPES[recipe.model.dtype],
+                )
+
+            if best is not None and best_step == result.steps:
+                best_model_dir = FINAL  # the last model is the best one
+            elif best is not None and self.eval_cfg.export == "best":
+                load_model_weights(best, self.model)
+                best_model_dir = FINAL
+            export(final_dir)
+            if best is not None and best_model_dir is None:  # export: last, and a best model beside it
+                load_model_weights(best, self.model)
+                export(self.run_dir / BEST)
+                best_model_dir = BEST
+            if best is not None:
+                self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
+                         f"{self.run_dir / best_model_dir}")
         if world.is_main:
+            evals = self.evals
             record = new_run_record(
                 recipe, method="full", mlflow=tracker.info, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
                 steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
                 final_loss=result.final_loss, throughput=self.meter.throughput(), status="completed",
+                data=self.data_summary.to_dict(), evals=evals.history if evals else [],
+                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, self.evaluator.packed).items()} or None,
+                best_step=best_step, best_eval_loss=evals.best_loss if evals else None,
+                best_checkpoint=str(best) if best is not None else None, best_model_dir=best_model_dir,
+                stopped_early=self.stop_reason,
             )
             path = write_run_record(self.run_dir, record)
             tracker.log_artifact(path)

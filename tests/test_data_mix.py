@@ -92,7 +92,7 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", _rows(6, "beta") + [{"messages": [U]}])
     sources = [{"name": "a", "source": "local", "path": str(a)}, {"name": "b", "source": "local", "path": str(b)}]
     sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"data.sources={json.dumps(sources)}",
-            "--set", "data.packing.strategy=bfd", "--set", "data.packing.block_len=256"]
+            "--set", "data.packing.strategy=bfd", "--set", "data.packing.block_len=256", "--set", "eval=null"]
     res = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)

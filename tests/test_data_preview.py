@@ -15,7 +15,7 @@ runner = CliRunner()
 
 def _invoke(tmp_path, *args):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    return runner.invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", "--set", cache, *args])
+    return runner.invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", "--set", cache, "--set", "eval=null", *args])
 
 
 def test_pack_preview_json_numbers_equal_block_stream(tmp_path):

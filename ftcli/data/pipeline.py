@@ -27,6 +27,7 @@ import numpy as np
 
 from ftcli.data import sources
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
+from ftcli.data.evalsplit import holdout_rule, split_rows
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
 from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
@@ -114,8 +115,9 @@ def encoded_examples(
     if any(s.source != "synthetic" and s.format == "messages" for s in sources_):
         ChatEncoder(tokenizer)  # fail now, with one line, if the tokenizer has no chat template
     streams, totals = [], []
+    holdout = holdout_rule(recipe)  # eval.holdout: training leaves those rows out, the eval split keeps only them
     for k, src in enumerate(sources_):
-        results, total = _source_results(data, src, k, tokenizer)
+        results, total = _source_results(data, src, k, tokenizer, holdout)
         streams.append(results)
         totals.append(_source_total(total, src.weight))
     grand_total = None if None in totals else sum(totals)
@@ -161,7 +163,7 @@ def encoded_examples(
         progress(stats.examples_read, grand_total)
 
 
-def _source_results(data, src, k: int, tokenizer):
+def _source_results(data, src, k: int, tokenizer, holdout=None):
     """One source's (row index, *encoded) stream under its weight, and its row count if known."""
     limit = _limit(data, src)
     if src.source == "synthetic":
@@ -178,7 +180,7 @@ def _source_results(data, src, k: int, tokenizer):
     def passes():
         return sources.open_rows(src, limit)[0]
 
-    rows = weighted(passes, src.weight, data.mix_seed, k)
+    rows = weighted(split_rows(holdout, passes), src.weight, data.mix_seed, k)
     encode = _parallel_encode if data.num_workers else _serial_encode
     return encode(((k, i, row) for i, row in rows), data, tokenizer), total
 
@@ -276,7 +278,8 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
 # The modules whose code decides a cache entry (its blocks and its counts): their source text is part of
 # the cache key, so any change to the masking (or validation, truncation, packing, counting) code
 # invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
-ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py")
+ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
+                   "evalsplit.py")
 
 
 def encoder_fingerprint() -> dict[str, Any]:
@@ -316,6 +319,7 @@ def recipe_cache_parts(recipe) -> dict[str, Any]:
         "special_tokens_in_text": data.special_tokens_in_text,
         "max_length": data.max_length,
         "packing": packing,
+        **({"holdout": vars(holdout_rule(recipe))} if holdout_rule(recipe) else {}),
     }
 
 

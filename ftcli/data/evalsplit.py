@@ -1,0 +1,103 @@
+"""The eval split: which training rows are held out (`eval.holdout`), and the recipes that describe the
+eval data, one per source, for the one data path (`prepare_blocks` encodes, masks, packs and caches
+them exactly like training rows).
+
+Held-out rows are picked by a hash of the row's content and `eval.holdout_seed`, never by position or
+by rank: the same rows on every run, under any world size, before any weighting or shuffling (a row
+that a weight repeats is held out in every copy; two identical rows land on the same side).
+
+    u(row) = blake2b(seed, canonical JSON of the row) as a uniform [0, 1)
+    holdout < 1 (a share):       the row is held out when u(row) < share
+    holdout >= 1 (a row count):  per source, the `holdout` rows of smallest u (one extra pass over the
+                                 rows read; use a share for very large data)
+
+Training keeps the rows that are not held out, the eval split the rows that are; a row that cannot be
+parsed stays with training (where it is counted as bad, once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from ftcli.data.sources import InvalidRow
+from ftcli.errors import UserError
+
+Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row index, row)
+
+
+@dataclass(frozen=True)
+class Holdout:
+    share: float  # < 1: a share of the rows; >= 1: a row count per source
+    seed: int
+    keep: str  # "train": the rows that are not held out; "eval": the held-out rows
+
+
+def holdout_rule(recipe) -> Holdout | None:
+    """The holdout that applies to this recipe's data (None: every row is used)."""
+    ev = getattr(recipe, "eval", None)
+    if ev is None or ev.holdout is None:
+        return None
+    return Holdout(float(ev.holdout), int(ev.holdout_seed), getattr(ev, "_side", "train"))
+
+
+def row_unit(row: Any, seed: int) -> float:
+    """A deterministic uniform [0, 1) from a row's content and a seed (the same on every machine)."""
+    text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=str(seed).encode()[:64] or b"0").digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def split_rows(rule: Holdout | None, rows: Rows) -> Rows:
+    """`rows` (a source's passes) with only the rows `rule` keeps."""
+    if rule is None:
+        return rows
+    if rule.share < 1:
+        threshold = rule.share
+    else:
+        units = sorted(row_unit(r, rule.seed) for _, r in rows() if not isinstance(r, InvalidRow))
+        count = int(rule.share)
+        threshold = units[count] if count < len(units) else 2.0
+
+    def kept() -> Iterator[tuple[int, Any]]:
+        for index, row in rows():
+            held = not isinstance(row, InvalidRow) and row_unit(row, rule.seed) < threshold
+            if held == (rule.keep == "eval"):
+                yield index, row
+
+    return kept
+
+
+def eval_recipes(recipe) -> dict[str, Any]:
+    """source label -> a recipe whose data is that source's eval rows, packed the eval way
+    (`eval.strategy`, `eval.block_len`; default the training block length). Empty without eval data."""
+    from ftcli.recipe import PackingConfig, SourceConfig
+
+    ev, data = recipe.eval, recipe.data
+    if ev is None or not ev.has_data:
+        return {}
+    train_packing = data.packing
+    packing = PackingConfig(
+        enabled=ev.strategy != "none", block_len=ev.block_len or train_packing.block_len,
+        strategy="split" if ev.strategy == "split" else "bfd", bfd_buffer=train_packing.bfd_buffer,
+        overlong=train_packing.overlong,
+    )
+    out = {}
+    if ev.holdout is not None:
+        side = ev.model_copy()
+        side._side = "eval"
+        sources = data.source_list()
+        if any(s.source == "synthetic" for s in sources):
+            raise UserError("eval.holdout cannot hold out synthetic rows; give eval.path or eval.sources instead")
+        for src in sources:  # each held-out row once (weight 1), each source its own loss
+            one = data.model_copy(update={"packing": packing}) if data.sources is None else \
+                data.model_copy(update={"sources": [src.model_copy(update={"weight": 1.0})], "packing": packing})
+            out[src.label] = recipe.model_copy(update={"data": one, "eval": side})
+        return out
+    given = ev.sources or [SourceConfig(source=ev.source, path=ev.path, revision=ev.revision, split=ev.split)]
+    for src in given:
+        one = data.model_copy(update={"sources": [src], "packing": packing, "max_examples": ev.max_examples})
+        out[src.label] = recipe.model_copy(update={"data": one, "eval": None})
+    return out
