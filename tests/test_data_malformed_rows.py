@@ -92,7 +92,7 @@ def test_every_malformed_row_is_counted_and_every_good_row_trains(tmp_path):
     path = tmp_path / "ugly.jsonl"
     _write(path, [line for line, _ in BAD_ROWS + ODD_ROWS])
     args = ["pack-preview", "--recipe", "tiny-qwen-cpu", "--set", f"data.path={path}",
-            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--json"]
+            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "eval=null", "--json"]
     res = CliRunner().invoke(cli.app, args)
     assert res.exit_code == 0, res.output[-2000:]
     assert "Traceback" not in res.output
@@ -112,7 +112,7 @@ def test_every_malformed_row_is_counted_and_every_good_row_trains(tmp_path):
     good_only = tmp_path / "good.jsonl"
     good_only.write_text((json.dumps(GOOD) + "\n") * good)
     res = CliRunner().invoke(cli.app, ["pack-preview", "--recipe", "tiny-qwen-cpu", "--set", f"data.path={good_only}",
-                                       "--set", f"data.cache_dir={tmp_path / 'cache'}", "--json"])
+                                       "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "eval=null", "--json"])
     assert json.loads(res.stdout)["trained_tokens"] == summary["trained_tokens"]  # exactly the good rows' tokens
 
 
