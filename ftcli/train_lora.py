@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -559,7 +560,12 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         step_log.load(checkpoint)
         stop = _stop_callback(recipe.training.checkpoint.enabled)
         trainer.add_callback(stop)
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except pickle.UnpicklingError as e:  # transformers loads TRL checkpoints with weights_only=True
+            reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise UserError(f"checkpoint {checkpoint} holds more than tensors and plain data, so it is not loaded "
+                            f"(loading could run code: {reason})") from None
         if stop.signum and trainer.state.global_step < trainer.state.max_steps:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"

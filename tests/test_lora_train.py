@@ -204,3 +204,32 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["tokens_seen"]) for m in lines] == [(1, 1024), (2, 2048), (3, 3072)]
     assert [m["tokens_trained"] for m in lines] == [saved[n]["trained"] for n in (1, 2, 3)]
+
+
+def test_a_crafted_pickle_in_a_lora_checkpoint_is_refused_and_never_runs(trained, mxfp4_base, tmp_path):
+    """A TRL checkpoint from anywhere: its optimizer / RNG files are pickles. One whose __reduce__ would run code
+    is refused in one error line naming the checkpoint; the code never runs."""
+    import shutil
+
+    import torch
+
+    work, run_dir, _ = trained
+    crafted = tmp_path / f"checkpoint-{SAVE_EVERY}"
+    shutil.copytree(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY}", crafted)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for name in ("optimizer.pt", *[p.name for p in crafted.glob("rng_state*.pth")]):
+        torch.save({"state": Payload()}, crafted / name)
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("checkpoints", "final", "run.json"))
+    proc = run_ftcli(_train_args(mxfp4_base, out, "--resume", str(crafted)), cwd=work)
+    assert proc.returncode != 0
+    assert not marker.exists()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert any(f"checkpoint {crafted} holds more than tensors and plain data, so it is not loaded" in e
+               for e in errors), proc.stderr[-3000:]
