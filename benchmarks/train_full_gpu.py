@@ -8,7 +8,7 @@ markdown table: tokens/s per GPU, MFU, s/step (medians over the steps after --wa
 Variants (more with --set, passed to every run):
     ftcli      the recipe: fp32 master weights, no activation checkpointing (4 layers fit), liger's fused
                linear cross-entropy, no compile; other settings with --set (BENCHMARKS.md lists each row's)
-    reference  the reference loop's settings (REFERENCE.md 1a/6): full-logit loss, bf16 master weights,
+    reference  the published loop's settings (qwen-b300's train.py): full-logit loss, bf16 master weights,
                full activation checkpointing, no compile
 
 H200 (from the project root, .gpu staged with ../shared/gpu/stage.sh and carried):
