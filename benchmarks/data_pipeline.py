@@ -179,7 +179,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=20000)
     ap.add_argument("--block-len", type=int, default=4096)
-    ap.add_argument("--methods", default="ftcli,reference,reference-core,trl,ftcli-e2e")
+    ap.add_argument("--methods", default="ftcli,reference,reference-core,trl,ftcli-e2e",
+                    help="comma-separated (module doc); reference, reference-core: the published loop's method")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -540,7 +540,8 @@ def main() -> int:
     parser.add_argument("--block-len", type=int, default=None, help="default 32768 (tiny 512)")
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--what", nargs="+", default=["reference", "ftcli", "profile", "fit"],
-                        choices=["reference", "ftcli", "profile", "fit", "lever", "eval"])
+                        choices=["reference", "ftcli", "profile", "fit", "lever", "eval"],
+                        help="parts to run (module doc); reference: the published loop (reference_loop_gpu.py)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     parser.add_argument("--ref-steps", type=int, default=4, help="timed steps of the published loop (after --warmup)")
     parser.add_argument("--ftcli-steps", type=int, default=6, help="ftcli max_steps (median over steps > warmup)")

@@ -115,7 +115,8 @@ def table(rows: list[dict], block_len: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="device counts to run (default 1 2)")
-    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["ftcli"])
+    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["ftcli"],
+                        help="ftcli: the recipe; reference: the published loop's settings")
     parser.add_argument("--block-len", type=int, default=None, help="override data.packing.block_len")
     parser.add_argument("--steps", type=int, default=None, help="override training.max_steps")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 3; tiny 1)")
