@@ -1,4 +1,4 @@
-"""Tokenize + mask + pack throughput on one core: ftcli vs the reference method vs TRL, side by side.
+"""Tokenize + mask + pack throughput on one core: ftcli vs the published loop's method vs TRL, side by side.
 
     nice -n 10 taskset -c 1 python benchmarks/data_pipeline.py [--conversations 20000] [--block-len 4096]
 
@@ -8,10 +8,10 @@ template and the shipped tiny tokenizer (ftcli/assets/tokenizer-qwen). All metho
 in-memory rows and end with packed blocks in memory:
 
 * ftcli            ChatEncoder.encode (skeleton per conversation shape + one render + one tokenization)
-                   -> pack_split (the reference packing)
-* reference        the reference method (two apply_chat_template(tokenize=True) calls per assistant
+                   -> pack_split (the published loop's packing)
+* reference        the published qwen-b300 loop's method (two apply_chat_template(tokenize=True) calls per assistant
                    turn, token-count differences) -> the same pack_split
-* reference-core   the reference method's per-turn renders done with ftcli's fast primitives (compiled
+* reference-core   the published loop's per-turn renders done with ftcli's fast primitives (compiled
                    template, one backend encode per render): the algorithmic cost alone, no HF overhead
 * trl              SFTTrainer._prepare_dataset (TRL 1.16): assistant_only_loss with the qwen3_8_training
                    twin's {% generation %} masks, build labels, pack_dataset(bfd)
@@ -179,7 +179,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=20000)
     ap.add_argument("--block-len", type=int, default=4096)
-    ap.add_argument("--methods", default="ftcli,reference,reference-core,trl,ftcli-e2e")
+    ap.add_argument("--methods", default="ftcli,reference,reference-core,trl,ftcli-e2e",
+                    help="comma-separated (module doc); reference, reference-core: the published loop's method")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -211,14 +212,14 @@ def main() -> None:
               f"trained {trained:,d}  {note}", flush=True)
     base = {r["method"]: r["tokens_per_s"] for r in results}
     if "ftcli" in base and "reference" in base:
-        print(f"ftcli / reference: {base['ftcli'] / base['reference']:.1f}x")
+        print(f"ftcli / published loop: {base['ftcli'] / base['reference']:.1f}x")
         for lo, hi in ((1, 1), (2, 3), (4, 8)):
             rates = {}
             for name in ("ftcli", "reference"):
                 rows = [(n, t) for m, n, t in PER_CONV[name] if lo <= sum(x["role"] == "assistant" for x in m) <= hi]
                 rates[name] = sum(n for n, _ in rows) / sum(t for _, t in rows)
             print(f"  {lo}-{hi} turns ({len(rows)} conversations): tokenize+mask ftcli {rates['ftcli']:,.0f} tok/s, "
-                  f"reference {rates['reference']:,.0f} tok/s, {rates['ftcli'] / rates['reference']:.1f}x")
+                  f"published loop {rates['reference']:,.0f} tok/s, {rates['ftcli'] / rates['reference']:.1f}x")
             per_s = {f"{k}_tokens_per_s": round(v) for k, v in rates.items()}
             results.append({"turns": f"{lo}-{hi}", "conversations": len(rows), **per_s})
     meta = {"date": str(date.today()), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -515,7 +515,7 @@ def fit_tables(rows: list[dict], block_len: int, tiny: bool, depth: int = 64) ->
     def ratio(i):
         return f"{cols['reference'][i] / cols['ftcli'][i]:.2f}x" if all(cols.values()) else "-"
 
-    lines += ["", "| fit over the depths above | reference loop | ftcli (qwen-b300 settings) | reference / ftcli |",
+    lines += ["", "| fit over the depths above | published loop | ftcli (qwen-b300 settings) | published / ftcli |",
               "|---|---:|---:|---:|",
               "| per added layer (slope), s | {} | {} | {} |".format(*cells(lambda v: f"{v:.4f}", 0), ratio(0)),
               "| fixed part of a step (intercept), s | {} | {} | - |".format(*cells(lambda v: f"{v:.3f}", 1)),
@@ -540,16 +540,17 @@ def main() -> int:
     parser.add_argument("--block-len", type=int, default=None, help="default 32768 (tiny 512)")
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--what", nargs="+", default=["reference", "ftcli", "profile", "fit"],
-                        choices=["reference", "ftcli", "profile", "fit", "lever", "eval"])
+                        choices=["reference", "ftcli", "profile", "fit", "lever", "eval"],
+                        help="parts to run (module doc); reference: the published loop (reference_loop_gpu.py)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
-    parser.add_argument("--ref-steps", type=int, default=4, help="timed reference steps (after --warmup)")
+    parser.add_argument("--ref-steps", type=int, default=4, help="timed steps of the published loop (after --warmup)")
     parser.add_argument("--ftcli-steps", type=int, default=6, help="ftcli max_steps (median over steps > warmup)")
     parser.add_argument("--profile-layers", type=int, default=4)
     parser.add_argument("--inproc-layers", type=int, default=4, help="lever / eval: decoder layers")
     parser.add_argument("--inproc-steps", type=int, default=8, help="lever / eval: steps (blocks) per part")
     parser.add_argument("--timeout", type=float, nargs="+", default=[900.0],
-                        help="seconds per sub-run: one value, or reference, ftcli (each depth), profile, "
-                             "lever/eval")
+                        help="seconds per sub-run: one value, or reference (the published loop), ftcli (each "
+                             "depth), profile, lever/eval")
     parser.add_argument("--rows", type=Path, default=None, help="JSON-lines results (default <out>/rows.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="run dirs (default: a temp dir)")
     parser.add_argument("--trace", type=Path, default=None, help="profile: also write the chrome trace here")

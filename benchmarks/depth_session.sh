@@ -4,9 +4,10 @@
 # table as soon as it is measured. Writes $OUT/rows-<block>.jsonl and $OUT/log-<block>.txt.
 #   device: source .gpu/activate.sh && python3 -m pip install -q --no-index --no-deps --upgrade \
 #           --target /tmp/gpu-site .whl/*.whl && bash benchmarks/depth_session.sh 32768 "4 8" "reference ftcli profile fit" 280 95 110
-#   args:   block length, depths, what to run, timeouts (s) of the reference run, of each ftcli depth, of the profile
+#   args:   block length, depths, what to run, timeouts (s) of the published loop's run, of each ftcli depth,
+#           of the profile
 # The first Qwen3.5 step on a fresh machine compiles fla/tilelang kernels (~3 minutes): the first sub-run
-# (the reference loop) pays it, so give it the longest timeout.
+# (the published loop) pays it, so give it the longest timeout.
 set -u -o pipefail
 BLOCK=${1:-32768}; LAYERS=${2:-"4 8"}; WHAT=${3:-"reference ftcli profile fit"}; TREF=${4:-280}; TFT=${5:-95}; TPROF=${6:-110}
 HERE=$(cd "$(dirname "$0")" && pwd)

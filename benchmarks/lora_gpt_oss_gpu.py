@@ -1,13 +1,13 @@
-"""LoRA throughput of gpt-oss-20b on one GPU: the reference recipe next to ftcli's packed modes, one run.
+"""LoRA throughput of gpt-oss-20b on one GPU: the published notebook's settings next to ftcli's packed modes.
 
 All modes go through ftcli's real LoRA path (`ftcli.train_lora.build_trainer`: TRL SFTTrainer + PEFT,
 ftcli's data rows and collator, token-normalized loss), on the gpt-oss-h100 recipe with random weights
 at the real shape (benchmarks/gpt-oss-20b.json: 20.9B params, 19.1B of them experts) and synthetic chat
 data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linear (attention):
 
-    reference                one unpacked example per micro-batch, truncated to 2,048; batch 1, grad
-                             accum 2; eager attention; experts grouped_mm (transformers' CUDA default,
-                             which is what the reference ran)
+    reference                the published notebook's settings: one unpacked example per micro-batch,
+                             truncated to 2,048; batch 1, grad accum 2; eager attention; experts
+                             grouped_mm (transformers' CUDA default, which is what the published notebook ran)
     reference-eager-experts  the same with transformers' per-expert Python loop (informational)
     default                  the gpt-oss-h100 recipe's own block length, grad accum and checkpointing: packed
                              4k blocks (best-fit decreasing), grad accum 1, none; ftcli's packed attention
@@ -15,7 +15,7 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
     ftcli-2k / -8k / -16k    packed blocks of that many tokens, grad accum 2 / 1 / 1, full checkpointing
     ftcli-Nk-no-ac           packed N-k blocks, grad accum 1, no activation checkpointing
 
-In every mode data.max_length is the mode's block length (2,048 for the reference, as in the recipe).
+In every mode data.max_length is the mode's block length (2,048 for `reference`, as in the published notebook).
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
 steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
 padding included), s/step, and peak GPU memory over the whole mode (torch max_memory_allocated).
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # block: tokens per micro-batch (max_length when unpacked); ga: gradient accumulation steps.
-# The reference ran transformers' default experts implementation, which is grouped_mm on CUDA;
+# The published notebook ran transformers' default experts implementation, which is grouped_mm on CUDA;
 # "reference-eager-experts" shows what the per-expert Python loop would cost.
 MODES = {
     "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # gpt-oss-h100's block, ga, checkpointing
@@ -174,13 +174,15 @@ def markdown(results: list[dict], args) -> str:
     if len(results) > 1 and results[0]["mode"] == "reference":
         base = results[0]["trained_tokens_per_s"]
         for r in results[1:]:
-            lines.append(f"\n{r['mode']}: {r['trained_tokens_per_s'] / base:.2f}x the reference's trained tokens/s")
+            ratio = r["trained_tokens_per_s"] / base
+            lines.append(f"\n{r['mode']}: {ratio:.2f}x the published notebook's trained tokens/s")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="reference,default", help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--modes", default="reference,default",
+                   help=f"comma-separated, of: {', '.join(MODES)} (reference: the published notebook's settings)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     p.add_argument("--examples", type=int, default=400, help="synthetic examples to draw from")

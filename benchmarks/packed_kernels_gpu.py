@@ -1,6 +1,6 @@
 """GPU check of ftcli's packed kernels: the fast bf16 backends against the exact fp32 references.
 
-For each model family, at the real width (REFERENCE.md section 2) and one layer of each kind:
+For each model family, at the real width (the published models' configs) and one layer of each kind:
 
     qwen3_5_text  27B width: 1 gated-delta layer + 1 full-attention layer, 32,768-token block
     gpt_oss       20b width: 1 sliding-window layer + 1 full layer (sinks, 32 experts, top-4), 16,384-token

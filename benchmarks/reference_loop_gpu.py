@@ -1,4 +1,4 @@
-"""The published qwen-b300 training loop (REFERENCE.md 1a), copied as it runs, at N decoder layers.
+"""The published qwen-b300 training loop (its train.py), copied as it runs, at N decoder layers.
 
 What the published train.py does per rank, and what this copy does on one GPU:
 
@@ -276,7 +276,7 @@ def main() -> int:
         if args.json_out:
             with open(args.json_out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    print(f"\nreference loop, block {block_len}, {device}, mean over {args.steps} steps after "
+    print(f"\npublished loop, block {block_len}, {device}, mean over {args.steps} steps after "
           f"{args.warmup}\n\n| layers | s/step | tokens/s | peak GiB (reserved) | losses |\n|---|---|---|---|---|")
     for r in rows:
         mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if "peak_mem_gib" in r else "-"

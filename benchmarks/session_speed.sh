@@ -80,7 +80,7 @@ fi
 
 # b: 8k, the published loop and ftcli at 4 and 8 layers, each sub-run in its own call (its own timeout)
 R8="$OUT/rows-$B8.jsonl"
-run "b reference loop, 8k, 4 and 8 layers" 60 120 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B8" \
+run "b published loop, 8k, 4 and 8 layers" 60 120 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B8" \
   --layers 4 8 --what reference --timeout $(($(cap 120) - 5)) --out /tmp/speed-8k --rows "$R8"
 for n in 4 8; do
   run "b ftcli, 8k, $n layers" 45 90 $PY benchmarks/depth_gpu.py "${T[@]}" --block-len "$B8" --layers "$n" \

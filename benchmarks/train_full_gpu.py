@@ -8,7 +8,7 @@ markdown table: tokens/s per GPU, MFU, s/step (medians over the steps after --wa
 Variants (more with --set, passed to every run):
     ftcli      the recipe: fp32 master weights, no activation checkpointing (4 layers fit), liger's fused
                linear cross-entropy, no compile; other settings with --set (BENCHMARKS.md lists each row's)
-    reference  the reference loop's settings (REFERENCE.md 1a/6): full-logit loss, bf16 master weights,
+    reference  the published loop's settings (qwen-b300's train.py): full-logit loss, bf16 master weights,
                full activation checkpointing, no compile
 
 H200 (from the project root, .gpu staged with ../shared/gpu/stage.sh and carried):
@@ -115,7 +115,8 @@ def table(rows: list[dict], block_len: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="device counts to run (default 1 2)")
-    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["ftcli"])
+    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["ftcli"],
+                        help="ftcli: the recipe; reference: the published loop's settings")
     parser.add_argument("--block-len", type=int, default=None, help="override data.packing.block_len")
     parser.add_argument("--steps", type=int, default=None, help="override training.max_steps")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 3; tiny 1)")

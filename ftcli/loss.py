@@ -54,7 +54,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     are found on the device (`nonzero`: a host sync). A listed position whose target is -100 adds 0.
       chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
                recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
-      full     the reference: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
+      full     the published qwen-b300 loop's loss: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
       liger    liger-kernel's fused linear cross-entropy (GPU).
     """
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)

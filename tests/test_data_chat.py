@@ -1,7 +1,7 @@
 """Chat tokenization + loss masks on the real templates TRL ships (trl/chat_templates/*.jinja).
 
 Three methods, one answer:
-* the reference method (re-render + re-tokenize per assistant turn, `reference_encode`),
+* the published qwen-b300 loop's method (re-render + re-tokenize per assistant turn, `reference_encode`),
 * ftcli's method (`ChatEncoder`: one render parsed by the template's markers, or for templates of no
   known marker family a cached skeleton per conversation shape; one tokenization),
 * the `{% generation %}` oracle of the `*_training.jinja` twins (`return_assistant_tokens_mask=True`),
@@ -21,7 +21,7 @@ from ftcli.data.chat import ChatEncoder, encode_prompt_completion_text, normaliz
 CONVS = conversations(40, seed=1)
 
 # Templates whose renders are prefix-preserving (messages[:i] + generation prompt, and messages[:i+1],
-# are prefixes of the full render): there the reference method is well-defined and ftcli must equal it.
+# are prefixes of the full render): there the published loop's method is well-defined and ftcli must equal it.
 PREFIX_PRESERVING = [
     "qwen3_8", "qwen3_8_training", "qwen3_5_think_training", "qwen3_6_training", "qwen3_training",
     "qwen2_5", "qwen2_5_training", "qwen3_instruct_2507", "llama3", "llama3_training", "gemma3",
@@ -77,7 +77,7 @@ def test_skeleton_spans_equal_per_turn_rerender(name):
 )
 def test_fast_masks_equal_reference_method_with_merging_vocab(name):
     """A vocabulary that merges whitespace makes tokens straddle template boundaries (`<think>\n|\n`):
-    ftcli's "a token is trained iff it starts in the span" reproduces the reference's token counts."""
+    ftcli's "a token is trained iff it starts in the span" reproduces the published loop's token counts."""
     tok = merging_tokenizer()
     enc = ChatEncoder(tok, template(name))
     for messages in CONVS:
@@ -88,8 +88,8 @@ def test_fast_masks_equal_reference_method_with_merging_vocab(name):
 
 
 def test_reference_trains_a_prompt_token_where_bpe_splits_the_prompt_end():
-    """Llama-3's generation prompt ends in "\n\n": alone it is one token, before text two. The reference's
-    token count then lands on the second "\n" and trains it; ftcli starts at the response's first token."""
+    """Llama-3's generation prompt ends in "\n\n": alone it is one token, before text two. The published
+    loop's token count then lands on the second "\n" and trains it; ftcli starts at the response's first token."""
     tok = merging_tokenizer()
     enc = ChatEncoder(tok, template("llama3"))
     for messages in CONVS:
@@ -139,7 +139,7 @@ def test_masks_equal_generation_marker_oracle(name):
 
 def test_gpt_oss_turns_train_what_the_model_generates():
     """gpt-oss renders earlier final answers with `<|end|>` and drops their reasoning, the last one with
-    `<|return|>`: prefix-breaking. ftcli trains the common part; the reference lands on wrong tokens."""
+    `<|return|>`: prefix-breaking. ftcli trains the common part; the published loop's method lands on wrong tokens."""
     tok = tokenizer("gpt-oss")
     messages = [
         {"role": "system", "content": "Be brief."},

@@ -1,4 +1,4 @@
-"""Packing: split reproduces the reference signals exactly; bfd never splits; the block invariants."""
+"""Packing: split reproduces the published loop's signals exactly; bfd never splits; the block invariants."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def _examples(lengths, seed=0):
 
 
 def reference_split_blocks(examples, block_len, pad_id):
-    """REFERENCE.md 1a written out as plainly as possible: concatenate examples end to end into blocks of
-    exactly block_len; cut when the buffer overfills; the remainder of a cut example starts the next block
-    as a new segment. position_ids restart per segment; cu_seqlens = boundaries; seq_idx = segment index;
-    max_length = longest segment; labels -100 on prompt tokens and on the first token of every segment
-    after the first. (The last, partial block is padded with a masked segment: ftcli's choice.)"""
+    """The published qwen-b300 loop's packing written out as plainly as possible: concatenate examples
+    end to end into blocks of exactly block_len; cut when the buffer overfills; the remainder of a cut
+    example starts the next block as a new segment. position_ids restart per segment; cu_seqlens =
+    boundaries; seq_idx = segment index; max_length = longest segment; labels -100 on prompt tokens and on
+    the first token of every segment after the first. (The last, partial block is padded with a masked
+    segment: ftcli's choice.)"""
     blocks, segments, room = [], [], block_len
     for _, ids, mask in examples:
         ids, labels = list(map(int, ids)), [int(t) if m else -100 for t, m in zip(ids, mask)]

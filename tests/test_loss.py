@@ -36,7 +36,8 @@ def test_chunked_loss_equals_full_loss():
 
 
 def test_all_masked_block_loss_is_zero_with_zero_grads():
-    """The reference's 0/0: a block without trained tokens gives loss 0 and zero (not missing) grads."""
+    """The published loop's 0/0 (NaN there): a block without trained tokens gives loss 0 and zero (not
+    missing) grads."""
     from ftcli.loss import token_loss_sum
 
     h = torch.randn(1, 16, 8, requires_grad=True)
