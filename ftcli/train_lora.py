@@ -515,6 +515,11 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
     sharding, why = resolved_sharding(recipe)
+    if sharding == "fsdp" and recipe.eval is not None and (recipe.eval.has_data or recipe.eval.samples):
+        # ftcli's evaluator and samples call the unwrapped base, which under FSDP2 holds the root's parameters
+        # sharded (only a forward through the prepared root gathers them): not supported yet, refused up front
+        raise UserError(f"eval / eval.samples with a sharded LoRA base (training.sharding=fsdp, {why}) are not "
+                        "supported yet; set eval=null, or training.sharding=ddp where the base fits per GPU")
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)

@@ -60,6 +60,9 @@ def main(out: Path, sharding: str) -> None:
     if args.process_index == 0:
         torch.save({n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}, out / f"grads-{sharding}.pt")
         (out / f"sharded-{sharding}.json").write_text(json.dumps(sharded))
+    if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

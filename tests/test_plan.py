@@ -117,10 +117,10 @@ def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     assert sampled.source.startswith("estimate: first 300 of 3000 rows, chat template rendered")
     packed = prepare_blocks(recipe, AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer)))
     cached = plan.data_size(recipe)
-    assert cached.source.startswith("pack cache") and cached.blocks == len(packed) == 267
+    assert cached.source.startswith("pack cache") and cached.blocks == len(packed) == 262  # eval holds out 2%
     assert cached.tokens == packed.meta["num_tokens"]
     assert abs(sampled.tokens / cached.tokens - 1) < 0.10
-    assert plan.make_plan(recipe).steps == 267
+    assert plan.make_plan(recipe).steps == 262
 
 
 def test_synthetic_token_count_is_the_expected_length():
