@@ -606,6 +606,9 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
+        # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
+        # can abort in C++ teardown ("terminate called without an active exception", seen on gloo)
+        torch.distributed.destroy_process_group()
 
 
 def export_best(run_dir: Path, export: str, best_is_last: bool) -> str:
