@@ -96,3 +96,18 @@ def rank0_first(first, then=None):
     if local_rank != 0:
         result = (then or first)()
     return result
+
+
+def exit_worker(code: int = 0) -> None:
+    """End a finished worker process at once (stdio flushed, the process group already left). Seen on CPU
+    (torch 2.13, gloo): a worker that has done all its work sometimes aborts in C++ teardown at interpreter exit
+    ("terminate called without an active exception"), which torchrun then reports as a failed rank. Skipping
+    the interpreter's teardown avoids it; everything the run writes is closed before this is called."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

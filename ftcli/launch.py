@@ -206,6 +206,9 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
+    from ftcli.distributed import exit_worker
+
+    exit_worker(0)  # run.json, checkpoints and MLflow are closed: leave without the interpreter's teardown
 
 
 

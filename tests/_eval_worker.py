@@ -52,6 +52,9 @@ def main(out: Path, cache: str, model_dir: str) -> None:
         (out / f"evals_{world.world_size}.json").write_text(json.dumps(results))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    from ftcli.distributed import exit_worker
+
+    exit_worker(0)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ def main(out: Path, sharding: str) -> None:
     if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    from ftcli.distributed import exit_worker
+
+    exit_worker(0)
 
 
 if __name__ == "__main__":
