@@ -137,7 +137,7 @@ class PackingConfig(_Section):
     enabled: bool = True
     block_len: int = Field(32768, ge=8, description="Tokens per packed block.")
     strategy: Literal["split", "bfd"] = Field(
-        "split", description="split: the reference (cut at the block edge); bfd: best-fit decreasing, no splits."
+        "split", description="split: cut at the block edge (the published Databricks examples); bfd: best-fit decreasing, no splits."
     )
     bfd_buffer: int = Field(1024, ge=1, description="Examples buffered per best-fit-decreasing round.")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="bfd: example longer than a block.")
@@ -344,8 +344,20 @@ class PrecisionConfig(_Section):
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     reduce_dtype: Literal["bfloat16", "float32"] = "float32"
     master_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="bfloat16 = the reference (most small updates round away)."
+        "float32", description="bfloat16: what the published Databricks qwen-b300 example did (most small updates round away)."
     )
+    fp8: bool = Field(
+        False, description="Full SFT: the decoder layers' large linears run their GEMMs in float8 (torchao float8 "
+        "training, dynamic tensorwise scales; needs torchao and a GPU of compute capability >= 8.9). The LM "
+        "head, small projections and the master weights stay as they are (ftcli/float8.py)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):  # left out at its default: dumps of recipes without fp8 stay as they were
+        out = handler(self)
+        if out.get("fp8") is False:
+            del out["fp8"]
+        return out
 
 
 class CheckpointConfig(_Section):
@@ -368,7 +380,7 @@ class CheckpointConfig(_Section):
 
 class LossConfig(_Section):
     impl: Literal["chunked", "full", "liger"] = Field(
-        "chunked", description="chunked: never materializes full fp32 logits; full: the reference."
+        "chunked", description="chunked: never materializes full fp32 logits; full: full-vocabulary logits (the published examples' loss)."
     )
     chunk_tokens: int = Field(4096, ge=1)
 
@@ -405,6 +417,8 @@ class TrainingConfig(_Section):
     def _keep_needs_full(self) -> TrainingConfig:
         if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
             raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
+        if self.precision.fp8 and self.method != "full":
+            raise ValueError("training.precision.fp8 applies to method=full only (LoRA keeps the base in model.dtype)")
         return self
 
 

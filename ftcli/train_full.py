@@ -20,7 +20,7 @@ stopping, and greedy samples (every rank generates: each decoding step is a shar
 Precision: the sharded parameters are the master weights, in `precision.master_dtype` (float32 by
 default). FSDP2's MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16) for compute and
 reduce-scatters gradients in `reduce_dtype` (fp32); AdamW then updates the fp32 shards, so an update
-of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the reference's setup (weights loaded
+of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the published qwen-b300 example's setup (weights loaded
 in bf16): an update smaller than half a bf16 ulp of its weight rounds away (see
 tests/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
 
@@ -33,12 +33,12 @@ same values, whatever the sharding; the peak extra memory is the largest group (
 embeddings + LM head + vision tower, ~3B values). Pretrained weights are read by rank 0 and
 broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
 
-Activation checkpointing: `full` recomputes every decoder layer in backward (the reference), except
+Activation checkpointing: `full` recomputes every decoder layer in backward (as the published qwen-b300 example), except
 the last `activation_checkpointing_keep` layers, which keep their activations (memory traded for speed
 where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
 recompute (a layer-level choice works the same for the linear-attention and full-attention layers
 of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
-logits unless `loss.impl: full` asks for the reference behaviour; see `ftcli.loss.token_loss_sum`.
+logits unless `loss.impl: full` asks for the published examples' behaviour; see `ftcli.loss.token_loss_sum`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
 from ftcli.evaluate import (EvalResult, EvalTracker, Evaluator, eval_summaries, generate_samples, prepare_eval,
                             samples_due, write_samples)
+from ftcli.float8 import check_fp8_device, convert_to_fp8, fp8_linears
 from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
 from ftcli.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.modeling import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
@@ -196,6 +197,9 @@ def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Mod
     master_dtype = DTYPES[tcfg.precision.master_dtype]
     model = build_empty_model(cfg, master_dtype, attn_implementation)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
+    if tcfg.precision.fp8:  # before sharding: FSDP2 then shards the swapped modules' same parameters
+        check_fp8_device(world.device)
+        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
     shard_model(model, recipe, world)
     model.to_empty(device=world.device)
     with torch.no_grad():
@@ -400,6 +404,11 @@ class FullRun:
         attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
         if tcfg.loss.impl == "liger":
             liger_loss()  # fail now, not after the first forward
+        if tcfg.precision.fp8:
+            fp8 = fp8_linears(self.model)
+            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
+                "decoder layers; the LM head, embeddings and small projections stay in "
+                f"{tcfg.precision.param_dtype}")
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)
         # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation

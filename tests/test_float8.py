@@ -1,0 +1,60 @@
+"""training.precision.fp8 (ftcli.float8): which linears get float8 GEMMs on the shipped 27B shape, and the
+recipe rules. The end-to-end run (losses vs the fp32 run, checkpoint names) is in test_train_full.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftcli.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fp8_takes_the_27b_layers_big_linears_only():
+    """Qwen3.8-27B's shapes (4 of its 64 layers, meta device): every decoder linear but the gated-delta
+    layers' 5120 -> 48 head projections; the LM head (5120 -> 248320) stays bf16."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from ftcli.float8 import convert_to_fp8, fp8_linears
+
+    raw = json.loads((REPO / "benchmarks" / "configs" / "qwen3_8-27b-text.json").read_text())
+    raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
+    cfg = Qwen3_5TextConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    chosen = convert_to_fp8(model, list(model.model.layers), cfg.hidden_size)
+    assert chosen == fp8_linears(model)
+    by_layer = {i: sorted(n.split(".", 3)[3] for n in chosen if n.startswith(f"model.layers.{i}.")) for i in range(4)}
+    gated_delta = ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
+                   "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]
+    assert by_layer[0] == by_layer[1] == by_layer[2] == gated_delta
+    assert by_layer[3] == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+                           "self_attn.q_proj", "self_attn.v_proj"]
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.layers[0].linear_attn.in_proj_a) is torch.nn.Linear
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(cfg)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def test_fp8_is_for_full_sft_only():
+    from ftcli.recipe import load_recipe
+
+    with pytest.raises(UserError, match=r"training.precision.fp8 applies to method=full only"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])
+    assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
+
+
+def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):
+    from ftcli.float8 import check_fp8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError) as err:
+        check_fp8_device(torch.device("cuda", 0))
+    assert str(err.value) == ("training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
+                              "Blackwell); this one is NVIDIA A100-SXM4-80GB (8.0)")
+    check_fp8_device(torch.device("cpu"))  # emulated on CPU: allowed (tests)
