@@ -315,12 +315,16 @@ def doctor(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    deep: bool = typer.Option(
+        False, "--deep", help="Import torch and transformers for every check, even where the tested versions' "
+        "recorded facts answer it (slower)."
+    ),
 ) -> None:
     """Versions, packed-kernel backends, known-bad combinations; with a recipe, whether it can run here."""
     r = _load(recipe, overrides)
     from ftcli.doctor import run_doctor
 
-    code = run_doctor(r, as_json=as_json)
+    code = run_doctor(r, as_json=as_json, deep=deep)
     raise typer.Exit(code)
 
 

@@ -3,7 +3,8 @@ whether the recipe's GPUs (count, type, memory) are here.
 
 Everything is a pure function of a `Here` (what the machine has) and a recipe, so each rule is tested on
 faked versions and machines (tests/test_compat.py); `detect_here` reads the real machine (torch is imported
-there only). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.kernels and the
+there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine without a GPU never
+imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.kernels and the
 known-bad rules) and "fits here" (ftcli.plan's memory model against this machine) separately.
 
 Known-bad combinations:
@@ -25,9 +26,14 @@ Known-bad combinations:
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +44,8 @@ MATRIX_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-line
                    "liger-kernel", "causal-conv1d", "flash-attn")
 BAD_TRANSFORMERS = ((5, 2, 0), (5, 8, 1))  # inclusive
 FLA_913 = "fla-org/flash-linear-attention#913"
+# a GPU driver is loaded (NVIDIA, ROCm) even when nvidia-smi does not list a GPU: then torch is asked
+GPU_DRIVER_SIGNS = (Path("/proc/driver/nvidia/gpus"), Path("/dev/kfd"))
 
 
 @dataclass(frozen=True)
@@ -153,12 +161,12 @@ def platform_of(here: Here) -> str | None:
     return None
 
 
-def read_constraints(path: Path) -> dict[str, str]:
-    """`name==version` pins (following `-c other.txt` lines), lower-case names."""
+def read_constraints(path: Path, follow: bool = True) -> dict[str, str]:
+    """`name==version` pins (following `-c other.txt` lines unless not `follow`), lower-case names."""
     pins: dict[str, str] = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line.startswith("-c "):
+        if line.startswith("-c ") and follow:
             pins.update(read_constraints(path.parent / line[3:].strip()))
         elif "==" in line:
             name, ver = line.split("==", 1)
@@ -241,19 +249,80 @@ def gpu_notes(recipe, here: Here) -> list[Problem]:
     return [Problem("GPUs vs compute.accelerator_type", OK if same else WARN, detail)]
 
 
-def detect_here(m=None) -> Here:
-    """The real machine (imports torch); `m`: its `ftcli.kernels.Machine` when the caller has read it already."""
-    import torch
+def nvidia_smi_gpus() -> tuple[tuple[str, int], ...] | None:
+    """(name, memory in bytes) of each GPU nvidia-smi lists, without importing torch; None when there is no
+    nvidia-smi (no NVIDIA driver: no GPU torch could use) or it fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    gpus = []
+    for line in out.stdout.splitlines():
+        name, _, mib = line.rpartition(",")
+        if name.strip() and mib.strip().isdigit():
+            gpus.append((name.strip(), int(mib) * 2**20))
+    return tuple(gpus)
 
+
+def gpu_probe() -> tuple[bool, str]:
+    """(whether torch must be asked about GPUs, what was found), without importing torch: yes when nvidia-smi
+    lists a GPU or a GPU driver is loaded (GPU_DRIVER_SIGNS); no GPU otherwise."""
+    listed = nvidia_smi_gpus()
+    if listed:
+        return True, f"nvidia-smi: {len(listed)} x {listed[0][0]}"
+    driver = next((str(p) for p in GPU_DRIVER_SIGNS if p.exists()), None)
+    if driver:
+        return True, f"{driver} exists but nvidia-smi lists no GPU"
+    return False, "nvidia-smi lists no GPU" if listed == () else "no nvidia-smi (no NVIDIA driver): no GPU"
+
+
+def torch_cuda_build() -> str | None:
+    """`torch.version.cuda` (None: a CPU build or no torch), read from torch/version.py unless torch is
+    imported already; torch is imported only when that file cannot be read."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.cuda
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return None
+    try:
+        text = Path(next(iter(spec.submodule_search_locations)), "version.py").read_text()
+        return ast.literal_eval(re.search(r"^cuda\s*(?::[^=]*)?=\s*(.+)$", text, re.M).group(1).strip())
+    except (OSError, StopIteration, AttributeError, ValueError, SyntaxError):
+        import torch
+
+        return torch.version.cuda
+
+
+def tested_in(dist: str, installed: str | None, directory: Path | None = None) -> str | None:
+    """The constraints file (constraints/<platform>.txt, the tested matrix) that pins `dist` to `installed`,
+    or None when no file does."""
+    directory = directory or constraints_dir()
+    for path in sorted(directory.glob("*.txt")) if directory and installed else []:
+        pin = read_constraints(path, follow=False).get(dist)  # the file that pins it, not one that includes it
+        if pin and _matches(installed, pin):
+            return f"constraints/{path.name}"
+    return None
+
+
+def detect_here(m) -> Here:
+    """The real machine as `m` (its `ftcli.kernels.Machine`) saw it; torch is imported only when `m` is a CUDA
+    device (GPU names and memory as torch sees them: CUDA_VISIBLE_DEVICES applies)."""
     from ftcli import kernels
 
     gpus: tuple[tuple[str, int], ...] = ()
     capability = None
-    if torch.cuda.is_available():
+    if m.device_type == "cuda":
+        import torch
+
         gpus = tuple((torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
                      for i in range(torch.cuda.device_count()))
         capability = tuple(torch.cuda.get_device_capability(0))
-    m = m or kernels.machine("cuda" if gpus else "cpu")
     attention = next((b.name for b in kernels.decide_backends("gpt_oss", m) if b.op == "attention"), None)
     versions = {}
     for dist in (*MATRIX_PACKAGES, "fla-core"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,58 @@ def test_gpu_memory_here_against_the_plan():
     notes = compat.gpu_notes(qwen, gpu(H200))
     assert notes[0].status == WARN and notes[0].detail == "8 x NVIDIA H200 here, recipe: 8 x B300"
     assert compat.gpu_notes(qwen, gpu(B300, capability=(10, 3)))[0].status == OK
+
+
+# ------------------------------------------------------------------------- this machine, without torch
+def _fake_nvidia_smi(tmp_path, monkeypatch, output: str | None, code: int = 0):
+    """PATH holds only a fake nvidia-smi printing `output` (None: no nvidia-smi at all); no driver files."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    if output is not None:
+        script = bin_dir / "nvidia-smi"
+        script.write_text(f"#!/bin/sh\n[ \"$1 $2\" = '--query-gpu=name,memory.total --format=csv,noheader,nounits' ] "
+                          f"|| exit 9\nprintf '{output}'\nexit {code}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(compat, "GPU_DRIVER_SIGNS", (tmp_path / "proc-driver-nvidia-gpus", tmp_path / "kfd"))
+
+
+def test_gpus_come_from_nvidia_smi(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA H200, 143771\\nNVIDIA H200, 143771\\n")
+    assert compat.nvidia_smi_gpus() == (("NVIDIA H200", 143771 * 2**20),) * 2
+    assert compat.gpu_probe() == (True, "nvidia-smi: 2 x NVIDIA H200")
+
+
+def test_no_nvidia_smi_means_no_gpu_unless_a_driver_is_loaded(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, None)
+    assert compat.nvidia_smi_gpus() is None
+    assert compat.gpu_probe() == (False, "no nvidia-smi (no NVIDIA driver): no GPU")
+    (tmp_path / "kfd").touch()
+    assert compat.gpu_probe() == (True, f"{tmp_path / 'kfd'} exists but nvidia-smi lists no GPU")
+
+
+def test_nvidia_smi_listing_nothing_or_failing(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, "")
+    assert compat.nvidia_smi_gpus() == () and compat.gpu_probe() == (False, "nvidia-smi lists no GPU")
+    monkeypatch.undo()
+    _fake_nvidia_smi(tmp_path / "failing", monkeypatch, "No devices were found\\n", code=6)
+    assert compat.nvidia_smi_gpus() is None
+
+
+def test_torch_cuda_build_is_read_without_importing_torch():
+    import subprocess
+    import sys
+
+    import torch
+
+    code = "import json, sys; from ftcli import compat; print(json.dumps([compat.torch_cuda_build(), 'torch' in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [torch.version.cuda, False]
+
+
+def test_the_tested_matrix_names_the_file_that_pins_a_version():
+    directory = ROOT / "constraints"
+    assert compat.tested_in("transformers", "5.24.0", directory) == "constraints/gpu-h200.txt"  # not gpu-h100's -c
+    assert compat.tested_in("transformers", "5.23.0", directory) is None
+    assert compat.tested_in("transformers", None, directory) is None
+    assert compat.tested_in("torch", "2.13.0+cpu", directory) == "constraints/cpu.txt"

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from ftcli import kernels
-from ftcli.doctor import FAIL, NA, OK, WARN, doctor_checks, run_doctor
+from ftcli import compat, kernels
+from ftcli.doctor import FAIL, NA, OK, WARN, Check, doctor_checks, run_doctor
 from ftcli.recipe import load_recipe
+
+RECIPES = ("qwen-b300", "gpt-oss-h100", "gpt-oss-120b-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -172,3 +176,143 @@ def test_doctor_text_says_kernels_and_fit_separately(capsys):
     assert lines[-3].startswith("kernels correct here: yes")
     assert lines[-2].startswith("fits here: no (qwen-b300 needs ~")
     assert lines[-1].startswith("recipe qwen-b300 cannot run here: ")
+
+
+# ------------------------------------------------------------------------------ fast, and honest about it
+def _imported_by(args: list[str]) -> tuple[int, str, set[str]]:
+    """Run `python -X importtime -m ftcli ARGS`: exit code, stdout, and every module it imported."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "ftcli", *args], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "300"})
+    modules = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "ftcli.cli" in modules  # the parse saw the imports
+    return run.returncode, run.stdout, modules
+
+
+@pytest.mark.skipif(compat.gpu_probe()[0], reason="a GPU driver is here: doctor rightly asks torch about the GPUs")
+@pytest.mark.parametrize("args, code", [(["doctor", "--json"], 0), (["doctor", "--json", "-r", "qwen-b300"], 1),
+                                        *[(["doctor", "--json", "-r", r], 0) for r in ("tiny-qwen-cpu", "tiny-gpt-oss-cpu")],
+                                        *[(["doctor", "--json", "-r", r], 1) for r in ("gpt-oss-h100", "gpt-oss-120b-h100")],
+                                        *[(["plan", "--json", "-r", r], 0) for r in RECIPES]])
+def test_json_paths_import_neither_torch_nor_transformers(args, code):
+    returncode, out, modules = _imported_by(args)
+    assert returncode == code and json.loads(out)
+    assert not {"torch", "transformers"} & modules
+
+
+@pytest.mark.skipif(compat.gpu_probe()[0], reason="a GPU driver is here")
+def test_doctor_json_says_which_checks_were_version_based():
+    returncode, out, _ = _imported_by(["doctor", "--json"])
+    data = json.loads(out)
+    assert returncode == 0 and data["deep"] is False and data["gpu"] == "none"
+    assert data["gpu_source"].endswith("; torch not imported")
+    assert data["version_based_because"] == (
+        f"transformers {importlib.metadata.version('transformers')} is in the tested matrix "
+        "(constraints/gpu-h200.txt): its recorded facts are used, ftcli doctor --deep imports it")
+    assert [c["name"] for c in data["checks"] if c["version_based"]] == [
+        "packing keeps segments apart (qwen3_5)", "VLM loss across grad accumulation"]
+    import torch  # read from torch/version.py there, without importing torch
+
+    assert data["torch_cuda"] == torch.version.cuda
+
+
+def test_deep_imports_and_finds_what_was_recorded():
+    """The recorded transformers facts are what importing the installed (tested) transformers says."""
+    from ftcli.doctor import RECORDED_TRANSFORMERS, Transformers
+
+    assert Transformers().version_based  # the installed transformers is in the tested matrix
+    imported = Transformers(deep=True)
+    assert not imported.version_based
+    assert imported.qwen35_missing_globals() == list(RECORDED_TRANSFORMERS["qwen35_missing_globals"]) == []
+    assert {t: imported.vlm_class(t) for t in RECORDED_TRANSFORMERS["vlm_classes"]} == \
+        RECORDED_TRANSFORMERS["vlm_classes"]
+    from ftcli.train_lora import normalize_loss_by_tokens  # the VLM check's "ftcli's LoRA path divides" holds
+
+    assert callable(normalize_loss_by_tokens)
+
+
+def test_deep_report_equals_the_version_based_one_but_for_the_flags():
+    from ftcli.doctor import doctor_report, read_machine
+
+    for name in (None, "qwen-b300", "tiny-qwen-cpu"):
+        recipe = load_recipe(name) if name else None
+        fast, deep = read_machine(), read_machine(deep=True)
+        a = doctor_report(recipe, fast.m, fast.here).to_dict()
+        b = doctor_report(recipe, deep.m, deep.here, deep=True).to_dict()
+        assert b["deep"] and not any(c["version_based"] for c in b["checks"]) and b["version_based_because"] is None
+        for report in (a, b):
+            for key in ("deep", "version_based_because"):
+                report.pop(key)
+            for c in report["checks"]:
+                c.pop("version_based")
+        assert a == b
+
+
+def test_a_transformers_outside_the_matrix_is_imported():
+    from ftcli.doctor import Transformers
+
+    untested = Transformers(installed="5.23.0")
+    assert not untested.version_based and untested.tested_in is None
+    checks = by_name(doctor_checks(None, kernels.machine("cpu"), untested))
+    assert checks["packing keeps segments apart (qwen3_5)"] == Check(
+        "packing keeps segments apart (qwen3_5)", OK, "every op has a segment-aware backend")
+    assert not checks["VLM loss across grad accumulation"].version_based
+
+
+def test_checks_run_in_order_one_function_each():
+    from ftcli.doctor import CHECKS, Transformers
+
+    assert [c.__name__ for c in CHECKS] == ["check_fla_on_cpu", "check_hopper_triton", "check_packing",
+                                           "check_vlm_loss", "check_lora_vision"]
+    assert [c.name for c in doctor_checks(None, kernels.Machine(device="cpu"), Transformers(installed="5.24.0"))] == [
+        "fla on a CPU-only machine", "Hopper + Triton 3.4-3.7.0 (fla gradients)",
+        "packing keeps segments apart (qwen3_5)", "packing keeps segments apart (gpt_oss)",
+        "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower"]
+
+
+def test_report_json_exact():
+    from ftcli.doctor import Transformers, doctor_report
+
+    versions = {"torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    report = doctor_report(load_recipe("tiny-qwen-cpu"), kernels.Machine(device="cpu"), cpu_here(), versions,
+                           tf=Transformers(installed="5.24.0"), gpu_source="no nvidia-smi: no GPU")
+
+    def check(name, status, detail, blocks=False, version_based=False):
+        return {"name": name, "status": status, "detail": detail, "blocks_recipe": blocks,
+                "version_based": version_based}
+
+    assert report.to_dict() == {
+        "versions": versions, "torch_cuda": None, "gpu": "none", "gpu_source": "no nvidia-smi: no GPU", "deep": False,
+        "backends": [
+            {"model_type": "qwen3_5_text", "op": "attention", "backend": "sdpa_segments",
+             "why": "CPU: sdpa per segment (exact)"},
+            {"model_type": "qwen3_5_text", "op": "gated_delta_rule", "backend": "torch_segments",
+             "why": "CPU: chunked torch rule per segment (exact)"},
+            {"model_type": "qwen3_5_text", "op": "causal_conv1d", "backend": "torch_segments",
+             "why": "CPU: torch conv per seq_idx segment (exact)"}],
+        "checks": [
+            check("fla on a CPU-only machine", NA, "fla not installed"),
+            check("Hopper + Triton 3.4-3.7.0 (fla gradients)", NA, "capability -, Triton -"),
+            check("packing keeps segments apart", OK, "every op has a segment-aware backend", True, True),
+            check("VLM loss across grad accumulation", NA, "not a LoRA run of a VLM class"),
+            check("LoRA all-linear reaching a vision tower", NA, "not a LoRA run of a VLM class"),
+            check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, "transformers 5.24.0"),
+            check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
+            check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),
+            check("gpt-oss packed attention keeps the sinks", NA, "no packed gpt-oss blocks in this recipe"),
+            check("versions vs the tested matrix", OK, "within constraints/cpu.txt (1 pins)"),
+            check("GPUs vs compute.accelerator_type", NA, "no GPU: 2 CPU processes instead of GPU_1xA10")],
+        "version_based_because": "transformers 5.24.0 is in the tested matrix (constraints/gpu-h200.txt): its "
+                                 "recorded facts are used, ftcli doctor --deep imports it",
+        "recipe": "tiny-qwen-cpu", "kernels_correct_here": True,
+        "kernels_detail": "every packed op has a correct backend and no known-bad combination applies",
+        "fits_here": True, "fits_detail": "~0.2 GiB of 22.1 GiB RAM usable (2 CPU processes)", "exit_code": 0,
+        "verdict": "recipe tiny-qwen-cpu can run correctly here"}
+
+
+def test_doctor_text_names_the_version_based_checks(capsys):
+    assert run_doctor() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == ("version-based, nothing imported: packing keeps segments apart (qwen3_5); VLM loss across "
+                         f"grad accumulation (transformers {importlib.metadata.version('transformers')} is in the "
+                         "tested matrix (constraints/gpu-h200.txt): its recorded facts are used, ftcli doctor --deep "
+                         "imports it)")

@@ -32,7 +32,7 @@ Backends, chosen per machine by `decide_backends` (a pure decision) and installe
 
 The package, one concern a module (imports run downwards):
 
-    choose.py    `Machine`, `machine(device)`, `decide_backends`, `check_packing_safe` (no side effects)
+    choose.py    `Machine`, `machine(device)`, `decide_backends`, `check_packing_safe` (no side effects, no torch)
     ops.py       the nine kernels, module-level functions in the table `KERNELS[op][backend]`
     install.py   `enable_packed_kernels` / `install_backends` / `disable_packed_kernels`: puts them in place
 
@@ -48,15 +48,30 @@ from ftcli.kernels.choose import (
     UNAVAILABLE,
     Backend,
     Machine,
+    backend_problems,
     check_packing_safe,
     decide_backends,
     machine,
+    missing_global_problem,
+    qwen35_missing_globals,
 )
-from ftcli.kernels.install import ATTN_IMPLEMENTATIONS, disable_packed_kernels, enable_packed_kernels, install_backends
-from ftcli.kernels.ops import KERNELS, causal_conv1d_reference
+
+# install.py and ops.py import torch: they load on first use, so the decision (`ftcli doctor`) stays torch-free
+_LAZY = {"ATTN_IMPLEMENTATIONS": "install", "disable_packed_kernels": "install", "enable_packed_kernels": "install",
+         "install_backends": "install", "KERNELS": "ops", "causal_conv1d_reference": "ops"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"ftcli.kernels.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "FAMILY_OPS", "KERNELS", "MODEL_FAMILIES", "QWEN35_MODULE", "UNAVAILABLE", "Backend",
-    "Machine", "causal_conv1d_reference", "check_packing_safe", "decide_backends", "disable_packed_kernels",
-    "enable_packed_kernels", "install_backends", "machine",
+    "Machine", "backend_problems", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
+    "disable_packed_kernels", "enable_packed_kernels", "install_backends", "machine", "missing_global_problem",
+    "qwen35_missing_globals",
 ]

@@ -3,6 +3,10 @@
 `machine(device)` reads the machine (versions, importable kernels, CUDA capability, nvcc);
 `decide_backends` picks one `Backend` per op; `check_packing_safe` lists what would make packed
 training wrong there. Nothing here installs anything (that is `ftcli.kernels.install`).
+
+Importing this module does not import torch: `machine("cpu")` and the decisions read versions and module
+specs only (so `ftcli doctor --json` stays fast); `machine` on a CUDA device and `qwen35_missing_globals`
+(the transformers module) import what they read.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 UNAVAILABLE = "unavailable"
 
@@ -73,10 +80,20 @@ def _dist_version(name: str) -> str | None:
 
 
 def _has_module(name: str) -> bool:
+    """Whether `name` can be imported. `find_spec` on a dotted name imports its parent packages (torch, for
+    torch.nn.attention.varlen), so a submodule of a package not imported yet is looked up as a file instead."""
+    top, _, rest = name.partition(".")
     try:
-        return importlib.util.find_spec(name) is not None
+        if not rest or top in sys.modules:
+            return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root, *rest.split("."))
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return True
+    return False
 
 
 def _has_nvcc() -> bool:
@@ -88,12 +105,16 @@ def _has_nvcc() -> bool:
 
 
 def machine(device: str | torch.device) -> Machine:
-    device = torch.device(device)
+    """The machine as the decision sees it; torch is imported only for a device other than the CPU."""
     capability = None
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        device = torch.device("cuda", index)
-        capability = tuple(torch.cuda.get_device_capability(device))
+    if str(device) != "cpu":
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            device = torch.device("cuda", index)
+            capability = tuple(torch.cuda.get_device_capability(device))
     dists = ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "flash-attn")
     return Machine(
         device=str(device),
@@ -188,15 +209,28 @@ def _conv(m: Machine, fast: bool, slow_why: str) -> Backend:
 
 
 def check_packing_safe(model_type: str, device: str | torch.device | Machine) -> list[str]:
-    """Problems that would make packed training of `model_type` wrong (or impossible) on `device`."""
+    """Problems that would make packed training of `model_type` wrong (or impossible) on `device`: the
+    backends' (`backend_problems`) and, for Qwen3.5, the transformers module's (imports it)."""
+    problems = backend_problems(model_type, device)
+    if MODEL_FAMILIES.get(model_type) == "qwen3_5":
+        problems += [missing_global_problem(name) for name in qwen35_missing_globals()]
+    return problems
+
+
+def backend_problems(model_type: str, device: str | torch.device | Machine) -> list[str]:
+    """The ops of `model_type` with no segment-aware backend on `device` (a pure decision, imports nothing)."""
     if model_type not in MODEL_FAMILIES:
         return [f"packed training is not supported for model_type {model_type!r} (ftcli keeps segments apart "
                 f"for {', '.join(sorted(MODEL_FAMILIES))}); set data.packing.enabled: false"]
-    problems = [f"{b.op}: {b.reason}" for b in decide_backends(model_type, device) if b.name == UNAVAILABLE]
-    if MODEL_FAMILIES[model_type] == "qwen3_5":
-        module = importlib.import_module(QWEN35_MODULE)
-        for name in QWEN35_GLOBALS.values():
-            if not callable(getattr(module, name, None)):
-                problems.append(f"this transformers has no {QWEN35_MODULE}.{name} to route packed blocks "
-                                "through; use transformers 5.17-5.24")
-    return problems
+    return [f"{b.op}: {b.reason}" for b in decide_backends(model_type, device) if b.name == UNAVAILABLE]
+
+
+def qwen35_missing_globals() -> list[str]:
+    """The QWEN35_GLOBALS the installed transformers' qwen3_5 module lacks (imports it, and torch)."""
+    module = importlib.import_module(QWEN35_MODULE)
+    return [name for name in QWEN35_GLOBALS.values() if not callable(getattr(module, name, None))]
+
+
+def missing_global_problem(name: str) -> str:
+    return (f"this transformers has no {QWEN35_MODULE}.{name} to route packed blocks through; use transformers "
+            "5.17-5.24")
