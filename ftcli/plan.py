@@ -60,9 +60,9 @@ class Suggestion:
 @dataclass(frozen=True)
 class StepTime:
     s_per_step: float | None
-    source: str  # how it was obtained: "measured ...", "estimate ...", or "no measurement ..."
+    source: str  # "measured: <point>", "scaled from <point>: <each scaling>", or "no measurement for ..."
     measured: bool = False  # this card, this depth, this setting
-    command: str | None = None  # the measurement's command
+    command: str | None = None  # the command that measured the point (None: no measurement)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class CardPlan:
                 "memory_gib": self.estimate.to_dict(), "usable_gib": round(self.usable_gib, 2), "fits": self.fits,
                 "keep_layers": self.keep_layers, "fitting_settings": [list(s.overrides) for s in self.suggestions],
                 "s_per_step": None if self.step.s_per_step is None else round(self.step.s_per_step, 4),
-                "step_source": self.step.source, "step_measured": self.step.measured, "why": self.why or None,
+                "step_source": self.step.source, "step_measured": self.step.measured,
+                "step_command": self.step.command, "why": self.why or None,
                 "wall_hours": None if self.wall_hours is None else round(self.wall_hours, 3),
                 "gpu_hours": None if self.gpu_hours is None else round(self.gpu_hours, 2)}
 
@@ -292,10 +293,15 @@ def no_fit_reason(shape: memory.ModelShape, s: memory.Setting, card: str) -> str
 
 
 # ------------------------------------------------------------------------------------------- timing
-def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card: str) -> StepTime:
+def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card: str,
+              world: int | None = None) -> StepTime:
     """Seconds per optimizer step on one `card` from the measured step times: the same family, width, method,
     block and checkpointing; depth scaled by the matmul work of the layers and the LM head; another card
-    scaled by its peak bf16 FLOP/s. Per-GPU time is taken as independent of the GPU count (not measured)."""
+    scaled by its peak bf16 FLOP/s. Per-GPU time is taken as independent of the GPU count (not measured).
+
+    The source names the measured point (card, GPUs, block length, date; its command in `command`) and every
+    scaling applied to it: "measured: ...", "scaled from ...: ...", or "no measurement for ..."."""
+    world = world or s.world
     rows = [r for r in memory.measured()["step_time"]
             if memory.shipped_shape(r["model"]).family == shape.family
             and memory.shipped_shape(r["model"]).hidden == shape.hidden and r["method"] == s.method
@@ -311,18 +317,31 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     layer = sum(shape.layer_params) / shape.layers
     depth = (shape.layers * layer + head) / (measured_shape.layers * layer + head)
     seconds = row["s_per_step"] * depth * recipe.training.grad_accum
-    notes = [] if exact else [f"measured with {'master ' + row['master'] + ', ' if s.method == 'full' else ''}"
-                              f"{row.get('sharding', 'ddp') + ', ' if s.method == 'lora' else ''}loss {row['loss']}"]
+    notes = []
+    if card != row["card"]:
+        seconds *= CARDS[row["card"]]["bf16_flops"] / CARDS[card]["bf16_flops"]
+        notes.append(f"x peak bf16 FLOP/s {row['card']}/{card}")
+    if not exact:
+        notes.append(f"measured with {_setting_text(s.method, row)} (recipe: {_setting_text(s.method, vars(s))})")
     if row["layers"] != shape.layers:
         notes.append(f"{row['layers']} -> {shape.layers} layers by matmul work")
     if recipe.training.grad_accum > 1:
         notes.append(f"x {recipe.training.grad_accum} micro-batches")
-    if card != row["card"]:
-        seconds *= CARDS[row["card"]]["bf16_flops"] / CARDS[card]["bf16_flops"]
-        notes.insert(0, f"x peak bf16 FLOP/s {row['card']}/{card}")
-    measured = card == row["card"] and not notes
-    what = f"{'measured' if measured else 'estimate from'} {row['card']} {row['date']}"
-    return StepTime(seconds, "; ".join([what, *notes]), measured, row["command"])
+    measured = not notes
+    gpus = f"{row['gpus']} GPU{'s' if row['gpus'] > 1 else ''}"
+    point = f"{row['card']}, {gpus}, {row['model']} at {row['layers']} layers, block {row['block_len']}, {row['date']}"
+    if row["gpus"] != world:
+        notes.append(f"per-GPU time of {gpus} taken for {world}")
+    if measured:
+        return StepTime(seconds, "; ".join([f"measured: {point}", *notes]), True, row["command"])
+    return StepTime(seconds, f"scaled from {point}: {'; '.join(notes)}", False, row["command"])
+
+
+def _setting_text(method: str, setting: dict[str, Any]) -> str:
+    """The parts of a setting a step-time row may differ in (a measured row, or a memory.Setting's fields)."""
+    if method == "lora":
+        return f"{setting.get('sharding', 'ddp')}, loss {setting['loss']}"
+    return f"master {setting['master']}, loss {setting['loss']}"
 
 
 def data_size(recipe: Recipe) -> DataSize:
@@ -487,7 +506,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
                                                          recipe.training.per_device_batch))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
-    st = step_time(recipe, shape, s, card)
+    st = step_time(recipe, shape, s, card, world)
     run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe, data, world)
     wall = st.s_per_step * run_steps / 3600 if st.s_per_step is not None and run_steps is not None else None
     return CardPlan(accelerator=accelerator, card=card, gpus=world, own=accelerator == recipe.compute.accelerator_type,
@@ -585,6 +604,7 @@ def print_plan(plan: Plan) -> None:
     for col in ("accelerator", "s/step", "wall", "GPU-h", "from"):
         time_table.add_column(col, justify="left" if col in ("accelerator", "from") else "right",
                               no_wrap=col != "from")
+    commands = list(dict.fromkeys(c.step.command for c in plan.cards if c.step.command))  # [n] in "from"
     for c in plan.cards:
         e = c.estimate
         style = "bold" if c.own else None
@@ -594,7 +614,8 @@ def print_plan(plan: Plan) -> None:
             style=style)
         step = "-" if c.step.s_per_step is None else f"{c.step.s_per_step:.2f}" + ("" if c.step.measured else "*")
         time_table.add_row(c.accelerator, step, _hours(c.wall_hours),
-                           "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", c.step.source, style=style)
+                           "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", c.step.source
+                           + (f" [{commands.index(c.step.command) + 1}]" if c.step.command else ""), style=style)
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
@@ -608,8 +629,8 @@ def print_plan(plan: Plan) -> None:
         elif not c.fits:
             console.print(f"{c.accelerator} does not fit: {c.why}", highlight=False, soft_wrap=True)
     console.print(time_table)
-    for command in sorted({c.step.command for c in plan.cards if c.step.command}):
-        console.print(f"[dim]step times measured by: {command}[/]", highlight=False, soft_wrap=True)
+    for number, command in enumerate(commands, 1):
+        console.print(f"[dim][{number}] measured by: {command}[/]", highlight=False, soft_wrap=True)
 
 
 def run_plan(recipe: Recipe, accelerators: list[str] | None = None, as_json: bool = False) -> None:
