@@ -84,7 +84,7 @@ def test_versions_outside_the_tested_matrix():
     assert off.detail == ("outside constraints/gpu-h100.txt: triton 3.7.1 (tested 3.6.*), "
                           "transformers 5.20.0 (tested 5.24.0)")
     assert compat.matrix_check(gpu(B300), directory).detail.startswith("no tested matrix for NVIDIA B300")
-    assert compat.matrix_check(cpu(), directory).detail == "within constraints/cpu.txt (1 pins)"
+    assert compat.matrix_check(cpu(), directory).detail == "within constraints/cpu.txt (2 pins)"
     bad_cpu = Here(versions={"torch": "2.12.1"})
     assert compat.matrix_check(bad_cpu, directory).detail == "outside constraints/cpu.txt: torch 2.12.1 (tested 2.13.0)"
 

@@ -299,7 +299,7 @@ def test_report_json_exact():
             check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
             check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),
             check("gpt-oss packed attention keeps the sinks", NA, "no packed gpt-oss blocks in this recipe"),
-            check("versions vs the tested matrix", OK, "within constraints/cpu.txt (1 pins)"),
+            check("versions vs the tested matrix", OK, "within constraints/cpu.txt (2 pins)"),
             check("GPUs vs compute.accelerator_type", NA, "no GPU: 2 CPU processes instead of GPU_1xA10")],
         "version_based_because": "transformers 5.24.0 is in the tested matrix (constraints/gpu-h200.txt): its "
                                  "recorded facts are used, ftcli doctor --deep imports it",
