@@ -11,6 +11,7 @@ The malformed-recipe corpus (`CORPUS`, 113 recipes) runs each file through `reci
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -240,13 +241,26 @@ def test_file_errors_name_the_path(case, expected, corpus_dir):
     assert invoke("recipes", "show", str(path)).stderr == f"error: {expected.format(path=path)}\n"
 
 
-def test_unreadable_recipe_is_one_line(tmp_path):
+def _denied(path: Path) -> PermissionError:
+    """The error the OS gives a non-root user for `path` under chmod 0 (injected: root reads and writes
+    through chmod 0, and CI runs as root)."""
+    return PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
+def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
+    import ftcli.recipe
+
     path = tmp_path / "locked.yaml"
     path.write_text(TINY_TEXT)
-    path.chmod(0)
-    if os.access(path, os.R_OK):  # root reads anything
-        pytest.skip("running as root")
-    assert invoke("recipes", "show", str(path)).stderr == f"error: cannot read recipe {path}: Permission denied\n"
+
+    def open_denied(file, *args, **kwargs):
+        if Path(file) == path:
+            raise _denied(path)
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(ftcli.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    res = invoke("recipes", "show", str(path))
+    assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
 
 
 # ---------------------------------------------------------------------------- workload --check
@@ -329,15 +343,20 @@ def test_cp_of_a_path_like_name_is_an_unknown_recipe(tmp_path):
     assert not (tmp_path / "out.yaml").exists()
 
 
-def test_unwritable_output_is_one_line(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    if os.access(locked, os.W_OK):
-        pytest.skip("running as root")
-    out = locked / "w.yaml"
+def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "locked" / "w.yaml"
+    out.parent.mkdir()
+    write_text = Path.write_text
+
+    def write_denied(self, *args, **kwargs):
+        if self == out:
+            raise _denied(out)
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_denied)  # what ftcli.cli._write calls
     res = invoke("render-workload", "--recipe", "tiny-qwen-cpu", "-o", str(out))
     assert assert_one_error(res) == f"error: cannot write {out}: Permission denied\n"
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------ register
