@@ -5,7 +5,7 @@ The error format: one line `error: <what is wrong, where, what to do>`. Where se
 found at once (several recipe keys, several workload rules), the first line counts them and each follows
 on its own line indented by two spaces (`  - ...`). Nothing else reaches stderr.
 
-The malformed-recipe corpus (`CORPUS`, 113 recipes) runs each file through `recipes show` and
+The malformed-recipe corpus (`CORPUS`, 117 recipes) runs each file through `recipes show` and
 `render-workload --recipe`.
 """
 
@@ -125,6 +125,11 @@ CORPUS: dict[str, str | bytes] = {
     "every-minutes-inf": _with("training.checkpoint.every_minutes", float("inf")),
     "override-rope-theta-inf": _with("model.config_overrides", {"rope_theta": float("inf")}),
     "betas-nan": _with("training.optimizer.betas", [0.9, float("nan")]),
+    # --- impossible sizes in the model config
+    "override-zero-layers": _with("model.config_overrides", {"num_hidden_layers": 0}),
+    "override-negative-layers": _with("model.config_overrides", {"num_hidden_layers": -1}),
+    "override-negative-hidden-size": _with("model.config_overrides", {"text_config": {"hidden_size": -4}}),
+    "override-heads-as-bool": _with("model.config_overrides", {"num_attention_heads": True}),
     "lr-huge-exponent": TINY_TEXT.replace("lr: 3.0e-3", "lr: 1.0e999", 1),
     # --- booleans as numbers
     "lr-true": _with("training.optimizer.lr", True),
@@ -195,7 +200,7 @@ CORPUS: dict[str, str | bytes] = {
 
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 60
-    assert len(CORPUS) == 113
+    assert len(CORPUS) == 117
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +240,9 @@ def test_real_process_prints_no_traceback(corpus_dir):
     ("oversized-file", "recipe {path} is larger than 8 MiB; is it the right file?"),
     ("empty-file", "invalid recipe {path}: expected a mapping of sections at the top level"),
     ("top-level-list", "invalid recipe {path}: expected a mapping of sections at the top level"),
+    ("override-zero-layers", "invalid recipe {path}: model.config_overrides: num_hidden_layers must be at least 1 (got 0)"),
+    ("override-negative-hidden-size",
+     "invalid recipe {path}: model.config_overrides: text_config.hidden_size must be at least 1 (got -4)"),
 ])
 def test_file_errors_name_the_path(case, expected, corpus_dir):
     path = corpus_dir / f"{case}.yaml"
