@@ -5,7 +5,7 @@ The error format: one line `error: <what is wrong, where, what to do>`. Where se
 found at once (several recipe keys, several workload rules), the first line counts them and each follows
 on its own line indented by two spaces (`  - ...`). Nothing else reaches stderr.
 
-The malformed-recipe corpus (`CORPUS`, 117 recipes) runs each file through `recipes show` and
+The malformed-recipe corpus (`CORPUS`, 119 recipes) runs each file through `recipes show` and
 `render-workload --recipe`.
 """
 
@@ -130,6 +130,8 @@ CORPUS: dict[str, str | bytes] = {
     "override-negative-layers": _with("model.config_overrides", {"num_hidden_layers": -1}),
     "override-negative-hidden-size": _with("model.config_overrides", {"text_config": {"hidden_size": -4}}),
     "override-heads-as-bool": _with("model.config_overrides", {"num_attention_heads": True}),
+    "data-sources-not-a-list": _with("data.sources", 5),
+    "eval-sources-not-a-list": _with("eval", {"sources": 5}),
     "lr-huge-exponent": TINY_TEXT.replace("lr: 3.0e-3", "lr: 1.0e999", 1),
     # --- booleans as numbers
     "lr-true": _with("training.optimizer.lr", True),
@@ -200,7 +202,7 @@ CORPUS: dict[str, str | bytes] = {
 
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 60
-    assert len(CORPUS) == 117
+    assert len(CORPUS) == 119
 
 
 @pytest.fixture(scope="module")
