@@ -16,6 +16,8 @@ Each subcommand's work lives in one module, imported only when that command runs
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -333,29 +335,65 @@ ModelArg = typer.Argument(
     ..., help="A run dir, a merged/model dir, a LoRA adapter dir, or a hub id.", metavar="RUN_OR_MODEL"
 )
 SystemOpt = typer.Option(None, "--system", help="System prompt.")
-MaxNewOpt = typer.Option(256, "--max-new-tokens", min=1, help="Generate at most this many tokens per reply.")
-TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy).")
-TopPOpt = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep this probability mass.")
-TopKOpt = typer.Option(None, "--top-k", min=0, help="Sample among the k most likely tokens.")
-GreedyOpt = typer.Option(False, "--greedy", help="Greedy decoding (overrides sampling options).")
-SeedOpt = typer.Option(None, "--seed", help="Seed the sampling (reproducible replies).")
-EffortOpt = typer.Option(None, "--reasoning-effort", help="Chat-template reasoning effort (gpt-oss: low|medium|high).")
-LanguageOpt = typer.Option(
-    None, "--reasoning-language", help="gpt-oss: adds 'reasoning language: LANG' to the system prompt."
+
+# The decoding options `generate` and `chat` share, in the order their --help lists them:
+# (parameter, annotation, option).
+DECODING_OPTIONS = (
+    ("max_new_tokens", "int",
+     typer.Option(256, "--max-new-tokens", min=1, help="Generate at most this many tokens per reply.")),
+    ("temperature", "Optional[float]",
+     typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy).")),
+    ("top_p", "Optional[float]",
+     typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep this probability mass.")),
+    ("top_k", "Optional[int]", typer.Option(None, "--top-k", min=0, help="Sample among the k most likely tokens.")),
+    ("greedy", "bool", typer.Option(False, "--greedy", help="Greedy decoding (overrides sampling options).")),
+    ("seed", "Optional[int]", typer.Option(None, "--seed", help="Seed the sampling (reproducible replies).")),
+    ("reasoning_effort", "Optional[str]",
+     typer.Option(None, "--reasoning-effort", help="Chat-template reasoning effort (gpt-oss: low|medium|high).")),
+    ("reasoning_language", "Optional[str]", typer.Option(
+        None, "--reasoning-language", help="gpt-oss: adds 'reasoning language: LANG' to the system prompt.")),
+    ("dtype", "str",
+     typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32")),
+    ("device", "str", typer.Option("auto", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N | mps.")),
+    ("revision", "Optional[str]",
+     typer.Option(None, "--revision", help="Hub revision (commit, tag, branch) for a hub id.")),
 )
-DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32")
-DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present) | cpu | cuda | cuda:N | mps.")
-RevisionOpt = typer.Option(None, "--revision", help="Hub revision (commit, tag, branch) for a hub id.")
 
 
-def _sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed):
+def _decoding(max_new_tokens, greedy, temperature, top_p, top_k, seed, **model_options) -> dict:
+    """The DECODING_OPTIONS as the keyword arguments ftcli.generate's runners take."""
     from ftcli.generate import Sampling
 
-    return Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
-                    seed=seed)
+    sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed)
+    return {"sampling": sampling, **model_options}
+
+
+def _with_decoding_options(command):
+    """`command` with its parameter `decoding` spelled out as the DECODING_OPTIONS, where it stands (typer
+    reads a command's options from its signature); the command gets them back as `decoding`, the keyword
+    arguments of `_decoding`."""
+    signature = inspect.signature(command)
+    params = []
+    for param in signature.parameters.values():
+        if param.name != "decoding":
+            params.append(param)
+            continue
+        params += [inspect.Parameter(name, param.kind, default=option, annotation=annotation)
+                   for name, annotation, option in DECODING_OPTIONS]
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        decoding = _decoding(**{name: kwargs.pop(name) for name, _, _ in DECODING_OPTIONS})
+        return command(**kwargs, decoding=decoding)
+
+    run.__signature__ = signature.replace(parameters=params)
+    run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+    return run
 
 
 @app.command("generate")
+@_with_decoding_options
 def generate(
     model: str = ModelArg,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One user prompt; the reply streams."),
@@ -365,55 +403,28 @@ def generate(
         None, "--output", "-o", help="With --input: write completions here (default: stdout)."
     ),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="With --input: conversations per batch."),
-    max_new_tokens: int = MaxNewOpt,
-    temperature: Optional[float] = TemperatureOpt,
-    top_p: Optional[float] = TopPOpt,
-    top_k: Optional[int] = TopKOpt,
-    greedy: bool = GreedyOpt,
-    seed: Optional[int] = SeedOpt,
-    reasoning_effort: Optional[str] = EffortOpt,
-    reasoning_language: Optional[str] = LanguageOpt,
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    revision: Optional[str] = RevisionOpt,
+    decoding: Optional[dict] = None,  # the DECODING_OPTIONS (see _with_decoding_options)
     as_json: bool = typer.Option(False, "--json", help="With --prompt: print the reply as one JSON object."),
     force: bool = ForceOpt,
 ) -> None:
     """Generate with a trained model: one streamed prompt, or a JSONL file of conversations."""
     from ftcli.generate import run_generate
 
-    run_generate(
-        model, prompt=prompt, system=system, input_path=input_path, output=output, force=force,
-        sampling=_sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed),
-        reasoning_effort=reasoning_effort, reasoning_language=reasoning_language, dtype=dtype, device=device,
-        revision=revision, batch_size=batch_size, as_json=as_json,
-    )
+    run_generate(model, prompt=prompt, system=system, input_path=input_path, output=output, force=force,
+                 batch_size=batch_size, as_json=as_json, **decoding)
 
 
 @app.command("chat")
+@_with_decoding_options
 def chat(
     model: str = ModelArg,
     system: Optional[str] = SystemOpt,
-    max_new_tokens: int = MaxNewOpt,
-    temperature: Optional[float] = TemperatureOpt,
-    top_p: Optional[float] = TopPOpt,
-    top_k: Optional[int] = TopKOpt,
-    greedy: bool = GreedyOpt,
-    seed: Optional[int] = SeedOpt,
-    reasoning_effort: Optional[str] = EffortOpt,
-    reasoning_language: Optional[str] = LanguageOpt,
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    revision: Optional[str] = RevisionOpt,
+    decoding: Optional[dict] = None,  # the DECODING_OPTIONS (see _with_decoding_options)
 ) -> None:
     """Chat with a trained model: multi-turn, with /system TEXT, /reset and /exit."""
     from ftcli.chat_repl import run_chat_command
 
-    run_chat_command(
-        model, system=system, sampling=_sampling(max_new_tokens, greedy, temperature, top_p, top_k, seed),
-        reasoning_effort=reasoning_effort, reasoning_language=reasoning_language, dtype=dtype, device=device,
-        revision=revision,
-    )
+    run_chat_command(model, system=system, **decoding)
 
 
 def _normalize_argv(argv: list[str]) -> list[str]:

@@ -10,13 +10,15 @@ What YAML allows but a recipe refuses (`parse_yaml`, also used for workloads): d
 (`*name`; anchors alone are harmless), nesting deeper than 64 levels, files that are not UTF-8 text or
 are over 8 MiB. What the schema refuses everywhere: inf/nan (also inside `model.config_overrides`),
 `true`/`false` where a number goes, `data.packing.block_len` over 2**20 or over the model's
-`max_position_embeddings` when its config.json is a file here. `ftcli.model_check` goes further and
+`max_position_embeddings` when its config.json is a file here, sizes and counts in
+`model.config_overrides` below 1 (`num_hidden_layers: 0`). `ftcli.model_check` goes further and
 builds the model config (and the model, on the meta device) before any worker starts.
 
 Paths inside a recipe may use `pkg://assets/...` for files shipped with ftcli (tiny configs, the tiny
 tokenizer and dataset). They stay `pkg://` in the validated recipe (so a recipe rendered into a
 workload still points at the installed package there); code that opens one calls `resolve_path`.
-Plain relative paths are made absolute against the recipe file's folder at load time.
+Plain relative paths (model files, the chat template, local data and eval data) are made absolute
+against the recipe file's folder at load time.
 
 This module imports no torch: `ftcli --help` and `ftcli render-workload` stay instant.
 """
@@ -103,6 +105,33 @@ class _Section(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------- model
+# `model.config_overrides` keys that are sizes or counts in transformers' configs (at any depth, e.g.
+# text_config.num_hidden_layers): a whole number (not true/false) of at least 1; zero only for the keys
+# where it means "none of these" (no MTP layers, no shared expert, a dense model).
+_SIZE_KEY_RE = re.compile(r"^(num|n)_|_(size|dim|layers|heads|experts|per_tok)$|^max_position_embeddings$")
+_ZERO_MEANS_NONE = frozenset({
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "max_window_layers", "n_shared_experts",
+    "num_shared_experts", "shared_expert_intermediate_size", "num_experts", "n_routed_experts",
+})
+
+
+def _impossible_sizes(overrides: dict[str, Any], prefix: str = "") -> list[str]:
+    """What is wrong with the sizes and counts in `model.config_overrides` (nested configs included)."""
+    problems = []
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            problems += _impossible_sizes(value, f"{name}.")
+        elif not isinstance(key, str) or not _SIZE_KEY_RE.search(key):
+            continue
+        elif isinstance(value, bool):
+            problems.append(f"{name} must be a whole number, not true/false")
+        elif isinstance(value, int) and value < (0 if key in _ZERO_MEANS_NONE else 1):
+            least = "not be negative" if key in _ZERO_MEANS_NONE else "be at least 1"
+            problems.append(f"{name} must {least} (got {value})")
+    return problems
+
+
 class ModelConfig(_Section):
     id: str | None = Field(None, description="Hub repo id or local directory of pretrained weights.")
     revision: str | None = Field(None, description="Hub commit to pin (ignored for local paths).")
@@ -120,6 +149,14 @@ class ModelConfig(_Section):
     )
     quantization: Literal["none", "mxfp4_dequantize"] = "none"
     trust_remote_code: bool = False
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _possible_sizes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems = _impossible_sizes(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @model_validator(mode="after")
     def _source(self) -> ModelConfig:
@@ -882,18 +919,24 @@ def _non_finite(data: Any, path: str = "") -> list[tuple[str, float]]:
 
 
 def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
-    """Make paths relative to the recipe file absolute; `pkg://` stays symbolic until opened."""
+    """Make paths relative to the recipe file absolute; `pkg://` stays symbolic until opened. Data paths
+    (data, eval and their `sources`) only where the source is local (else a hub id)."""
     if base is None:
         return
     model, dataset = data.get("model") or {}, data.get("data") or {}
     for section, key in ((model, "config"), (model, "tokenizer"), (model, "id"), (dataset, "chat_template")):
         if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].startswith(PKG_PREFIX):
             section[key] = resolve_path(section[key], base)
-    entries = [dataset] if isinstance(dataset, dict) else []
-    entries += [s for s in (dataset.get("sources") or []) if isinstance(s, dict)] if entries else []
-    for entry in entries:
+    entries = []  # (a section holding `source` / `path`, the schema's default source there)
+    for section, schema in ((dataset, DataConfig), (data.get("eval"), EvalConfig)):
+        if isinstance(section, dict):
+            entries.append((section, schema.model_fields["source"].default))
+            sources = section.get("sources")
+            default = SourceConfig.model_fields["source"].default
+            entries += [(s, default) for s in sources if isinstance(s, dict)] if isinstance(sources, list) else []
+    for entry, default in entries:
         path = entry.get("path")
-        if isinstance(path, str) and entry.get("source") == "local" and not path.startswith(PKG_PREFIX):
+        if isinstance(path, str) and entry.get("source", default) == "local" and not path.startswith(PKG_PREFIX):
             entry["path"] = resolve_path(path, base)
 
 

@@ -1,5 +1,6 @@
 """Shared by the tests that run `ftcli train` or torchrun in subprocesses (test_train_full, test_launch,
-test_distributed): a clean environment, the command lines, and what a run dir holds."""
+test_distributed, test_eval, test_resume_world_size): a clean environment, the command lines, and what a run
+dir holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_full_worker.py"
@@ -19,6 +22,12 @@ def subprocess_env(cache_dir: Path) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FTCLI_CACHE=str(cache_dir))
     return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """`subprocess_env` with one data cache per test module (a test module imports this fixture to use it)."""
+    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
 
 
 def ftcli(args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -33,10 +42,16 @@ def train_args(run_dir: Path, *sets: str) -> list[str]:
     return args
 
 
-def torchrun(nproc: int, args: list[str], cwd: Path, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    """tests/_full_worker.py under torchrun (standalone, `nproc` processes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
+def torchrun(nproc: int, args: list[str], cwd: Path, env: dict, timeout: int = 240,
+             worker: Path = WORKER) -> subprocess.CompletedProcess:
+    """`worker` (by default tests/_full_worker.py) under torchrun (standalone, `nproc` processes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(worker)]
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def output_tail(res: subprocess.CompletedProcess) -> str:
+    """The end of a finished subprocess's stdout and stderr, for an assertion message."""
+    return res.stdout[-3000:] + res.stderr[-3000:]
 
 
 def recipe_file(path: Path, *sets: str) -> Path:

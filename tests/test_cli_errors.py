@@ -5,12 +5,13 @@ The error format: one line `error: <what is wrong, where, what to do>`. Where se
 found at once (several recipe keys, several workload rules), the first line counts them and each follows
 on its own line indented by two spaces (`  - ...`). Nothing else reaches stderr.
 
-The malformed-recipe corpus (`CORPUS`, 113 recipes) runs each file through `recipes show` and
+The malformed-recipe corpus (`CORPUS`, 119 recipes) runs each file through `recipes show` and
 `render-workload --recipe`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -124,6 +125,13 @@ CORPUS: dict[str, str | bytes] = {
     "every-minutes-inf": _with("training.checkpoint.every_minutes", float("inf")),
     "override-rope-theta-inf": _with("model.config_overrides", {"rope_theta": float("inf")}),
     "betas-nan": _with("training.optimizer.betas", [0.9, float("nan")]),
+    # --- impossible sizes in the model config
+    "override-zero-layers": _with("model.config_overrides", {"num_hidden_layers": 0}),
+    "override-negative-layers": _with("model.config_overrides", {"num_hidden_layers": -1}),
+    "override-negative-hidden-size": _with("model.config_overrides", {"text_config": {"hidden_size": -4}}),
+    "override-heads-as-bool": _with("model.config_overrides", {"num_attention_heads": True}),
+    "data-sources-not-a-list": _with("data.sources", 5),
+    "eval-sources-not-a-list": _with("eval", {"sources": 5}),
     "lr-huge-exponent": TINY_TEXT.replace("lr: 3.0e-3", "lr: 1.0e999", 1),
     # --- booleans as numbers
     "lr-true": _with("training.optimizer.lr", True),
@@ -194,7 +202,7 @@ CORPUS: dict[str, str | bytes] = {
 
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 60
-    assert len(CORPUS) == 113
+    assert len(CORPUS) == 119
 
 
 @pytest.fixture(scope="module")
@@ -234,19 +242,35 @@ def test_real_process_prints_no_traceback(corpus_dir):
     ("oversized-file", "recipe {path} is larger than 8 MiB; is it the right file?"),
     ("empty-file", "invalid recipe {path}: expected a mapping of sections at the top level"),
     ("top-level-list", "invalid recipe {path}: expected a mapping of sections at the top level"),
+    ("override-zero-layers", "invalid recipe {path}: model.config_overrides: num_hidden_layers must be at least 1 (got 0)"),
+    ("override-negative-hidden-size",
+     "invalid recipe {path}: model.config_overrides: text_config.hidden_size must be at least 1 (got -4)"),
 ])
 def test_file_errors_name_the_path(case, expected, corpus_dir):
     path = corpus_dir / f"{case}.yaml"
     assert invoke("recipes", "show", str(path)).stderr == f"error: {expected.format(path=path)}\n"
 
 
-def test_unreadable_recipe_is_one_line(tmp_path):
+def _denied(path: Path) -> PermissionError:
+    """The error the OS gives a non-root user for `path` under chmod 0 (injected: root reads and writes
+    through chmod 0, and CI runs as root)."""
+    return PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
+def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
+    import ftcli.recipe
+
     path = tmp_path / "locked.yaml"
     path.write_text(TINY_TEXT)
-    path.chmod(0)
-    if os.access(path, os.R_OK):  # root reads anything
-        pytest.skip("running as root")
-    assert invoke("recipes", "show", str(path)).stderr == f"error: cannot read recipe {path}: Permission denied\n"
+
+    def open_denied(file, *args, **kwargs):
+        if Path(file) == path:
+            raise _denied(path)
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(ftcli.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    res = invoke("recipes", "show", str(path))
+    assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
 
 
 # ---------------------------------------------------------------------------- workload --check
@@ -329,15 +353,20 @@ def test_cp_of_a_path_like_name_is_an_unknown_recipe(tmp_path):
     assert not (tmp_path / "out.yaml").exists()
 
 
-def test_unwritable_output_is_one_line(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    if os.access(locked, os.W_OK):
-        pytest.skip("running as root")
-    out = locked / "w.yaml"
+def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "locked" / "w.yaml"
+    out.parent.mkdir()
+    write_text = Path.write_text
+
+    def write_denied(self, *args, **kwargs):
+        if self == out:
+            raise _denied(out)
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_denied)  # what ftcli.cli._write calls
     res = invoke("render-workload", "--recipe", "tiny-qwen-cpu", "-o", str(out))
     assert assert_one_error(res) == f"error: cannot write {out}: Permission denied\n"
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------ register

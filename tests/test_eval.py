@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from _run_common import REPO, ftcli, metrics, subprocess_env, train_args
+from _run_common import REPO, env, ftcli, metrics, output_tail, torchrun, train_args  # noqa: F401 (env: a fixture)
 
 SOURCE = "pkg://assets/tiny_chat.jsonl"
 COMMON = ["training.max_steps=8", "training.optimizer.lr=0.03", "data.max_examples=600", "training.log_every=1"]
@@ -29,16 +29,11 @@ EVAL = ["eval.holdout=null", "eval.path=" + SOURCE, "eval.max_examples=40", "eva
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
-
-
-@pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, env):
     cwd = tmp_path_factory.mktemp("plain")
     res = ftcli(train_args(cwd / "run", *COMMON, "eval=null", "tracking.enabled=false", "training.checkpoint.enabled=false"),
                 cwd, env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, output_tail(res)
     return cwd / "run"
 
 
@@ -46,7 +41,7 @@ def plain_run(tmp_path_factory, env):
 def eval_run(tmp_path_factory, env):
     cwd = tmp_path_factory.mktemp("eval")
     res = ftcli(train_args(cwd / "run", *COMMON, *EVAL), cwd, env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, output_tail(res)
     return {"cwd": cwd, "run_dir": cwd / "run", "stdout": res.stdout}
 
 
@@ -99,15 +94,11 @@ def test_holdout_and_eval_keys_validated():
 # --------------------------------------------------------------------------------- the invariants
 @pytest.fixture(scope="module")
 def worker_evals(tmp_path_factory, env, plain_run):
-    import subprocess
-    import sys
-
     out = tmp_path_factory.mktemp("evals")
     for n in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               str(REPO / "tests" / "_eval_worker.py"), str(out), str(out / "cache"), str(plain_run / "final")]
-        res = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        res = torchrun(n, [str(out), str(out / "cache"), str(plain_run / "final")], out, env,
+                       worker=REPO / "tests" / "_eval_worker.py")
+        assert res.returncode == 0, output_tail(res)
     return {n: json.loads((out / f"evals_{n}.json").read_text()) for n in (1, 2)}
 
 

@@ -29,10 +29,10 @@ def test_full_training_without_packing_is_a_one_line_error(tmp_path):
 def test_config_override_that_builds_no_model_fails_before_the_run_dir_exists(tmp_path):
     from ftcli import cli
 
-    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "model.config_overrides={hidden_size: -4}"))
+    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "model.config_overrides={hidden_act: nope}"))
     assert res.exit_code == 2
     assert res.output.startswith("error: model config pkg://assets/tiny-qwen3_5.json with model.config_overrides "
-                                 "{'hidden_size': -4} does not build a model")
+                                 "{'hidden_act': 'nope'} does not build a model")
     assert len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
 

@@ -261,6 +261,77 @@ def test_relative_paths_resolve_against_recipe_folder(tmp_path):
     assert r.model.config == "pkg://assets/tiny-qwen3_5.json"  # pkg:// stays symbolic
 
 
+def test_relative_eval_and_source_paths_resolve_against_recipe_folder(tmp_path, monkeypatch):
+    """eval.path (local unless eval.source says otherwise) and local data.sources / eval.sources entries
+    resolve as data.path does, whatever the working directory; hub ids, missing files and absolute paths
+    stay as written."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    for name in ("train.jsonl", "held.jsonl", "more.jsonl", "org"):
+        (folder / name).write_text("{}\n")
+    data = load_recipe("tiny-qwen-cpu").to_dict()
+    data["eval"] = {"path": "held.jsonl", "every_steps": 25}
+    (folder / "eval.yaml").write_text(yaml.safe_dump(data))
+    data["data"]["sources"] = [{"source": "local", "path": "train.jsonl"}, {"source": "hub", "path": "org"},
+                               {"source": "local", "path": "absent.jsonl"}]
+    data["eval"] = {"sources": [{"source": "local", "path": "more.jsonl"}, {"path": "org", "name": "hub"},
+                                {"source": "local", "path": str(tmp_path / "abs.jsonl")}]}
+    (folder / "sources.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder
+
+    assert load_recipe("recipes/eval.yaml").eval.path == str(folder / "held.jsonl")
+    hub_eval = load_recipe("recipes/eval.yaml", ["eval.source=hub", "eval.path=org"]).eval
+    assert (hub_eval.source, hub_eval.path) == ("hub", "org")
+    r = load_recipe("recipes/sources.yaml")
+    assert [s.path for s in r.data.sources] == [str(folder / "train.jsonl"), "org", "absent.jsonl"]
+    assert [s.path for s in r.eval.sources] == [str(folder / "more.jsonl"), "org", str(tmp_path / "abs.jsonl")]
+
+
+def test_builtin_recipe_eval_path_stays_as_given(tmp_path, monkeypatch):
+    (tmp_path / "held.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("tiny-qwen-cpu", ["eval.holdout=null", "eval.path=held.jsonl"]).eval.path == "held.jsonl"
+
+
+# ---------------------------------------------------------------------------- model.config_overrides
+@pytest.mark.parametrize("override,problem", [
+    ("num_hidden_layers=-1", "num_hidden_layers must be at least 1 (got -1)"),
+    ("num_hidden_layers=0", "num_hidden_layers must be at least 1 (got 0)"),
+    ("hidden_size=-4", "hidden_size must be at least 1 (got -4)"),
+    ("vocab_size=0", "vocab_size must be at least 1 (got 0)"),
+    ("head_dim=0", "head_dim must be at least 1 (got 0)"),
+    ("num_key_value_heads=true", "num_key_value_heads must be a whole number, not true/false"),
+    ("max_position_embeddings=0", "max_position_embeddings must be at least 1 (got 0)"),
+    ("mtp_num_hidden_layers=-1", "mtp_num_hidden_layers must not be negative (got -1)"),
+    ("text_config={num_attention_heads: 0}", "text_config.num_attention_heads must be at least 1 (got 0)"),
+    ("{intermediate_size: -1, linear_conv_kernel_dim: 0}",
+     "intermediate_size must be at least 1 (got -1); linear_conv_kernel_dim must be at least 1 (got 0)"),
+])
+def test_impossible_config_override_sizes_are_one_line(override, problem):
+    key = "model.config_overrides" + ("=" if override.startswith("{") else ".")
+    assert _error("tiny-qwen-cpu", [key + override]) == (
+        f"invalid recipe 'tiny-qwen-cpu': model.config_overrides: {problem}"
+    )
+
+
+def test_impossible_config_override_in_a_file_names_the_file(tmp_path):
+    data = load_recipe("tiny-gpt-oss-cpu").to_dict()
+    data["model"]["config_overrides"] = {"num_hidden_layers": 0}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert _error(str(path)) == (
+        f"invalid recipe {path}: model.config_overrides: num_hidden_layers must be at least 1 (got 0)"
+    )
+
+
+def test_possible_config_overrides_pass():
+    """Zero where it means none, flags, ids and sizes of at least 1 are not sizes to refuse."""
+    overrides = {"num_hidden_layers": 1, "mtp_num_hidden_layers": 0, "num_experts": 0, "tie_word_embeddings": True,
+                 "pad_token_id": -1, "head_dim": None, "text_config": {"hidden_size": 8}}
+    sets = [f"model.config_overrides={overrides}".replace("True", "true").replace("None", "null")]
+    assert load_recipe("tiny-qwen-cpu", sets).model.config_overrides == overrides
+
+
 @pytest.mark.parametrize("name", BUILTINS)
 def test_dump_loads_back_to_equal_recipe(name, tmp_path):
     recipe = load_recipe(name, ["training.optimizer.lr=3.0e-5"])

@@ -13,14 +13,12 @@ The first leg stops at step 4 by SIGTERM to rank 0 only (tests/_preempt_worker.p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from _run_common import REPO, metrics, recipe_file, subprocess_env
+from _run_common import REPO, env, metrics, output_tail, recipe_file, torchrun  # noqa: F401 (env: a fixture)
 
 STEPS, STOP = 8, 4
 WORKER = REPO / "tests" / "_preempt_worker.py"
@@ -31,10 +29,8 @@ COMMON = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabl
 def run_worker(tmp: Path, nproc: int, tag: str, run_dir: Path, grad_accum: int, *extra: str,
                env: dict) -> list[dict]:
     recipe = recipe_file(tmp / f"{tag}.yaml", f"output.dir={run_dir}", f"training.grad_accum={grad_accum}", *COMMON)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(tmp), tag, str(recipe), *extra]
-    res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = torchrun(nproc, [str(tmp), tag, str(recipe), *extra], tmp, env, worker=WORKER)
+    assert res.returncode == 0, output_tail(res)
     return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -51,11 +47,6 @@ def blocks_per_step(ranks: list[dict], grad_accum: int, first_step: int) -> dict
 def numbers(run_dir: Path) -> list[dict]:
     return [{k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_trained", "tokens_seen")}
             for m in metrics(run_dir)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    return subprocess_env(tmp_path_factory.mktemp("ftcli-cache"))
 
 
 @pytest.fixture(scope="module")

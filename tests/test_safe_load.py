@@ -46,6 +46,17 @@ def _model_and_optimizer(seed=0):
     return model, optimizer
 
 
+def _load_error(path) -> str:
+    """The one-line UserError `load_checkpoint(path)` into a fresh model and optimizer raises."""
+    from ftcli.checkpoint import load_checkpoint
+
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(Exception) as err:
+        load_checkpoint(path, model, optimizer)
+    assert isinstance(err.value, UserError), repr(err.value)[:500]
+    return str(err.value)
+
+
 def _save(root, step=1, param_groups_extra=None):
     from ftcli.checkpoint import rng_state, save_checkpoint
 
@@ -94,7 +105,7 @@ def test_trainer_state_round_trips_through_json_and_safetensors(tmp_path, one_ra
 def test_crafted_legacy_rank_pt_is_one_line_and_never_runs(tmp_path, one_rank):
     """An older ftcli wrote rank_XXXXX.pt (a pickle): a plain one loads (weights_only=True, numpy RNG
     allowed); a crafted one is refused."""
-    from ftcli.checkpoint import load_checkpoint, read_rank_state
+    from ftcli.checkpoint import read_rank_state
 
     path, _, _, saved = _save(tmp_path / "ckpts")
     (path / "rank_00000.json").unlink()
@@ -105,44 +116,32 @@ def test_crafted_legacy_rank_pt_is_one_line_and_never_runs(tmp_path, one_rank):
 
     marker = tmp_path / "ran"
     torch.save({"scheduler": Payload(marker)}, path / "rank_00000.pt")
-    model, optimizer = _model_and_optimizer()
-    with pytest.raises(UserError) as err:
-        load_checkpoint(path, model, optimizer)
-    assert str(err.value) == (f"checkpoint {path}: rank_00000.pt holds more than tensors and plain data, so ftcli "
-                              "does not load it (loading could run code: Unsupported global: GLOBAL exec)")
+    assert _load_error(path) == (f"checkpoint {path}: rank_00000.pt holds more than tensors and plain data, so ftcli "
+                                 "does not load it (loading could run code: Unsupported global: GLOBAL exec)")
     assert not marker.exists()
 
 
 def test_crafted_dcp_metadata_is_one_line_and_never_runs(tmp_path, one_rank):
-    from ftcli.checkpoint import check_dcp_metadata, load_checkpoint
+    from ftcli.checkpoint import check_dcp_metadata
 
     path, _, _, _ = _save(tmp_path / "ckpts")
     check_dcp_metadata(path)  # what DCP wrote passes the allowlist
     marker = tmp_path / "ran"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    model, optimizer = _model_and_optimizer()
-    with pytest.raises(UserError) as err:
-        load_checkpoint(path, model, optimizer)
-    assert str(err.value) == (f"checkpoint {path}: .metadata is not DCP metadata ftcli can load safely "
-                              "(builtins.exec is not allowed in DCP metadata); resume from another checkpoint")
+    assert _load_error(path) == (f"checkpoint {path}: .metadata is not DCP metadata ftcli can load safely "
+                                 "(builtins.exec is not allowed in DCP metadata); resume from another checkpoint")
     assert not marker.exists()
     (path / ".metadata").write_bytes(b"\x80\x04not a pickle")
-    with pytest.raises(UserError, match=r"\.metadata is not DCP metadata"):
-        load_checkpoint(path, model, optimizer)
+    assert _load_error(path).startswith(f"checkpoint {path}: .metadata is not DCP metadata ftcli can load safely (")
 
 
 def test_crafted_dcp_item_is_one_line_and_never_runs(tmp_path, one_rank):
     """DCP stores non-tensor values (optimizer hyperparameters) as pickles and its default planner loads
     them with weights_only=False; ftcli's planner refuses one that is more than plain data."""
-    from ftcli.checkpoint import load_checkpoint
-
     marker = tmp_path / "ran"
     path, _, _, _ = _save(tmp_path / "ckpts", param_groups_extra={"lr": Payload(marker)})
     assert not marker.exists()  # saving pickles it, nothing runs
-    model, optimizer = _model_and_optimizer()
-    with pytest.raises(Exception) as err:
-        load_checkpoint(path, model, optimizer)
+    error = _load_error(path)
     assert not marker.exists()
-    assert isinstance(err.value, UserError), repr(err.value)[:500]
-    assert str(err.value) == (f"checkpoint {path}: item optim.param_groups.0.lr holds more than plain data, so ftcli "
-                              "does not load it (loading could run code: Unsupported global: GLOBAL exec)")
+    assert error == (f"checkpoint {path}: item optim.param_groups.0.lr holds more than plain data, so ftcli "
+                     "does not load it (loading could run code: Unsupported global: GLOBAL exec)")

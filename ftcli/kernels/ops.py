@@ -8,6 +8,7 @@ what transformers computes for one sequence.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -179,13 +180,40 @@ def _rows(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 
 # Attention functions for `transformers.AttentionInterface`: (module, q, k, v [B, H, T, D], mask, ...)
 # -> ([B, T, H, D], None).
-def sdpa_segments(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _stock_sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cu = _packed_cu_seqlens(module, query, key, attention_mask, kwargs)
-    if cu is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+    return sdpa_attention_forward
+
+
+def _stock_eager():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    return eager_attention_forward
+
+
+def _segments_else(stock):
+    """Make `kernel(module, q, k, v, cu, scaling, dropout, **kwargs)` an attention function: a call over
+    packed segments (`_packed_cu_seqlens`) runs the kernel with their boundaries `cu`; any other call
+    goes unchanged to transformers' own implementation, `stock()`."""
+
+    def decorate(kernel):
+        @functools.wraps(kernel)
+        def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            cu = _packed_cu_seqlens(module, query, key, attention_mask, kwargs)
+            if cu is None:
+                return stock()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                               **kwargs)
+            return kernel(module, query, key, value, cu, scaling=scaling, dropout=dropout, **kwargs)
+
+        del attention.__wrapped__  # its signature is the attention function's, not the kernel's
+        return attention
+
+    return decorate
+
+
+@_segments_else(_stock_sdpa)
+def sdpa_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     q, k, v = (_tokens(x) for x in (query, key, value))
     outs = []
     for s, e in _bounds(cu):
@@ -197,14 +225,10 @@ def sdpa_segments(module, query, key, value, attention_mask, scaling=None, dropo
     return _rows(torch.cat(outs), query), None
 
 
-def torch_varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+@_segments_else(_stock_sdpa)
+def torch_varlen(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     from torch.nn.attention.varlen import varlen_attn
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cu = _packed_cu_seqlens(module, query, key, attention_mask, kwargs)
-    if cu is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
     if dropout:
         raise ValueError("torch varlen_attn has no attention dropout; set attention_dropout to 0")
     q, k, v = (_tokens(x) for x in (query, key, value))
@@ -224,13 +248,9 @@ def torch_varlen(module, query, key, value, attention_mask, scaling=None, dropou
     return _rows(out, query), None
 
 
-def eager_segments(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    cu = _packed_cu_seqlens(module, query, key, attention_mask, kwargs)
-    if cu is None:
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
+@_segments_else(_stock_eager)
+def eager_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
+    eager_attention_forward = _stock_eager()
     window = getattr(module, "sliding_window", None)
     q, k, v = (_tokens(x) for x in (query, key, value))
     outs = []
@@ -249,13 +269,8 @@ def eager_segments(module, query, key, value, attention_mask, scaling=None, drop
     return _rows(torch.cat(outs), query), None
 
 
-def flex_sinks(module, query, key, value, attention_mask, scaling=None, dropout=0.0, s_aux=None, **kwargs):
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    cu = _packed_cu_seqlens(module, query, key, attention_mask, kwargs)
-    if cu is None:
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
+@_segments_else(_stock_eager)
+def flex_sinks(module, query, key, value, cu, scaling=None, dropout=0.0, s_aux=None, **kwargs):
     if dropout:
         raise ValueError("flex attention has no attention dropout; set attention_dropout to 0")
     q, k, v = (_tokens(x).transpose(0, 1)[None] for x in (query, key, value))  # [1, H, B*T, D]
