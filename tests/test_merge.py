@@ -172,6 +172,8 @@ def test_adapter_that_does_not_fit_is_refused_before_peft_builds_it(lora_run, tm
     assert "adapter_config.json: cannot read it (" in case(config("{not json"))
     assert "adapter_config.json: peft_type is 'IA3'; merge-lora merges LoRA adapters only" in case(
         config(json.dumps({"peft_type": "IA3"})))
+    assert "has no adapter_model.safetensors; pass the adapter dir that training wrote" in case(
+        lambda final: (final / "adapter_model.safetensors").unlink())
     assert ("does not fit base '%s': 2 adapter tensors have no place in it "
             "(e.g. base_model.model.model.layers.1.self_attn.qq_proj.lora_A.weight)" % lora_run[1]) in case(rename_module)
 
