@@ -465,9 +465,6 @@ class CheckpointReader:
         else:
             raise UserError(f"base {self.folder} has no model.safetensors(.index.json); merge-lora reads safetensors")
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.files or f"{name}_blocks" in self.files
-
     def _raw(self, name: str):
         from safetensors import safe_open
 
@@ -489,7 +486,9 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
     PEFT keeps adapters of a bf16 base). Before PEFT builds anything, the adapter is checked against the
     base: its config is LoRA's, every tensor adapts a module the base has, and (once PEFT has made the
     LoRA layers, still empty) every tensor has the shape of its slot; each misfit is one line."""
+    import torch
     from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
     from peft import LoraConfig, get_peft_model, load_peft_weights
 
     from ftcli.modeling import DTYPES, auto_class, load_config
@@ -507,13 +506,14 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
     saved = load_peft_weights(str(adapter), device="cpu")
     modules = {name for name, _ in base.named_modules()}
     _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})
-    lora.base_model_name_or_path = None  # the base is `base`, whatever the adapter was saved against
-    model = get_peft_model(base, lora, low_cpu_mem_usage=True)  # LoRA layers on meta: filled below
-    model.eval()
-    slots = {name.replace(".default", ""): param for name, param in model.named_parameters() if "lora_" in name}
+    # as PeftModel.from_pretrained would (inference mode, eval), minus the load: its weights go in below
+    lora.base_model_name_or_path, lora.inference_mode = None, True  # the base is `base`, wherever it came from
+    model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
+    slots = {name.replace(".default", ""): (name, p) for name, p in model.named_parameters() if "lora_" in name}
     _check_fit(adapter, base_ref, [k for k in saved if k not in slots], {  # in the model's order
-        k: (list(saved[k].shape), list(p.shape)) for k, p in slots.items() if k in saved and saved[k].shape != p.shape})
-    _load_adapter_weights(model, saved)
+        k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape})
+    for key, tensor in saved.items():
+        set_module_tensor_to_device(model, slots[key][0], "cpu", value=tensor.to(torch.float32))
     return model, config
 
 
@@ -534,16 +534,6 @@ def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[s
         problem = f"{key.removeprefix('base_model.model.')} is {have} in the adapter but {want} on this base"
     if problem:
         raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {problem}")
-
-
-def _load_adapter_weights(model, saved: dict) -> None:
-    """The adapter's tensors into their (meta) slots, in float32."""
-    import torch
-    from accelerate.utils import set_module_tensor_to_device
-
-    names = {name.replace(".default", ""): name for name, _ in model.named_parameters() if "lora_" in name}
-    for key, tensor in saved.items():
-        set_module_tensor_to_device(model, names[key], "cpu", value=tensor.to(torch.float32))
 
 
 def plain_name(peft_name: str) -> str:

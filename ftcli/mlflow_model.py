@@ -109,12 +109,10 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
 
 def _first_chat_request(src) -> dict | None:
     """The turns before the first assistant reply of `src`'s first row that has a user turn."""
-    import datasets
-
     from ftcli.data import sources
     from ftcli.data.validate import BadRow, conversation
 
-    if src.source == "hub" and not src.streaming and not datasets.config.HF_HUB_OFFLINE:
+    if src.source == "hub" and not src.streaming and not _hf_offline():
         src = src.model_copy(update={"streaming": True})
     rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
     for _, row in rows:
@@ -130,6 +128,12 @@ def _first_chat_request(src) -> dict | None:
         if any(m["role"] == "user" for m in prompt):
             return {"messages": prompt}
     return None
+
+
+def _hf_offline() -> bool:
+    import datasets
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
 
 
 # ------------------------------------------------------------------------------------- checks
