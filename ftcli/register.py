@@ -61,7 +61,7 @@ from rich.console import Console
 
 from ftcli import mlflow_model, registry
 from ftcli.errors import UserError
-from ftcli.merge import BaseRef, recipe_model, resolve_base, run_dir_holding
+from ftcli.merge import BaseRef, default_output, is_newer_merge, merge_lora, recipe_model, resolve_base, run_dir_holding
 from ftcli.redact import mask_uri
 from ftcli.rundir import RunRecord, read_run_record
 from ftcli.tracking import check_reachable, create_run, first_line, http_settings, recipe_params, resolve_tracking_uri
@@ -319,8 +319,6 @@ def _ends(client, run, attached: bool) -> Iterator[None]:
 
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
-    from ftcli.merge import default_output, is_newer_merge, merge_lora
-
     output = default_output(source.model_dir, source.run_dir)
     if is_newer_merge(output, source.model_dir):
         err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
