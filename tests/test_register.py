@@ -648,3 +648,26 @@ def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path,
     assert reg.probe_generation(tmp_path, None, source, [{"role": "user", "content": "hi"}]) is None
     assert " ".join(capsys.readouterr().err.split()) == (
         f"warning: no probe generation: {tmp_path} does not fit in memory here (OutOfMemoryError)")
+
+
+def test_register_reaches_no_private_mlflow_state():
+    """register, registry, mlflow_model and tracking use MLflow's public API only: no `mlflow...._name`
+    attribute and no private import (they once saved and restored MLflow's private globals)."""
+    import ast
+
+    import ftcli
+
+    found = []
+    for module in ("register", "registry", "mlflow_model", "tracking"):
+        path = Path(ftcli.__file__).parent / f"{module}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlflow"):
+                found += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_") or "._" in node.module]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id == "mlflow":
+                    found.append(f"{module}: mlflow...{node.attr}")
+    assert found == []
