@@ -4,8 +4,8 @@
       -> base: --base, else run.json base_model (path beats hub id@revision), else the adapter's
          base_model_name_or_path; its safetensors files are read tensor by tensor, MXFP4 experts
          dequantized (ftcli.mxfp4)
-      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type or
-         with other shapes is refused in one line
+      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type, without
+         a module the adapter adapts, or with other shapes is refused in one line (ftcli's own checks)
       -> three streamed forwards of a probe, one unit (decoder layer / root module) of base weights
          resident at a time: base, base+adapter, and the merge (each unit merged by PEFT as it loads)
       -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
