@@ -4,8 +4,8 @@
       -> base: --base, else run.json base_model (path beats hub id@revision), else the adapter's
          base_model_name_or_path; its safetensors files are read tensor by tensor, MXFP4 experts
          dequantized (ftcli.mxfp4)
-      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type or
-         with other shapes is refused in one line
+      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type, without
+         a module the adapter adapts, or with other shapes is refused in one line (ftcli's own checks)
       -> three streamed forwards of a probe, one unit (decoder layer / root module) of base weights
          resident at a time: base, base+adapter, and the merge (each unit merged by PEFT as it loads)
       -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
@@ -41,6 +41,7 @@ from typing import Any
 
 from ftcli.errors import UserError
 from ftcli.rundir import FINAL, RUN_JSON, RunRecord, read_run_record
+from ftcli.tracking import first_line
 
 PROBE_TOKENS = 48
 MAX_SHARD_SIZE = "2GB"
@@ -96,13 +97,18 @@ class BaseRef:
         return f"{self.id}@{self.revision}" if self.path is None and self.revision else self.ref
 
 
+def run_dir_holding(path: Path) -> Path | None:
+    """The training run `path` is (a dir with run.json) or sits in (`<run>/final`), else None."""
+    return next((d for d in (path, path.parent) if (d / RUN_JSON).is_file()), None)
+
+
 def resolve_adapter(adapter_dir: Path) -> tuple[Path, Path | None, RunRecord | None]:
     """(adapter dir, run dir or None, run.json or None) for a run dir, <run>/final, or a bare adapter."""
     path = Path(adapter_dir).expanduser()
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; pass a LoRA run dir (with run.json) or an adapter dir")
     path = path.resolve()
-    run_dir = path if (path / RUN_JSON).is_file() else path.parent if (path.parent / RUN_JSON).is_file() else None
+    run_dir = run_dir_holding(path)
     run = None
     if run_dir is not None:
         run = read_run_record(run_dir)
@@ -137,10 +143,7 @@ def resolve_base(adapter: Path, run_dir: Path | None, run: RunRecord | None, bas
     elif recorded is not None and recorded.id:
         ref, revision = recorded.id, recorded.revision
     else:
-        try:
-            adapter_config = json.loads((adapter / "adapter_config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{adapter / 'adapter_config.json'}: cannot read it ({e})") from None
+        adapter_config = read_adapter_config(adapter)
         ref = adapter_config.get("base_model_name_or_path")
         revision = (recorded.revision if recorded is not None else None) or adapter_config.get("revision")
         if not ref:
@@ -152,6 +155,20 @@ def resolve_base(adapter: Path, run_dir: Path | None, run: RunRecord | None, bas
     if not (local / "config.json").is_file():
         raise UserError(f"base model dir {local} has no config.json")
     return BaseRef(path=local.resolve())
+
+
+def read_adapter_config(adapter: Path) -> dict[str, Any]:
+    """adapter_config.json as a dict: present, JSON, an object, and a LoRA adapter's."""
+    path = adapter / "adapter_config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a JSON object; pass the adapter dir that training wrote")
+    if data.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{path}: peft_type is {data['peft_type']!r}; merge-lora merges LoRA adapters only")
+    return data
 
 
 def recipe_model(recipe) -> dict:
@@ -174,7 +191,7 @@ def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | 
     try:
         config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust)
     except (OSError, ValueError) as e:
-        raise UserError(f"base {base!r}: cannot load its config ({str(e).splitlines()[0]}); pass --base ID_OR_DIR") from None
+        raise UserError(f"base {base!r}: cannot load its config ({first_line(e)}); pass --base ID_OR_DIR") from None
     recorded = run.base_model if run is not None else None
     expected = (recorded and recorded.model_type) or recipe_model(recipe).get("model_type")
     if expected and config.model_type != expected and getattr(config.get_text_config(), "model_type", None) != expected:
@@ -193,13 +210,24 @@ def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | 
                        trust_remote_code=trust)
 
 
+def default_output(adapter: Path, run_dir: Path | None) -> Path:
+    """Where a merge goes without -o: <run>/merged, or `<adapter>-merged` beside a bare adapter."""
+    return run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged")
+
+
+def is_newer_merge(out: Path, adapter: Path) -> bool:
+    """Does `out` hold a merged model written after the adapter's weights (one `ftcli register` may reuse)?"""
+    done = out / "config.json"
+    return done.is_file() and any(out.glob("*.safetensors")) and all(
+        done.stat().st_mtime >= p.stat().st_mtime for p in adapter.glob("adapter_model.*") if p.is_file())
+
+
 def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: BaseRef, force: bool) -> Path:
     """Where the merged model goes, checked before anything is loaded; deletes nothing. Refused: the
     adapter, its run dir, the base, any folder holding one of them, a folder inside the adapter or
     the base, and a non-empty dir that is not an earlier merge-lora output (merge.json lists the files
     it wrote; with --force such an output is replaced, by `_put_in_place`, once the new merge passed)."""
-    out = Path(output) if output else (run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged"))
-    out = out.expanduser().resolve()
+    out = (Path(output) if output else default_output(adapter, run_dir)).expanduser().resolve()
     for what, path in (("its run dir", run_dir), ("the adapter", adapter), ("the base model", base.path)):
         if path is None:
             continue
@@ -262,6 +290,9 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use {' or '.join(FORMATS)}")
     adapter, run_dir, run = resolve_adapter(adapter_dir)
+    read_adapter_config(adapter)  # readable and LoRA's, and the weights are there, before anything loads
+    if not any((adapter / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise UserError(f"{adapter} has no adapter_model.safetensors; pass the adapter dir that training wrote")
     resolved = resolve_base(adapter, run_dir, run, base)
     base_ref = resolved.ref
     out = _output_dir(output, adapter, run_dir, resolved, force)  # refuse before any loading
@@ -304,29 +335,37 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
 def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, fmt: str) -> dict[str, Any]:
     import torch
 
-    from ftcli import mxfp4
-
     reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype))
     model, config = _meta_peft_model(cfg, adapter, resolved.ref)
     units = _units(model)
-    probe = _probe_batch(config.get_text_config().vocab_size)
-    routing = RoutingReplay(model)
-    writer = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE))  # `out`: the caller's fresh temporary dir
-
-    def discard() -> None:
+    writer = _MergedShards(out, fmt)  # `out`: the caller's fresh temporary dir
+    try:
+        report, passes = _three_forwards(model, units, reader, dtype, writer.add, config.get_text_config().vocab_size)
+    except UserError:
         writer.discard()
-    quant: dict[str, float] = {"max_abs_error": 0.0, "sq_error": 0.0, "sq_weight": 0.0}
+        raise
+    report.update(format=fmt, max_resident_bytes=max(p.max_resident_bytes for p in passes),  # base weights at once
+                  largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
+                                             if "lora_" not in n) for _, m in units))
+    if not report["passed"]:
+        writer.discard()
+        raise UserError(f"merge check failed: merged logits differ from base+adapter by up to {report['max_abs_diff']:.3g} "
+                        f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
+                        f"(tolerance {report['tolerance']:.3g}); nothing was written")
+    report.update(writer.finish())
+    _write_config(config, out, dtype, fmt)
+    if (reader.folder / "generation_config.json").is_file():
+        shutil.copyfile(reader.folder / "generation_config.json", out / "generation_config.json")
+    return report
 
-    def write(name: str, tensor) -> None:
-        for disk_name, disk_tensor in (mxfp4.mxfp4_tensors(name, tensor) if fmt == "mxfp4" else [(name, tensor)]):
-            writer.add(disk_name, disk_tensor)
-        if fmt == "mxfp4" and mxfp4.expert_param_name(name):
-            back = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(tensor), dtype=torch.float32)
-            err = back - tensor.float()
-            quant["max_abs_error"] = max(quant["max_abs_error"], err.abs().max().item())
-            quant["sq_error"] += err.square().sum().item()
-            quant["sq_weight"] += tensor.float().square().sum().item()
 
+def _three_forwards(model, units, reader: CheckpointReader, dtype: str, write, vocab_size: int):
+    """The streamed probe forwards (base, base+adapter, merge; see above): the logits check's numbers, and the
+    three passes (what each held resident)."""
+    import torch
+
+    probe = _probe_batch(vocab_size)
+    routing = RoutingReplay(model)
     passes = [StreamedUnits(units, reader, dtype), StreamedUnits(units, reader, dtype),
               StreamedUnits(units, reader, dtype, merge=True, write=write)]
     with torch.no_grad():
@@ -334,36 +373,60 @@ def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, 
             base_logits = model(input_ids=probe).logits.float()
         with passes[1], routing.record():
             adapted = model(input_ids=probe).logits.float()
-        try:
-            with passes[2], routing.replay():
-                merged = model(input_ids=probe).logits.float()
-        except UserError:
-            discard()
-            raise
+        with passes[2], routing.replay():
+            merged = model(input_ids=probe).logits.float()
     routing.remove()
-    report = _compare_logits(merged, adapted, base_logits, dtype)
-    report.update(routing_ties=routing.flips, format=fmt,
-                  max_resident_bytes=max(p.max_resident_bytes for p in passes),  # base weights materialized at once
-                  largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
-                                             if "lora_" not in n) for _, m in units))
-    if not report["passed"]:
-        discard()
-        raise UserError(f"merge check failed: merged logits differ from base+adapter by up to {report['max_abs_diff']:.3g} "
-                        f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
-                        f"(tolerance {report['tolerance']:.3g}); nothing was written")
-    writer.finish()
-    report["largest_shard_bytes"] = writer.largest_shard_bytes
+    return {**_compare_logits(merged, adapted, base_logits, dtype), "routing_ties": routing.flips}, passes
+
+
+class _MergedShards:
+    """The merged tensors into safetensors shards as they come (--format mxfp4: gpt-oss experts re-quantized,
+    with the quantization's error measured)."""
+
+    def __init__(self, out: Path, fmt: str) -> None:
+        from ftcli import mxfp4
+
+        self.writer, self.fmt = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE)), fmt
+        self.max_abs_error = self.sq_error = self.sq_weight = 0.0
+
+    def add(self, name: str, tensor) -> None:
+        import torch
+
+        from ftcli import mxfp4
+
+        if self.fmt != "mxfp4":
+            self.writer.add(name, tensor)
+            return
+        for disk_name, disk_tensor in mxfp4.mxfp4_tensors(name, tensor):
+            self.writer.add(disk_name, disk_tensor)
+        if mxfp4.expert_param_name(name):
+            err = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(tensor), dtype=torch.float32) - tensor.float()
+            self.max_abs_error = max(self.max_abs_error, err.abs().max().item())
+            self.sq_error += err.square().sum().item()
+            self.sq_weight += tensor.float().square().sum().item()
+
+    def discard(self) -> None:
+        self.writer.discard()
+
+    def finish(self) -> dict[str, Any]:
+        """The last shard and the index written; what the report records of them."""
+        self.writer.finish()
+        report: dict[str, Any] = {"largest_shard_bytes": self.writer.largest_shard_bytes}
+        if self.fmt == "mxfp4":
+            report["mxfp4"] = {"max_abs_error": self.max_abs_error,
+                               "relative_rms_error": (self.sq_error / max(self.sq_weight, 1e-30)) ** 0.5}
+        return report
+
+
+def _write_config(config, out: Path, dtype: str, fmt: str) -> None:
+    from ftcli import mxfp4
+
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)  # the dequantized weights, unless re-quantized below
     config_dict["dtype"] = dtype
     if fmt == "mxfp4":
         config_dict = mxfp4.mxfp4_config(config_dict)
-        report["mxfp4"] = {"max_abs_error": quant["max_abs_error"],
-                           "relative_rms_error": (quant["sq_error"] / max(quant["sq_weight"], 1e-30)) ** 0.5}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    if (reader.folder / "generation_config.json").is_file():
-        shutil.copyfile(reader.folder / "generation_config.json", out / "generation_config.json")
-    return report
 
 
 def _shard_bytes(size: str) -> int:
@@ -381,7 +444,7 @@ def _base_folder(resolved: BaseRef) -> Path:
         return Path(snapshot_download(resolved.id, revision=resolved.revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
     except Exception as e:  # noqa: BLE001 - hub errors come in many classes; each is a one-line user problem
-        raise UserError(f"base {resolved}: cannot download it ({str(e).splitlines()[0]})") from None
+        raise UserError(f"base {resolved}: cannot download it ({first_line(e)})") from None
 
 
 class CheckpointReader:
@@ -402,9 +465,6 @@ class CheckpointReader:
         else:
             raise UserError(f"base {self.folder} has no model.safetensors(.index.json); merge-lora reads safetensors")
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.files or f"{name}_blocks" in self.files
-
     def _raw(self, name: str):
         from safetensors import safe_open
 
@@ -423,11 +483,13 @@ class CheckpointReader:
 
 def _meta_peft_model(cfg, adapter: Path, base_ref: str):
     """base+adapter with every base weight on the meta device and the adapter's weights loaded (float32, as
-    PEFT keeps adapters of a bf16 base); a base of other shapes is refused in one line."""
+    PEFT keeps adapters of a bf16 base). Before PEFT builds anything, the adapter is checked against the
+    base: its config is LoRA's, every tensor adapts a module the base has, and (once PEFT has made the
+    LoRA layers, still empty) every tensor has the shape of its slot; each misfit is one line."""
     import torch
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
-    from peft import PeftModel, load_peft_weights
+    from peft import LoraConfig, get_peft_model, load_peft_weights
 
     from ftcli.modeling import DTYPES, auto_class, load_config
 
@@ -438,24 +500,40 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
                                                         trust_remote_code=cfg.trust_remote_code)
     base.eval()
     try:
-        model = PeftModel.from_pretrained(base, str(adapter), low_cpu_mem_usage=True)
-        saved = load_peft_weights(str(adapter), device="cpu")
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {_first_problem(e)}") from None
-    slots = {name.replace(".default", ""): name for name, _ in model.named_parameters() if "lora_" in name}
-    missing = sorted(set(saved) - set(slots))
-    if missing:
-        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {len(missing)} adapter tensors "
-                        f"have no place in it (e.g. {missing[0]})")
-    params = dict(model.named_parameters())
+        lora = LoraConfig.from_peft_type(**read_adapter_config(adapter))
+    except (TypeError, ValueError) as e:  # a value LoraConfig refuses (e.g. r: 0)
+        raise UserError(f"{adapter / 'adapter_config.json'}: not a LoRA config PEFT can use ({first_line(e)})") from None
+    saved = load_peft_weights(str(adapter), device="cpu")
+    modules = {name for name, _ in base.named_modules()}
+    _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})
+    # as PeftModel.from_pretrained would (inference mode, eval), minus the load: its weights go in below
+    lora.base_model_name_or_path, lora.inference_mode = None, True  # the base is `base`, wherever it came from
+    model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
+    slots = {name.replace(".default", ""): (name, p) for name, p in model.named_parameters() if "lora_" in name}
+    _check_fit(adapter, base_ref, [k for k in saved if k not in slots], {  # in the model's order
+        k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape})
     for key, tensor in saved.items():
-        name = slots[key]
-        if tuple(params[name].shape) != tuple(tensor.shape):
-            plain = key.removeprefix("base_model.model.")
-            raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {plain} is "
-                            f"{list(tensor.shape)} in the adapter but {list(params[name].shape)} on this base")
-        set_module_tensor_to_device(model, name, "cpu", value=tensor.to(torch.float32))
+        set_module_tensor_to_device(model, slots[key][0], "cpu", value=tensor.to(torch.float32))
     return model, config
+
+
+def _adapted_module(key: str) -> str:
+    """An adapter tensor's name -> the base module it adapts: 'base_model.model.model.layers.0.self_attn.q_proj
+    .lora_A.weight' -> 'model.layers.0.self_attn.q_proj' (and 'mlp.experts.base_layer.lora_A.weight', the second
+    of two parameters adapted on one module, -> 'mlp.experts')."""
+    return plain_name(key.split(".lora_")[0])
+
+
+def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[str, tuple[list, list]]) -> None:
+    """One line for the first misfit: adapter tensors with no place in the base, or of another shape."""
+    problem = None
+    if unplaced:
+        problem = f"{len(unplaced)} adapter tensors have no place in it (e.g. {sorted(unplaced)[0]})"
+    elif shapes:
+        key, (have, want) = next(iter(shapes.items()))
+        problem = f"{key.removeprefix('base_model.model.')} is {have} in the adapter but {want} on this base"
+    if problem:
+        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {problem}")
 
 
 def plain_name(peft_name: str) -> str:
@@ -636,15 +714,3 @@ def _probe_batch(vocab_size: int):
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (2, PROBE_TOKENS // 2), generator=g)
 
-
-def _first_problem(e: Exception) -> str:
-    import re
-
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    for ln in lines:
-        m = re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from checkpoint, "
-                     r"the shape in current model is torch.Size\((\[.*?\])\)", ln)
-        if m:
-            name = m.group(1).removeprefix("base_model.model.").replace(".default", "")
-            return f"{name} is {m.group(2)} in the adapter but {m.group(3)} on this base"
-    return lines[0] if lines else type(e).__name__

@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from ftcli import __version__
 from ftcli.errors import UserError
 from ftcli.merge import BaseRef
 from ftcli.tracking import first_line
@@ -61,6 +62,81 @@ def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: 
     return info
 
 
+def model_metadata(mode: str, base: BaseRef | None) -> dict[str, str]:
+    """What the logged model's MLmodel metadata records about ftcli's work (also the version's tags)."""
+    metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
+    if base is not None:
+        metadata["ftcli_base_model"] = str(base.path or base.id)
+        if base.revision:
+            metadata["ftcli_base_revision"] = base.revision
+    return metadata
+
+
+# ------------------------------------------------------------------------------- input example
+FALLBACK_EXAMPLE = {"messages": [{"role": "user", "content": "Hello! What can you do?"}]}
+EXAMPLE_SCAN_ROWS = 1000  # rows read to find one with a user turn before giving up
+
+
+def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None]:
+    """(request, None): the first training row with a user turn, as an llm/v1/chat request
+    `{"messages": [...]}` of the turns before its first assistant reply (role and content); or
+    (None, why) when the recipe's data cannot be read here (offline hub data, a moved file, a
+    synthetic source) or holds no such row. Hub data is read as a stream (the first rows only),
+    or from the HF cache when HF_HUB_OFFLINE is set."""
+    from ftcli.recipe import DataConfig
+
+    if not recipe or not recipe.get("data"):
+        return None, "no training recipe to read the data from"
+    try:
+        data = DataConfig.model_validate(recipe["data"])
+    except ValueError as e:
+        return None, f"the recipe's data section does not validate ({first_line(e)})"
+    problems = []
+    for src in data.source_list():
+        if src.source == "synthetic":
+            problems.append("synthetic data has no chat turns")
+            continue
+        try:
+            request = _first_chat_request(src)
+        except Exception as e:  # noqa: BLE001 - unreadable data never blocks registering
+            problems.append(f"cannot read {src.label} ({first_line(e)})")
+            continue
+        if request is not None:
+            return request, None
+        problems.append(f"no row with a user turn in the first {EXAMPLE_SCAN_ROWS} rows of {src.label}")
+    return None, "; ".join(problems)
+
+
+def _first_chat_request(src) -> dict | None:
+    """The turns before the first assistant reply of `src`'s first row that has a user turn."""
+    from ftcli.data import sources
+    from ftcli.data.validate import BadRow, conversation
+
+    if src.source == "hub" and not src.streaming and not _hf_offline():
+        src = src.model_copy(update={"streaming": True})
+    rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
+    for _, row in rows:
+        try:
+            messages = conversation(row, src.format, src.messages_field, src.tools_field).messages
+        except BadRow:
+            continue
+        prompt = []
+        for m in messages or []:
+            if m["role"] == "assistant":
+                break
+            prompt.append({"role": m["role"], "content": m.get("content") or ""})
+        if any(m["role"] == "user" for m in prompt):
+            return {"messages": prompt}
+    return None
+
+
+def _hf_offline() -> bool:
+    import datasets
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+# ------------------------------------------------------------------------------------- checks
 def missing_files(model_dir: Path, *, adapter: bool) -> list[str]:
     """What log_chat_model and a chat endpoint need that `model_dir` lacks: the weights (or the
     adapter), the tokenizer and its chat template."""

@@ -15,7 +15,8 @@ What is logged depends on what training wrote:
 The model (ftcli.mlflow_model: chat signature, OpenAI-style chat completions when served) is logged
 into the training run recorded in run.json, so the version, the recipe params and the training
 metrics sit on one run; without one, a new run gets the (scrubbed) recipe params and run.json's
-summary metrics. Everything else goes through one `MlflowClient(tracking_uri, registry_uri)`.
+summary metrics. Everything else goes through one `MlflowClient(tracking_uri, registry_uri)`
+(ftcli.registry: the name and alias rules, the registry's check, the version).
 
 Where: the tracking store is --tracking-uri, else the training run's (run.json), else
 $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db; the registry is --registry-uri, else
@@ -29,14 +30,12 @@ Order of work: every cheap check runs before anything is merged or uploaded.
 The probe: one greedy generation (ftcli.generate.sample_greedy) on the model to be logged, from the
 recipe's first `eval.samples` prompt or a default one; a model that fails to load or ends its turn
 before a single token stops the registration in one line. (An adapter over a hub base is not
-probed: register never downloads base weights.) The logged input example is a real chat request:
-the first training row with a user turn, cut before its first assistant reply; a fixed request,
-with a warning, when the data cannot be read here.
+probed: register never downloads base weights.) The logged input example is a real chat request
+(ftcli.mlflow_model): the first training row with a user turn, cut before its first assistant
+reply; a fixed request, with a warning, when the data cannot be read here.
 
 Unity Catalog (`--registry-uri databricks-uc`):
-- the name is `catalog.schema.model`; each part follows UC's object-name rules (at most 255
-  characters; no period, space, '/', ASCII control character or DEL). UC stores names lowercase,
-  so ftcli lowercases the name.
+- the name is `catalog.schema.model` (ftcli.registry), lowercased as UC stores it.
 - a version needs a signature with inputs and outputs; checked after logging, before registering.
 - an adapter over a hub base makes UC download the base weights at registration (MLflow persists
   them on the registering machine, then uploads the full model): only with an explicit
@@ -52,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -61,84 +59,24 @@ from typing import Iterator, Literal
 
 from rich.console import Console
 
-from ftcli import __version__, mlflow_model
+from ftcli import mlflow_model, registry
 from ftcli.errors import UserError
-from ftcli.merge import BaseRef, recipe_model, resolve_base
-from ftcli.redact import mask_uri, scrub_recipe
-from ftcli.rundir import RUN_JSON, RunRecord, read_run_record
-from ftcli.tracking import check_reachable, first_line, flatten, resolve_tracking_uri
+from ftcli.merge import BaseRef, default_output, is_newer_merge, merge_lora, recipe_model, resolve_base, run_dir_holding
+from ftcli.redact import mask_uri
+from ftcli.rundir import RunRecord, read_run_record
+from ftcli.tracking import check_reachable, create_run, first_line, http_settings, recipe_params, resolve_tracking_uri
 
 Mode = Literal["full", "merged", "adapter"]
 
-UC_REGISTRY = "databricks-uc"
-UC_MAX_NAME_LEN = 255
-_UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
-_ALIAS_RE = re.compile(r"^[\w-]+$")
-_ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
 PROBE_TIMEOUT_S = 5
+PROBE_PROMPT = "Hello! In one sentence, what can you do?"
+PROBE_MAX_NEW_TOKENS = 16
 
 err_console = Console(stderr=True)
 
 
-# ------------------------------------------------------------------------------------ name rules
-def is_uc_registry(registry_uri: str | None) -> bool:
-    return bool(registry_uri) and registry_uri.split(":", 1)[0].lower() == UC_REGISTRY
-
-
-def validate_uc_name(name: str) -> str:
-    """`catalog.schema.model` under Unity Catalog's object-name rules; returns it lowercased."""
-    parts = name.split(".")
-    if len(parts) != 3:
-        raise UserError(
-            f"Unity Catalog model name {name!r} must be catalog.schema.model (three parts), e.g. main.default.my_model"
-        )
-    for label, part in zip(("catalog", "schema", "model"), parts):
-        if not part:
-            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is empty")
-        if len(part) > UC_MAX_NAME_LEN:
-            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is longer than 255 characters")
-        bad = _UC_BAD_CHARS.search(part)
-        if bad:
-            raise UserError(
-                f"Unity Catalog model name {name!r}: the {label} part contains {bad.group()!r}; "
-                "use letters, digits, '_' or '-' (no spaces, '/' or control characters)"
-            )
-    return name.lower()
-
-
-def validate_local_name(name: str) -> str:
-    """MLflow's own registry: any non-empty name without '/' or ':' (they break models:/ URIs)."""
-    if not name or not name.strip():
-        raise UserError("--name is empty")
-    if name != name.strip():
-        raise UserError(f"model name {name!r} has leading or trailing spaces")
-    for ch in "/:":
-        if ch in name:
-            raise UserError(f"model name {name!r} contains {ch!r}, which MLflow model names cannot contain")
-    return name
-
-
-def validate_model_name(name: str, registry_uri: str | None) -> str:
-    return validate_uc_name(name) if is_uc_registry(registry_uri) else validate_local_name(name)
-
-
-def validate_alias(alias: str) -> str:
-    """MLflow's alias rules: letters, digits, '_' and '-'; not 'latest'; not a version like 'v3'."""
-    if not _ALIAS_RE.fullmatch(alias) or len(alias) > 255:
-        raise UserError(f"alias {alias!r}: use 1-255 letters, digits, '_' or '-'")
-    if alias.lower() == "latest":
-        raise UserError("alias 'latest' is reserved by MLflow; pick another, e.g. champion")
-    if _ALIAS_VERSION_RE.fullmatch(alias):
-        raise UserError(f"alias {alias!r} looks like a version reference, which MLflow reserves; pick another")
-    return alias
-
-
-def require_uc_signature(signature) -> None:
-    """Unity Catalog refuses a version whose signature lacks inputs or outputs."""
-    if signature is None or signature.inputs is None:
-        raise UserError("Unity Catalog needs a model signature with inputs and outputs; this model has none")
-    if signature.outputs is None:
-        raise UserError("Unity Catalog needs a model signature with outputs; this model's signature has inputs only")
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------------- the source
@@ -171,56 +109,49 @@ def resolve_source(path: Path, recipe: dict | None = None, checkpoint: str = "la
     """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir. checkpoint="best":
     a run dir's best eval model (run.json best_model_dir, training.checkpoint.keep_best)."""
     path = Path(path).expanduser()
-    if not path.exists():
-        raise UserError(f"{path} does not exist; pass a run dir (with run.json) or a model dir")
     if not path.is_dir():
-        raise UserError(f"{path} is not a directory; pass a run dir (with run.json) or a model dir")
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise UserError(f"{path} {problem}; pass a run dir (with run.json) or a model dir")
     path = path.resolve()
-    run_dir = next((d for d in (path, path.parent) if (d / RUN_JSON).is_file()), None)  # parent: `register x/final`
-    if run_dir is None:
-        kind = _model_kind(path)
-        if kind is None:
-            raise UserError(
-                f"{path} has no run.json (not a run dir) and no config.json or adapter_config.json "
-                "(not a model dir); pass the run dir that `ftcli train` wrote"
-            )
-        source = Source(model_dir=path, kind=kind, recipe=recipe)
-    else:
-        run = read_run_record(run_dir)
-        if checkpoint == "best":
-            if path != run_dir or not run.best_model_dir:
-                raise UserError(
-                    f"--checkpoint best: {run_dir} records no best eval model (train with eval data and "
-                    "training.checkpoint.keep_best=true), or pass the run dir itself" if path == run_dir else
-                    f"--checkpoint best takes the run dir ({run_dir}), not a model dir inside it")
-            path = run.best_model_path(run_dir)
-        elif path == run_dir and not run.model_dir:
-            raise UserError(
-                f"{run_dir} has no final model (run.json model_dir is null: training.checkpoint.save_final_hf "
-                "was false); retrain with it on, or register a model dir"
-            )
-        model_dir = path if path != run_dir else run.model_path(run_dir)
-        if not model_dir.is_dir():
-            raise UserError(
-                f"{model_dir} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
-                "did `ftcli train` finish?"
-            )
-        kind = "adapter" if run.method == "lora" else "checkpoint"
-        source = Source(model_dir=model_dir, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
-        if run.status != "completed":
-            _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {model_dir} holds")
+    run_dir = run_dir_holding(path)  # the parent: `register <run>/final`
+    source = _source_of_run(path, run_dir, recipe, checkpoint) if run_dir else _source_of_model_dir(path, recipe)
     _check_model_files(source)
     if source.kind == "adapter":
         source.base = resolve_base(source.model_dir, source.run_dir, source.run)
     return source
 
 
-def _model_kind(d: Path) -> Literal["checkpoint", "adapter"] | None:
-    if (d / "adapter_config.json").is_file():
-        return "adapter"
-    if (d / "config.json").is_file():
-        return "checkpoint"
-    return None
+def _source_of_model_dir(path: Path, recipe: dict | None) -> Source:
+    if (path / "adapter_config.json").is_file():
+        return Source(model_dir=path, kind="adapter", recipe=recipe)
+    if (path / "config.json").is_file():
+        return Source(model_dir=path, kind="checkpoint", recipe=recipe)
+    raise UserError(f"{path} has no run.json (not a run dir) and no config.json or adapter_config.json "
+                    "(not a model dir); pass the run dir that `ftcli train` wrote")
+
+
+def _source_of_run(path: Path, run_dir: Path, recipe: dict | None, checkpoint: str) -> Source:
+    """The model a training run wrote: `path` itself when it is a dir inside the run, else run.json's."""
+    run = read_run_record(run_dir)
+    if checkpoint == "best":
+        if path != run_dir:
+            raise UserError(f"--checkpoint best takes the run dir ({run_dir}), not a model dir inside it")
+        if not run.best_model_dir:
+            raise UserError(f"--checkpoint best: {run_dir} records no best eval model (train with eval data and "
+                            "training.checkpoint.keep_best=true), or pass the run dir itself")
+        path = run.best_model_path(run_dir)
+    elif path == run_dir:
+        if not run.model_dir:
+            raise UserError(f"{run_dir} has no final model (run.json model_dir is null: "
+                            "training.checkpoint.save_final_hf was false); retrain with it on, or register a model dir")
+        path = run.model_path(run_dir)
+    if not path.is_dir():
+        raise UserError(f"{path} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
+                        "did `ftcli train` finish?")
+    if run.status != "completed":
+        _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {path} holds")
+    kind = "adapter" if run.method == "lora" else "checkpoint"
+    return Source(model_dir=path, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
 
 
 def _check_model_files(source: Source) -> None:
@@ -242,33 +173,21 @@ def choose_mode(source: Source, *, adapter_only: bool, merged: bool, uc: bool) -
             _warn(f"--merged has no effect: {source.model_dir} already holds full weights")
         return "full"
     base = source.base
-    if merged:
+    if merged or (base.local and not adapter_only):
         return "merged"
-    if adapter_only:
-        if uc and base.local:
-            raise UserError(
-                f"Unity Catalog cannot reference the local base {base.path}; register merged weights with --merged"
-            )
-        if uc:
-            _warn(f"Unity Catalog will download the base weights of {base} at registration (you asked: --adapter-only)")
-        return "adapter"
-    if base.local:
-        return "merged"
+    if uc and base.local:  # --adapter-only
+        raise UserError(f"Unity Catalog cannot reference the local base {base.path}; register merged weights with --merged")
+    if uc and not adapter_only:
+        raise UserError(f"an adapter over {base} makes Unity Catalog download the base weights at registration; "
+                        "pass --merged (recommended), or --adapter-only to accept the download")
     if uc:
-        raise UserError(
-            f"an adapter over {base} makes Unity Catalog download the base weights at registration; "
-            "pass --merged (recommended), or --adapter-only to accept the download"
-        )
+        _warn(f"Unity Catalog will download the base weights of {base} at registration (you asked: --adapter-only)")
+    if not base.local and not base.revision:
+        _warn(f"the base {base} has no pinned revision in run.json; MLflow records the hub's latest commit")
     return "adapter"
 
 
-# ------------------------------------------------------------------------ probe and input example
-PROBE_PROMPT = "Hello! In one sentence, what can you do?"
-PROBE_MAX_NEW_TOKENS = 16
-FALLBACK_EXAMPLE = {"messages": [{"role": "user", "content": "Hello! What can you do?"}]}
-EXAMPLE_SCAN_ROWS = 1000  # rows read to find one with a user turn before giving up
-
-
+# ------------------------------------------------------------------------------------ the probe
 def probe_conversation(recipe: dict | None) -> list[dict]:
     """What the probe asks: the recipe's first `eval.samples` entry (a prompt string or a list of
     messages), else PROBE_PROMPT as one user turn."""
@@ -332,62 +251,6 @@ def _probe(model_dir: Path, mode: Mode, source: Source) -> str | None:
     return text
 
 
-def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None]:
-    """(request, None): the first training row with a user turn, as an llm/v1/chat request
-    `{"messages": [...]}` of the turns before its first assistant reply (role and content); or
-    (None, why) when the recipe's data cannot be read here (offline hub data, a moved file, a
-    synthetic source) or holds no such row. Hub data is read as a stream (the first rows only),
-    or from the HF cache when HF_HUB_OFFLINE is set."""
-    from ftcli.data import sources
-    from ftcli.data.validate import BadRow, conversation
-    from ftcli.recipe import DataConfig
-
-    if not recipe or not recipe.get("data"):
-        return None, "no training recipe to read the data from"
-    try:
-        data = DataConfig.model_validate(recipe["data"])
-    except ValueError as e:
-        return None, f"the recipe's data section does not validate ({first_line(e)})"
-    problems = []
-    for src in data.source_list():
-        if src.source == "synthetic":
-            problems.append("synthetic data has no chat turns")
-            continue
-        if src.source == "hub" and not src.streaming and not _hf_offline():
-            src = src.model_copy(update={"streaming": True})
-        try:
-            rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
-            for _, row in rows:
-                try:
-                    messages = conversation(row, src.format, src.messages_field, src.tools_field).messages
-                except BadRow:
-                    continue
-                prompt = []
-                for m in messages or []:
-                    if m["role"] == "assistant":
-                        break
-                    prompt.append({"role": m["role"], "content": m.get("content") or ""})
-                if any(m["role"] == "user" for m in prompt):
-                    return {"messages": prompt}, None
-        except Exception as e:  # noqa: BLE001 - unreadable data never blocks registering
-            problems.append(f"cannot read {src.label} ({first_line(e)})")
-            continue
-        problems.append(f"no row with a user turn in the first {EXAMPLE_SCAN_ROWS} rows of {src.label}")
-    return None, "; ".join(problems)
-
-
-def _hf_offline() -> bool:
-    import datasets
-
-    return bool(datasets.config.HF_HUB_OFFLINE)
-
-
-def _input_example(source: Source) -> dict:
-    example, why = chat_request_from_data(source.recipe)
-    if example is None:
-        _warn(f"input example: a fixed chat request, not one from the training data ({why})")
-        return FALLBACK_EXAMPLE
-    return example
 
 
 # ---------------------------------------------------------------------------------------- MLflow
@@ -411,66 +274,9 @@ class Result:
     probe_reply: str | None = None  # the probe generation (None: not probed)
 
 
-def _warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    """These environment variables set for the block; afterwards each has its old value, or none."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _tracking_uri(source: Source, tracking_uri: str | None) -> str:
-    """--tracking-uri, else the training run's (run.json), else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    recorded = source.run.mlflow.tracking_uri if source.run is not None and source.run.mlflow else None
-    if not tracking_uri and recorded and recorded.startswith("sqlite:///"):
-        if not Path(recorded[len("sqlite:///") :]).is_file():
-            raise UserError(f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri")
-    return resolve_tracking_uri(tracking_uri or recorded)
-
-
-def _check_registry(client, registry_uri: str) -> None:
-    """The registry answers one call with no retries, or this fails in seconds with the URI, before
-    anything is merged or uploaded (a wrong URI, missing credentials)."""
-    from mlflow.exceptions import MlflowException
-
-    fix = "check --registry-uri and your credentials"
-    check_reachable(registry_uri, fix=fix, timeout_s=PROBE_TIMEOUT_S, what="model registry")
-    with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(PROBE_TIMEOUT_S)):
-        try:
-            client.search_registered_models(max_results=1)
-        except Exception as e:  # noqa: BLE001 - whatever the store raises, this registry cannot be used
-            denied = isinstance(e, MlflowException) and e.error_code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
-            reason = "not authorized" if denied else first_line(e)
-            raise UserError(f"cannot use the model registry at {mask_uri(registry_uri)} ({reason}); {fix}") from None
-
-
-def current_alias_version(client, name: str, alias: str) -> str | None:
-    """The version `alias` points at now, or None (no such model or alias)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(client.get_model_version_by_alias(name, alias).version)
-    except MlflowException as e:
-        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-
-
 def _run_to_log_into(client, source: Source, name: str) -> tuple[object, bool]:
     """(run, attached): the training run from run.json if this tracking store has it; else a new run
     with the scrubbed recipe as params and run.json's summary metrics."""
-    from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
     record = source.run
@@ -485,52 +291,54 @@ def _run_to_log_into(client, source: Source, name: str) -> tuple[object, bool]:
                 return run, True
             _warn(f"training run {run_id} is deleted; logging into a new run")
     recipe = source.recipe or {}
-    tracking = recipe.get("tracking") or {}
-    exp_name = tracking.get("experiment") or recipe.get("name") or "ftcli-register"
-    exp = client.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(exp_name)
-    run = client.create_run(exp_id, run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"})
     metrics = {} if record is None else {
         "final_loss": record.final_loss, "steps": record.steps,
         "tokens_trained": record.tokens.trained, "tokens_seen": record.tokens.seen,
         "tokens_per_s": record.throughput.tokens_per_s, "s_per_step": record.throughput.s_per_step,
     }
-    now = int(time.time() * 1000)
-    client.log_batch(
-        run.info.run_id,
-        metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))],
-        params=[Param(k, v) for k, v in flatten(scrub_recipe(recipe)).items()],  # as the trainers log them
+    run = create_run(
+        client, (recipe.get("tracking") or {}).get("experiment") or recipe.get("name") or "ftcli-register",
+        run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"}, params=recipe_params(recipe),
+        metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
     )
     return run, False
 
 
+@contextlib.contextmanager
+def _ends(client, run, attached: bool) -> Iterator[None]:
+    """A run register made ends with the block: FINISHED, or FAILED if it raised. A training run is left as is."""
+    try:
+        yield
+    except BaseException:
+        if not attached:
+            client.set_terminated(run.info.run_id, status="FAILED")
+        raise
+    if not attached:
+        client.set_terminated(run.info.run_id)
+
+
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
-    from ftcli.merge import merge_lora
-
-    model_dir = source.model_dir
-    output = source.run_dir / "merged" if source.run_dir else model_dir.with_name(model_dir.name + "-merged")
-    adapter_files = [p for p in source.model_dir.glob("adapter_model.*") if p.is_file()]
-    done = output / "config.json"
-    if done.is_file() and any(output.glob("*.safetensors")) and all(
-        done.stat().st_mtime >= p.stat().st_mtime for p in adapter_files
-    ):
+    output = default_output(source.model_dir, source.run_dir)
+    if is_newer_merge(output, source.model_dir):
         err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
         return output
     # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
-    return Path(merge_lora(model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe, force=True))
+    return Path(merge_lora(source.model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe,
+                           force=True))
 
 
-def _register_version(client, name: str, info, tags: dict[str, str]):
-    """A new version of `name` (created on first use) from the logged model, ready when this returns."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException as e:
-        if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
-            raise
-    return client.create_model_version(name, source=info.model_uri, tags=tags, model_id=info.model_id)
+def _model_to_log(source: Source, mode: Mode) -> Path:
+    """The dir that is logged: the source's, or its merge; checked like a trained one."""
+    if mode != "merged":
+        model_dir = source.model_dir
+    else:
+        with err_console.status("merging the adapter into its base"):
+            model_dir = merge_adapter(source)
+        _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
+    if mode != "adapter":
+        mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
+    return model_dir
 
 
 def log_and_register(
@@ -543,34 +351,22 @@ def log_and_register(
 
     check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
-    _check_registry(client, registry_uri)
-
-    previous = current_alias_version(client, name, alias) if alias else None
+    registry.check_registry(client, registry_uri, PROBE_TIMEOUT_S)
+    previous = registry.alias_version(client, name, alias) if alias else None
     if previous is not None and not force:
-        raise UserError(
-            f"alias '{alias}' of {name} already points at version {previous}; "
-            "pass --force to move it to the new version"
-        )
+        raise UserError(f"alias '{alias}' of {name} already points at version {previous}; "
+                        "pass --force to move it to the new version")
 
-    model_dir = source.model_dir
-    if mode == "merged":
-        with err_console.status("merging the adapter into its base"):
-            model_dir = merge_adapter(source)
-        _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
-    if mode in ("full", "merged"):
-        mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
+    model_dir = _model_to_log(source, mode)
     probe = _probe(model_dir, mode, source)
-    input_example = _input_example(source)
-
+    input_example, why = mlflow_model.chat_request_from_data(source.recipe)
+    if input_example is None:
+        _warn(f"input example: a fixed chat request, not one from the training data ({why})")
+        input_example = mlflow_model.FALLBACK_EXAMPLE
     run, attached = _run_to_log_into(client, source, name)
-
     base = source.base
-    metadata = {"ftcli_version": __version__, "ftcli_mode": mode}
-    if base is not None:
-        metadata["ftcli_base_model"] = str(base.path or base.id)
-        if base.revision:
-            metadata["ftcli_base_revision"] = base.revision
-    try:
+    metadata = mlflow_model.model_metadata(mode, base)
+    with _ends(client, run, attached):
         with err_console.status(f"logging the model to {mask_uri(tracking_uri)}"):
             info = mlflow_model.log_chat_model(
                 model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
@@ -578,21 +374,15 @@ def log_and_register(
                 trust_remote_code=source.trust_remote_code, input_example=input_example,
             )
         if uc:
-            require_uc_signature(info.signature)
+            registry.require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
             tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
-            version = _register_version(client, name, info, tags)
+            version = str(registry.create_version(client, name, info, tags).version)
         if alias:
-            client.set_registered_model_alias(name, alias, version.version)
-    except BaseException:
-        if not attached:
-            client.set_terminated(run.info.run_id, status="FAILED")
-        raise
-    if not attached:
-        client.set_terminated(run.info.run_id)
-    client.set_tag(run.info.run_id, "ftcli.registered_model", f"{name}/{version.version}")
+            client.set_registered_model_alias(name, alias, version)
+    client.set_tag(run.info.run_id, "ftcli.registered_model", f"{name}/{version}")
     return Result(
-        name=name, version=str(version.version), model_uri=f"models:/{name}/{version.version}",
+        name=name, version=version, model_uri=f"models:/{name}/{version}",
         alias=alias, alias_uri=f"models:/{name}@{alias}" if alias else None,
         previous_alias_version=previous, mode=mode, source=str(model_dir),
         base_model=str(base) if base is not None else None,
@@ -611,21 +401,19 @@ def run_register(
     """`ftcli register`: see the module docstring. Prints a summary (or JSON) and returns it."""
     if adapter_only and merged:
         raise UserError("--adapter-only and --merged exclude each other")
-    registry = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI")
-    uc = is_uc_registry(registry)
-    name = validate_model_name(name, registry)
+    registry_uri = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI")
+    uc = registry.is_uc_registry(registry_uri)
+    name = registry.validate_model_name(name, registry_uri)
     if alias is not None:
-        alias = validate_alias(alias)
+        alias = registry.validate_alias(alias)
     elif force:
         _warn("--force has no effect without --alias")
-    recipe_dict = recipe.to_dict() if recipe is not None and hasattr(recipe, "to_dict") else recipe
     if checkpoint not in ("last", "best"):
         raise UserError(f"--checkpoint {checkpoint}: use last (the final model) or best (the best eval's)")
-    source = resolve_source(Path(model_dir), recipe_dict, checkpoint)
+    source = resolve_source(Path(model_dir), recipe.to_dict() if hasattr(recipe, "to_dict") else recipe, checkpoint)
     mode = choose_mode(source, adapter_only=adapter_only, merged=merged, uc=uc)
-    if mode == "adapter" and not source.base.local and not source.base.revision:
-        _warn(f"the base {source.base} has no pinned revision in run.json; MLflow records the hub's latest commit")
-    tracking = _tracking_uri(source, tracking_uri)
+    recorded = source.run.mlflow.tracking_uri if source.run is not None and source.run.mlflow else None
+    tracking_uri = resolve_tracking_uri(tracking_uri, recorded=recorded)
 
     from mlflow.exceptions import MlflowException
 
@@ -633,11 +421,9 @@ def run_register(
     # use none. A value the user exported wins.
     retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr
-        with contextlib.redirect_stdout(sys.stderr), _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES=retries):
-            result = log_and_register(
-                source, mode, name=name, alias=alias, force=force,
-                tracking_uri=tracking, registry_uri=registry or tracking, uc=uc,
-            )
+        with contextlib.redirect_stdout(sys.stderr), http_settings(max_retries=retries):
+            result = log_and_register(source, mode, name=name, alias=alias, force=force, tracking_uri=tracking_uri,
+                                      registry_uri=registry_uri or tracking_uri, uc=uc)
     except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)
         raise UserError(f"MLflow: {first_line(e)}") from None
     _print(result, as_json)
@@ -650,10 +436,8 @@ def _print(result: Result, as_json: bool) -> None:
         return
     out = Console(soft_wrap=True)
     run = "training run" if result.attached_to_training_run else "new run"
-    out.print(
-        f"[bold green]registered[/] {result.name} version {result.version} "
-        f"({result.mode}; {run} {result.run_id})", highlight=False,
-    )
+    out.print(f"[bold green]registered[/] {result.name} version {result.version} "
+              f"({result.mode}; {run} {result.run_id})", highlight=False)
     if result.alias:
         moved = f" (moved from version {result.previous_alias_version})" if result.previous_alias_version else ""
         out.print(f"  alias     {result.alias} -> version {result.version}{moved}", highlight=False)

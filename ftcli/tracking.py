@@ -23,14 +23,16 @@ off for the rest of the run: hours of training are worth more than the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from ftcli.errors import UserError
@@ -40,14 +42,17 @@ TRACKING_FILE = "tracking.json"
 PROBE_TIMEOUT_S = 10
 
 
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else $MLFLOW_TRACKING_URI,
+def resolve_tracking_uri(uri: str | None = None, *, recorded: str | None = None) -> str:
+    """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else `recorded` (the
+    training run's store, run.json: a sqlite file there must still exist), else $MLFLOW_TRACKING_URI,
     else sqlite:///<abs cwd>/mlflow.db. A URI whose credentials were masked (`https://***@host`, as
     <run>/recipe.yaml and run.json hold it) stands for $MLFLOW_TRACKING_URI when that is the same URI
     with them (what the launcher hands its workers, `export_credentials`); otherwise it is used
     without them, and MLflow reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD."""
+    if not uri and recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():
+        raise UserError(f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri")
     env = os.environ.get("MLFLOW_TRACKING_URI")
-    uri = uri or env or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    uri = uri or recorded or env or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
     if not has_masked_credentials(uri):
         return uri
     return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
@@ -91,6 +96,44 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
         else:
             why = str(reason)
         raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
+
+
+@contextlib.contextmanager
+def http_settings(max_retries: str, timeout_s: float | None = None) -> Iterator[None]:
+    """MLflow's HTTP retries (and request timeout) for the block, through its own environment variables;
+    afterwards each has its old value, or none."""
+    values = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": max_retries}
+    if timeout_s is not None:
+        values["MLFLOW_HTTP_REQUEST_TIMEOUT"] = f"{timeout_s:g}"
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def recipe_params(recipe: dict | None) -> dict[str, str]:
+    """The MLflow params of a run: the recipe dict flattened, secrets and env values "***", URIs masked."""
+    return flatten(scrub_recipe(recipe))
+
+
+def create_run(client, experiment: str, *, run_name: str, tags: dict[str, str], params: dict[str, str],
+               metrics: dict[str, float]):
+    """A new run in `experiment` (created on first use) through `client`, with params and step-0 metrics."""
+    from mlflow.entities import Metric, Param
+
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    now = int(time.time() * 1000)
+    client.log_batch(run.info.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                     params=[Param(k, v) for k, v in params.items()])
+    return run
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -194,7 +237,7 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
                         "set tracking.enabled=false to train without tracking") from None
     tracker = MlflowTracking(mlflow, run, uri)
     try:
-        mlflow.log_params(flatten(scrub_recipe(recipe.to_dict())))
+        mlflow.log_params(recipe_params(recipe.to_dict()))
     except Exception as e:  # noqa: BLE001 - e.g. a resumed run whose recipe changed: params are immutable
         print(f"warning: MLflow kept the params it had for this run ({first_line(e)})", file=sys.stderr)
     if run_dir is not None:

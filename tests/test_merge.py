@@ -133,15 +133,49 @@ def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):
 
     cases = [
         (["--base", str(qwen)], "is a 'qwen3_5_text' model but the adapter was trained on 'gpt_oss'"),
-        (["--base", str(narrow)], "does not fit base"),
+        (["--base", str(narrow)], "does not fit base '%s': model.layers.0.self_attn.q_proj.lora_A.weight is "
+                                  "[16, 128] in the adapter but [16, 64] on this base" % narrow),
         (["--base", str(tmp_path / "missing")], "cannot load its config"),
     ]
     for extra, message in cases:
         result = _cli(["merge-lora", str(run), "--output", str(tmp_path / "out"), "--dtype", "float32", *extra])
         assert result.exit_code == 2, result.output
-        assert message in result.output, result.output
+        assert message in " ".join(result.output.split()), result.output
         assert _one_error_line(result.output), result.output
         assert not (tmp_path / "out").exists()
+
+
+def test_adapter_that_does_not_fit_is_refused_before_peft_builds_it(lora_run, tmp_path):
+    """adapter_config.json unreadable or not LoRA's, and a tensor for a module the base lacks: one line each,
+    from ftcli's own checks (nothing parsed out of PEFT's messages)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run, _ = lora_run
+
+    def case(edit):
+        copy = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(run, copy)
+        edit(copy / "final")
+        result = _cli(["merge-lora", str(copy), "--output", str(tmp_path / "out"), "--dtype", "float32"])
+        assert result.exit_code == 2 and _one_error_line(result.output), result.output
+        assert not (tmp_path / "out").exists()
+        return " ".join(result.output.split())
+
+    def rename_module(final):
+        weights = load_file(final / "adapter_model.safetensors")
+        save_file({k.replace("layers.1.self_attn.q_proj", "layers.1.self_attn.qq_proj"): v
+                   for k, v in weights.items()}, final / "adapter_model.safetensors")
+
+    config = lambda text: lambda final: (final / "adapter_config.json").write_text(text)  # noqa: E731
+    assert "adapter_config.json: cannot read it (" in case(config("{not json"))
+    assert "adapter_config.json: peft_type is 'IA3'; merge-lora merges LoRA adapters only" in case(
+        config(json.dumps({"peft_type": "IA3"})))
+    assert "has no adapter_model.safetensors; pass the adapter dir that training wrote" in case(
+        lambda final: (final / "adapter_model.safetensors").unlink())
+    assert ("does not fit base '%s': 2 adapter tensors have no place in it "
+            "(e.g. base_model.model.model.layers.1.self_attn.qq_proj.lora_A.weight)" % lora_run[1]) in case(rename_module)
 
 
 def _adapter_dir(root, base_ref=None, revision=None):

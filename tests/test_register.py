@@ -27,6 +27,7 @@ from ftcli.recipe import load_recipe, resolve_path
 from ftcli.mlflow_model import check_remote_code
 from ftcli.redact import scrub_recipe
 from ftcli.tracking import check_reachable, flatten
+from ftcli import mlflow_model, registry
 from ftcli import register as reg
 
 
@@ -421,7 +422,7 @@ def test_checkpoint_needing_remote_code_is_refused_unless_recipe_trusts_it(tmp_p
     [("main.default.my_model", "main.default.my_model"), ("Main.ML.Tiny-Qwen", "main.ml.tiny-qwen")],
 )
 def test_uc_names_are_three_valid_parts_lowercased(name, expected):
-    assert reg.validate_uc_name(name) == expected
+    assert registry.validate_uc_name(name) == expected
 
 
 @pytest.mark.parametrize(
@@ -432,7 +433,7 @@ def test_uc_names_are_three_valid_parts_lowercased(name, expected):
 )
 def test_uc_bad_names_are_refused(name, problem):
     with pytest.raises(UserError, match=problem) as err:
-        reg.validate_model_name(name, "databricks-uc")
+        registry.validate_model_name(name, "databricks-uc")
     assert "\n" not in str(err.value)
 
 
@@ -442,10 +443,10 @@ def test_uc_signature_needs_inputs_and_outputs():
 
     inputs = Schema([ColSpec("string", "prompt")])
     with pytest.raises(UserError, match="inputs and outputs"):
-        reg.require_uc_signature(None)
+        registry.require_uc_signature(None)
     with pytest.raises(UserError, match="outputs"):
-        reg.require_uc_signature(ModelSignature(inputs=inputs))
-    reg.require_uc_signature(ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string", "text")])))
+        registry.require_uc_signature(ModelSignature(inputs=inputs))
+    registry.require_uc_signature(ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string", "text")])))
 
 
 def test_uc_bad_name_fails_before_any_mlflow_call(tmp_path, tiny_full_final, monkeypatch):
@@ -617,7 +618,7 @@ def test_unreadable_data_falls_back_to_a_fixed_example_with_a_warning(tmp_path, 
     recipe = json.loads((run_dir / "run.json").read_text())["recipe"]
     _set_recipe(run_dir, data={**recipe["data"], "path": str(tmp_path / "moved.jsonl")})
     result = reg.run_register(run_dir, name="fallback", tracking_uri=sqlite_uri)
-    assert _logged_input_example(result.model_uri, sqlite_uri) == reg.FALLBACK_EXAMPLE
+    assert _logged_input_example(result.model_uri, sqlite_uri) == mlflow_model.FALLBACK_EXAMPLE
     err = " ".join(capsys.readouterr().err.split())
     assert (f"warning: input example: a fixed chat request, not one from the training data (cannot read "
             f"{tmp_path / 'moved.jsonl'} (data.path {str(tmp_path / 'moved.jsonl')!r} does not exist))") in err
@@ -626,13 +627,13 @@ def test_unreadable_data_falls_back_to_a_fixed_example_with_a_warning(tmp_path, 
 def test_data_that_cannot_give_a_chat_request_says_why():
     import datasets
 
-    assert reg.chat_request_from_data(None) == (None, "no training recipe to read the data from")
-    assert reg.chat_request_from_data({"data": {"source": "synthetic"}}) == (None, "synthetic data has no chat turns")
+    assert mlflow_model.chat_request_from_data(None) == (None, "no training recipe to read the data from")
+    assert mlflow_model.chat_request_from_data({"data": {"source": "synthetic"}}) == (None, "synthetic data has no chat turns")
     plain = {"data": {"source": "local", "path": "pkg://assets/tiny_chat.jsonl", "format": "prompt_completion"}}
-    assert reg.chat_request_from_data(plain) == (
-        None, f"no row with a user turn in the first {reg.EXAMPLE_SCAN_ROWS} rows of pkg://assets/tiny_chat.jsonl")
+    assert mlflow_model.chat_request_from_data(plain) == (
+        None, f"no row with a user turn in the first {mlflow_model.EXAMPLE_SCAN_ROWS} rows of pkg://assets/tiny_chat.jsonl")
     if datasets.config.HF_HUB_OFFLINE:  # set before datasets was imported (this module's HF_HUB_OFFLINE)
-        example, why = reg.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
+        example, why = mlflow_model.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
         assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
 
 
@@ -647,3 +648,26 @@ def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path,
     assert reg.probe_generation(tmp_path, None, source, [{"role": "user", "content": "hi"}]) is None
     assert " ".join(capsys.readouterr().err.split()) == (
         f"warning: no probe generation: {tmp_path} does not fit in memory here (OutOfMemoryError)")
+
+
+def test_register_reaches_no_private_mlflow_state():
+    """register, registry, mlflow_model and tracking use MLflow's public API only: no `mlflow...._name`
+    attribute and no private import (they once saved and restored MLflow's private globals)."""
+    import ast
+
+    import ftcli
+
+    found = []
+    for module in ("register", "registry", "mlflow_model", "tracking"):
+        path = Path(ftcli.__file__).parent / f"{module}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlflow"):
+                found += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_") or "._" in node.module]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id == "mlflow":
+                    found.append(f"{module}: mlflow...{node.attr}")
+    assert found == []

@@ -37,3 +37,48 @@ def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server
     run = mlflow.MlflowClient(uri).get_run(job_run.info.run_id)
     assert run.data.metrics["loss"] == 1.5 and run.data.params["compute.env_variables.NCCL_SOCKET_IFNAME"] == "***"
     assert json.loads((tmp_path / "run" / "tracking.json").read_text())["run_id"] == job_run.info.run_id
+
+
+def test_recorded_store_comes_after_the_flag_and_a_missing_sqlite_file_is_one_line(tmp_path, monkeypatch):
+    from ftcli.errors import UserError
+    from ftcli.tracking import resolve_tracking_uri
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    gone = f"sqlite:///{tmp_path / 'gone.db'}"
+    assert resolve_tracking_uri("http://flag:5000", recorded=gone) == "http://flag:5000"  # the flag wins, unchecked
+    with pytest.raises(UserError, match=r"^the training run's MLflow store sqlite:///.*gone.db \(run.json\) is missing; "
+                                        r"pass --tracking-uri$"):
+        resolve_tracking_uri(None, recorded=gone)
+    (tmp_path / "gone.db").write_bytes(b"")
+    assert resolve_tracking_uri(None, recorded=gone) == gone
+    assert resolve_tracking_uri(None, recorded=None) == "http://env:5000"
+
+
+def test_http_settings_restore_each_variable_afterwards(monkeypatch):
+    import os
+
+    from ftcli.tracking import http_settings
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    with pytest.raises(RuntimeError):
+        with http_settings(max_retries="0", timeout_s=5):
+            assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+            assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+            raise RuntimeError
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7" and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_create_run_logs_scrubbed_recipe_params_and_step_0_metrics(tmp_path):
+    from mlflow import MlflowClient
+
+    from ftcli.tracking import create_run, recipe_params
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    params = recipe_params({"name": "x", "compute": {"secrets": {"HF_TOKEN": "scope/key"}}, "training": {"lr": 1e-5}})
+    assert params == {"name": "x", "compute.secrets.HF_TOKEN": "***", "training.lr": "1e-05"}
+    run = create_run(client, "exp", run_name="r", tags={"k": "v"}, params=params, metrics={"steps": 3})
+    again = create_run(client, "exp", run_name="r2", tags={}, params={}, metrics={})
+    got = client.get_run(run.info.run_id)
+    assert got.data.params == params and got.data.metrics == {"steps": 3.0} and got.data.tags["k"] == "v"
+    assert again.info.experiment_id == run.info.experiment_id  # the experiment is made once
