@@ -1,0 +1,140 @@
+"""gpt-oss-120b LoRA with the base sharded by FSDP2, cut to N layers on one GPU, next to the memory model.
+
+Each depth is a real `python -m ftcli train --recipe gpt-oss-120b-h100` (launcher -> torchrun -> TRL +
+PEFT + accelerate FSDP2, training.sharding=fsdp from the recipe) with: random init at the 120b shape
+(ftcli/assets/models/openai--gpt-oss-120b.json) cut to N layers, bf16 (no MXFP4 weights to dequantize),
+the shipped gpt-oss tokenizer, synthetic chat data packed into the recipe's 4k blocks, max_steps steps,
+tracking and checkpoints off. One GPU means world size 1: the "shard" is the whole N-layer base, so the
+point checks the memory model's terms (base, adapter, optimizer, activations, loss) that do not depend on
+the world size; the recipe's 8xH100 figure is the same model at 36 layers over 8 shards.
+
+Reported per depth: median s/step and tokens/s (steps after --warmup, from metrics.jsonl), peak GPU
+memory allocated / reserved (torch), and `ftcli.plan.memory_on` for the same recipe on 1 GPU; then the
+per-layer slope and the 36-layer extrapolation of s/step (one GPU's compute for one 4k block; the 8-GPU
+run adds FSDP's all-gathers), and the memory model's 8xH100 prediction for the real recipe.
+
+H200 (project root, .gpu carried):  python benchmarks/lora_scale_gpu.py --layers 4 6
+CPU logic check (tiny gpt-oss, 256-token blocks, 1 process): python benchmarks/lora_scale_gpu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RECIPE = "gpt-oss-120b-h100"
+CONFIG_120B = ROOT / "ftcli" / "assets" / "models" / "openai--gpt-oss-120b.json"
+
+
+def depth_config(layers: int, tiny: bool, out: Path) -> Path:
+    src = ROOT / "ftcli" / "assets" / "tiny-gpt-oss.json" if tiny else CONFIG_120B
+    cfg = {k: v for k, v in json.loads(src.read_text()).items() if not k.startswith("_")}
+    cfg["num_hidden_layers"] = layers
+    if "layer_types" in cfg:
+        cfg["layer_types"] = [cfg["layer_types"][i % len(cfg["layer_types"])] for i in range(layers)]
+    else:  # gpt-oss alternates sliding and full attention, sliding first
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    path = out / f"gpt-oss-120b-{layers}layer.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def overrides(args, layers: int, out: Path) -> list[str]:
+    sets = ["model.init=random", "model.quantization=none", "model.tokenizer=pkg://assets/tokenizer-gpt-oss",
+            f"model.config={depth_config(layers, args.tiny, out)}", "data.source=synthetic",
+            "data.synthetic.num_examples=600", f"data.synthetic.mean_tokens={120 if args.tiny else 1200}",
+            f"data.synthetic.max_tokens={512 if args.tiny else 8192}", "tracking.enabled=false",
+            "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false",
+            f"training.max_steps={args.steps}", "training.log_every=1", f"output.dir={out / f'l{layers}'}"]
+    if args.tiny:
+        sets += ["model.dtype=float32", "training.optimizer.fused=false", "data.max_length=256",
+                 "data.packing.block_len=256", "training.cpu_processes=1"]
+    return sets
+
+
+def predicted(sets: list[str], world: int) -> dict:
+    from ftcli.plan import memory_on
+    from ftcli.recipe import load_recipe
+
+    return memory_on(load_recipe(RECIPE, sets), world).to_dict()
+
+
+def run_depth(args, layers: int, out: Path) -> dict:
+    sets = overrides(args, layers, out)
+    cmd = [sys.executable, "-m", "ftcli", "train", "--recipe", RECIPE, "--force"]
+    for s in sets:
+        cmd += ["--set", s]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=out)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+    except subprocess.TimeoutExpired as e:
+        code, tail = "timeout", str(e.stdout or "")[-1500:]
+    wall = time.perf_counter() - start
+    metrics_file = out / f"l{layers}" / "metrics.jsonl"
+    steps = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    timed = steps[args.warmup:]
+    row = {"layers": layers, "exit": code, "wall_s": round(wall, 1), "steps": len(steps),
+           "predicted_1gpu": predicted(sets, 1)}
+    if timed:
+        row.update(s_per_step=statistics.median(m["s_per_step"] for m in timed),
+                   tokens_per_s=statistics.median(m["tokens_per_s"] for m in timed),
+                   peak_mem=max(m["peak_mem"] or 0 for m in steps), peak_reserved=max(m["peak_mem_reserved"] or 0 for m in steps),
+                   mem_unit=steps[-1]["mem_unit"], losses=[round(m["loss"], 4) for m in steps])
+    if code != 0:
+        row["tail"] = tail
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| layers | exit | s/step | tokens/s | peak GiB allocated (reserved) | memory model, 1 GPU, GiB | "
+             "measured / model | losses |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "s_per_step" not in r:
+            lines.append(f"| {r['layers']} | {r['exit']} | - | - | - | {r['predicted_1gpu']['total']:.1f} | - | - |")
+            continue
+        ratio = r["peak_mem"] / r["predicted_1gpu"]["total"] if r["peak_mem"] else float("nan")
+        lines.append(f"| {r['layers']} | {r['exit']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['peak_mem']:.1f} ({r['peak_reserved']:.1f}) {r['mem_unit']} | "
+                     f"{r['predicted_1gpu']['total']:.1f} | {ratio:.2f} | {r['losses']} |")
+    done = [r for r in rows if "s_per_step" in r]
+    if len({r["layers"] for r in done}) >= 2:
+        (n0, t0), (n1, t1) = [(r["layers"], r["s_per_step"]) for r in (done[0], done[-1])]
+        slope = (t1 - t0) / (n1 - n0)
+        lines.append(f"\nper layer {slope:.4f} s, fixed part {t0 - slope * n0:.3f} s; 36 layers extrapolated "
+                     f"{t0 + slope * (36 - n0):.2f} s/step for one GPU's 4k block (FSDP all-gathers not included)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, nargs="+", default=None)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    args.layers = args.layers or ([2, 4] if args.tiny else [4, 6])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(tempfile.mkdtemp(prefix="ftcli-lora-scale-"))
+    eight = predicted(overrides(args, 36, out), 8)  # the shipped shape (36 layers) on the recipe's 8 GPUs
+    print(f"memory model, {RECIPE} as shipped (36 layers), 8 GPUs: {eight}", flush=True)
+    rows = []
+    for n in args.layers:
+        rows.append(run_depth(args, n, out))
+        print("ROW " + json.dumps(rows[-1]), flush=True)
+        print(table(rows), flush=True)
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
