@@ -56,6 +56,23 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ launcher
+def shutdown_grace_args() -> list[str]:
+    """torchrun's grace between forwarding a stop signal and SIGKILL: the workers' stop checkpoint
+    (ftcli.preempt) may take minutes at 27B, torchrun's default is 30 s. torch 2.13's torchrun takes
+    `--shutdown_timeout`, 2.11's does not (it refuses the whole command line): there the 30 s stay, said on
+    stderr, since a stop checkpoint may be cut short."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"--shutdown_timeout={STOP_GRACE_S}", "worker.py"])
+    if not unknown:
+        return [f"--shutdown_timeout={STOP_GRACE_S}"]
+    import torch
+
+    print(f"note: torchrun of torch {torch.__version__} has no --shutdown_timeout: on SIGTERM the workers get its "
+          f"30 s (not {STOP_GRACE_S} s) to write their stop checkpoint", file=sys.stderr)
+    return []
+
+
 def _processes_per_node(recipe) -> tuple[int, str]:
     import torch
 
@@ -93,8 +110,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     os.environ["FTCLI_LAUNCHED"] = "1"
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (_die_with_launcher)
 
-    # the workers' stop checkpoint (ftcli.preempt) may take minutes at 27B: torchrun's default grace is 30 s
-    torchrun_args = [f"--nproc_per_node={nproc}", f"--shutdown_timeout={STOP_GRACE_S}"]
+    torchrun_args = [f"--nproc_per_node={nproc}", *shutdown_grace_args()]
     num_nodes = int(os.environ.get("NUM_NODES", "1"))
     if num_nodes > 1:
         torchrun_args += [

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from _run_common import ftcli, recipe_file, subprocess_env, train_args
@@ -51,3 +52,29 @@ def test_bad_data_path_is_one_line_from_the_launcher_and_from_bare_torchrun(tmp_
     worker_lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert worker_lines == ["error: data.path '/nonexistent.jsonl' does not exist"]
     assert "gloo" not in res.stderr and "[rank1]" not in res.stderr
+
+
+def test_torchrun_without_shutdown_timeout_still_launches(monkeypatch, capsys):
+    """torch 2.11's torchrun has no --shutdown_timeout and refuses a command line that has it (seen on the
+    H200 image): the launcher passes it only where torchrun knows it, and says what the grace is otherwise."""
+    import argparse
+
+    import torch.distributed.run as torchrun_module
+
+    from ftcli.launch import shutdown_grace_args
+    from ftcli.preempt import STOP_GRACE_S
+
+    assert shutdown_grace_args() == [f"--shutdown_timeout={STOP_GRACE_S}"]  # this torch (2.13) has it
+
+    def old_parser():  # torchrun's parser without the option
+        p = argparse.ArgumentParser()
+        p.add_argument("--nproc_per_node")
+        p.add_argument("training_script")
+        return p
+
+    monkeypatch.setattr(torchrun_module, "get_args_parser", old_parser)
+    capsys.readouterr()
+    assert shutdown_grace_args() == []
+    assert capsys.readouterr().err == (
+        f"note: torchrun of torch {torch.__version__} has no --shutdown_timeout: on SIGTERM the workers get its "
+        f"30 s (not {STOP_GRACE_S} s) to write their stop checkpoint\n")
