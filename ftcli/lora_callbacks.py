@@ -156,9 +156,12 @@ class StepLog(ProgressCallback):
             self._pending[1] += kwargs["input_ids"].numel()
 
     def load(self, checkpoint: Path | None) -> None:
+        """A resumed run's state from its checkpoint-N: the token counts, and the evals so far."""
         saved = _read_json(checkpoint, TOKENS_FILE)
         if saved:
             self.trained, self.seen = saved["trained"], saved["seen"]
+        if self.eval_callback is not None:
+            self.eval_callback.load(checkpoint)
 
     def on_train_begin(self, args, state, control, **kwargs):
         from ftcli.metrics import StepMetrics

@@ -13,16 +13,13 @@ schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
 4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`);
 
 and, as TRL callbacks (`ftcli.lora_callbacks`), what TRL does not know: ftcli's step line and token counts,
-time-based saves, stopping on a signal, and the eval. Eval (`recipe.eval`) is ftcli's own (`ftcli.evaluate`,
-the functions the full loop calls) over the same packed eval blocks as the full path: TRL's eval loop averages
-per-batch means and is not normalized by the trained tokens across ranks. With the base sharded by FSDP2
-(`training.sharding: fsdp`) the eval and the samples run through accelerate's FSDP root on every rank.
-
-What both trainers share comes from the modules below them: the step line (`ftcli.metrics.StepMetrics`),
-the checkpoint timing and the resume rule (`ftcli.checkpoint`), the trained-token count (`ftcli.loss`),
-run.json (`ftcli.rundir.RunRecord`). Outputs follow the run-dir contract: <run>/checkpoints/checkpoint-N
-(resumable), <run>/final (adapter + tokenizer + chat template), <run>/best (keep_best), <run>/run.json,
-and <run>/base for random-init bases.
+time-based saves, stopping on a signal, and ftcli's own eval (`ftcli.evaluate`, the functions the full loop
+calls; TRL's eval averages per-batch means, not normalized by the trained tokens across ranks), also with the
+base sharded by FSDP2 (`training.sharding: fsdp`). Shared with the full path through the modules below: the
+step line (`ftcli.metrics`), checkpoint timing and resume (`ftcli.checkpoint`), the trained-token count
+(`ftcli.loss`), run.json (`ftcli.rundir.RunRecord`). Outputs follow the run-dir contract:
+<run>/checkpoints/checkpoint-N (resumable), <run>/final (adapter + tokenizer + chat template), <run>/best
+(keep_best), <run>/run.json, and <run>/base for random-init bases.
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ import numpy as np
 import torch
 
 from ftcli.errors import UserError
-from ftcli.lora_callbacks import EVALS_FILE, TOKENS_FILE  # noqa: F401 (the checkpoint files, named here too)
+from ftcli.lora_callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
+from ftcli.lora_callbacks import EvalCallback, StepLog, StopOnSignal, TimedSave, export_best, save_adapter
 from ftcli.lora_recipe import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.recipe import Recipe
 
@@ -87,7 +85,7 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return block_to_model_inputs(block)
 
 
-# ------------------------------------------------------------------------------------------- loss
+# ------------------------------------------------------------------------------- loss and sharding
 def normalize_loss_by_tokens(trainer) -> None:
     """Make every optimizer step minimize (sum of token losses) / (trained tokens of the whole step).
 
@@ -106,7 +104,6 @@ def normalize_loss_by_tokens(trainer) -> None:
     trainer.loss_is_scaled_for_ga = True
 
 
-# -------------------------------------------------------------------------------------------- sharding
 def fsdp_on_cpu_processes(trainer, args) -> None:
     """Let accelerate's FSDP2 run on CPU processes (gloo), as it runs on GPUs.
 
@@ -115,7 +112,8 @@ def fsdp_on_cpu_processes(trainer, args) -> None:
     falls back to DDP (accelerate 1.15). FSDP2 itself (`fully_shard`) runs on gloo, so on CPU processes ftcli
     sets the two attributes that branch would have set, and the trainer's FSDP flag read from them; from
     there on the CPU run takes the GPU code path (accelerate's `fsdp2_prepare_model`, its FSDP checkpoint
-    save/load). Not public API, hence this one place; a no-op on GPUs."""
+    save/load). Neither accelerate nor TRL has a public switch for this (`ACCELERATE_USE_FSDP` and
+    `fsdp_plugin` are read in that same branch only), hence this one place; a no-op on GPUs."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = trainer.accelerator.state
@@ -164,8 +162,6 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from ftcli.lora_callbacks import EvalCallback, StepLog, TimedSave
-
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                          processing_class=tokenizer, peft_config=lora_config(recipe, model))
     if args.fsdp:
@@ -189,12 +185,11 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli import data
     from ftcli.checkpoint import checkpoint_step, resolve_resume
     from ftcli.distributed import local_device, rank0_first
-    from ftcli.evaluate import Evaluator, eval_summaries, prepare_eval
-    from ftcli.lora_callbacks import StopOnSignal, export_best, save_adapter
-    from ftcli.plan import resolved_sharding
+    from ftcli.evaluate import Evaluator, prepare_eval
     from ftcli.metrics import truncate_metrics
+    from ftcli.plan import resolved_sharding
     from ftcli.preempt import Stopped
-    from ftcli.rundir import FINAL, METRICS_FILE, new_run_record, write_run_record
+    from ftcli.rundir import METRICS_FILE
     from ftcli.tracking import start_tracking
 
     run_dir = Path(run_dir)
@@ -245,10 +240,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                   f"{args.world_size} x {device.type}, base {sharding} ({why}), attention {attn or 'default'}, "
                   f"run dir {run_dir}", flush=True)
 
-        step_log.load(checkpoint)
-        evals = step_log.eval_callback
-        if evals is not None:
-            evals.load(checkpoint)
+        step_log.load(checkpoint)  # the token counts and the evals so far of a resumed run
         stop = StopOnSignal(recipe.training.checkpoint.enabled)
         trainer.add_callback(stop)
         try:
@@ -261,31 +253,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"
             raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
-        if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
-            save_adapter(trainer.model, tokenizer, run_dir / FINAL)
-        else:
-            trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
-        tracked = evals.evals if evals is not None else None
-        best_step = tracked.best_step if tracked is not None else None
-        best_model_dir = None
-        if recipe.training.checkpoint.keep_best and best_step is not None and args.process_index == 0:
-            best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
-
-        if args.process_index == 0:
-            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-            record = new_run_record(
-                recipe, method="lora", mlflow=tracker.info, base_path="base" if recipe.model.init == "random" else None,
-                model_dir=FINAL, steps=trainer.state.global_step,
-                tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
-                throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
-                status="completed", data=summary.to_dict(), evals=tracked.history if tracked else [],
-                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
-                best_step=best_step, best_eval_loss=tracked.best_loss if tracked else None,
-                best_model_dir=best_model_dir, stopped_early=evals.stop_reason if evals is not None else None,
-            )
-            tracker.log_artifact(write_run_record(run_dir, record))
-            tracker.log_artifact(run_dir / "recipe.yaml")
-            print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
+        finish(recipe, run_dir, trainer, step_log, tracker=tracker, summary=summary, evaluator=evaluator,
+               sharding=sharding)
         tracker.finish()
     except BaseException as e:
         tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
@@ -295,3 +264,36 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
         # can abort in C++ teardown ("terminate called without an active exception", seen on gloo)
         torch.distributed.destroy_process_group()
+
+
+def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
+    """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
+    from ftcli.evaluate import eval_summaries
+    from ftcli.rundir import FINAL, new_run_record, write_run_record
+
+    if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
+        save_adapter(trainer.model, trainer.processing_class, run_dir / FINAL)
+    else:
+        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+    if trainer.args.process_index != 0:
+        return
+    evals = step_log.eval_callback
+    tracked = evals.evals if evals is not None else None
+    best_step = tracked.best_step if tracked is not None else None
+    best_model_dir = None
+    if recipe.training.checkpoint.keep_best and best_step is not None:
+        best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    record = new_run_record(
+        recipe, method="lora", mlflow=tracker.info, base_path="base" if recipe.model.init == "random" else None,
+        model_dir=FINAL, steps=trainer.state.global_step,
+        tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
+        throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+        status="completed", data=summary.to_dict(), evals=tracked.history if tracked else [],
+        eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
+        best_step=best_step, best_eval_loss=tracked.best_loss if tracked else None,
+        best_model_dir=best_model_dir, stopped_early=evals.stop_reason if evals is not None else None,
+    )
+    tracker.log_artifact(write_run_record(run_dir, record))
+    tracker.log_artifact(run_dir / "recipe.yaml")
+    print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
