@@ -29,7 +29,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from ftcli.checkpoint import CheckpointSchedule
 from ftcli.distributed import all_reduce, local_device, rank0_decides
-from ftcli.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, samples_due, sample_now
+from ftcli.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.rundir import BEST, FINAL
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting

@@ -44,7 +44,7 @@ def training_rows(recipe: Recipe, tokenizer):
     """The rows TRL trains on: one per block of `ftcli.data.prepare_blocks`, exactly what
     `ftcli pack-preview --dump` writes, as a `datasets.Dataset` of (input_ids, labels, position_ids).
 
-    Packing on: fixed-length packed blocks. Packing off (the reference): one example per row,
+    Packing on: fixed-length packed blocks. Packing off (the published gpt-oss example): one example per row,
     truncated to `data.max_length` by the data path.
     """
     import datasets
