@@ -44,7 +44,6 @@ logits unless `loss.impl: full` asks for the published examples' behaviour; see 
 from __future__ import annotations
 
 import gc
-import json
 import math
 import time
 import traceback
@@ -67,8 +66,8 @@ from ftcli.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoi
                               save_hf_checkpoint, set_rng_state, step_dir_name)
 from ftcli.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.errors import TrainingStopped, UserError
-from ftcli.evaluate import (EvalResult, EvalTracker, Evaluator, eval_summaries, generate_samples, prepare_eval,
-                            samples_due, write_samples)
+from ftcli.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, eval_summaries, evaluate_now,
+                            prepare_eval, publish_eval, sample_now, samples_due)
 from ftcli.float8 import check_fp8_device, convert_to_fp8, fp8_linears
 from ftcli.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
 from ftcli.metrics import StepMetrics, log_step, truncate_metrics
@@ -556,28 +555,22 @@ class FullRun:
     # ---- eval -------------------------------------------------------------------------------------
     def evaluate(self) -> EvalResult:
         """Collective: the held-out loss now (ftcli.evaluate), recorded; early stopping decides here."""
-        result = self.evaluator.run(self.model, lambda inputs: self.model.loss_sum(**inputs), self.result.steps)
+        result, self.new_best = evaluate_now(self.evaluator, self.evals, self.model, self.result.steps,
+                                             say=self.say if self.world.is_main else None)
         self.eval_schedule.mark_saved()
-        self.new_best = self.evals.add(result)
         self.stop_reason = self.evals.stop_reason()
-        if self.world.is_main and len(result.sources) > 1:
-            self.say(result.line())
         return result
 
     def log_eval(self, result: EvalResult) -> None:
         """An eval outside a step line (step 0): printed, in metrics.jsonl and MLflow."""
         if self.world.is_main:
-            self.say(result.line())
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": result.step, **result.metrics()}) + "\n")
-            self.tracker.log_metrics(result.metrics(), step=result.step)
+            publish_eval(result, say=self.say, metrics_path=self.metrics_path, tracker=self.tracker)
 
     def sample(self) -> None:
         """Collective: greedy completions of eval.samples; every rank takes part in each sharded forward."""
-        completions = generate_samples(self.model, self.tokenizer, self.eval_cfg, synced_gpus=True)
+        sample_now(self.model, self.tokenizer, self.eval_cfg, self.result.steps, run_dir=self.run_dir,
+                   is_main=self.world.is_main, tracker=self.tracker)
         self.last_sample_step = self.result.steps
-        if self.world.is_main:
-            write_samples(self.run_dir, self.result.steps, self.eval_cfg, completions, self.tracker)
 
     def maybe_checkpoint(self, save_by_time: bool) -> Path | None:
         """6e. Save if the schedule says so (`save_by_time`: rank 0's clock, shared), but never in the
@@ -662,16 +655,14 @@ class FullRun:
                     out_dir, DTYPES[recipe.model.dtype],
                 )
 
-            if best is not None and best_step == result.steps:
-                best_model_dir = FINAL  # the last model is the best one
-            elif best is not None and self.eval_cfg.export == "best":
+            if best is not None:
+                best_model_dir = best_model_location(best_step, result.steps, self.eval_cfg.export)
+            if best_model_dir == FINAL and best_step != result.steps:  # export: best, the best is not the last
                 load_model_weights(best, self.model)
-                best_model_dir = FINAL
             export(final_dir)
-            if best is not None and best_model_dir is None:  # export: last, and a best model beside it
+            if best_model_dir == BEST:  # export: last, and a best model beside it
                 load_model_weights(best, self.model)
                 export(self.run_dir / BEST)
-                best_model_dir = BEST
             if best is not None:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")
