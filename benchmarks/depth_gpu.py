@@ -144,7 +144,8 @@ def sub_args(args, *extra: str) -> list[str]:
     base = [sys.executable, str(Path(__file__).resolve()), "--block-len", str(args.block_len), "--rows",
             str(args.rows), "--out", str(args.out), "--warmup", str(args.warmup), "--ftcli-steps",
             str(args.ftcli_steps)]
-    return base + (["--tiny"] if args.tiny else []) + list(extra)
+    return (base + (["--tiny"] if args.tiny else []) + (["--extra-set", *args.extra_set] if args.extra_set else [])
+            + list(extra))
 
 
 # ------------------------------------------------------------------------------------------- profile
@@ -253,7 +254,7 @@ def profile_step(args, out: Path) -> None:
     config = write_depth_config(n, args.tiny, out / "configs")
     sets = [*(TINY if args.tiny else []), "training.cpu_processes=1", *b300_settings(args.tiny),
             f"model.config={config}", *data_overrides(args.block_len, args.tiny), "training.max_steps=5",
-            "training.log_every=1", f"output.dir={out / f'profile-b{args.block_len}-l{n}'}"]
+            "training.log_every=1", f"output.dir={out / f'profile-b{args.block_len}-l{n}'}", *args.extra_set]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -275,7 +276,8 @@ def profile_step(args, out: Path) -> None:
     trace = args.trace or out / "profile-trace.json"
     prof.export_chrome_trace(str(trace))
     kernels, window, cpu_events = trace_summary(json.loads(Path(trace).read_text()), cuda)
-    print(f"\nprofile of one ftcli train step: {n} layers, block {args.block_len}, qwen-b300 settings\n", flush=True)
+    extra = f" + {' '.join(args.extra_set)}" if args.extra_set else ""
+    print(f"\nprofile of one ftcli train step: {n} layers, block {args.block_len}, qwen-b300 settings{extra}\n", flush=True)
     print(kernel_table(kernels, window, cpu_events), flush=True)
 
 
@@ -555,6 +557,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="run dirs (default: a temp dir)")
     parser.add_argument("--trace", type=Path, default=None, help="profile: also write the chrome trace here")
     parser.add_argument("--tiny", action="store_true", help="CPU logic check: tiny config, 512-token blocks")
+    parser.add_argument("--extra-set", nargs="*", default=[], help="profile: more --set overrides (e.g. a lever)")
     parser.add_argument("--ftcli-one", type=int, default=None, help=argparse.SUPPRESS)  # child: one ftcli depth
     parser.add_argument("--profile-one", action="store_true", help=argparse.SUPPRESS)  # child: the profile
     parser.add_argument("--inproc-one", action="store_true", help=argparse.SUPPRESS)  # child: lever / eval

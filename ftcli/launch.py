@@ -222,9 +222,10 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
-    from ftcli.distributed import exit_worker
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (not a caller running the command in-process)
+        from ftcli.distributed import exit_worker
 
-    exit_worker(0)  # run.json, checkpoints and MLflow are closed: leave without the interpreter's teardown
+        exit_worker(0)  # run.json, checkpoints and MLflow are closed: leave without the interpreter's teardown
 
 
 

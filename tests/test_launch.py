@@ -78,3 +78,21 @@ def test_torchrun_without_shutdown_timeout_still_launches(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         f"note: torchrun of torch {torch.__version__} has no --shutdown_timeout: on SIGTERM the workers get its "
         f"30 s (not {STOP_GRACE_S} s) to write their stop checkpoint\n")
+
+
+def test_train_run_in_process_returns_to_its_caller(tmp_path, env):
+    """A worker started by torchrun ends with os._exit (ftcli.distributed.exit_worker); the same command run
+    in-process by a caller that set up the rank variables itself (benchmarks/depth_gpu.py's profile) must
+    return to it."""
+    code = ("import sys; from ftcli.cli import app\n"
+            "app(sys.argv[1:], standalone_mode=False)\n"
+            "print('returned to the caller')\n")
+    child_env = {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}
+    child_env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29517")
+    args = train_args(tmp_path / "run", "training.max_steps=2", "training.cpu_processes=1", "tracking.enabled=false",
+                      "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false")
+    res = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=child_env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.splitlines()[-1] == "returned to the caller"
