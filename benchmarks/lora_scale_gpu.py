@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,11 +76,19 @@ def run_depth(args, layers: int, out: Path) -> dict:
     for s in sets:
         cmd += ["--set", s]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=out)
-        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
-    except subprocess.TimeoutExpired as e:
-        code, tail = "timeout", str(e.stdout or "")[-1500:]
+    log = out / f"l{layers}.log"  # every line of the run with its time since start: where a slow build waits
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    timer = threading.Timer(args.timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    with open(log, "w") as f:
+        for line in proc.stdout:
+            f.write(f"[{time.perf_counter() - start:7.1f} s] {line}")
+            f.flush()
+    timer.cancel()
+    code = proc.wait()
+    code = "timeout" if code == -signal.SIGKILL else code
+    tail = "".join(log.read_text().splitlines(keepends=True)[-12:])
     wall = time.perf_counter() - start
     metrics_file = out / f"l{layers}" / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
@@ -120,7 +130,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, nargs="+", default=None)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per depth (the base is built on the CPU)")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     args.layers = args.layers or ([2, 4] if args.tiny else [4, 6])

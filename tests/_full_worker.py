@@ -184,3 +184,6 @@ if __name__ == "__main__":
     else:
         steps = {int(s) for s in args.nan_steps.split(",") if s}
         train(args.out, args.recipe, steps, args.truncate_rank1, args.mask_from, args.block_delay_ms)
+    from ftcli.distributed import exit_worker
+
+    exit_worker(0)  # the files are written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

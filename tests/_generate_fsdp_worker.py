@@ -49,3 +49,6 @@ def main(model_dir: str, out: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1], sys.argv[2])
+    from ftcli.distributed import exit_worker
+
+    exit_worker(0)  # the files are written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

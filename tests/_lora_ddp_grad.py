@@ -74,3 +74,10 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] == "true")
+    import torch.distributed as dist
+
+    from ftcli.distributed import exit_worker
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    exit_worker(0)  # result.json is written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

@@ -29,12 +29,14 @@ def test_qwen_b300_plan_on_every_card():
     c = cards(p)
     assert list(c) == ["GPU_8xB300", "GPU_8xH100", "GPU_8xH200", "GPU_1xA10"]
     assert c["GPU_8xB300"].own and c["GPU_8xB300"].fits and c["GPU_8xB300"].keep_layers == 16
-    assert c["GPU_8xH200"].fits and c["GPU_8xH200"].keep_layers == 3
-    assert round(c["GPU_8xB300"].estimate.total, 1) == 81.7
+    assert round(c["GPU_8xB300"].estimate.total, 1) == 224.9  # the recipe keeps 14 layers' activations
+    keep0 = "training.activation_checkpointing_keep=0"
+    assert not c["GPU_8xH200"].fits and [s.overrides for s in c["GPU_8xH200"].suggestions][:2] == [
+        ("training.activation_checkpointing_keep=3",), (keep0, "data.packing.block_len=16384")]
     assert not c["GPU_8xH100"].fits
     assert [s.overrides for s in c["GPU_8xH100"].suggestions] == [
-        ("data.packing.block_len=16384",), ("training.precision.master_dtype=bfloat16",),
-        ("compute.num_accelerators=16",)]
+        (keep0, "data.packing.block_len=16384"), (keep0, "training.precision.master_dtype=bfloat16"),
+        (keep0, "compute.num_accelerators=16")]
     assert [round(s.total_gib, 1) for s in c["GPU_8xH100"].suggestions] == [66.0, 61.4, 56.6]
     assert not c["GPU_1xA10"].fits and c["GPU_1xA10"].gpus == 8 and not c["GPU_1xA10"].suggestions
     assert "no setting tried fits 20.6 GiB" in c["GPU_1xA10"].why
@@ -143,11 +145,12 @@ def test_accelerator_option_and_unknown_cards():
 
 def test_fit_check_refuses_with_the_nearest_setting():
     ok = plan.fit_check(load_recipe("qwen-b300"))
-    assert ok.fits and ok.reason == "fits GPU_8xB300: 81.7 of 246.8 GiB usable per GPU"
+    assert ok.fits and ok.reason == "fits GPU_8xB300: 224.9 of 246.8 GiB usable per GPU"
     bad = plan.fit_check(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100"]))
     assert not bad.fits
-    assert bad.reason == ("qwen-b300 does not fit GPU_8xH100: 81.7 GiB per GPU > 68.5 usable of 80 GB; nearest that "
-                          "fits: --set data.packing.block_len=16384 (66.0 GiB)")
+    assert bad.reason == ("qwen-b300 does not fit GPU_8xH100: 224.9 GiB per GPU > 68.5 usable of 80 GB; nearest that "
+                          "fits: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
+                          "(66.0 GiB)")
 
 
 def test_plan_json_cli_and_no_torch():
@@ -160,8 +163,9 @@ def test_plan_json_cli_and_no_torch():
     assert data["recipe"] == "qwen-b300" and data["steps"] == 995
     own = data["cards"][0]
     assert own["accelerator"] == "GPU_8xB300" and own["fits"] and own["keep_layers"] == 16
-    assert own["memory_gib"]["total"] == 81.7
-    assert data["cards"][1]["fitting_settings"][0] == ["data.packing.block_len=16384"]
+    assert own["memory_gib"]["total"] == 224.93
+    assert data["cards"][1]["fitting_settings"][0] == ["training.activation_checkpointing_keep=0",
+                                                       "data.packing.block_len=16384"]
 
 
 def test_plan_cli_table_and_bad_accelerator(tmp_path):
@@ -173,11 +177,12 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert result.exit_code == 0
     rows = [line.split() for line in result.output.splitlines() if line.startswith("  GPU_")]
     assert "the recipe's accelerator: GPU_8xB300" in result.output
-    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "30.5", "0.9", "0.0", "81.7", "246.8", "yes", "16"]
+    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "173.8", "0.9", "0.0", "224.9", "246.8", "yes", "16"]
     assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
     assert rows[4][:4] == ["GPU_8xB300", "5.46*", "1.5", "h"]  # the time table
     assert rows[6][:2] == ["GPU_8xH200", "12.43*"]
-    assert "GPU_8xH100 fits with: --set data.packing.block_len=16384 (66.0 GiB)" in result.output
+    assert ("GPU_8xH100 fits with: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
+            "(66.0 GiB)") in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
     assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
 
@@ -314,3 +319,20 @@ def test_step_time_json_exact():
     tiny = plan.make_plan(load_recipe("tiny-qwen-cpu")).to_dict()["cards"][0]
     assert (tiny["s_per_step"], tiny["step_command"], tiny["wall_hours"]) == (None, None, None)
     assert tiny["step_source"] == "no measurement for qwen3_5 at hidden 128, full, 1024 tokens, checkpointing none"
+
+
+def test_a_suggested_short_block_comes_with_the_faster_loss():
+    """Full SFT with liger: a suggested block of 8k or less also switches to the chunked loss (measured faster
+    there on an H200), a 16k one keeps liger (16k not measured)."""
+    from ftcli import memory
+    from ftcli.plan import CHUNKED_LOSS_UP_TO, fitting_settings
+
+    assert CHUNKED_LOSS_UP_TO == 8192
+    shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    liger = memory.Setting(method="full", tokens=32768, loss="liger", checkpointing="full")
+    on_h200 = fitting_settings(shape, memory.Setting(**{**vars(liger), "world": 8}), "H200", 8)
+    assert on_h200[0].overrides == ("data.packing.block_len=16384",)
+    on_a10 = fitting_settings(shape, memory.Setting(**{**vars(liger), "world": 64}), "A10", 8)
+    assert [s.overrides for s in on_a10] == [("data.packing.block_len=8192", "training.loss.impl=chunked")]
+    chunked = memory.Setting(**{**vars(liger), "world": 64, "loss": "chunked"})
+    assert fitting_settings(shape, chunked, "A10", 8)[0].overrides == ("data.packing.block_len=8192",)
