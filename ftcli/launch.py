@@ -202,7 +202,8 @@ def _preflight(recipe) -> None:
 
 # -------------------------------------------------------------------------------------------- worker
 def _worker(recipe, *, resume: str | None, force: bool) -> None:
-    _die_with_launcher()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, not a caller running the command in-process
+        _die_with_launcher()
     run_dir = run_dir_of(recipe)
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:

@@ -29,6 +29,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from ftcli.checkpoint import CheckpointSchedule
 from ftcli.distributed import all_reduce, local_device, rank0_decides
+from ftcli.errors import UserError
 from ftcli.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.rundir import BEST, FINAL
 
@@ -88,8 +89,14 @@ def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> s
     if best_step == last_step:
         shutil.rmtree(run_dir / BEST, ignore_errors=True)
     elif where == FINAL:
-        shutil.rmtree(run_dir / FINAL)
+        if not (run_dir / BEST / "adapter_config.json").is_file():  # checked before final/ goes
+            raise UserError(f"export: best needs the best eval's adapter in {run_dir / BEST}, which is missing; "
+                            f"the last adapter stays in {run_dir / FINAL}")
+        aside = run_dir / f".old_{FINAL}"
+        shutil.rmtree(aside, ignore_errors=True)
+        (run_dir / FINAL).rename(aside)
         (run_dir / BEST).rename(run_dir / FINAL)
+        shutil.rmtree(aside)
     return where
 
 

@@ -215,10 +215,17 @@ def default_output(adapter: Path, run_dir: Path | None) -> Path:
     return run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged")
 
 
-def is_newer_merge(out: Path, adapter: Path) -> bool:
-    """Does `out` hold a merged model written after the adapter's weights (one `ftcli register` may reuse)?"""
+def is_newer_merge(out: Path, adapter: Path, dtype: str, fmt: str = "plain") -> bool:
+    """Does `out` hold a merge of this adapter (merge.json names it), in this dtype and format, written after
+    the adapter's weights (one `ftcli register` may reuse)? <run>/final and <run>/best share <run>/merged."""
     done = out / "config.json"
-    return done.is_file() and any(out.glob("*.safetensors")) and all(
+    try:
+        report = json.loads((out / MERGE_REPORT).read_text())
+    except (OSError, ValueError):
+        return False
+    same = (isinstance(report, dict) and Path(str(report.get("adapter"))).resolve() == adapter.resolve()
+            and report.get("dtype") == dtype and report.get("format", "plain") == fmt)
+    return same and done.is_file() and any(out.glob("*.safetensors")) and all(
         done.stat().st_mtime >= p.stat().st_mtime for p in adapter.glob("adapter_model.*") if p.is_file())
 
 
@@ -304,7 +311,7 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
-        report.update(adapter=str(adapter), base=base_ref)
+        report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
         tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
         try:
             AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
@@ -503,7 +510,10 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
         lora = LoraConfig.from_peft_type(**read_adapter_config(adapter))
     except (TypeError, ValueError) as e:  # a value LoraConfig refuses (e.g. r: 0)
         raise UserError(f"{adapter / 'adapter_config.json'}: not a LoRA config PEFT can use ({first_line(e)})") from None
-    saved = load_peft_weights(str(adapter), device="cpu")
+    try:
+        saved = load_peft_weights(str(adapter), device="cpu")
+    except Exception as e:  # noqa: BLE001 - a truncated safetensors file, a .bin that does not unpickle
+        raise UserError(f"{adapter}: cannot read the adapter weights ({first_line(e)})") from None
     modules = {name for name, _ in base.named_modules()}
     _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})
     # as PeftModel.from_pretrained would (inference mode, eval), minus the load: its weights go in below
@@ -511,7 +521,8 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
     model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
     slots = {name.replace(".default", ""): (name, p) for name, p in model.named_parameters() if "lora_" in name}
     _check_fit(adapter, base_ref, [k for k in saved if k not in slots], {  # in the model's order
-        k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape})
+        k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape},
+        empty=[k for k in slots if k not in saved])
     for key, tensor in saved.items():
         set_module_tensor_to_device(model, slots[key][0], "cpu", value=tensor.to(torch.float32))
     return model, config
@@ -524,11 +535,17 @@ def _adapted_module(key: str) -> str:
     return plain_name(key.split(".lora_")[0])
 
 
-def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[str, tuple[list, list]]) -> None:
-    """One line for the first misfit: adapter tensors with no place in the base, or of another shape."""
+def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[str, tuple[list, list]],
+               empty: list[str] = ()) -> None:
+    """One line for the first misfit: adapter tensors with no place in the base, LoRA slots of the base the
+    adapter has no weights for (e.g. a deeper base whose extra layers its target_modules also match), or a
+    tensor of another shape."""
     problem = None
     if unplaced:
         problem = f"{len(unplaced)} adapter tensors have no place in it (e.g. {sorted(unplaced)[0]})"
+    elif empty:
+        problem = (f"the adapter has no weights for {len(empty)} of its LoRA tensors on this base (e.g. "
+                   f"{empty[0].removeprefix('base_model.model.')})")
     elif shapes:
         key, (have, want) = next(iter(shapes.items()))
         problem = f"{key.removeprefix('base_model.model.')} is {have} in the adapter but {want} on this base"

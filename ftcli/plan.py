@@ -222,7 +222,8 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
         master="fp32" if t.precision.master_dtype == "float32" else "bf16",
         compute_bytes=4 if dtype == "float32" else 2, checkpointing=t.activation_checkpointing,
-        keep=t.activation_checkpointing_keep, loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
+        keep=0 if lora else t.activation_checkpointing_keep,  # LoRA ignores it (lora_recipe.ignored_settings)
+        loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
         adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp")
 
 
@@ -283,7 +284,7 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
                 break
     if not out:
         changes: dict[str, Any] = {"checkpointing": "full", "keep": 0}
-        overrides = ["training.activation_checkpointing=full"]
+        overrides = [*drop_keep, "training.activation_checkpointing=full"]
         if s.method == "full":
             changes["master"] = "bf16"
             overrides.append("training.precision.master_dtype=bfloat16")

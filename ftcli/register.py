@@ -320,8 +320,8 @@ def _ends(client, run, attached: bool) -> Iterator[None]:
 def merge_adapter(source: Source) -> Path:
     """The one call into merge-lora; reuses <run>/merged when it is newer than the adapter."""
     output = default_output(source.model_dir, source.run_dir)
-    if is_newer_merge(output, source.model_dir):
-        err_console.print(f"using the merged model in {output} (newer than the adapter)", highlight=False)
+    if is_newer_merge(output, source.model_dir, source.dtype):
+        err_console.print(f"using the merged model in {output} (this adapter's, newer than it)", highlight=False)
         return output
     # base=None: merge-lora resolves it from the same run.json / adapter_config.json, revision included
     return Path(merge_lora(source.model_dir, base=None, output=output, dtype=source.dtype, recipe=source.recipe,

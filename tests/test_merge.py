@@ -177,6 +177,16 @@ def test_adapter_that_does_not_fit_is_refused_before_peft_builds_it(lora_run, tm
     assert ("does not fit base '%s': 2 adapter tensors have no place in it "
             "(e.g. base_model.model.model.layers.1.self_attn.qq_proj.lora_A.weight)" % lora_run[1]) in case(rename_module)
 
+    def drop_module(final):  # a base whose layers the adapter does not all cover (e.g. a deeper one)
+        weights = load_file(final / "adapter_model.safetensors")
+        save_file({k: v for k, v in weights.items() if "layers.1.self_attn.q_proj" not in k},
+                  final / "adapter_model.safetensors")
+
+    assert ("does not fit base '%s': the adapter has no weights for 2 of its LoRA tensors on this base "
+            "(e.g. model.layers.1.self_attn.q_proj.lora_A.weight)" % lora_run[1]) in case(drop_module)
+    assert "cannot read the adapter weights (" in case(
+        lambda final: (final / "adapter_model.safetensors").write_bytes(b"\x00" * 64))
+
 
 def _adapter_dir(root, base_ref=None, revision=None):
     root.mkdir(parents=True, exist_ok=True)
@@ -234,3 +244,29 @@ def test_register_and_merge_resolve_the_same_base(tmp_path):
     source = resolve_source(run)
     assert isinstance(source, Source) and source.kind == "adapter" and source.model_dir == adapter
     assert source.base == resolve_base(*resolve_adapter(run))
+
+
+def test_register_reuses_only_a_merge_of_the_same_adapter_dtype_and_format(tmp_path):
+    """<run>/final and <run>/best merge into the same <run>/merged: a merge is reused only when its merge.json
+    names this adapter, this dtype and this format, and it is newer than the adapter's weights."""
+    import json
+    import os
+
+    from ftcli.merge import is_newer_merge
+
+    final, best, out = tmp_path / "final", tmp_path / "best", tmp_path / "merged"
+    for adapter in (final, best):
+        adapter.mkdir()
+        (adapter / "adapter_model.safetensors").write_bytes(b"x")
+        os.utime(adapter / "adapter_model.safetensors", (1000, 1000))
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"x")
+    assert not is_newer_merge(out, final, "bfloat16")  # no merge.json: not known to be a merge of anything
+    (out / "merge.json").write_text(json.dumps({"adapter": str(final), "dtype": "bfloat16", "format": "plain"}))
+    assert is_newer_merge(out, final, "bfloat16")
+    assert not is_newer_merge(out, best, "bfloat16")  # the other adapter's merge
+    assert not is_newer_merge(out, final, "float32")
+    assert not is_newer_merge(out, final, "bfloat16", "mxfp4")
+    os.utime(final / "adapter_model.safetensors")  # the adapter written again after the merge
+    assert not is_newer_merge(out, final, "bfloat16")

@@ -336,3 +336,23 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
     assert [s.overrides for s in on_a10] == [("data.packing.block_len=8192", "training.loss.impl=chunked")]
     chunked = memory.Setting(**{**vars(liger), "world": 64, "loss": "chunked"})
     assert fitting_settings(shape, chunked, "A10", 8)[0].overrides == ("data.packing.block_len=8192",)
+
+
+def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
+    """A recipe that keeps layers' activations: every suggestion but "keep fewer" also drops them (the last
+    resort included: it was once computed without them but did not say so); LoRA has no kept layers."""
+    from ftcli import memory
+    from ftcli.plan import fitting_settings, setting_of
+
+    shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    kept = memory.Setting(method="full", tokens=32768, loss="chunked", checkpointing="full", keep=14, world=8)
+    last_resort = fitting_settings(shape, memory.Setting(**{**vars(kept), "world": 32}), "A10", 8)
+    assert [s.overrides for s in last_resort] == [(
+        "training.activation_checkpointing_keep=0", "training.activation_checkpointing=full",
+        "training.precision.master_dtype=bfloat16", "data.packing.block_len=4096")]
+    one_change = fitting_settings(shape, memory.Setting(**{**vars(kept), "world": 64}), "A10", 8)
+    assert [s.overrides for s in one_change] == [("training.activation_checkpointing_keep=0",
+                                                  "data.packing.block_len=8192")]
+    lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full",
+                                        "training.activation_checkpointing_keep=4"])
+    assert setting_of(lora, plan.model_shape(lora)).keep == 0
