@@ -57,9 +57,9 @@ def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) 
     prefixes = tuple(names[id(layer)] + "." for layer in layers)
     keep = fp8_filter(hidden_size, prefixes)
     chosen = [n for n, m in model.named_modules() if keep(m, n)]
-    # pad_inner_dim: the weight-gradient GEMM's inner dimension is the tokens per micro-batch, which a recipe
-    # need not make a multiple of 16 (what the float8 GEMM needs)
-    convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=keep)
+    # the weight-gradient GEMM's inner dimension is the tokens per micro-batch: the recipe makes it a multiple
+    # of 16 (Recipe._fp8_tokens), so no operand is padded (a copy per GEMM)
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
     return chosen
 
 

@@ -648,6 +648,16 @@ class Recipe(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fp8_tokens(self) -> Recipe:
+        """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
+        the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
+        tokens = self.data.packing.block_len * self.training.per_device_batch
+        if self.training.precision.fp8 and (not self.data.packing.enabled or tokens % 16):
+            raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
+                             f"per_device_batch = {tokens}) are a multiple of 16")
+        return self
+
     @model_serializer(mode="wrap")
     def _dump(self, handler):  # no `eval: null` in dumps of recipes without eval (rendered workloads stay byte-identical)
         out = handler(self)

@@ -46,6 +46,9 @@ def test_fp8_is_for_full_sft_only():
     with pytest.raises(UserError, match=r"training.precision.fp8 applies to method=full only"):
         load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])
     assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
+    with pytest.raises(UserError, match=r"training.precision.fp8 needs packed blocks whose tokens per micro-batch "
+                                        r"\(block_len x per_device_batch = 1000\) are a multiple of 16"):
+        load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
 
 
 def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):
