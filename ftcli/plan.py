@@ -326,29 +326,54 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     exact = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
              and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
     row = (exact or rows)[0]
-    measured_shape = memory.shipped_shape(row["model"]).cut(row["layers"])
-    head = shape.vocab * shape.hidden
-    layer = sum(shape.layer_params) / shape.layers
-    depth = (shape.layers * layer + head) / (measured_shape.layers * layer + head)
-    seconds = row["s_per_step"] * depth * recipe.training.grad_accum
+    # one command's rows of this setting at two or more depths: the per-layer fit (what a deeper step adds is
+    # its layers; the fixed part is embeddings, LM head, loss, optimizer); else one point scaled by matmul work
+    same_call = [r for r in (exact or rows) if r["command"] == row["command"] and r["model"] == row["model"]
+                 and _setting_text(s.method, r) == _setting_text(s.method, row)]
+    depths = sorted({r["layers"] for r in same_call})
     notes = []
+    if len(depths) >= 2 and shape.layers not in depths:
+        slope, intercept = _depth_fit([(r["layers"], r["s_per_step"]) for r in same_call])
+        seconds = (intercept + slope * shape.layers) * recipe.training.grad_accum
+        depth_note = (f"{' and '.join(map(str, depths))} -> {shape.layers} layers by the per-layer fit "
+                      f"({intercept:.3f} s + {slope:.4f} s x layers)")
+        layers_text = f"{' and '.join(map(str, depths))} layers"
+    else:
+        row = next((r for r in same_call if r["layers"] == shape.layers), row)
+        measured_shape = memory.shipped_shape(row["model"]).cut(row["layers"])
+        head = shape.vocab * shape.hidden
+        layer = sum(shape.layer_params) / shape.layers
+        depth = (shape.layers * layer + head) / (measured_shape.layers * layer + head)
+        seconds = row["s_per_step"] * depth * recipe.training.grad_accum
+        depth_note = f"{row['layers']} -> {shape.layers} layers by matmul work" if row["layers"] != shape.layers else None
+        layers_text = f"{row['layers']} layers"
     if card != row["card"]:
         seconds *= CARDS[row["card"]]["bf16_flops"] / CARDS[card]["bf16_flops"]
         notes.append(f"x peak bf16 FLOP/s {row['card']}/{card}")
     if not exact:
         notes.append(f"measured with {_setting_text(s.method, row)} (recipe: {_setting_text(s.method, vars(s))})")
-    if row["layers"] != shape.layers:
-        notes.append(f"{row['layers']} -> {shape.layers} layers by matmul work")
+    if depth_note:
+        notes.append(depth_note)
+    if s.method == "full" and s.keep:  # the measured rows kept no layer's activations
+        notes.append(f"measured with keep 0 (recipe: keep {s.keep}, not counted)")
     if recipe.training.grad_accum > 1:
         notes.append(f"x {recipe.training.grad_accum} micro-batches")
     measured = not notes
     gpus = f"{row['gpus']} GPU{'s' if row['gpus'] > 1 else ''}"
-    point = f"{row['card']}, {gpus}, {row['model']} at {row['layers']} layers, block {row['block_len']}, {row['date']}"
+    point = f"{row['card']}, {gpus}, {row['model']} at {layers_text}, block {row['block_len']}, {row['date']}"
     if row["gpus"] != world:
         notes.append(f"per-GPU time of {gpus} taken for {world}")
     if measured:
         return StepTime(seconds, "; ".join([f"measured: {point}", *notes]), True, row["command"])
     return StepTime(seconds, f"scaled from {point}: {'; '.join(notes)}", False, row["command"])
+
+
+def _depth_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares s/step = intercept + slope x layers over (layers, s/step) of two or more depths."""
+    mx = sum(n for n, _ in points) / len(points)
+    my = sum(t for _, t in points) / len(points)
+    slope = sum((n - mx) * (t - my) for n, t in points) / sum((n - mx) ** 2 for n, _ in points)
+    return slope, my - slope * mx
 
 
 def _setting_text(method: str, setting: dict[str, Any]) -> str:
