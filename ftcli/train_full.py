@@ -369,50 +369,9 @@ class FullRun:
         self.tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
 
         # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it
-        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
-                             then=lambda: data.open_prepared(recipe, self.tokenizer))
-        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
-        self.data_summary = data.data_summary(recipe, packed)
-        for line in self.data_summary.lines():
-            say(f"data {line}")
-        self.tracker.log_metrics(self.data_summary.metrics(), step=0)
-        self.eval_cfg = recipe.eval
-        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
-                                   world.device)
-        self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
-        self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
-            if recipe.eval is not None else CheckpointSchedule(False, None, None)
-        for label, p in self.evaluator.packed.items():
-            say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
-                f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
-        self.stop_reason: str | None = None  # set by early stopping
-        self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
-        self.last_sample_step: int | None = None
-        windows = math.ceil(len(self.stream) / tcfg.grad_accum)
-        self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
-        if self.total_steps == 0:
-            raise UserError("the data gave no packed block; check data.path / data.max_examples")
-
-        # ---- 3. model: meta -> shard -> materialize this rank's shard -----------------------------
-        attn = None
-        if recipe.model.attn_implementation == "auto":
-            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
-            say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
-        self.model = build_model(recipe, world, attn)
-        attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        if tcfg.loss.impl == "liger":
-            liger_loss()  # fail now, not after the first forward
-        if tcfg.precision.fp8:
-            fp8 = fp8_linears(self.model)
-            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
-                "decoder layers; the LM head, embeddings and small projections stay in "
-                f"{tcfg.precision.param_dtype}")
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        non_embedding = count_text_params(self.model)
-        # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation
-        # are not counted: model FLOPs, not hardware FLOPs)
-        self.meter = StepMetrics(6 * non_embedding, world.device, world.world_size)
+        self.prepare_data()
+        # ---- 3. model: meta -> shard -> materialize this rank's shard
+        trainable, non_embedding = self.prepare_model(loss_fn)
 
         # ---- 4. optimizer + schedule -------------------------------------------------------------
         self.optimizer = build_optimizer(self.model, recipe, world.device)
@@ -440,6 +399,59 @@ class FullRun:
                                  TextColumn("eta"), TimeRemainingColumn(), console=self.console,
                                  disable=not world.is_main)
         self.task = self.progress.add_task("train", total=self.total_steps, completed=self.result.steps)
+
+    def prepare_data(self) -> None:
+        """Tokenizer, packed blocks (rank 0 builds the cache, then every rank opens it), this rank's stream,
+        the data summary, the eval data and schedule, and the number of optimizer steps."""
+        recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
+                             then=lambda: data.open_prepared(recipe, self.tokenizer))
+        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+        self.data_summary = data.data_summary(recipe, packed)
+        for line in self.data_summary.lines():
+            say(f"data {line}")
+        self.tracker.log_metrics(self.data_summary.metrics(), step=0)
+        self.eval_cfg = recipe.eval
+        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
+                                   world.device)
+        self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
+        self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
+            if recipe.eval is not None else CheckpointSchedule(False, None, None)
+        for label, p in self.evaluator.packed.items():
+            say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
+                f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
+        self.stop_reason: str | None = None  # set by early stopping
+        self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
+        self.last_sample_step: int | None = None
+        windows = math.ceil(len(self.stream) / tcfg.grad_accum)
+        self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
+        if self.total_steps == 0:
+            raise UserError("the data gave no packed block; check data.path / data.max_examples")
+
+    def prepare_model(self, loss_fn: Callable) -> tuple[int, int]:
+        """The packed kernels, the sharded model with its loss, the fp8 line and the step meter; returns the
+        trainable and non-embedding parameter counts."""
+        recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
+        attn = None
+        if recipe.model.attn_implementation == "auto":
+            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
+            say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
+        self.model = build_model(recipe, world, attn)
+        attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
+        if tcfg.loss.impl == "liger":
+            liger_loss()  # fail now, not after the first forward
+        if tcfg.precision.fp8:
+            fp8 = fp8_linears(self.model)
+            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
+                "decoder layers; the LM head, embeddings and small projections stay in "
+                f"{tcfg.precision.param_dtype}")
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        non_embedding = count_text_params(self.model)
+        # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation
+        # are not counted: model FLOPs, not hardware FLOPs)
+        self.meter = StepMetrics(6 * non_embedding, world.device, world.world_size)
+        return trainable, non_embedding
 
     # ---- 6. the loop -------------------------------------------------------------------------------
     def train(self, batches: Iterable[data.Block] | None = None) -> TrainResult:
