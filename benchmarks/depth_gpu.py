@@ -470,13 +470,11 @@ def inproc(args, out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- fit
 def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares s/step = intercept + slope * layers; None with fewer than two depths."""
-    if len({n for n, _ in points}) < 2:
-        return None
-    mx = statistics.mean(n for n, _ in points)
-    my = statistics.mean(t for _, t in points)
-    slope = sum((n - mx) * (t - my) for n, t in points) / sum((n - mx) ** 2 for n, _ in points)
-    return slope, my - slope * mx
+    """Least-squares s/step = intercept + slope * layers (ftcli.plan.depth_fit, what `plan` extrapolates
+    with); None with fewer than two depths."""
+    from ftcli.plan import depth_fit
+
+    return depth_fit(points) if len({n for n, _ in points}) >= 2 else None
 
 
 def peak() -> float:

@@ -118,10 +118,11 @@ def table(rows: list[dict]) -> str:
                      f"{r['predicted_1gpu']['total']:.1f} | {ratio:.2f} | {r['losses']} |")
     done = [r for r in rows if "s_per_step" in r]
     if len({r["layers"] for r in done}) >= 2:
-        (n0, t0), (n1, t1) = [(r["layers"], r["s_per_step"]) for r in (done[0], done[-1])]
-        slope = (t1 - t0) / (n1 - n0)
-        lines.append(f"\nper layer {slope:.4f} s, fixed part {t0 - slope * n0:.3f} s; 36 layers extrapolated "
-                     f"{t0 + slope * (36 - n0):.2f} s/step for one GPU's 4k block (FSDP all-gathers not included)")
+        from ftcli.plan import depth_fit
+
+        slope, intercept = depth_fit([(r["layers"], r["s_per_step"]) for r in done])
+        lines.append(f"\nper layer {slope:.4f} s, fixed part {intercept:.3f} s; 36 layers extrapolated "
+                     f"{intercept + slope * 36:.2f} s/step for one GPU's 4k block (FSDP all-gathers not included)")
     return "\n".join(lines)
 
 

@@ -40,10 +40,12 @@ def check_fp8_device(device) -> None:
     """One-line error where float8 GEMMs cannot run (a CUDA card older than compute capability 8.9)."""
     import torch
 
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
         raise UserError(f"training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
-                        f"Blackwell); this one is {name} ({'.'.join(map(str, torch.cuda.get_device_capability(device)))})")
+                        f"Blackwell); this one is {torch.cuda.get_device_name(device)} ({'.'.join(map(str, capability))})")
 
 
 def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) -> list[str]:

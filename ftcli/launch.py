@@ -202,7 +202,8 @@ def _preflight(recipe) -> None:
 
 # -------------------------------------------------------------------------------------------- worker
 def _worker(recipe, *, resume: str | None, force: bool) -> None:
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, not a caller running the command in-process
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # not a caller running the command in-process
+    if under_torchrun:
         _die_with_launcher()
     run_dir = run_dir_of(recipe)
     rank = int(os.environ["RANK"])
@@ -223,7 +224,7 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (not a caller running the command in-process)
+    if under_torchrun:
         from ftcli.distributed import exit_worker
 
         exit_worker(0)  # run.json, checkpoints and MLflow are closed: leave without the interpreter's teardown

@@ -333,7 +333,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     depths = sorted({r["layers"] for r in same_call})
     notes = []
     if len(depths) >= 2 and shape.layers not in depths:
-        slope, intercept = _depth_fit([(r["layers"], r["s_per_step"]) for r in same_call])
+        slope, intercept = depth_fit([(r["layers"], r["s_per_step"]) for r in same_call])
         seconds = (intercept + slope * shape.layers) * recipe.training.grad_accum
         depth_note = (f"{' and '.join(map(str, depths))} -> {shape.layers} layers by the per-layer fit "
                       f"({intercept:.3f} s + {slope:.4f} s x layers)")
@@ -368,7 +368,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     return StepTime(seconds, f"scaled from {point}: {'; '.join(notes)}", False, row["command"])
 
 
-def _depth_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+def depth_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares s/step = intercept + slope x layers over (layers, s/step) of two or more depths."""
     mx = sum(n for n, _ in points) / len(points)
     my = sum(t for _, t in points) / len(points)

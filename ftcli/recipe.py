@@ -34,7 +34,7 @@ import typing
 import unicodedata
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -95,6 +95,17 @@ class _Section(BaseModel):
     """Rules for every section: unknown keys fail, every float is finite, `true`/`false` is no number."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # keys a dump leaves out while they hold these values: settings added later, so that dumps (recipe.yaml,
+    # rendered workloads) of recipes that do not use them stay byte-identical
+    quiet_defaults: ClassVar[dict[str, Any]] = {}
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        for key, default in self.quiet_defaults.items():
+            if key in out and out[key] == default:
+                del out[key]
+        return out
 
     @field_validator("*", mode="before")
     @classmethod
@@ -226,12 +237,9 @@ class SourceConfig(_Section):
         return self.name or (self.path if self.source != "synthetic" else "synthetic")
 
 
-# Data keys added after the published recipes: left out of a recipe dump while at their defaults, so
-# rendered workloads (tests/golden) of recipes that do not use them stay byte-identical.
-_QUIET_DEFAULTS = {"tools_field": "tools", "special_tokens_in_text": "keep", "sources": None, "mix_seed": 0}
-
-
 class DataConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
+                                                "sources": None, "mix_seed": 0}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
     revision: str | None = None
@@ -276,13 +284,6 @@ class DataConfig(_Section):
             raise ValueError(f"data.source={self.source} needs data.path")
         return self
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler):
-        out = handler(self)
-        for key, default in _QUIET_DEFAULTS.items():
-            if key in out and out[key] == default:
-                del out[key]
-        return out
 
     def source_list(self) -> list[SourceConfig]:
         """The sources to read: `data.sources`, or the single source the top-level keys describe. Unset
@@ -378,6 +379,7 @@ class ScheduleConfig(_Section):
 
 
 class PrecisionConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fp8": False}
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     reduce_dtype: Literal["bfloat16", "float32"] = "float32"
     master_dtype: Literal["float32", "bfloat16"] = Field(
@@ -389,15 +391,9 @@ class PrecisionConfig(_Section):
         "head, small projections and the master weights stay as they are (ftcli/float8.py)."
     )
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler):  # left out at its default: dumps of recipes without fp8 stay as they were
-        out = handler(self)
-        if out.get("fp8") is False:
-            del out["fp8"]
-        return out
-
 
 class CheckpointConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"keep_best": False}
     enabled: bool = True
     every_steps: int | None = Field(None, ge=1)
     every_minutes: float | None = Field(None, gt=0)
@@ -406,13 +402,6 @@ class CheckpointConfig(_Section):
     keep_best: bool = Field(
         False, description="Keep the checkpoint of the best eval loss beside the last keep_last (needs eval data)."
     )
-
-    @model_serializer(mode="wrap")
-    def _dump(self, handler):  # left out at its default: dumps of recipes without eval stay as they were
-        out = handler(self)
-        if out.get("keep_best") is False:
-            del out["keep_best"]
-        return out
 
 
 class LossConfig(_Section):
@@ -605,6 +594,7 @@ def max_position_embeddings(cfg: ModelConfig) -> tuple[int, str] | None:
 
 # ---------------------------------------------------------------------------------------- recipe
 class Recipe(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"eval": None}  # no `eval: null` in recipes without eval
     name: str
     description: str = ""
     model: ModelConfig
@@ -658,12 +648,6 @@ class Recipe(_Section):
                              f"per_device_batch = {tokens}) are a multiple of 16")
         return self
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler):  # no `eval: null` in dumps of recipes without eval (rendered workloads stay byte-identical)
-        out = handler(self)
-        if out.get("eval", 0) is None:
-            del out["eval"]
-        return out
 
     @model_validator(mode="after")
     def _keep_best(self) -> Recipe:
