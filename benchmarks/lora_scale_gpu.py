@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -102,6 +103,7 @@ def run_depth(args, layers: int, out: Path) -> dict:
                    mem_unit=steps[-1]["mem_unit"], losses=[round(m["loss"], 4) for m in steps])
     if code != 0:
         row["tail"] = tail
+    shutil.rmtree(out / f"l{layers}", ignore_errors=True)  # the random-init base alone is 26 GB at 4 layers
     return row
 
 

@@ -2,7 +2,8 @@
 with LoRA on attention and experts, the base kept whole per rank (ddp) or sharded by FSDP2 (fsdp), over four
 blocks with very different trained-token counts (two per rank, grad_accum 2). Rank 0 saves the step's LoRA
 gradients (gathered to full tensors under FSDP2) to OUT/grads-<sharding>.pt, and whether the base weights
-were sharded."""
+were sharded. With a third argument `bf16` the model and the run are bfloat16 (FSDP2 mixed precision) and the
+files are OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json, the step's logged loss."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
 
 
-def main(out: Path, sharding: str) -> None:
+def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
     import datasets
     from torch.distributed.tensor import DTensor
     from transformers import AutoTokenizer, TrainerCallback
@@ -32,14 +33,15 @@ def main(out: Path, sharding: str) -> None:
     rows = [packed_row(rng, [40, 30], 0.1), packed_row(rng, [120, 60], 0.95),
             packed_row(rng, [20], 0.5), packed_row(rng, [90, 10, 50], 0.3)]
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
-                         "training.checkpoint.enabled=false", "training.max_steps=1", f"training.sharding={sharding}")
+                         "training.checkpoint.enabled=false", "training.max_steps=1", f"training.sharding={sharding}",
+                         *(["model.dtype=bfloat16"] if dtype == "bf16" else []))
     kwargs = sft_config_kwargs(recipe, out / "run", sharding)
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
-    trainer, _ = build_trainer(recipe, tiny_model(attn=attn), tok, ds, args)
+    trainer, _ = build_trainer(recipe, tiny_model(attn=attn, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32), tok, ds, args)
     torch.manual_seed(1)  # the same nonzero adapters on both ranks and in both runs
     for p in trainer.model.parameters():
         if p.requires_grad:
@@ -58,8 +60,11 @@ def main(out: Path, sharding: str) -> None:
     trainer.add_callback(Grab())
     trainer.train()
     if args.process_index == 0:
-        torch.save({n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}, out / f"grads-{sharding}.pt")
-        (out / f"sharded-{sharding}.json").write_text(json.dumps(sharded))
+        tag = sharding if dtype == "fp32" else f"{sharding}-{dtype}"
+        torch.save({n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}, out / f"grads-{tag}.pt")
+        (out / f"sharded-{tag}.json").write_text(json.dumps(sharded))
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        (out / f"loss-{tag}.json").write_text(json.dumps(losses))
     if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -69,4 +74,4 @@ def main(out: Path, sharding: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), *sys.argv[2:])

@@ -85,6 +85,11 @@ def test_versions_outside_the_tested_matrix():
                           "transformers 5.20.0 (tested 5.24.0)")
     assert compat.matrix_check(gpu(B300), directory).detail.startswith("no tested matrix for NVIDIA B300")
     assert compat.matrix_check(cpu(), directory).detail == "within constraints/cpu.txt (2 pins)"
+    built = compat.matrix_check(gpu(**{"flash-attn": "2.8.3.post2", "causal-conv1d": "1.7.0"}), directory)
+    assert built.status == OK and built.detail == "within constraints/gpu-h200.txt (10 pins)"
+    older = compat.matrix_check(gpu(**{"flash-attn": "2.7.4.post1", "causal-conv1d": "1.5.2"}), directory)
+    assert older.detail == ("outside constraints/gpu-h200.txt: causal-conv1d 1.5.2 (tested 1.7.0), "
+                            "flash-attn 2.7.4.post1 (tested 2.8.3.post2)")
     bad_cpu = Here(versions={"torch": "2.12.1"})
     assert compat.matrix_check(bad_cpu, directory).detail == "outside constraints/cpu.txt: torch 2.12.1 (tested 2.13.0)"
 
