@@ -46,11 +46,17 @@ def test_qwen_b300_time_from_the_published_token_count():
     p = plan.make_plan(load_recipe("qwen-b300"))
     assert p.data.tokens == 995 * 8 * 32768 and p.data.blocks == 7960 and p.steps == 995
     h200 = cards(p)["GPU_8xH200"]
-    slope = (2.071 - 1.242) / (8 - 4)  # the 4- and 8-layer H200 steps of qwen-b300's settings (measured.json)
-    expected = 1.242 + slope * (64 - 4)
+    # the image-kernel H200 rows of qwen-b300's settings (measured.json): keep 2 at 4 and 8 layers, keep 4 of 4
+    recomputed = (1.989 - 1.165) / (8 - 4)
+    kept = recomputed - (1.165 - 1.078) / (4 - 2)  # a kept layer skips its recompute
+    fixed = 1.165 - 2 * recomputed - 2 * kept
+    expected = fixed + recomputed * (64 - 14) + kept * 14
     assert h200.step.s_per_step == pytest.approx(expected) and not h200.step.measured
-    assert "4 and 8 -> 64 layers by the per-layer fit (0.413 s + 0.2073 s x layers)" in h200.step.source
-    assert "measured with keep 0 (recipe: keep 14, not counted)" in h200.step.source
+    assert round(expected, 2) == 13.00 and (round(fixed, 3), round(recomputed, 4), round(kept, 4)) == (
+        0.428, 0.206, 0.1625)
+    assert ("4 and 8 -> 64 layers by the per-layer fit, 14 of them kept (0.428 s + 0.2060 s x 50 recomputed + "
+            "0.1625 s x 14 kept layers; kept layers counted: ") in h200.step.source
+    assert "not counted" not in h200.step.source
     assert h200.wall_hours == pytest.approx(995 * expected / 3600)
     assert h200.gpu_hours == pytest.approx(8 * h200.wall_hours)
     b300 = cards(p)["GPU_8xB300"]
@@ -179,8 +185,8 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert "the recipe's accelerator: GPU_8xB300" in result.output
     assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "173.8", "0.9", "0.0", "224.9", "246.8", "yes", "16"]
     assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
-    assert rows[4][:4] == ["GPU_8xB300", "6.01*", "1.7", "h"]  # the time table
-    assert rows[6][:2] == ["GPU_8xH200", "13.68*"]
+    assert rows[4][:4] == ["GPU_8xB300", "5.72*", "1.6", "h"]  # the time table
+    assert rows[6][:2] == ["GPU_8xH200", "13.00*"]
     assert ("GPU_8xH100 fits with: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
             "(66.0 GiB)") in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
@@ -279,7 +285,7 @@ def test_every_step_time_says_where_it_came_from(name):
             assert st.source.startswith("no measurement for ") and st.command is None and c.wall_hours is None
             continue
         assert st.source.startswith("measured: " if st.measured else "scaled from ")
-        rows = [r for r in memory.measured()["step_time"] if r["command"] == st.command
+        rows = [r for r in memory.measured()["step_time"] if r["command"] in st.command.split(" && ")
                 and f"{r['card']}, {r['gpus']} GPU" in st.source and f"block {r['block_len']}, {r['date']}" in st.source]
         depths = sorted({r["layers"] for r in rows})
         fitted = f"{rows[0]['model']} at {' and '.join(map(str, depths))} layers" in st.source
@@ -306,20 +312,26 @@ def test_step_time_table_exact(capsys):
                         "--warmup 3"
 
 
+IMAGE_ROWS = ("H200, 1 GPU, Qwen/Qwen3.8-27B at 4 and 8 layers, block 32768, 2026-12-01 13:48-13:52 UTC, kernels "
+              "flash-attn 2.8.3.post2 varlen attention, causal-conv1d 1.7.0, fla 0.6.0 + tilelang gated-delta (the "
+              "Databricks image's), the newest of this setting's rows (rows with other kernels not mixed in)")
+IMAGE_COMMANDS = ("python benchmarks/levers_gpu.py --parts 32768:4:keep2 32768:8:keep2 --published 32768:0.2658:0.729 "
+                  "&& python benchmarks/levers_gpu.py --parts 32768:4:base")
+
+
 def test_step_time_json_exact():
     data = plan.make_plan(load_recipe("qwen-b300")).to_dict()
     h200 = next(c for c in data["cards"] if c["accelerator"] == "GPU_8xH200")
     assert {k: h200[k] for k in ("s_per_step", "step_source", "step_measured", "step_command", "wall_hours",
                                  "gpu_hours")} == {
-        "s_per_step": 13.677,
-        "step_source": "scaled from H200, 1 GPU, Qwen/Qwen3.8-27B at 4 and 8 layers, block 32768, 2026-12-01: 4 and 8 "
-                       "-> 64 layers by the per-layer fit (0.413 s + 0.2073 s x layers); measured with keep 0 (recipe: "
-                       "keep 14, not counted); per-GPU time of 1 GPU taken for 8",
+        "s_per_step": 13.003,
+        "step_source": f"scaled from {IMAGE_ROWS}: 4 and 8 -> 64 layers by the per-layer fit, 14 of them kept (0.428 s "
+                       "+ 0.2060 s x 50 recomputed + 0.1625 s x 14 kept layers; kept layers counted: a kept layer's "
+                       "cost from the 4-layer rows at keep 2 and 4, a recomputed one's from the keep 2 rows); per-GPU "
+                       "time of 1 GPU taken for 8",
         "step_measured": False,
-        "step_command": "python benchmarks/levers_gpu.py --parts 32768:4:base 32768:8:base 8192:4:base 8192:8:base "
-                        "8192:4:chunked 8192:8:chunked (qwen-b300's settings, keep 0; BENCHMARKS.md, Levers measured "
-                        "alone)",
-        "wall_hours": 3.78, "gpu_hours": 30.24}
+        "step_command": IMAGE_COMMANDS,
+        "wall_hours": 3.594, "gpu_hours": 28.75}
     tiny = plan.make_plan(load_recipe("tiny-qwen-cpu")).to_dict()["cards"][0]
     assert (tiny["s_per_step"], tiny["step_command"], tiny["wall_hours"]) == (None, None, None)
     assert tiny["step_source"] == "no measurement for qwen3_5 at hidden 128, full, 1024 tokens, checkpointing none"
@@ -360,3 +372,75 @@ def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
     lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full",
                                         "training.activation_checkpointing_keep=4"])
     assert setting_of(lora, plan.model_shape(lora)).keep == 0
+
+
+# ------------------------------------------------------------------------------------------ kept layers
+def test_layer_fit_counts_kept_layers_from_rows_that_differ_only_in_keep():
+    """(layers, kept, s/step): keep 2 at 4 and 8 layers gives the recomputed slope, keep 2 and 4 at 4 layers a kept
+    layer's cost; without rows that differ only in keep it is the plain depth fit, without two depths none."""
+    fit = plan.layer_fit([(4, 2, 1.165), (8, 2, 1.989), (4, 4, 1.078)])
+    assert (fit.fixed, fit.recomputed, fit.kept_layer) == pytest.approx((0.428, 0.206, 0.1625))
+    assert (fit.depths, fit.depth_keep, fit.keeps, fit.keep_depth) == ((4, 8), 2, (2, 4), 4)
+    assert fit.seconds(64, 14) == pytest.approx(0.428 + 50 * 0.206 + 14 * 0.1625)  # 13.003
+    assert fit.seconds(4, 4) == pytest.approx(1.078) and fit.seconds(8, 2) == pytest.approx(1.989)
+    plain = plan.layer_fit([(4, 0, 1.242), (8, 0, 2.071)])
+    assert plain.kept_layer is None and (plain.fixed, plain.recomputed) == pytest.approx((0.413, 0.20725))
+    assert plain.seconds(64, 14) == pytest.approx(0.413 + 64 * 0.20725)  # kept layers not counted
+    assert plain.text(64, 14) == "4 and 8 -> 64 layers by the per-layer fit (0.413 s + 0.2073 s x layers)"
+    assert plan.layer_fit([(4, 2, 1.165), (4, 4, 1.078)]) is None
+
+
+def test_no_kept_layers_is_the_same_rows_fit_with_every_layer_recomputed():
+    h200 = cards(plan.make_plan(load_recipe("qwen-b300", ["training.activation_checkpointing_keep=0"])))["GPU_8xH200"]
+    assert h200.step.s_per_step == pytest.approx(0.428 + 64 * 0.206) and round(h200.step.s_per_step, 2) == 13.61
+    assert h200.step.source == (
+        f"scaled from {IMAGE_ROWS}: 4 and 8 -> 64 layers by the per-layer fit, 0 of them kept (0.428 s + 0.2060 s x "
+        "64 recomputed + 0.1625 s x 0 kept layers; kept layers counted: a kept layer's cost from the 4-layer rows at "
+        "keep 2 and 4, a recomputed one's from the keep 2 rows); per-GPU time of 1 GPU taken for 8")
+    assert h200.step.command == IMAGE_COMMANDS
+
+
+def test_a_measured_depth_and_keep_is_the_row_itself():
+    """At a measured (layers, keep) the row is taken as it is: 4 layers with keep 14 keep all 4 (1.078 s)."""
+    from dataclasses import replace
+
+    r = load_recipe("qwen-b300")
+    shape = plan.model_shape(r).cut(4)
+    for keep, seconds, command in ((14, 1.078, "--parts 32768:4:base"), (2, 1.165, "--parts 32768:4:keep2 ")):
+        st = plan.step_time(r, shape, replace(plan.setting_of(r, shape), keep=keep), "H200", 1)
+        assert st.measured and st.s_per_step == seconds and command in st.command
+        assert st.source == ("measured: H200, 1 GPU, Qwen/Qwen3.8-27B at 4 layers, block 32768, 2026-12-01 "
+                             "13:48-13:52 UTC, kernels flash-attn 2.8.3.post2 varlen attention, causal-conv1d 1.7.0, "
+                             "fla 0.6.0 + tilelang gated-delta (the Databricks image's), the newest of this setting's "
+                             "rows (rows with other kernels not mixed in)")
+
+
+def test_settings_without_keep_rows_keep_the_depth_fit_and_say_kept_layers_are_not_counted():
+    """8k blocks were measured at keep 0 only (with torch's varlen attention): the same fit and note as before."""
+    h200 = cards(plan.make_plan(load_recipe("qwen-b300", ["data.packing.block_len=8192"])))["GPU_8xH200"]
+    assert h200.step.s_per_step == pytest.approx(0.518 + (0.749 - 0.518) / 4 * 60)  # 3.983
+    assert h200.step.source == (
+        "scaled from H200, 1 GPU, Qwen/Qwen3.8-27B at 4 and 8 layers, block 8192, 2026-12-01: 4 and 8 -> 64 layers by "
+        "the per-layer fit (0.287 s + 0.0577 s x layers); measured with keep 0 (recipe: keep 14, not counted); "
+        "per-GPU time of 1 GPU taken for 8")
+    assert h200.step.command.startswith("python benchmarks/levers_gpu.py --parts 32768:4:base 32768:8:base 8192:4")
+    chunked = cards(plan.make_plan(load_recipe("qwen-b300", ["data.packing.block_len=8192", "training.loss.impl=chunked",
+                                                             "training.activation_checkpointing_keep=0"])))
+    assert chunked["GPU_8xH200"].step.s_per_step == pytest.approx(0.39 + (0.621 - 0.39) / 4 * 60)  # not train_full's 0.469
+
+
+def test_kernels_are_never_mixed_in_one_fit(monkeypatch):
+    """Two sittings of one setting: the newer one's rows alone, whatever the older rows (other kernels) say."""
+    rows = [r for r in memory.measured()["step_time"] if r["block_len"] == 32768 and r["loss"] == "liger"
+            and r["checkpointing"] == "full" and r["master"] == "fp32"]
+    assert [(r["layers"], r.get("keep", 0), r.get("kernels", "")[:10]) for r in rows] == [
+        (4, 0, ""), (8, 0, ""), (4, 2, "flash-attn"), (8, 2, "flash-attn"), (4, 4, "flash-attn")]
+    older = [{**r, "s_per_step": 99.0} if "kernels" not in r else r for r in rows]
+    monkeypatch.setattr(memory, "measured", lambda: {"step_time": older})
+    assert cards(plan.make_plan(load_recipe("qwen-b300")))["GPU_8xH200"].step.s_per_step == pytest.approx(13.003)
+    later = [{**r, "utc": "15:00-15:05"} if "kernels" not in r else r for r in rows]  # the older kernels, re-run later
+    monkeypatch.setattr(memory, "measured", lambda: {"step_time": later})
+    st = cards(plan.make_plan(load_recipe("qwen-b300")))["GPU_8xH200"].step
+    assert st.s_per_step == pytest.approx(1.242 + (2.071 - 1.242) / 4 * 60)
+    assert "2026-12-01 15:00-15:05 UTC, the newest of this setting's rows" in st.source
+    assert "measured with keep 0 (recipe: keep 14, not counted)" in st.source
