@@ -13,7 +13,9 @@
         activations  (the forward/backward phase)
                      checkpointed layer: its input, T x hidden in the compute dtype
                      stored layer:       K x T x hidden bytes (bf16; twice that in fp32), K fitted per family
-                     full: every layer checkpointed but `keep`, plus one layer being recomputed;
+                     full: every layer checkpointed but the last `keep`, plus the larger of the kept
+                     layers and one layer being recomputed (the kept layers' backward runs first and frees
+                     them before the first recompute);
                      selective: every other layer stored; none: every layer stored
                    + loss: full logits F x T x vocab (F fitted); the chunked loss keeps one fp32 chunk
                      (chunk_tokens x vocab x 4), liger one of its own (a power of two near T / (vocab/hidden))
@@ -47,8 +49,8 @@ USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~9
 
 # Fitted on ftcli/assets/measured.json by `fit()` (bytes per token per hidden unit of one stored layer, in
 # bf16; bytes per token per vocab entry of the full-logit loss). tests/test_memory_model.py refits them.
-STORED_LAYER_BYTES = {"qwen3_5": 67.48, "gpt_oss": 91.41}
-FULL_LOGITS_BYTES = 9.716
+STORED_LAYER_BYTES = {"qwen3_5": 66.12, "gpt_oss": 91.41}
+FULL_LOGITS_BYTES = 9.744
 FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
 
 
@@ -206,7 +208,11 @@ def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
         stored = n // 2
         return stored + 1, n - stored  # + the layer being recomputed
     keep = min(s.keep, n)
-    return keep + 1, n - keep
+    if keep == n:
+        return n, 0
+    # the kept layers are the last ones: their backward runs first and frees their activations before the
+    # first recompute, so the peak holds the kept layers or one recomputed layer, not both
+    return max(keep, 1), n - keep
 
 
 def loss_bytes(shape: ModelShape, s: Setting) -> float:
@@ -254,12 +260,10 @@ def usable_gib(card_gb: float) -> float:
 
 def layers_to_keep(shape: ModelShape, s: Setting, card_gb: float) -> int:
     """With full checkpointing, how many layers may keep their activations and still fit the card."""
-    base = estimate(shape, Setting(**{**asdict(s), "checkpointing": "full", "keep": 0}))
-    per_layer = (STORED_LAYER_BYTES[shape.family] * (s.compute_bytes / 2) - s.compute_bytes) * s.tokens * shape.hidden
-    spare = usable_gib(card_gb) - base.total
-    if spare <= 0:
-        return 0
-    return min(shape.layers, int(spare * GiB // per_layer))
+    usable = usable_gib(card_gb)
+    fits = [k for k in range(shape.layers + 1)
+            if estimate(shape, Setting(**{**asdict(s), "checkpointing": "full", "keep": k})).total <= usable]
+    return max(fits, default=0)
 
 
 # ---------------------------------------------------------------------------------------------- fit
@@ -271,7 +275,8 @@ def point_setting(point: dict[str, Any]) -> tuple[ModelShape, Setting]:
     """The shape and setting of one measured point (ftcli/assets/measured.json)."""
     shape = shipped_shape(point["model"]).cut(point["layers"])
     return shape, Setting(method=point["method"], tokens=point["block_len"], world=point["gpus"],
-                          master=point["master"], checkpointing=point["checkpointing"], loss=point["loss"])
+                          master=point["master"], checkpointing=point["checkpointing"], loss=point["loss"],
+                          keep=point.get("keep", 0))
 
 
 def fit(points: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def test_a_cpu_machine_cannot_run_qwen_b300_but_kernels_are_correct():
 
     report = doctor_report(load_recipe("qwen-b300"), kernels.Machine(device="cpu"), cpu_here())
     assert report.kernels_correct and not report.fits and report.exit_code == 1
-    assert report.verdict.startswith("recipe qwen-b300 cannot run here: qwen-b300 needs ~751 GiB of RAM on this CPU "
+    assert report.verdict.startswith("recipe qwen-b300 cannot run here: qwen-b300 needs ~724 GiB of RAM on this CPU "
                                      "machine (2 processes), it has 24 GiB; it is a GPU_8xB300 recipe")
     names = [c.name for c in report.checks]
     assert "transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)" in names and "versions vs the tested matrix" in names
@@ -147,10 +147,10 @@ def test_kernels_and_fit_are_judged_separately_on_a_gpu():
     h100 = Here(versions={"transformers": "5.24.0", "triton": "3.6.0", "flash-linear-attention": "0.6.0"},
                 gpus=(("NVIDIA H100 80GB HBM3", 85_031_714_816),) * 8, capability=(9, 0), fla_importable=True,
                 gpt_oss_attention="flex_sinks")
-    # the recipe without its 14 kept layers (81.7 GiB per GPU): the mechanism, not the recipe's speed setting
+    # the recipe without its 14 kept layers (81.5 GiB per GPU): the mechanism, not the recipe's speed setting
     report = doctor_report(load_recipe("qwen-b300", KEEP0), hopper("3.6.0", tilelang=True), h100)
     assert report.kernels_correct and not report.fits
-    assert report.fits_detail.startswith("qwen-b300 needs 81.7 GiB per GPU on 8 GPU(s); this NVIDIA H100")
+    assert report.fits_detail.startswith("qwen-b300 needs 81.5 GiB per GPU on 8 GPU(s); this NVIDIA H100")
     at_8k = [*KEEP0, "data.packing.block_len=8192"]
     broken = doctor_report(load_recipe("qwen-b300", at_8k), hopper("3.6.0", tilelang=False), h100)
     assert not broken.kernels_correct and broken.fits and broken.exit_code == 1

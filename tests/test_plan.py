@@ -28,16 +28,16 @@ def test_qwen_b300_plan_on_every_card():
     p = plan.make_plan(load_recipe("qwen-b300"))
     c = cards(p)
     assert list(c) == ["GPU_8xB300", "GPU_8xH100", "GPU_8xH200", "GPU_1xA10"]
-    assert c["GPU_8xB300"].own and c["GPU_8xB300"].fits and c["GPU_8xB300"].keep_layers == 16
-    assert round(c["GPU_8xB300"].estimate.total, 1) == 224.9  # the recipe keeps 14 layers' activations
+    assert c["GPU_8xB300"].own and c["GPU_8xB300"].fits and c["GPU_8xB300"].keep_layers == 17
+    assert round(c["GPU_8xB300"].estimate.total, 1) == 211.4  # the recipe keeps 14 layers' activations
     keep0 = "training.activation_checkpointing_keep=0"
     assert not c["GPU_8xH200"].fits and [s.overrides for s in c["GPU_8xH200"].suggestions][:2] == [
-        ("training.activation_checkpointing_keep=3",), (keep0, "data.packing.block_len=16384")]
+        ("training.activation_checkpointing_keep=4",), (keep0, "data.packing.block_len=16384")]
     assert not c["GPU_8xH100"].fits
     assert [s.overrides for s in c["GPU_8xH100"].suggestions] == [
         (keep0, "data.packing.block_len=16384"), (keep0, "training.precision.master_dtype=bfloat16"),
         (keep0, "compute.num_accelerators=16")]
-    assert [round(s.total_gib, 1) for s in c["GPU_8xH100"].suggestions] == [66.0, 61.4, 56.6]
+    assert [round(s.total_gib, 1) for s in c["GPU_8xH100"].suggestions] == [65.8, 61.2, 56.4]
     assert not c["GPU_1xA10"].fits and c["GPU_1xA10"].gpus == 8 and not c["GPU_1xA10"].suggestions
     assert "no setting tried fits 20.6 GiB" in c["GPU_1xA10"].why
 
@@ -151,12 +151,12 @@ def test_accelerator_option_and_unknown_cards():
 
 def test_fit_check_refuses_with_the_nearest_setting():
     ok = plan.fit_check(load_recipe("qwen-b300"))
-    assert ok.fits and ok.reason == "fits GPU_8xB300: 224.9 of 246.8 GiB usable per GPU"
+    assert ok.fits and ok.reason == "fits GPU_8xB300: 211.4 of 246.8 GiB usable per GPU"
     bad = plan.fit_check(load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100"]))
     assert not bad.fits
-    assert bad.reason == ("qwen-b300 does not fit GPU_8xH100: 224.9 GiB per GPU > 68.5 usable of 80 GB; nearest that "
+    assert bad.reason == ("qwen-b300 does not fit GPU_8xH100: 211.4 GiB per GPU > 68.5 usable of 80 GB; nearest that "
                           "fits: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
-                          "(66.0 GiB)")
+                          "(65.8 GiB)")
 
 
 def test_plan_json_cli_and_no_torch():
@@ -168,8 +168,8 @@ def test_plan_json_cli_and_no_torch():
     assert out.stderr.strip() == "[]"
     assert data["recipe"] == "qwen-b300" and data["steps"] == 995
     own = data["cards"][0]
-    assert own["accelerator"] == "GPU_8xB300" and own["fits"] and own["keep_layers"] == 16
-    assert own["memory_gib"]["total"] == 224.93
+    assert own["accelerator"] == "GPU_8xB300" and own["fits"] and own["keep_layers"] == 17
+    assert own["memory_gib"]["total"] == 211.41
     assert data["cards"][1]["fitting_settings"][0] == ["training.activation_checkpointing_keep=0",
                                                        "data.packing.block_len=16384"]
 
@@ -183,12 +183,12 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert result.exit_code == 0
     rows = [line.split() for line in result.output.splitlines() if line.startswith("  GPU_")]
     assert "the recipe's accelerator: GPU_8xB300" in result.output
-    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "173.8", "0.9", "0.0", "224.9", "246.8", "yes", "16"]
+    assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "160.3", "0.9", "0.0", "211.4", "246.8", "yes", "17"]
     assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
     assert rows[4][:4] == ["GPU_8xB300", "5.72*", "1.6", "h"]  # the time table
     assert rows[6][:2] == ["GPU_8xH200", "13.00*"]
     assert ("GPU_8xH100 fits with: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
-            "(66.0 GiB)") in result.output
+            "(65.8 GiB)") in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
     assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
 

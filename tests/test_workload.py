@@ -479,12 +479,12 @@ def test_multi_node_render_warns_when_checkpoints_go_to_a_node_local_dir():
 
 # -------------------------------------------------------------------------------------- fit check
 def test_render_refuses_a_recipe_that_does_not_fit_its_accelerator():
-    recipe = load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100"])  # 224.9 GiB per GPU, 68.5 usable
+    recipe = load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100"])  # 211.4 GiB per GPU, 68.5 usable
     with pytest.raises(UserError) as e:
         workload.render_workload(recipe)
-    assert str(e.value) == ("qwen-b300 does not fit GPU_8xH100: 224.9 GiB per GPU > 68.5 usable of 80 GB; nearest that "
+    assert str(e.value) == ("qwen-b300 does not fit GPU_8xH100: 211.4 GiB per GPU > 68.5 usable of 80 GB; nearest that "
                             "fits: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
-                            "(66.0 GiB); --no-fit-check renders it anyway")
+                            "(65.8 GiB); --no-fit-check renders it anyway")
     text = workload.render_workload(recipe, fit_check=False)
     assert yaml.safe_load(text)["compute"]["accelerator_type"] == "GPU_8xH100"
     fitted = load_recipe("qwen-b300", ["compute.accelerator_type=GPU_8xH100", "training.activation_checkpointing_keep=0",
@@ -509,6 +509,6 @@ def test_render_workload_cli_fit_check_and_override(tmp_path):
     argv = ["render-workload", "-r", "qwen-b300", "--set", "compute.accelerator_type=GPU_8xH100"]
     refused = runner.invoke(app, argv)
     assert refused.exit_code == 2
-    assert "error: qwen-b300 does not fit GPU_8xH100: 224.9 GiB per GPU" in refused.output
+    assert "error: qwen-b300 does not fit GPU_8xH100: 211.4 GiB per GPU" in refused.output
     forced = runner.invoke(app, [*argv, "--no-fit-check", "-o", str(tmp_path / "w.yaml")])
     assert forced.exit_code == 0 and (tmp_path / "w.yaml").is_file()
