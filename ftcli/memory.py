@@ -207,7 +207,7 @@ def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
     if s.checkpointing == "selective":
         stored = n // 2
         return stored + 1, n - stored  # + the layer being recomputed
-    keep = min(s.keep, n)
+    keep = 0 if s.method == "lora" else min(s.keep, n)  # TRL checkpoints every layer or none
     if keep == n:
         return n, 0
     # the kept layers are the last ones: their backward runs first and frees their activations before the

@@ -128,24 +128,23 @@ def fsdp_on_cpu_processes(trainer, args) -> None:
 
 
 def fp32_loss_and_reduce(trainer) -> None:
-    """Under FSDP2, keep what leaves the model and what is summed over ranks in float32.
+    """Under FSDP2, leave the model's outputs uncast and sum the adapter's gradients over ranks in float32.
 
     For bf16 mixed precision accelerate's FSDP2 plugin sets `MixedPrecisionPolicy(param_dtype=reduce_dtype=
-    output_dtype=bf16)`. output_dtype rounds TRL's float32 per-token log-probs to bf16 at the root module's
-    output, so the loss of a block is summed in bf16 (8 bits: a 4k block's loss of 12.8 lands on a grid
-    of ~0.06, seen on an H200 as identical losses at 4 and 6 layers) and so is the eval loss; reduce_dtype
-    sums the adapter gradients over ranks in bf16, where DDP sums them in float32. The weights are still
-    all-gathered and computed in bf16 (param_dtype); both others become float32, which only costs the
-    adapter's gradients twice the bytes."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    output_dtype=bf16)`. FSDP2 applies output_dtype to the output of every sharded unit, the root included, so
+    TRL's float32 per-token log-probs came back as bf16 and the block's loss was summed in bf16 (8 bits: a 4k
+    block's logged loss moved in steps of ~0.06, seen on an H200 as identical losses at 4 and 6 layers), and
+    so was the eval loss; reduce_dtype summed the adapter's gradients over ranks in bf16, where DDP sums them
+    in float32. ftcli keeps param_dtype (weights gathered and computed in bf16), sets output_dtype to None (no
+    cast: every unit returns what it computed; a float32 cast would hand the decoder layers and the eval loss's
+    LM-head matmul float32 activations next to bf16 weights) and reduce_dtype to float32."""
+    from dataclasses import replace
 
     plugin = trainer.accelerator.state.fsdp_plugin
     policy = getattr(plugin, "mixed_precision_policy", None)
     if policy is None or policy.param_dtype is None:
         return
-    plugin.mixed_precision_policy = MixedPrecisionPolicy(
-        param_dtype=policy.param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32,
-        cast_forward_inputs=policy.cast_forward_inputs)
+    plugin.mixed_precision_policy = replace(policy, reduce_dtype=torch.float32, output_dtype=None)
 
 
 # -------------------------------------------------------------------------------------------- model
@@ -175,14 +174,18 @@ def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | N
     if recipe.model.init == "random":
         torch.manual_seed(recipe.training.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
         if device is None and (gpu := random_init_gpu(recipe)) is not None:
-            return load_model(recipe.model, attn_implementation=attn, device=gpu).to("cpu")
+            model = load_model(recipe.model, attn_implementation=attn, device=gpu).to("cpu")
+            torch.cuda.empty_cache()  # the drawn base's memory back for NCCL, and out of the step lines' peak
+            torch.cuda.reset_peak_memory_stats(gpu)
+            return model
     return load_model(recipe.model, attn_implementation=attn, device=device)
 
 
 def random_init_gpu(recipe: Recipe) -> torch.device | None:
     """Where FSDP's random-init base (kept on the CPU until accelerate shards it) is drawn: this process's GPU
     when the base takes under half its free memory, else None (the CPU). The CPU draws ~0.1B parameters/s
-    (minutes for a 13B-parameter base); the GPU draws it in seconds, and the copy to the CPU takes seconds."""
+    (minutes for a 13B-parameter base); the GPU draws it in seconds, and the copy to the CPU takes seconds.
+    The same seed draws different weights on the GPU and the CPU; <run>/base holds the ones trained on."""
     if not torch.cuda.is_available():
         return None
     from ftcli.distributed import local_device

@@ -3,7 +3,8 @@ with LoRA on attention and experts, the base kept whole per rank (ddp) or sharde
 blocks with very different trained-token counts (two per rank, grad_accum 2). Rank 0 saves the step's LoRA
 gradients (gathered to full tensors under FSDP2) to OUT/grads-<sharding>.pt, and whether the base weights
 were sharded. With a third argument `bf16` the model and the run are bfloat16 (FSDP2 mixed precision) and the
-files are OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json, the step's logged loss."""
+files are OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json: the step's logged loss and, after
+the step, ftcli's eval loss sum (`attach_eval_loss`) on each of the four blocks."""
 
 from __future__ import annotations
 
@@ -59,12 +60,21 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
 
     trainer.add_callback(Grab())
     trainer.train()
+    evals = []
+    if dtype == "bf16":  # the eval loss after the step, on every block, every rank taking part (FSDP gathers)
+        from ftcli.lora_callbacks import attach_eval_loss
+        from ftcli.train_lora import collate_rows
+
+        attach_eval_loss(trainer.model, 64)
+        with torch.no_grad():
+            sums = [trainer.model.loss_sum(**collate_rows([r])) for r in rows]
+        evals = [{"dtype": str(x.dtype), "value": float(x)} for x in sums]
     if args.process_index == 0:
         tag = sharding if dtype == "fp32" else f"{sharding}-{dtype}"
         torch.save({n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}, out / f"grads-{tag}.pt")
         (out / f"sharded-{tag}.json").write_text(json.dumps(sharded))
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        (out / f"loss-{tag}.json").write_text(json.dumps(losses))
+        (out / f"loss-{tag}.json").write_text(json.dumps({"train": losses, "eval_sums": evals}))
     if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

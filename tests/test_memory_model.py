@@ -69,9 +69,10 @@ def test_every_measured_h200_peak_within_10_percent():
     errors = {}
     for p in points:
         shape, s = memory.point_setting(p)
-        errors[(p["model"], p["block_len"], p["master"], p["checkpointing"], p["loss"])] = (
+        errors[(p["model"], p["layers"], p["block_len"], p["master"], p["checkpointing"], p.get("keep", 0), p["loss"],
+                p.get("utc"))] = (
             memory.estimate(shape, s).total / p["peak_gib"] - 1)
-    assert all(abs(e) < 0.10 for e in errors.values()), errors
+    assert len(errors) == 18 and all(abs(e) < 0.10 for e in errors.values()), errors
     assert max(abs(e) for e in errors.values()) == pytest.approx(0.072, abs=0.001)  # selective, fp32: 96.8 vs 90.3
 
 
@@ -111,6 +112,28 @@ def test_64_layer_recipe_figures():
     assert round(memory.estimate(q, liger).total, 1) == 81.5
     assert round(memory.estimate(q, memory.Setting(tokens=32768, world=8, loss="liger", master="bf16")).total, 1) == 61.2
     assert [memory.layers_to_keep(q, liger, gb) for gb in (80, 141, 288)] == [0, 4, 17]
+
+
+def test_kept_layers_and_the_recompute_do_not_share_the_peak():
+    """Full checkpointing, n layers, the last `keep` kept: n - keep checkpointed inputs (2 bytes x T x hidden each)
+    plus the larger of the kept layers and one recomputed layer (K x T x hidden bytes each), by hand."""
+    q = memory.shipped_shape("Qwen/Qwen3.8-27B").cut(8)
+    k, u = memory.STORED_LAYER_BYTES["qwen3_5"], 32768 * 5120
+    act = {keep: memory.estimate(q, memory.Setting(tokens=32768, world=1, loss="liger", keep=keep)).activations
+           for keep in (0, 1, 2, 8, 20)}
+    assert act[0] == pytest.approx((1 * k * u + 8 * 2 * u) / memory.GiB)
+    assert act[1] == pytest.approx((1 * k * u + 7 * 2 * u) / memory.GiB)  # the kept last layer drops its input
+    assert act[2] == pytest.approx((2 * k * u + 6 * 2 * u) / memory.GiB)
+    assert act[8] == act[20] == pytest.approx(8 * k * u / memory.GiB)  # all kept: nothing checkpointed
+    lora = memory.Setting(method="lora", tokens=4096, loss="trl", keep=5)  # LoRA ignores keep
+    g = memory.shipped_shape("openai/gpt-oss-20b")
+    assert memory.estimate(g, lora).total == memory.estimate(g, memory.Setting(**{**lora.__dict__, "keep": 0})).total
+    usable = memory.usable_gib(288)
+    s = memory.Setting(tokens=32768, world=8, loss="liger")
+    q64 = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    brute = max(keep for keep in range(65) if memory.estimate(
+        q64, memory.Setting(**{**s.__dict__, "keep": keep})).total <= usable)
+    assert memory.layers_to_keep(q64, s, 288) == brute == 17
 
 
 def test_reference_loop_on_8xh100_fits_8k_not_16k():

@@ -4,12 +4,13 @@
 # /tmp/build/<pkg>.done holds "<exit code> <seconds> s" when a build ends. Run from the project root with
 #     setsid nohup bash .sdist/build.sh > /tmp/build.out 2>&1 &
 set -u
-root=$PWD
-mkdir -p /tmp/build /tmp/build-site /tmp/gpu-site && cd /tmp/build && tar -xJf "$root/.sdist/builds.tar.xz"
+here=$(cd "$(dirname "$0")" && pwd)   # the folder stage.py wrote: builds.tar.xz and the build-time wheels
+mkdir -p /tmp/build /tmp/build-site /tmp/gpu-site && cd /tmp/build && tar -xJf "$here/builds.tar.xz"
 missing=""
 for m in setuptools wheel packaging psutil ninja einops; do python3 -c "import $m" 2>/dev/null || missing="$missing $m"; done
 echo "missing for the build:$missing" > env.log
-for m in $missing; do python3 -m pip install -q --no-index --no-deps --target /tmp/build-site "$root"/.sdist/$m-*.whl >> env.log 2>&1; done
+for m in $missing; do python3 -m pip install -q --no-index --no-deps --target /tmp/build-site "$here"/$m-*.whl >> env.log 2>&1; done
+python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/gpu-site "$here"/einops-*.whl >> env.log 2>&1  # flash-attn imports it
 export PYTHONPATH=/tmp/build-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/build-site/bin:$PATH
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
 export TORCH_CUDA_ARCH_LIST=9.0 FLASH_ATTN_CUDA_ARCHS=90 FLASH_ATTENTION_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE

@@ -6,9 +6,10 @@ script (run where PyPI is reachable) fetches the two sdists and trims them to wh
 
     causal-conv1d 1.7.0     sm_90 only (its setup.py hard-codes nine architectures, ~7 min each on 16 cores)
     flash-attn 2.8.3.post2  sm_90 only, and only the bf16 head-dim-256 kernels (Qwen3.5-27B's full attention:
-                            head_dim 256); its dtype checks then refuse fp16, and every head dim up to 256
-                            runs the 256 kernels (flash-attn's own padding path). Same templates, fewer
-                            instantiations: 7 compile units instead of 73.
+                            head_dim 256); its dtype checks then refuse fp16 and its head-dim switch refuses
+                            any other head dim (flash-attn sizes some buffers by a rounded head dim that a
+                            256 kernel would overrun). Same templates, fewer instantiations: 7 compile units
+                            instead of 73. Nothing else (gpt-oss: flex attention with sinks) may use it.
 
 It writes DEST/builds.tar.xz (~3.5 MB) plus the build-time wheels the image may lack (setuptools, wheel,
 packaging, psutil, ninja, einops), and copies build.sh next to them. On the device, from the project root:
@@ -17,7 +18,9 @@ packaging, psutil, ninja, einops), and copies build.sh next to them. On the devi
     cat /tmp/build/*.done                                           # "<exit code> <seconds> s" per package
 
 Measured on one H200 (16 cores, nvcc 13.0, torch 2.11.0+cu130), 2026-12-01: causal-conv1d 416 s, flash-attn
-365 s, side by side. Usage: python benchmarks/kernel_builds/stage.py [--dest .sdist]
+365 s, side by side, with `setup.py build_ext --inplace`; build.sh now goes straight to `bdist_wheel` (a
+`bdist_wheel` after the in-place build compiled flash-attn again), and the head-dim guard was added after that
+run: neither has been compiled on the device yet. Usage: python benchmarks/kernel_builds/stage.py [--dest .sdist]
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def trim_flash_attn(root: Path) -> list[str]:
     s, n1 = re.subn(r"#define FP16_SWITCH\(COND, \.\.\.\).*?\}\(\)\n", "#define FP16_SWITCH(COND, ...) [&] { using "
                     "elem_type = cutlass::bfloat16_t; return __VA_ARGS__(); }()\n", s, flags=re.S)
     s, n2 = re.subn(r"#define HEADDIM_SWITCH\(HEADDIM, \.\.\.\).*?\}\(\)\n", "#define HEADDIM_SWITCH(HEADDIM, ...) "
-                    "[&] { constexpr static int kHeadDim = 256; return __VA_ARGS__(); }()\n", s, flags=re.S)
+                    "[&] { TORCH_CHECK(HEADDIM == 256, \"this flash-attn build has head-dim-256 kernels only\"); "
+                    "constexpr static int kHeadDim = 256; return __VA_ARGS__(); }()\n", s, flags=re.S)
     switch.write_text(s)
     api = root / "csrc/flash_attn/flash_api.cpp"
     a = api.read_text()
@@ -74,8 +78,9 @@ def trim_causal_conv1d(root: Path) -> list[str]:
     text = re.sub(r'cc_flag\.append\("-gencode"\)\n(\s+)pass', r"pass\n\1pass", text)
     setup.write_text(text)
     left = re.findall(r"arch=compute_\d+,code=sm_\d+", text)
-    if left != ["arch=compute_90,code=sm_90"]:
-        raise SystemExit(f"causal-conv1d setup.py changed shape: gencodes left {left}")
+    flags = text.count('cc_flag.append("-gencode")')
+    if left != ["arch=compute_90,code=sm_90"] or flags != 1:
+        raise SystemExit(f"causal-conv1d setup.py changed shape: gencodes left {left}, -gencode flags {flags}")
     return left
 
 
