@@ -276,20 +276,23 @@ def point_setting(point: dict[str, Any]) -> tuple[ModelShape, Setting]:
     shape = shipped_shape(point["model"]).cut(point["layers"])
     return shape, Setting(method=point["method"], tokens=point["block_len"], world=point["gpus"],
                           master=point["master"], checkpointing=point["checkpointing"], loss=point["loss"],
-                          keep=point.get("keep", 0))
+                          keep=point.get("keep", 0), adapter_params=point.get("adapter_params", 0),
+                          sharding=point.get("sharding", "ddp"))
 
 
 def fit(points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Least-squares K per family (points whose peak is in the activation phase), then F from the full-logit
-    points. The estimate is linear in K and F within a phase, so each is a one-variable fit."""
+    """Least-squares K per family (points whose peak is in the activation phase; not the sharded-LoRA points,
+    whose peak is the base's shards and gathered units with one layer's activations: they check those terms),
+    then F from the full-logit points. The estimate is linear in K and F within a phase, so each is a
+    one-variable fit."""
     points = measured()["memory"] if points is None else points
     stored: dict[str, float] = {}
     for family in sorted({shipped_shape(p["model"]).family for p in points}):
         num = den = 0.0
         for p in points:
             shape, s = point_setting(p)
-            if shape.family != family or p["loss"] == "full":
-                continue
+            if shape.family != family or p["loss"] == "full" or s.sharding == "fsdp":
+                continue  # sharded LoRA points (the 120b shape) check the state and gathered units, not K
             at0, at1 = estimate(shape, s, 0.0), estimate(shape, s, 1.0)
             slope = at1.activations - at0.activations
             reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method == "full" else 0

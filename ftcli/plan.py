@@ -377,7 +377,9 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     if {r.get("kernels") for r in candidates} != {row.get("kernels")}:
         point += ", the newest of this setting's rows (rows with other kernels not mixed in)"
     if row["gpus"] != world:
-        notes.append(f"per-GPU time of {gpus} taken for {world}")
+        notes.append(f"per-GPU time of {gpus} taken for {world}"
+                     + (" (the sharded base's all-gathers not counted)" if s.method == "lora" and s.sharding == "fsdp"
+                        else ""))
     command = " && ".join(dict.fromkeys(r["command"] for r in used))
     if measured:
         return StepTime(seconds, "; ".join([f"measured: {point}", *notes]), True, command)

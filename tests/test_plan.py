@@ -267,6 +267,18 @@ def test_plan_cli_for_the_120b_recipe_offline(monkeypatch, tmp_path):
     assert "base sharded (fsdp)" in result.output and "LoRA base: GPU_8xH100 fsdp" in result.output
 
 
+def test_120b_step_time_from_the_h200_depth_pair():
+    """The 120b shape cut to 4 and 6 layers on one H200 (0.322 and 0.464 s per 4k block): 0.038 s + 0.0710 s x 36
+    layers, with the all-gathers of the sharded base named as not counted."""
+    own = cards(plan.make_plan(load_recipe("gpt-oss-120b-h100")))["GPU_8xH100"]
+    assert round(own.step.s_per_step, 3) == round(0.322 - 4 * 0.071 + 0.071 * 36, 3) == 2.594
+    assert own.step.source == (
+        "scaled from H200, 1 GPU, openai/gpt-oss-120b at 4 and 6 layers, block 4096, 2026-12-01 13:26-13:31 UTC: "
+        "x peak bf16 FLOP/s H200/H100; 4 and 6 -> 36 layers by the per-layer fit (0.038 s + 0.0710 s x layers); "
+        "per-GPU time of 1 GPU taken for 8 (the sharded base's all-gathers not counted)")
+    assert own.step.command.startswith("python benchmarks/lora_scale_gpu.py --layers 4")
+
+
 # ------------------------------------------------------------------------------------ step-time provenance
 RECIPES = ("qwen-b300", "gpt-oss-h100", "gpt-oss-120b-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu")
 
@@ -307,7 +319,8 @@ def test_step_time_table_exact(capsys):
         f"  GPU_8xB300     0.16*      -       -   scaled from {point}: x peak bf16 FLOP/s H200/B300; per-GPU time of "
         "1 GPU taken for 8 [1]",
         f"  GPU_1xA10      2.96*      -       -   scaled from {point}: x peak bf16 FLOP/s H200/A10; measured with ddp, "
-        "loss trl (recipe: fsdp, loss trl); per-GPU time of 1 GPU taken for 8 [1]"]
+        "loss trl (recipe: fsdp, loss trl); per-GPU time of 1 GPU taken for 8 (the sharded base's all-gathers not "
+        "counted) [1]"]
     assert table[-1] == "[1] measured by: python benchmarks/lora_gpt_oss_gpu.py --modes reference,default --steps 20 " \
                         "--warmup 3"
 
