@@ -189,11 +189,12 @@ def random_init_gpu(recipe: Recipe) -> torch.device | None:
     if not torch.cuda.is_available():
         return None
     from ftcli.distributed import local_device
-    from ftcli.modeling import load_model
+    from ftcli.modeling import DTYPES
+    from ftcli.plan import model_shape
 
     gpu = local_device()
-    meta = load_model(recipe.model, device="meta")
-    need = sum(p.numel() * p.element_size() for p in meta.parameters())
+    shape = model_shape(recipe)  # parameter counts from the config, as `ftcli plan` counts them
+    need = (shape.total_params + shape.frozen_params) * DTYPES[recipe.model.dtype].itemsize
     free, _ = torch.cuda.mem_get_info(gpu)
     return gpu if need < free / 2 else None
 
