@@ -20,6 +20,10 @@ Variants (--set overrides on top of the qwen-b300 settings):
     keep2       training.activation_checkpointing_keep=2 (the last 2 layers keep their activations)
     chunked     training.loss.impl=chunked (instead of liger's fused linear cross-entropy)
     fp8chunked  fp8 + chunked
+    fused       training.fused_ops=[rms_norm,swiglu,gated_norm] (liger's RMSNorm and SwiGLU, fla's gated norm)
+    rms_norm, swiglu, gated_norm   one fused op alone
+    regions     training.compile=regions (compile the norms, MLP and float8 linears of each layer)
+A part's variant may join several with '+': 32768:4:keep2+fused, 32768:4:keep2+fp8+regions.
 
 H200 (from the project root, .gpu carried, see DEVELOPERS.md):
     python benchmarks/levers_gpu.py --parts 32768:4:base 32768:4:fp8 32768:8:base 32768:8:fp8 \
@@ -49,7 +53,14 @@ from train_full_gpu import RECIPE, TINY  # noqa: E402
 FP8 = ["training.precision.fp8=true"]
 CHUNKED = ["training.loss.impl=chunked"]
 VARIANTS = {"base": [], "fp8": FP8, "fp8c": [*FP8, "training.compile=true"],
-            "keep2": ["training.activation_checkpointing_keep=2"], "chunked": CHUNKED, "fp8chunked": [*FP8, *CHUNKED]}
+            "keep2": ["training.activation_checkpointing_keep=2"], "keep0": ["training.activation_checkpointing_keep=0"], "chunked": CHUNKED, "fp8chunked": [*FP8, *CHUNKED],
+            "lr4": ["training.optimizer.lr=1e-4"], "fused": ["training.fused_ops=[rms_norm,swiglu,gated_norm]"], "regions": ["training.compile=regions"],
+            **{op: [f"training.fused_ops=[{op}]"] for op in ("rms_norm", "swiglu", "gated_norm")}}
+
+
+def variant_sets(variant: str) -> list[str]:
+    """A variant, or several joined by '+' (keep2+fused): their --set overrides in order."""
+    return [s for name in variant.split("+") for s in VARIANTS[name]]
 DEPTH = 64
 
 
@@ -60,7 +71,7 @@ def build(args, block_len: int, layers: int, variant: str, out: Path, world):
     config = write_depth_config(layers, args.tiny, out / "configs")
     sets = [*(TINY if args.tiny else []), *b300_settings(args.tiny), f"model.config={config}",
             *data_overrides(block_len, args.tiny), "training.log_every=1", "training.max_steps=100000",
-            *VARIANTS[variant], f"output.dir={out / f'{variant}-b{block_len}-l{layers}'}"]
+            *variant_sets(variant), f"output.dir={out / f'{variant}-b{block_len}-l{layers}'}"]
     recipe = load_recipe(RECIPE, sets)
     return FullRun(recipe, recipe.output_dir, None, world)
 

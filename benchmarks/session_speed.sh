@@ -26,12 +26,12 @@ if [ -n "$TINY" ]; then T=(--tiny); B32=512; B8=512; PY=python; STEPS=4; SCALE=8
 else T=(); B32=32768; B8=8192; PY=python3; STEPS=8; SCALE=1; fi
 export HF_HUB_OFFLINE=1 TRITON_CACHE_AUTOTUNING=1
 cd "$ROOT" || exit 1
+# shellcheck source=benchmarks/session_lib.sh
+source "$HERE/session_lib.sh"
 
-left() { echo $((START + BUDGET - $(date +%s))); }
 cap() {  # cap SECONDS: min(SECONDS x SCALE, time left - 15)
   local l c; l=$(($(left) - 15)); c=$(($1 * SCALE)); [ "$c" -lt "$l" ] && echo "$c" || echo "$l"
 }
-say() { echo "$@" | tee -a "$LOG"; }
 run() {  # run NAME MIN_SECONDS MAX_SECONDS cmd...: skipped when fewer than MIN_SECONDS are left
   local name=$1 min=$(($2 * SCALE)) t; t=$(cap "$3"); shift 3
   if [ "$t" -lt "$min" ]; then say "### $name: skipped, $(left) s left"; return 0; fi
@@ -40,12 +40,7 @@ run() {  # run NAME MIN_SECONDS MAX_SECONDS cmd...: skipped when fewer than MIN_
   say "### $name: exit ${PIPESTATUS[0]} at $(($(date +%s) - START)) s"
 }
 
-{
-  date -u +"%Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "no nvidia-smi"
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-  git -C "$ROOT" log --oneline -1 2>/dev/null || true
-} 2>&1 | tee -a "$LOG"
+machine_header
 
 run "0 chunk indices vs fla" 10 60 $PY - <<'EOF'
 import numpy as np

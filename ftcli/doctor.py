@@ -25,7 +25,7 @@ OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 
 # distribution names, in the order shown
 PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang", "triton",
-            "causal-conv1d", "flash-attn", "liger-kernel", "mlflow")
+            "causal-conv1d", "flash-attn", "liger-kernel", "torchao", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,37 @@ def check_lora_vision(recipe, m, tf: Transformers) -> list[Check]:
                   "lora.exclude_vision: true")]
 
 
-CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, check_lora_vision)
+def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
+    """A full-SFT recipe's fp8 and fused ops where they run: fp8 needs torchao and a GPU of compute capability
+    >= 8.9, each fused op its package (liger-kernel, flash-linear-attention) and a GPU."""
+    from ftcli.recipe import FUSED_OP_PACKAGES
+
+    name = "fp8 and fused ops"
+    t = recipe.training if recipe is not None else None
+    if t is None or t.method != "full" or not (t.precision.fp8 or t.fused_ops):
+        return [Check(name, NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops")]
+    if m.device_type != "cuda":
+        return [Check(name, NA, "no GPU here (both run on the training machine's GPUs)")]
+    problems, found = [], []
+    if t.precision.fp8:
+        cap = ".".join(map(str, m.capability or (0, 0)))
+        if (m.capability or (0, 0)) < (8, 9):
+            problems.append(f"training.precision.fp8 needs compute capability >= 8.9, this GPU is {cap}: set "
+                            "training.precision.fp8=false")
+        if not m.versions.get("torchao"):
+            problems.append("training.precision.fp8 needs torchao: pip install torchao")
+        found.append(f"fp8: torchao {m.versions.get('torchao')} on capability {cap}")
+    for package in dict.fromkeys(FUSED_OP_PACKAGES[op] for op in t.fused_ops):
+        if not m.versions.get(package):
+            problems.append(f"training.fused_ops needs {package}: pip install {package}")
+        found.append(f"{package} {m.versions.get(package)}")
+    if problems:
+        return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
+    return [Check(name, OK, ", ".join(found))]
+
+
+CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, check_lora_vision,
+          check_speed_settings)
 
 
 def doctor_checks(recipe, m, tf: Transformers | None = None) -> list[Check]:

@@ -72,3 +72,12 @@ def fp8_linears(model: nn.Module) -> list[str]:
     except ImportError:
         return []
     return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """A torchao Float8Linear (False without torchao)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return False
+    return isinstance(module, Float8Linear)

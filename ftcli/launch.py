@@ -196,6 +196,13 @@ def _preflight(recipe) -> None:
         from ftcli.loss import liger_loss
 
         liger_loss()
+    if recipe.training.fused_ops:
+        import torch
+
+        from ftcli.fused_ops import check_fused_device, load_kernels
+
+        check_fused_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), recipe.training.fused_ops)
+        load_kernels(recipe.training.fused_ops)
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
 

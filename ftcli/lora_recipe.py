@@ -65,7 +65,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
         **{checkpointing_arg(): ac != "none" and not fsdp,
            f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" and not fsdp else None},
-        torch_compile=t.compile,
+        torch_compile=t.compile is True,  # compile=regions is full SFT's (ignored_settings)
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
         # FSDP2 (training.sharding: fsdp): the base sharded; checkpoints are per-rank shards (DCP)
@@ -131,4 +131,11 @@ def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
                    "the LoRA path checkpoints every layer or none")
     if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
         out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
+    if t.precision.fp8:
+        out.append("training.precision.fp8 has no effect on LoRA: the base's GEMMs stay in model.dtype")
+    if t.compile == "regions":
+        out.append("training.compile=regions has no effect on LoRA (full SFT's regional compile); "
+                   "training.compile=true compiles the model through TRL")
+    if t.fused_ops:
+        out.append("training.fused_ops has no effect on LoRA (full SFT's fused norms and SwiGLU)")
     return out

@@ -173,6 +173,9 @@ class Setting:
     chunk_tokens: int = 4096
     adapter_params: int = 0  # LoRA
     sharding: str = "ddp"  # LoRA: ddp (a whole base per GPU) | fsdp (the base sharded, FSDP2)
+    # full SFT speed settings (plan.speed_settings: fp8, compile, fused ops): they pick the step-time rows; the
+    # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
+    speed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

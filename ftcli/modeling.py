@@ -114,6 +114,14 @@ def load_model(
         raise UserError(f"model.id {cfg.id!r}: cannot load weights ({str(e).splitlines()[0]})") from None
 
 
+def text_final_norm(model: nn.Module) -> nn.Module | None:
+    """The text model's norm after its last decoder layer (`norm` beside `layers`), or None."""
+    layers = decoder_layers(model)
+    name = next(n for n, m in model.named_modules() if m is layers)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return getattr(parent, "norm", None)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks, for text classes (`model.model.layers`) and VLM classes
     (`model.model.language_model.layers`)."""

@@ -224,7 +224,19 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         compute_bytes=4 if dtype == "float32" else 2, checkpointing=t.activation_checkpointing,
         keep=0 if lora else t.activation_checkpointing_keep,  # LoRA ignores it (lora_recipe.ignored_settings)
         loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
-        adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp")
+        adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp",
+        speed=() if lora else speed_settings(t))
+
+
+def speed_settings(t) -> tuple[str, ...]:
+    """A full-SFT recipe's settings that change its step time but not its memory model, in the form of the
+    step-time rows' `speed` field: fp8, compile=layers|regions, fused=<ops joined by +, sorted>."""
+    out = ["fp8"] if t.precision.fp8 else []
+    if t.compile:
+        out.append(f"compile={'regions' if t.compile == 'regions' else 'layers'}")
+    if t.fused_ops:
+        out.append("fused=" + "+".join(sorted(t.fused_ops)))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -327,6 +339,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
         return StepTime(None, f"no measurement for {shape.family} at hidden {shape.hidden}, {s.method}, "
                               f"{s.tokens} tokens, checkpointing {s.checkpointing}")
     exact = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
+             and tuple(r.get("speed", ())) == s.speed
              and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
     candidates = exact or rows
     row = max(candidates, key=_when)  # the newest sitting; of equals, the first listed
@@ -463,7 +476,8 @@ def _setting_text(method: str, setting: dict[str, Any]) -> str:
     """The parts of a setting a step-time row may differ in (a measured row, or a memory.Setting's fields)."""
     if method == "lora":
         return f"{setting.get('sharding', 'ddp')}, loss {setting['loss']}"
-    return f"master {setting['master']}, loss {setting['loss']}"
+    speed = tuple(setting.get("speed", ()))
+    return f"master {setting['master']}, loss {setting['loss']}" + (f", {' '.join(speed)}" if speed else "")
 
 
 def data_size(recipe: Recipe) -> DataSize:

@@ -411,7 +411,12 @@ class LossConfig(_Section):
     chunk_tokens: int = Field(4096, ge=1)
 
 
+# training.fused_ops: op -> the package whose kernel it runs (ftcli/fused_ops.py; doctor checks them torch-free)
+FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
+
+
 class TrainingConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
     method: Literal["full", "lora"] = "full"
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
@@ -427,7 +432,16 @@ class TrainingConfig(_Section):
         "last ones) instead of recomputing them; spare memory for speed (benchmarks/memory_model.py says how "
         "many fit per card)."
     )
-    compile: bool = False
+    compile: bool | Literal["regions"] = Field(
+        False, description="true: torch.compile each decoder layer whole; regions: compile only the parts of each "
+        "layer around its packed kernels (norms, the dense MLP, float8 linears), which a graph break in the "
+        "gated-delta or attention kernel cannot push back to eager (ftcli/train_full.compile_regions)."
+    )
+    fused_ops: list[Literal["rms_norm", "swiglu", "gated_norm"]] = Field(
+        default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
+        "(rms_norm, liger-kernel), MLP activation (swiglu, liger-kernel) and gated-delta output norm "
+        "(gated_norm, fla); same parameters and checkpoints (ftcli/fused_ops.py)."
+    )
     sharding: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="LoRA: ddp keeps the whole frozen base on every GPU, fsdp shards it (FSDP2); auto: "
         "ddp where `ftcli plan` says it fits the recipe's accelerator, else fsdp. Full SFT always shards."
@@ -443,8 +457,6 @@ class TrainingConfig(_Section):
     def _keep_needs_full(self) -> TrainingConfig:
         if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
             raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
-        if self.precision.fp8 and self.method != "full":
-            raise ValueError("training.precision.fp8 applies to method=full only (LoRA keeps the base in model.dtype)")
         return self
 
 
@@ -643,7 +655,8 @@ class Recipe(_Section):
         """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
         the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
         tokens = self.data.packing.block_len * self.training.per_device_batch
-        if self.training.precision.fp8 and (not self.data.packing.enabled or tokens % 16):
+        full_fp8 = self.training.precision.fp8 and self.training.method == "full"  # LoRA ignores fp8 (warned)
+        if full_fp8 and (not self.data.packing.enabled or tokens % 16):
             raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
                              f"per_device_batch = {tokens}) are a multiple of 16")
         return self

@@ -31,7 +31,7 @@ def hopper(triton: str, *, tilelang: bool) -> kernels.Machine:
         device="cuda:0", capability=(9, 0), torch_varlen=True, flex=True, nvcc=True,
         importable=frozenset({"fla", "tilelang"} if tilelang else {"fla"}),
         versions={"torch": "2.11.0", "triton": triton, "flash-linear-attention": "0.6.0",
-                  "tilelang": "0.1.15" if tilelang else None},
+                  "tilelang": "0.1.15" if tilelang else None, "torchao": "0.18.0", "liger-kernel": "0.8.5"},
     )
 
 
@@ -265,11 +265,11 @@ def test_checks_run_in_order_one_function_each():
     from ftcli.doctor import CHECKS, Transformers
 
     assert [c.__name__ for c in CHECKS] == ["check_fla_on_cpu", "check_hopper_triton", "check_packing",
-                                           "check_vlm_loss", "check_lora_vision"]
+                                           "check_vlm_loss", "check_lora_vision", "check_speed_settings"]
     assert [c.name for c in doctor_checks(None, kernels.Machine(device="cpu"), Transformers(installed="5.24.0"))] == [
         "fla on a CPU-only machine", "Hopper + Triton 3.4-3.7.0 (fla gradients)",
         "packing keeps segments apart (qwen3_5)", "packing keeps segments apart (gpt_oss)",
-        "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower"]
+        "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower", "fp8 and fused ops"]
 
 
 def test_report_json_exact():
@@ -298,6 +298,7 @@ def test_report_json_exact():
             check("packing keeps segments apart", OK, "every op has a segment-aware backend", True, True),
             check("VLM loss across grad accumulation", NA, "not a LoRA run of a VLM class"),
             check("LoRA all-linear reaching a vision tower", NA, "not a LoRA run of a VLM class"),
+            check("fp8 and fused ops", NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops"),
             check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, "transformers 5.24.0"),
             check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
             check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),
@@ -319,3 +320,32 @@ def test_doctor_text_names_the_version_based_checks(capsys):
                          f"grad accumulation (transformers {importlib.metadata.version('transformers')} is in the "
                          "tested matrix (constraints/gpu-h200.txt): its recorded facts are used, ftcli doctor --deep "
                          "imports it)")
+
+
+def test_fp8_and_fused_ops_are_checked_where_they_run():
+    """qwen-b300 ships fp8: on a GPU it needs torchao and capability >= 8.9 (FAIL, blocking, with the fix);
+    fused ops need their packages; on a CPU-only machine (planning) it is not judged."""
+    from ftcli.doctor import Transformers, check_speed_settings
+
+    tf = Transformers(installed="5.24.0")
+    h200 = hopper("3.6.0", tilelang=True)
+    [ok] = check_speed_settings(load_recipe("qwen-b300"), h200, tf)
+    assert (ok.status, ok.detail) == (OK, "fp8: torchao 0.18.0 on capability 9.0")
+    a100 = kernels.Machine(device="cuda:0", capability=(8, 0), versions={"liger-kernel": "0.8.5"})
+    [bad] = check_speed_settings(load_recipe("qwen-b300", ["training.fused_ops=[swiglu,gated_norm]"]), a100, tf)
+    assert bad.status == FAIL and bad.blocks_recipe
+    assert bad.detail == ("training.precision.fp8 needs compute capability >= 8.9, this GPU is 8.0: set "
+                          "training.precision.fp8=false; training.precision.fp8 needs torchao: pip install torchao; "
+                          "training.fused_ops needs flash-linear-attention: pip install flash-linear-attention")
+    [cpu] = check_speed_settings(load_recipe("qwen-b300"), kernels.Machine(device="cpu"), tf)
+    assert (cpu.status, cpu.detail) == (NA, "no GPU here (both run on the training machine's GPUs)")
+    [lora] = check_speed_settings(load_recipe("qwen-b300", ["training.method=lora"]), h200, tf)
+    assert lora.status == NA
+    assert not doctor_report_blocks(load_recipe("qwen-b300", ["training.precision.fp8=false"]), a100)
+
+
+def doctor_report_blocks(recipe, m) -> bool:
+    from ftcli.doctor import Transformers
+
+    return any(c.blocks_recipe and c.status == FAIL for c in doctor_checks(recipe, m, Transformers(installed="5.24.0"))
+               if c.name == "fp8 and fused ops")

@@ -40,11 +40,23 @@ def test_fp8_takes_the_27b_layers_big_linears_only():
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
-def test_fp8_is_for_full_sft_only():
+def test_fp8_is_full_sfts_and_lora_warns_about_it():
+    """fp8, compile=regions and fused ops are full SFT's: a LoRA run (qwen-b300 switched to LoRA, say) starts
+    and names each one it ignores; compile=regions does not turn on TRL's whole-model compile."""
+    from ftcli.lora_recipe import ignored_settings, sft_config_kwargs
     from ftcli.recipe import load_recipe
 
-    with pytest.raises(UserError, match=r"training.precision.fp8 applies to method=full only"):
-        load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])
+    lora = load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true", "training.compile=regions",
+                                            "training.fused_ops=[rms_norm]"])
+    assert [m for m in ignored_settings(lora) if "fp8" in m or "compile" in m or "fused" in m] == [
+        "training.precision.fp8 has no effect on LoRA: the base's GEMMs stay in model.dtype",
+        "training.compile=regions has no effect on LoRA (full SFT's regional compile); training.compile=true "
+        "compiles the model through TRL",
+        "training.fused_ops has no effect on LoRA (full SFT's fused norms and SwiGLU)"]
+    assert sft_config_kwargs(lora, "/tmp/run")["torch_compile"] is False
+    assert sft_config_kwargs(load_recipe("tiny-gpt-oss-cpu", ["training.compile=true"]), "/tmp/run")["torch_compile"]
+    assert not [m for m in ignored_settings(load_recipe("tiny-gpt-oss-cpu")) if "fp8" in m or "fused" in m]
+    assert load_recipe("qwen-b300", ["training.method=lora"]).training.precision.fp8 is True  # loads; warned at start
     assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
     with pytest.raises(UserError, match=r"training.precision.fp8 needs packed blocks whose tokens per micro-batch "
                                         r"\(block_len x per_device_batch = 1000\) are a multiple of 16"):

@@ -45,23 +45,52 @@ def test_qwen_b300_plan_on_every_card():
 def test_qwen_b300_time_from_the_published_token_count():
     p = plan.make_plan(load_recipe("qwen-b300"))
     assert p.data.tokens == 995 * 8 * 32768 and p.data.blocks == 7960 and p.steps == 995
+    assert p.setting.speed == ("fp8", "compile=regions")
     h200 = cards(p)["GPU_8xH200"]
-    # the image-kernel H200 rows of qwen-b300's settings (measured.json): keep 2 at 4 and 8 layers, keep 4 of 4
-    recomputed = (1.989 - 1.165) / (8 - 4)
-    kept = recomputed - (1.165 - 1.078) / (4 - 2)  # a kept layer skips its recompute
-    fixed = 1.165 - 2 * recomputed - 2 * kept
+    # the H200 rows of qwen-b300's settings, fp8 + compile=regions (measured.json, 15:39-15:51 UTC): keep 2 at 4
+    # and 8 layers, keep 4 of 4
+    recomputed = (1.388 - 0.875) / (8 - 4)
+    kept = recomputed - (0.875 - 0.812) / (4 - 2)  # a kept layer skips its recompute
+    fixed = 0.875 - 2 * recomputed - 2 * kept
     expected = fixed + recomputed * (64 - 14) + kept * 14
     assert h200.step.s_per_step == pytest.approx(expected) and not h200.step.measured
-    assert round(expected, 2) == 13.00 and (round(fixed, 3), round(recomputed, 4), round(kept, 4)) == (
-        0.428, 0.206, 0.1625)
-    assert ("4 and 8 -> 64 layers by the per-layer fit, 14 of them kept (0.428 s + 0.2060 s x 50 recomputed + "
-            "0.1625 s x 14 kept layers; kept layers counted: ") in h200.step.source
-    assert "not counted" not in h200.step.source
+    assert round(expected, 2) == 8.19 and (round(fixed, 3), round(recomputed, 4), round(kept, 4)) == (
+        0.425, 0.1282, 0.0968)
+    assert ("4 and 8 -> 64 layers by the per-layer fit, 14 of them kept (0.425 s + 0.1282 s x 50 recomputed + "
+            "0.0968 s x 14 kept layers; kept layers counted: ") in h200.step.source
+    assert "2026-12-01 15:39-15:51 UTC" in h200.step.source and "not counted" not in h200.step.source
     assert h200.wall_hours == pytest.approx(995 * expected / 3600)
     assert h200.gpu_hours == pytest.approx(8 * h200.wall_hours)
     b300 = cards(p)["GPU_8xB300"]
     assert b300.step.s_per_step == pytest.approx(expected * 989 / 2250)
     assert "x peak bf16 FLOP/s H200/B300" in b300.step.source
+
+
+def test_qwen_b300_in_bf16_takes_the_bf16_rows():
+    """fp8 and compile off: the rows without speed settings, the image-kernel H200 sitting (13:48-13:52)."""
+    p = plan.make_plan(load_recipe("qwen-b300", ["training.precision.fp8=false", "training.compile=false"]))
+    assert p.setting.speed == ()
+    h200 = cards(p)["GPU_8xH200"]
+    recomputed = (1.989 - 1.165) / (8 - 4)
+    kept = recomputed - (1.165 - 1.078) / (4 - 2)
+    fixed = 1.165 - 2 * recomputed - 2 * kept
+    assert h200.step.s_per_step == pytest.approx(fixed + recomputed * 50 + kept * 14)
+    assert round(h200.step.s_per_step, 2) == 13.00 and "13:48-13:52 UTC" in h200.step.source
+    fused = cards(plan.make_plan(load_recipe("qwen-b300", [
+        "training.precision.fp8=false", "training.compile=false",
+        "training.fused_ops=[swiglu,rms_norm,gated_norm]"])))["GPU_8xH200"]
+    recomputed = (1.760 - 1.051) / 4
+    kept = recomputed - (1.051 - 0.983) / 2
+    assert fused.step.s_per_step == pytest.approx(1.051 - 2 * recomputed - 2 * kept + recomputed * 50 + kept * 14)
+
+
+def test_a_speed_setting_without_rows_is_named_in_the_source():
+    """fused rms_norm alone was never timed: plan scales the newest 32k sitting's first row and says so."""
+    p = plan.make_plan(load_recipe("qwen-b300", ["training.fused_ops=[rms_norm]"]))
+    h200 = cards(p)["GPU_8xH200"]
+    assert not h200.step.measured
+    assert ("measured with master fp32, loss liger, fp8 compile=regions (recipe: master fp32, loss liger, fp8 "
+            "compile=regions fused=rms_norm)") in h200.step.source
 
 
 def test_gpt_oss_lora_plan():
@@ -185,8 +214,8 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert "the recipe's accelerator: GPU_8xB300" in result.output
     assert rows[0] == ["GPU_8xB300", "8", "12.6", "12.5", "25.0", "160.3", "0.9", "0.0", "211.4", "246.8", "yes", "17"]
     assert rows[1][:2] == ["GPU_8xH100", "8"] and rows[1][-2:] == ["no", "-"]
-    assert rows[4][:4] == ["GPU_8xB300", "5.72*", "1.6", "h"]  # the time table
-    assert rows[6][:2] == ["GPU_8xH200", "13.00*"]
+    assert rows[4][:4] == ["GPU_8xB300", "3.60*", "60", "min"]  # the time table
+    assert rows[6][:2] == ["GPU_8xH200", "8.19*"]
     assert ("GPU_8xH100 fits with: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
             "(65.8 GiB)") in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
@@ -325,6 +354,7 @@ def test_step_time_table_exact(capsys):
                         "--warmup 3"
 
 
+BF16 = ["training.precision.fp8=false", "training.compile=false"]  # qwen-b300 without its speed settings
 IMAGE_ROWS = ("H200, 1 GPU, Qwen/Qwen3.8-27B at 4 and 8 layers, block 32768, 2026-12-01 13:48-13:52 UTC, kernels "
               "flash-attn 2.8.3.post2 varlen attention, causal-conv1d 1.7.0, fla 0.6.0 + tilelang gated-delta (the "
               "Databricks image's), the newest of this setting's rows (rows with other kernels not mixed in)")
@@ -333,7 +363,7 @@ IMAGE_COMMANDS = ("python benchmarks/levers_gpu.py --parts 32768:4:keep2 32768:8
 
 
 def test_step_time_json_exact():
-    data = plan.make_plan(load_recipe("qwen-b300")).to_dict()
+    data = plan.make_plan(load_recipe("qwen-b300", BF16)).to_dict()
     h200 = next(c for c in data["cards"] if c["accelerator"] == "GPU_8xH200")
     assert {k: h200[k] for k in ("s_per_step", "step_source", "step_measured", "step_command", "wall_hours",
                                  "gpu_hours")} == {
@@ -404,7 +434,7 @@ def test_layer_fit_counts_kept_layers_from_rows_that_differ_only_in_keep():
 
 
 def test_no_kept_layers_is_the_same_rows_fit_with_every_layer_recomputed():
-    h200 = cards(plan.make_plan(load_recipe("qwen-b300", ["training.activation_checkpointing_keep=0"])))["GPU_8xH200"]
+    h200 = cards(plan.make_plan(load_recipe("qwen-b300", [*BF16, "training.activation_checkpointing_keep=0"])))["GPU_8xH200"]
     assert h200.step.s_per_step == pytest.approx(0.428 + 64 * 0.206) and round(h200.step.s_per_step, 2) == 13.61
     assert h200.step.source == (
         f"scaled from {IMAGE_ROWS}: 4 and 8 -> 64 layers by the per-layer fit, 0 of them kept (0.428 s + 0.2060 s x "
@@ -417,7 +447,7 @@ def test_a_measured_depth_and_keep_is_the_row_itself():
     """At a measured (layers, keep) the row is taken as it is: 4 layers with keep 14 keep all 4 (1.078 s)."""
     from dataclasses import replace
 
-    r = load_recipe("qwen-b300")
+    r = load_recipe("qwen-b300", BF16)
     shape = plan.model_shape(r).cut(4)
     for keep, seconds, command in ((14, 1.078, "--parts 32768:4:base"), (2, 1.165, "--parts 32768:4:keep2 ")):
         st = plan.step_time(r, shape, replace(plan.setting_of(r, shape), keep=keep), "H200", 1)
@@ -430,14 +460,14 @@ def test_a_measured_depth_and_keep_is_the_row_itself():
 
 def test_settings_without_keep_rows_keep_the_depth_fit_and_say_kept_layers_are_not_counted():
     """8k blocks were measured at keep 0 only (with torch's varlen attention): the same fit and note as before."""
-    h200 = cards(plan.make_plan(load_recipe("qwen-b300", ["data.packing.block_len=8192"])))["GPU_8xH200"]
+    h200 = cards(plan.make_plan(load_recipe("qwen-b300", [*BF16, "data.packing.block_len=8192"])))["GPU_8xH200"]
     assert h200.step.s_per_step == pytest.approx(0.518 + (0.749 - 0.518) / 4 * 60)  # 3.983
     assert h200.step.source == (
         "scaled from H200, 1 GPU, Qwen/Qwen3.8-27B at 4 and 8 layers, block 8192, 2026-12-01: 4 and 8 -> 64 layers by "
         "the per-layer fit (0.287 s + 0.0577 s x layers); measured with keep 0 (recipe: keep 14, not counted); "
         "per-GPU time of 1 GPU taken for 8")
     assert h200.step.command.startswith("python benchmarks/levers_gpu.py --parts 32768:4:base 32768:8:base 8192:4")
-    chunked = cards(plan.make_plan(load_recipe("qwen-b300", ["data.packing.block_len=8192", "training.loss.impl=chunked",
+    chunked = cards(plan.make_plan(load_recipe("qwen-b300", [*BF16, "data.packing.block_len=8192", "training.loss.impl=chunked",
                                                              "training.activation_checkpointing_keep=0"])))
     assert chunked["GPU_8xH200"].step.s_per_step == pytest.approx(0.39 + (0.621 - 0.39) / 4 * 60)  # not train_full's 0.469
 
@@ -445,15 +475,15 @@ def test_settings_without_keep_rows_keep_the_depth_fit_and_say_kept_layers_are_n
 def test_kernels_are_never_mixed_in_one_fit(monkeypatch):
     """Two sittings of one setting: the newer one's rows alone, whatever the older rows (other kernels) say."""
     rows = [r for r in memory.measured()["step_time"] if r["block_len"] == 32768 and r["loss"] == "liger"
-            and r["checkpointing"] == "full" and r["master"] == "fp32"]
+            and r["checkpointing"] == "full" and r["master"] == "fp32" and not r.get("speed")]
     assert [(r["layers"], r.get("keep", 0), r.get("kernels", "")[:10]) for r in rows] == [
         (4, 0, ""), (8, 0, ""), (4, 2, "flash-attn"), (8, 2, "flash-attn"), (4, 4, "flash-attn")]
     older = [{**r, "s_per_step": 99.0} if "kernels" not in r else r for r in rows]
     monkeypatch.setattr(memory, "measured", lambda: {"step_time": older})
-    assert cards(plan.make_plan(load_recipe("qwen-b300")))["GPU_8xH200"].step.s_per_step == pytest.approx(13.003)
+    assert cards(plan.make_plan(load_recipe("qwen-b300", BF16)))["GPU_8xH200"].step.s_per_step == pytest.approx(13.003)
     later = [{**r, "utc": "15:00-15:05"} if "kernels" not in r else r for r in rows]  # the older kernels, re-run later
     monkeypatch.setattr(memory, "measured", lambda: {"step_time": later})
-    st = cards(plan.make_plan(load_recipe("qwen-b300")))["GPU_8xH200"].step
+    st = cards(plan.make_plan(load_recipe("qwen-b300", BF16)))["GPU_8xH200"].step
     assert st.s_per_step == pytest.approx(1.242 + (2.071 - 1.242) / 4 * 60)
     assert "2026-12-01 15:00-15:05 UTC, the newest of this setting's rows" in st.source
     assert "measured with keep 0 (recipe: keep 14, not counted)" in st.source

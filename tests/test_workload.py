@@ -173,10 +173,17 @@ def test_gpu_wheels_follow_model_and_hardware():
         return [r for r, _ in workload.gpu_requirements(load_recipe(name, list(overrides)))]
 
     # Blackwell: fla's Triton backward is fine; the recipe's fused loss brings liger-kernel
-    assert reqs("qwen-b300") == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5"]
-    assert reqs("qwen-b300", "training.loss.impl=chunked") == ["flash-linear-attention==0.6.0"]
-    assert reqs("qwen-b300", "compute.accelerator_type=GPU_8xH100", "training.loss.impl=chunked") == [
+    # and its float8 GEMMs torchao
+    assert reqs("qwen-b300") == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5", "torchao==0.18.0"]
+    bf16 = ("training.precision.fp8=false",)
+    assert reqs("qwen-b300", *bf16, "training.loss.impl=chunked") == ["flash-linear-attention==0.6.0"]
+    assert reqs("qwen-b300", *bf16, "compute.accelerator_type=GPU_8xH100", "training.loss.impl=chunked") == [
         "flash-linear-attention==0.6.0", "tilelang==0.1.15"]
+    # liger for the fused norms too, named once with both uses
+    fused = workload.gpu_requirements(load_recipe("qwen-b300", [*bf16, "training.fused_ops=[rms_norm]"]))
+    assert fused[1] == ("liger-kernel==0.8.5", "pure Python + Triton fused linear cross-entropy (loss.impl=liger) "
+                                               "and fused RMSNorm / SwiGLU (training.fused_ops)")
+    assert [r for r, _ in fused] == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5"]
     assert reqs("gpt-oss-h100") == []
     assert reqs("gpt-oss-h100", "training.loss.impl=liger") == ["liger-kernel==0.8.5"]
 
@@ -230,7 +237,7 @@ def test_torchrun_single_node_defaults(tmp_path):
         "-m", "ftcli", "train", "--recipe", str(tmp_path / "params.yaml"),
     ]
     assert pip == ["install", "--progress-bar", "off", str(tmp_path / "ftcli-src"), "flash-linear-attention==0.6.0",
-                   "liger-kernel==0.8.5"]
+                   "liger-kernel==0.8.5", "torchao==0.18.0"]
     assert (tmp_path / "ftcli-src" / "pyproject.toml").is_file()  # the writable copy of the snapshot
 
 
@@ -272,6 +279,7 @@ def test_recipe_values_cannot_inject_shell_commands(tmp_path):
         str(tmp_path / "ftcli-src") + "[gpu]" + INJECT.format(canary=canary),
         "flash-linear-attention==0.6.0",
         "liger-kernel==0.8.5",
+        "torchao==0.18.0",
         evil_dep,
         "a b",
         "rm -rf /",

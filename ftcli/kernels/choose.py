@@ -115,7 +115,8 @@ def machine(device: str | torch.device) -> Machine:
             index = device.index if device.index is not None else torch.cuda.current_device()
             device = torch.device("cuda", index)
             capability = tuple(torch.cuda.get_device_capability(device))
-    dists = ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "flash-attn")
+    dists = ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "flash-attn",
+             "liger-kernel", "torchao")
     return Machine(
         device=str(device),
         capability=capability,
