@@ -200,9 +200,11 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
             problems.append("training.precision.fp8 needs torchao: pip install torchao")
         found.append(f"fp8: torchao {m.versions.get('torchao')} on capability {cap}")
     for package in dict.fromkeys(FUSED_OP_PACKAGES[op] for op in t.fused_ops):
-        if not m.versions.get(package):
+        # fla's kernels ship in fla-core too (flash-linear-attention is its wrapper)
+        have = m.versions.get(package) or (m.versions.get("fla-core") if package == "flash-linear-attention" else None)
+        if not have:
             problems.append(f"training.fused_ops needs {package}: pip install {package}")
-        found.append(f"{package} {m.versions.get(package)}")
+        found.append(f"{package} {have}")
     if problems:
         return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
     return [Check(name, OK, ", ".join(found))]

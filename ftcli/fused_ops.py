@@ -67,6 +67,9 @@ def load_kernels(ops: Iterable[str]) -> Kernels:
         except ImportError as e:
             raise UserError(f"training.fused_ops={op} needs {PACKAGES[op]} (GPU only: pip install 'ftcli[gpu]'): "
                             f"{e}") from None
+        except Exception as e:  # noqa: BLE001 - a package that is there but fails to import (Triton, CUDA)
+            raise UserError(f"training.fused_ops={op}: {PACKAGES[op]} failed to import: {type(e).__name__}: "
+                            f"{e}") from None
         found[op] = fn
     return Kernels(**found)
 

@@ -196,7 +196,7 @@ def _preflight(recipe) -> None:
         from ftcli.loss import liger_loss
 
         liger_loss()
-    if recipe.training.fused_ops:
+    if recipe.training.method == "full" and recipe.training.fused_ops:  # LoRA ignores them (warned)
         import torch
 
         from ftcli.fused_ops import check_fused_device, load_kernels

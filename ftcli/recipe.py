@@ -413,6 +413,7 @@ class LossConfig(_Section):
 
 # training.fused_ops: op -> the package whose kernel it runs (ftcli/fused_ops.py; doctor checks them torch-free)
 FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
+FUSED_OP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # the dense Qwen3.5 text model and its VLM class
 
 
 class TrainingConfig(_Section):
@@ -648,6 +649,14 @@ class Recipe(_Section):
                 f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fused_ops_model(self) -> Recipe:
+        t = self.training
+        if t.method == "full" and t.fused_ops and self.model.model_type not in FUSED_OP_MODEL_TYPES:
+            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(FUSED_OP_MODEL_TYPES)}); "
+                             f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
         return self
 
     @model_validator(mode="after")

@@ -289,7 +289,8 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     liger_uses = [use for use, on in (("fused linear cross-entropy (loss.impl=liger)",
                                        recipe.training.loss.impl == "liger"),
                                       ("fused RMSNorm / SwiGLU (training.fused_ops)",
-                                       bool({"rms_norm", "swiglu"} & set(recipe.training.fused_ops)))) if on]
+                                       recipe.training.method == "full"
+                                       and bool({"rms_norm", "swiglu"} & set(recipe.training.fused_ops)))) if on]
     if liger_uses:
         reqs.append(("liger-kernel==0.8.5", "pure Python + Triton " + " and ".join(liger_uses)))
     if recipe.training.method == "full" and recipe.training.precision.fp8:

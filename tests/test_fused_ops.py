@@ -117,15 +117,55 @@ def test_fused_ops_refuse_models_without_those_modules_and_unknown_ops():
         fuse_decoder_ops(tiny_qwen(), [], ["layer_norm"], STAND_INS)
 
 
-def test_fused_ops_need_cuda_and_their_packages():
+def test_fused_ops_need_cuda_and_their_packages(monkeypatch):
+    import sys
+    import types
+
     with pytest.raises(UserError) as err:
         check_fused_device(torch.device("cpu"), ["rms_norm"])
     assert str(err.value) == ("training.fused_ops (rms_norm) runs Triton kernels: it needs a CUDA GPU (this process "
                               "is on cpu); set training.fused_ops=[] here")
     check_fused_device(torch.device("cpu"), [])  # nothing asked: nothing refused
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.functional", "fla",
+                 "fla.modules", "fla.modules.fused_norm_gate"):
+        monkeypatch.setitem(sys.modules, name, None)  # not installed, wherever the test runs
     for op, package in (("swiglu", "liger-kernel"), ("gated_norm", "flash-linear-attention")):
         with pytest.raises(UserError, match=rf"^training.fused_ops={op} needs {package} \(GPU only"):
-            load_kernels([op])  # neither is installed on a CPU machine (the gpu extra)
+            load_kernels([op])
+
+    class Broken(types.ModuleType):  # installed, but its import fails otherwise (a Triton / CUDA mismatch)
+        def __getattr__(self, name):
+            raise RuntimeError("Triton 3.1 is not supported")
+
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", Broken("functional"))
+    with pytest.raises(UserError) as err:
+        load_kernels(["rms_norm"])
+    assert str(err.value) == ("training.fused_ops=rms_norm: liger-kernel failed to import: RuntimeError: Triton 3.1 "
+                              "is not supported")
+
+
+def test_fused_ops_on_the_vlm_class_qwen_b300_trains():
+    """Qwen3_5ForConditionalGeneration (layers under model.language_model): the text layers and the text
+    model's final norm are swapped, the vision tower is not, and no parameter name changes."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    from ftcli.modeling import decoder_layers, text_final_norm
+
+    raw = json.loads(TINY.read_text())
+    text = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=raw["hidden_size"],
+                  num_position_embeddings=16, patch_size=4)
+    model = AutoModelForImageTextToText.from_config(Qwen3_5Config(text_config=text, vision_config=vision))
+    keys = list(model.state_dict())
+    swapped = fuse_decoder_ops(model, decoder_layers(model), ["rms_norm", "swiglu", "gated_norm"], STAND_INS,
+                               final_norm=text_final_norm(model))
+    assert list(model.state_dict()) == keys
+    assert swapped["rms_norm"][-1] == "model.language_model.norm" and len(swapped["rms_norm"]) == 11
+    assert swapped["swiglu"][0] == "model.language_model.layers.0.mlp" and len(swapped["gated_norm"]) == 3
+    assert not any(n.startswith("model.visual") for names in swapped.values() for n in names)
+    assert fused_module_counts(model.model.visual) == {}
 
 
 def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
@@ -139,6 +179,13 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
     assert "fused_ops" not in load_recipe("tiny-qwen-cpu").model_dump()["training"]  # dumps stay as they were
     with pytest.raises(UserError, match=r"fused_ops"):
         load_recipe("tiny-qwen-cpu", ["training.fused_ops=[layer_norm]"])
+    with pytest.raises(UserError, match=r"training.fused_ops covers Qwen3.5's modules \(model_type qwen3_5, "
+                                        r"qwen3_5_text\); this recipe's model_type is gpt_oss: set training.fused_ops=\[\]"):
+        load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
+    lora = load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: warned, not refused
+    from ftcli.launch import _preflight
+
+    _preflight(lora)  # no CUDA check for a path that ignores them
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny-qwen-cpu", "--set", "training.fused_ops=[swiglu]",
                                       "--set", f"output.dir={tmp_path / 'run'}"])
     assert result.exit_code == 2  # a UserError: one red line
@@ -184,3 +231,31 @@ def test_compile_regions_take_the_float8_linears_outside_the_mlp():
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
         "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
         "post_attention_layernorm"]
+
+
+def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit(monkeypatch):
+    """compile=regions: `shard_model` compiles each layer's regions (and not the layer), and lifts dynamo's
+    recompile limit to 64 (at 8 the H200 run sent regions past it back to eager); compile=true: whole layers."""
+    import types
+
+    import torch.distributed.fsdp as fsdp
+
+    from ftcli import train_full
+    from ftcli.recipe import load_recipe
+
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: module)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    world = types.SimpleNamespace(mesh=None)
+    model = tiny_qwen()
+    train_full.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(m)] for m in compiled] == [f"model.layers.{i}.{r}" for i, layer in enumerate(model.model.layers)
+                                                for r in train_full.compile_regions(layer)]
+    assert len(compiled) == 3 * 4 + 5 and torch._dynamo.config.recompile_limit == 64
+    compiled.clear()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    whole = tiny_qwen()
+    train_full.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
+    assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8

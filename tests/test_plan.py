@@ -84,13 +84,21 @@ def test_qwen_b300_in_bf16_takes_the_bf16_rows():
     assert fused.step.s_per_step == pytest.approx(1.051 - 2 * recomputed - 2 * kept + recomputed * 50 + kept * 14)
 
 
-def test_a_speed_setting_without_rows_is_named_in_the_source():
-    """fused rms_norm alone was never timed: plan scales the newest 32k sitting's first row and says so."""
-    p = plan.make_plan(load_recipe("qwen-b300", ["training.fused_ops=[rms_norm]"]))
-    h200 = cards(p)["GPU_8xH200"]
-    assert not h200.step.measured
-    assert ("measured with master fp32, loss liger, fp8 compile=regions (recipe: master fp32, loss liger, fp8 "
-            "compile=regions fused=rms_norm)") in h200.step.source
+def test_a_speed_setting_without_rows_falls_back_to_rows_without_speed_settings():
+    """fused rms_norm alone, or fp8 with eager casts (compile off, measured slower than bf16), was never timed:
+    plan takes the rows without speed settings (the bf16 image-kernel sitting, 13.00 s) and says so, never
+    another speed setting's rows (fp8 + regions, 8.19 s)."""
+    for overrides, recipe_text in ((["training.fused_ops=[rms_norm]"], "fp8 compile=regions fused=rms_norm"),
+                                   (["training.compile=false"], "fp8")):
+        h200 = cards(plan.make_plan(load_recipe("qwen-b300", overrides)))["GPU_8xH200"]
+        assert not h200.step.measured and round(h200.step.s_per_step, 2) == 13.00
+        assert (f"measured with master fp32, loss liger (recipe: master fp32, loss liger, {recipe_text})"
+                in h200.step.source) and "13:48-13:52 UTC" in h200.step.source
+    regions = cards(plan.make_plan(load_recipe("qwen-b300", ["training.precision.fp8=false"])))["GPU_8xH200"]
+    recomputed = (1.814 - 1.071) / 4  # its own rows: compile=regions in bf16
+    kept = recomputed - (1.071 - 0.985) / 2
+    assert regions.step.s_per_step == pytest.approx(1.071 - 2 * recomputed - 2 * kept + 50 * recomputed + 14 * kept)
+    assert round(regions.step.s_per_step, 2) == 11.70
 
 
 def test_gpt_oss_lora_plan():
