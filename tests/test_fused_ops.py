@@ -246,16 +246,17 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: module)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     world = types.SimpleNamespace(mesh=None)
     model = tiny_qwen()
-    train_full.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+    with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's own patching: the old value comes back
+        train_full.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+        assert torch._dynamo.config.recompile_limit == 64
     names = {id(m): n for n, m in model.named_modules()}
     assert [names[id(m)] for m in compiled] == [f"model.layers.{i}.{r}" for i, layer in enumerate(model.model.layers)
                                                 for r in train_full.compile_regions(layer)]
-    assert len(compiled) == 3 * 4 + 5 and torch._dynamo.config.recompile_limit == 64
+    assert len(compiled) == 3 * 4 + 5
     compiled.clear()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     whole = tiny_qwen()
-    train_full.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
-    assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8
+    with torch._dynamo.config.patch(recompile_limit=8):
+        train_full.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
+        assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8
