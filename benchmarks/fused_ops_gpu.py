@@ -112,9 +112,8 @@ def main() -> int:
             inputs32[0] = inputs32[0] * 0.5
         reference = module.to(device=device, dtype=torch.float32)
         ref_in = [x.clone().requires_grad_(True) for x in inputs32]
-        gen_out = torch.Generator(device="cpu").manual_seed(2)
-        out_shape = reference(*ref_in).shape
-        grad_out = torch.randn(out_shape, generator=gen_out).to(device)
+        gen_out = torch.Generator(device="cpu").manual_seed(2)  # each op's output has its first input's shape
+        grad_out = torch.randn(inputs32[0].shape, generator=gen_out).to(device)
         ref = run(reference, ref_in, grad_out)
         eager = copy.deepcopy(module).to(dtype=torch.bfloat16)
         fused = FUSED_MODULES[op](copy.deepcopy(eager), getattr(kernels, op))

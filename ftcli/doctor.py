@@ -182,7 +182,7 @@ def check_lora_vision(recipe, m, tf: Transformers) -> list[Check]:
 def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
     """A full-SFT recipe's fp8 and fused ops where they run: fp8 needs torchao and a GPU of compute capability
     >= 8.9, each fused op its package (liger-kernel, flash-linear-attention) and a GPU."""
-    from ftcli.recipe import FUSED_OP_PACKAGES
+    from ftcli.recipe import FP8_MIN_CAPABILITY, FUSED_OP_PACKAGES
 
     name = "fp8 and fused ops"
     t = recipe.training if recipe is not None else None
@@ -193,8 +193,9 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
     problems, found = [], []
     if t.precision.fp8:
         cap = ".".join(map(str, m.capability or (0, 0)))
-        if (m.capability or (0, 0)) < (8, 9):
-            problems.append(f"training.precision.fp8 needs compute capability >= 8.9, this GPU is {cap}: set "
+        if (m.capability or (0, 0)) < FP8_MIN_CAPABILITY:
+            problems.append(f"training.precision.fp8 needs compute capability >= "
+                            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}, this GPU is {cap}: set "
                             "training.precision.fp8=false")
         if not m.versions.get("torchao"):
             problems.append("training.precision.fp8 needs torchao: pip install torchao")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from ftcli.errors import UserError
+from ftcli.recipe import FP8_MIN_CAPABILITY
 
 
 def fp8_filter(hidden_size: int, layer_prefixes: tuple[str, ...]):
@@ -43,7 +44,7 @@ def check_fp8_device(device) -> None:
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
+    if capability < FP8_MIN_CAPABILITY:
         raise UserError(f"training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
                         f"Blackwell); this one is {torch.cuda.get_device_name(device)} ({'.'.join(map(str, capability))})")
 

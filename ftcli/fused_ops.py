@@ -81,20 +81,27 @@ def check_fused_device(device, ops: Iterable[str]) -> None:
                         f"process is on {device.type}); set training.fused_ops=[] here")
 
 
-class FusedZeroCenteredRMSNorm(nn.Module):
-    """Qwen3_5RMSNorm through liger's RMSNorm: y = (x / rms(x) * (1 + w)) in float32, cast to x's dtype."""
+class _FusedNorm(nn.Module):
+    """A norm's own weight (the same Parameter, so the same name and shard) and eps, and its fused kernel."""
 
-    def __init__(self, norm: nn.Module, kernel: Callable):
+    def __init__(self, norm: nn.Module, kernel: Callable, eps: float):
         super().__init__()
         self.weight = norm.weight
-        self.eps = norm.eps
+        self.eps = eps
         self._kernel = kernel
-
-    def forward(self, x):
-        return self._kernel(x, self.weight, self.eps, 1.0, "gemma", False)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, fused"
+
+
+class FusedZeroCenteredRMSNorm(_FusedNorm):
+    """Qwen3_5RMSNorm through liger's RMSNorm: y = (x / rms(x) * (1 + w)) in float32, cast to x's dtype."""
+
+    def __init__(self, norm: nn.Module, kernel: Callable):
+        super().__init__(norm, kernel, norm.eps)
+
+    def forward(self, x):
+        return self._kernel(x, self.weight, self.eps, 1.0, "gemma", False)
 
 
 class FusedSwiGLUMLP(nn.Module):
@@ -109,17 +116,14 @@ class FusedSwiGLUMLP(nn.Module):
         return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
 
 
-class FusedGatedRMSNorm(nn.Module):
+class FusedGatedRMSNorm(_FusedNorm):
     """Qwen3_5RMSNormGated through fla's rms_norm_gated: y = w * norm(x) * silu(gate)."""
 
     def __init__(self, norm: nn.Module, kernel: Callable):
-        super().__init__()
-        self.weight = norm.weight
-        self.variance_epsilon = norm.variance_epsilon
-        self._kernel = kernel
+        super().__init__(norm, kernel, norm.variance_epsilon)
 
     def forward(self, x, gate):
-        return self._kernel(x, gate, self.weight, None, "silu", eps=self.variance_epsilon)
+        return self._kernel(x, gate, self.weight, None, "silu", eps=self.eps)
 
 
 FUSED_MODULES = {"rms_norm": FusedZeroCenteredRMSNorm, "swiglu": FusedSwiGLUMLP, "gated_norm": FusedGatedRMSNorm}
@@ -168,5 +172,5 @@ def fuse_decoder_ops(model: nn.Module, layers: Iterable[nn.Module], ops: Iterabl
 
 def fused_module_counts(model: nn.Module) -> dict[str, int]:
     """op -> how many modules of `model` run its fused kernel."""
-    return {op: sum(isinstance(m, cls) for m in model.modules()) for op, cls in FUSED_MODULES.items()
-            if any(isinstance(m, cls) for m in model.modules())}
+    counts = {op: sum(isinstance(m, cls) for m in model.modules()) for op, cls in FUSED_MODULES.items()}
+    return {op: n for op, n in counts.items() if n}

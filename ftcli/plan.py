@@ -338,14 +338,12 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     if not rows:
         return StepTime(None, f"no measurement for {shape.family} at hidden {shape.hidden}, {s.method}, "
                               f"{s.tokens} tokens, checkpointing {s.checkpointing}")
-    exact = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
-             and tuple(r.get("speed", ())) == s.speed
-             and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
+    same = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
+            and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
+    exact = [r for r in same if tuple(r.get("speed", ())) == s.speed]
     # no row of the recipe's speed settings: the same loss and master without any (never another speed
     # setting's rows: fp8 with eager casts is slower than bf16, fp8 with compiled regions far faster)
-    plain = [r for r in rows if not r.get("speed") and r["loss"] == s.loss
-             and (s.method == "lora" or r["master"] == s.master)
-             and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]
+    plain = [r for r in same if not r.get("speed")]
     candidates = exact or plain or [r for r in rows if not r.get("speed")] or rows
     row = max(candidates, key=_when)  # the newest sitting; of equals, the first listed
     series = [r for r in candidates if _series(r) == _series(row) and r["model"] == row["model"]

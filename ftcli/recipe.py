@@ -414,6 +414,7 @@ class LossConfig(_Section):
 # training.fused_ops: op -> the package whose kernel it runs (ftcli/fused_ops.py; doctor checks them torch-free)
 FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
 FUSED_OP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # the dense Qwen3.5 text model and its VLM class
+FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
 
 
 class TrainingConfig(_Section):
