@@ -158,7 +158,7 @@ def run_trl(tok, convs, block_len):
 
 def run_e2e(tok, convs, block_len):
     from ftcli.data import prepare_blocks
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "chats.jsonl"

@@ -5,7 +5,7 @@ Both run the 27B width (random init) on the same synthetic packed blocks at N de
 fitted over the depths, then extrapolated to the real 64 layers (one GPU's compute per step; FSDP's
 collectives across 8 GPUs are not in it). MFU counts every matmul (reference_loop_gpu.step_flops: decoder
 linears, LM head on the trained tokens, causal attention per segment, gated-delta recurrent-form FLOPs,
-conv) against the card's dense bf16 peak (ftcli.metrics), recomputation not counted.
+conv) against the card's dense bf16 peak (ftcli.train.metrics), recomputation not counted.
 
     reference  benchmarks/reference_loop_gpu.py: the published loop (bf16 master, full-logit loss, full
                activation checkpointing), all depths in one process
@@ -21,7 +21,7 @@ conv) against the card's dense bf16 peak (ftcli.metrics), recomputation not coun
                them and with them stripped from the model call (the kernels and the loss then derive them
                on the device, as before); s/step, losses and host syncs per step
                (torch.cuda.set_sync_debug_mode, by source line) of both
-    eval       forward-only pass (model.eval(), no grad, summed token CE through ftcli.loss's loss_sum,
+    eval       forward-only pass (model.eval(), no grad, summed token CE through ftcli.train.loss's loss_sum,
                the recipe's loss impl and chunked) over the same blocks, next to the training step
 
 Each sub-run is a child process with its own timeout (--timeout); its rows go to --rows (JSON lines) and
@@ -57,7 +57,7 @@ from reference_loop_gpu import (bench_blocks, data_overrides, depth_config, step
                                 write_depth_config)
 from train_full_gpu import RECIPE, TINY, run_one, summarize  # noqa: E402
 
-PEAK_FALLBACK = 989e12  # H200 dense bf16 (ftcli.metrics); used when the device is not a known GPU (tiny mode)
+PEAK_FALLBACK = 989e12  # H200 dense bf16 (ftcli.train.metrics); used when the device is not a known GPU (tiny mode)
 TRAINING_KEYS = ("grad_accum", "optimizer", "schedule", "precision", "grad_clip", "activation_checkpointing",
                  "activation_checkpointing_keep", "compile", "loss")
 
@@ -67,7 +67,7 @@ def b300_settings(tiny: bool) -> list[str]:
     Tiny (CPU): the keys train_full_gpu.TINY sets stay TINY's (fp32, chunked loss: liger is GPU only)."""
     import yaml
 
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     training = load_recipe("qwen-b300").training.model_dump(mode="json")
     sets = []
@@ -288,7 +288,7 @@ PER_BLOCK_KEYS = ("fla_cu_seqlens", "fla_chunk_indices", "trained_positions")  #
 def _world():
     import socket
 
-    from ftcli.distributed import init_distributed
+    from ftcli.train.distributed import init_distributed
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -353,7 +353,7 @@ def _eval_passes(run, blocks, warmup: int, device, impls: list[str], chunk_token
     import torch
 
     from ftcli import data
-    from ftcli.loss import attach_loss
+    from ftcli.train.loss import attach_loss
 
     rows = []
     run.model.eval()
@@ -391,8 +391,8 @@ def inproc(args, out: Path) -> None:
     import torch
 
     from ftcli import data
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import FullRun
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import FullRun
 
     n = args.inproc_layers
     config = write_depth_config(n, args.tiny, out / "configs")
@@ -470,9 +470,9 @@ def inproc(args, out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- fit
 def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares s/step = intercept + slope * layers (ftcli.plan.depth_fit, what `plan` extrapolates
+    """Least-squares s/step = intercept + slope * layers (ftcli.commands.plan.depth_fit, what `plan` extrapolates
     with); None with fewer than two depths."""
-    from ftcli.plan import depth_fit
+    from ftcli.commands.plan import depth_fit
 
     return depth_fit(points) if len({n for n, _ in points}) >= 2 else None
 
@@ -480,7 +480,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
 def peak() -> float:
     import torch
 
-    from ftcli.metrics import peak_flops
+    from ftcli.train.metrics import peak_flops
 
     return (peak_flops(torch.device("cuda", 0)) if torch.cuda.is_available() else None) or PEAK_FALLBACK
 

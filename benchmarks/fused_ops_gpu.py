@@ -1,4 +1,4 @@
-"""training.fused_ops, op by op, at the Qwen3.8-27B width on one GPU: each fused module (ftcli.fused_ops, with
+"""training.fused_ops, op by op, at the Qwen3.8-27B width on one GPU: each fused module (ftcli.features.fused_ops, with
 liger-kernel's and fla's Triton kernels) against transformers' eager module on the same bf16 inputs.
 
 For each op it prints the error of the eager bf16 module and of the fused one against the eager module run
@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--stand-ins", action="store_true", help="CPU: the tests' torch stand-ins, tiny width")
     args = parser.parse_args()
-    from ftcli.fused_ops import FUSED_MODULES, FUSED_OPS, load_kernels
+    from ftcli.features.fused_ops import FUSED_MODULES, FUSED_OPS, load_kernels
 
     if args.stand_ins:
         sys.path.insert(0, str(HERE.parent / "tests"))

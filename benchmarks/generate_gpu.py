@@ -1,5 +1,5 @@
 """Decoding speed of `ftcli generate` on one GPU: a random-init gpt-oss-20b (bf16, the real shape)
-through ftcli.generate's own code path: `stream_reply` (one streamed prompt, what `ftcli generate
+through ftcli.commands.generate's own code path: `stream_reply` (one streamed prompt, what `ftcli generate
 --prompt` and `ftcli chat` run) and `generate` (left-padded batches, what `--input FILE.jsonl` runs).
 
     python3 benchmarks/generate_gpu.py [--config benchmarks/gpt-oss-20b.json] [--new-tokens 256]
@@ -25,9 +25,9 @@ import torch
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from ftcli import generate
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig, resolve_path
+    from ftcli.commands import generate
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig, resolve_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="benchmarks/gpt-oss-20b.json")

@@ -1,6 +1,6 @@
 """Issue-18 levers, each measured alone against ftcli's qwen-b300 settings, in one process on one GPU.
 
-A part is BLOCK:LAYERS:VARIANT. Each part builds `ftcli train`'s worker (ftcli.train_full.FullRun, world
+A part is BLOCK:LAYERS:VARIANT. Each part builds `ftcli train`'s worker (ftcli.train.full.FullRun, world
 size 1, random init from the recipe's seed) on benchmarks/recipes/qwen27b-4layer-h200.yaml with the
 training settings of the built-in qwen-b300 recipe (benchmarks/depth_gpu.b300_settings), N layers of the
 27B width ([linear x3, full]), and the variant's overrides; it steps the same synthetic packed blocks
@@ -15,7 +15,7 @@ same blocks and prints both loss curves and their differences (the "same losses"
 
 Variants (--set overrides on top of the qwen-b300 settings):
     base        nothing
-    fp8         training.precision.fp8=true (ftcli.float8: torchao float8 GEMMs in the decoder linears)
+    fp8         training.precision.fp8=true (ftcli.features.float8: torchao float8 GEMMs in the decoder linears)
     fp8c        fp8 + training.compile=true (regional compile per decoder layer: fuses float8's casts)
     keep2       training.activation_checkpointing_keep=2 (the last 2 layers keep their activations)
     chunked     training.loss.impl=chunked (instead of liger's fused linear cross-entropy)
@@ -65,8 +65,8 @@ DEPTH = 64
 
 
 def build(args, block_len: int, layers: int, variant: str, out: Path, world):
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import FullRun
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import FullRun
 
     config = write_depth_config(layers, args.tiny, out / "configs")
     sets = [*(TINY if args.tiny else []), *b300_settings(args.tiny), f"model.config={config}",

@@ -1,6 +1,6 @@
 """LoRA throughput of gpt-oss-20b on one GPU: the published notebook's settings next to ftcli's packed modes.
 
-All modes go through ftcli's real LoRA path (`ftcli.train_lora.build_trainer`: TRL SFTTrainer + PEFT,
+All modes go through ftcli's real LoRA path (`ftcli.train.lora.trainer.build_trainer`: TRL SFTTrainer + PEFT,
 ftcli's data rows and collator, token-normalized loss), on the gpt-oss-h100 recipe with random weights
 at the real shape (benchmarks/gpt-oss-20b.json: 20.9B params, 19.1B of them experts) and synthetic chat
 data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linear (attention):
@@ -63,7 +63,7 @@ MODES = {
 
 
 def mode_recipe(mode: str, args, work: Path):
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     m = MODES[mode]
     recipe = load_recipe("gpt-oss-h100")
@@ -92,8 +92,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.modeling import load_model
-    from ftcli.train_lora import _attn_implementation, build_trainer, sft_config_kwargs, training_rows
+    from ftcli.model.build import load_model
+    from ftcli.train.lora.trainer import _attn_implementation, build_trainer, sft_config_kwargs, training_rows
 
     recipe = mode_recipe(mode, args, work)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

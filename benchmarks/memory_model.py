@@ -1,17 +1,17 @@
-"""The memory model (ftcli.memory) on the 64-layer Qwen3.8-27B recipe, 8 GPUs per node, and its calibration.
+"""The memory model (ftcli.estimate.memory) on the 64-layer Qwen3.8-27B recipe, 8 GPUs per node, and its calibration.
 
     python benchmarks/memory_model.py            # the 64-layer table: 32k / 16k / 8k blocks on 8xH100 / 8xH200 / 8xB300
     python benchmarks/memory_model.py --check    # every measured H200 point (ftcli/assets/measured.json) vs the model
 
 The model itself (state exact from the config, a transient fitted on the one-H200 measurements) lives in
-ftcli/memory.py, where `ftcli plan` and `render-workload` use it; this script only prints it.
+ftcli/estimate/memory.py, where `ftcli plan` and `render-workload` use it; this script only prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ftcli import memory
+from ftcli.estimate import memory
 
 CARDS = {"8xH100 (80 GB)": 80, "8xH200 (141 GB)": 141, "8xB300 (288 GB)": 288}
 ROWS = [(32768, m, ac, "liger") for m in ("fp32", "bf16") for ac in ("full", "selective", "none")]

@@ -49,9 +49,9 @@ def make(size: str, out: Path, layers: int) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli import mxfp4
-    from ftcli.recipe import load_recipe, resolve_path
-    from ftcli.train_lora import lora_config
+    from ftcli.model import mxfp4
+    from ftcli.config.recipe import load_recipe, resolve_path
+    from ftcli.train.lora.trainer import lora_config
 
     cfg = json.loads(Path(resolve_path("pkg://assets/tiny-gpt-oss.json")).read_text())
     cfg.pop("model_type")
@@ -88,7 +88,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--size", args.size, "--layers", str(args.layers), "--make", str(tmp)],
                        check=True, capture_output=True)
         n_params = int((tmp / "n_params").read_text())
-        imports = [sys.executable, "-c", "import torch, transformers, peft, safetensors, ftcli.merge, ftcli.modeling"]
+        imports = [sys.executable, "-c", "import torch, transformers, peft, safetensors, ftcli.commands.merge, ftcli.model.build"]
         merge = [sys.executable, "-m", "ftcli", "merge-lora", str(tmp / "adapter"), "--base", str(tmp / "base"),
                  "--output", str(tmp / "merged"), "--dtype", "bfloat16"]
         baseline = child_peak_rss(imports)

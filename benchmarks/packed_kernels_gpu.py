@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ftcli import kernels  # noqa: E402
+from ftcli.model import kernels  # noqa: E402
 
 VOCAB = 32768
 REFERENCE_BACKENDS = {"sdpa_segments", "eager_segments", "torch_segments"}

@@ -7,8 +7,8 @@ What the published train.py does per rank, and what this copy does on one GPU:
                                                      (benchmarks/qwen27b-4layer.json) with N layers in the
                                                      [linear x3, full] pattern, Qwen3_5ForCausalLM (the
                                                      vision tower is never called on text data)
-    attn_implementation="flash_attention_2"          torch varlen_attn (ftcli.kernels' torch_varlen backend)
-    causal-conv1d's causal_conv1d_fn(seq_idx=...)    fla's Triton varlen conv (ftcli.kernels' fla_conv_varlen)
+    attn_implementation="flash_attention_2"          torch varlen_attn (ftcli.model.kernels' torch_varlen backend)
+    causal-conv1d's causal_conv1d_fn(seq_idx=...)    fla's Triton varlen conv (ftcli.model.kernels' fla_conv_varlen)
     fla chunk_gated_delta_rule (bound by transformers) the same: transformers' own fla binding is kept
     ultrachat_200k, streamed, packed to 32k          ftcli's synthetic packed blocks of the benchmark recipe
                                                      (same blocks, same order as `ftcli train` gets)
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_full_gpu import RECIPE, TINY  # noqa: E402  (the benchmark recipe and its CPU overrides)
 
-from ftcli import kernels  # noqa: E402
+from ftcli.model import kernels  # noqa: E402
 
 WIDE_CONFIG = ROOT / "benchmarks" / "qwen27b-4layer.json"
 IGNORE_INDEX = -100
@@ -59,7 +59,7 @@ IGNORE_INDEX = -100
 def depth_config(n_layers: int, tiny: bool) -> dict:
     """The benchmark config (27B width, or ftcli's tiny one) with n_layers in the [lin, lin, lin, full] pattern."""
     if tiny:
-        from ftcli.recipe import resolve_path
+        from ftcli.config.recipe import resolve_path
 
         base = json.loads(Path(resolve_path("pkg://assets/tiny-qwen3_5.json")).read_text())
     else:
@@ -83,7 +83,7 @@ def data_overrides(block_len: int, tiny: bool) -> list[str]:
 def bench_blocks(block_len: int, tiny: bool, count: int) -> list:
     """The first `count` blocks `ftcli train` trains on (rank 0 of 1, the recipe's seed), from ftcli's cache."""
     from ftcli import data
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     recipe = load_recipe(RECIPE, data_overrides(block_len, tiny))
     tokenizer = data.load_tokenizer(recipe)
@@ -139,7 +139,7 @@ def step_flops(cfg: dict, blocks: list) -> dict:
 
 # ------------------------------------------------------------------------------------------- model
 def install_reference_kernels(device: torch.device) -> str:
-    """The substitutions (module doc), through ftcli.kernels' public functions; returns attn_implementation.
+    """The substitutions (module doc), through ftcli.model.kernels' public functions; returns attn_implementation.
     On CPU: ftcli's exact per-segment references for all three ops (logic check only)."""
     if device.type != "cuda":
         attn, _ = kernels.enable_packed_kernels("qwen3_5_text", device)

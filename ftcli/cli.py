@@ -3,15 +3,15 @@
 Each subcommand's work lives in one module, imported only when that command runs, so
 `ftcli --help` and `ftcli render-workload` never import torch:
 
-    recipes          ftcli.recipe       (schema, built-ins, overrides)
-    render-workload  ftcli.workload     (Databricks AI Runtime YAML)
-    pack-preview     ftcli.preview      (over ftcli.data: tokenize, mask, pack)
-    train            ftcli.launch       (torchrun) -> ftcli.train_full (FSDP2) | ftcli.train_lora (TRL)
-    merge-lora       ftcli.merge
-    register         ftcli.register
-    plan             ftcli.plan         (over ftcli.memory)
-    doctor           ftcli.doctor       (over ftcli.kernels)
-    generate, chat   ftcli.generate     (+ ftcli.chat_repl: the interactive loop)
+    recipes          ftcli.config.recipe       (schema, built-ins, overrides)
+    render-workload  ftcli.commands.workload     (Databricks AI Runtime YAML)
+    pack-preview     ftcli.commands.preview      (over ftcli.data: tokenize, mask, pack)
+    train            ftcli.train.launch       (torchrun) -> ftcli.train.full (FSDP2) | ftcli.train.lora.trainer (TRL)
+    merge-lora       ftcli.commands.merge
+    register         ftcli.commands.register
+    plan             ftcli.commands.plan         (over ftcli.estimate.memory)
+    doctor           ftcli.commands.doctor       (over ftcli.model.kernels)
+    generate, chat   ftcli.commands.generate     (+ ftcli.commands.chat: the interactive loop)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typer.core import TyperGroup
 from rich.markup import escape
 
 from ftcli import __version__
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 class _Group(TyperGroup):
     """Turns a `UserError` raised anywhere below into one red line and exit code 2."""
@@ -91,7 +91,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _load(recipe: str | None, overrides: list[str] | None):
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     if recipe is None:
         if overrides:
@@ -119,7 +119,7 @@ def recipes_list() -> None:
     """List the built-in recipes."""
     from rich.table import Table
 
-    from ftcli.recipe import builtin_recipe_names, load_recipe
+    from ftcli.config.recipe import builtin_recipe_names, load_recipe
 
     table = Table()
     table.add_column("name", no_wrap=True)
@@ -141,7 +141,7 @@ def recipes_show(
     overrides: Optional[list[str]] = SetOpt,
 ) -> None:
     """Print a recipe, fully resolved (every default shown), as YAML."""
-    from ftcli.recipe import dump_recipe
+    from ftcli.config.recipe import dump_recipe
 
     print(dump_recipe(_load(name, overrides)), end="")
 
@@ -153,7 +153,7 @@ def recipes_cp(
     force: bool = ForceOpt,
 ) -> None:
     """Copy a built-in recipe to DEST to start a custom one."""
-    from ftcli.recipe import builtin_recipe_text
+    from ftcli.config.recipe import builtin_recipe_text
 
     if dest.is_dir():
         dest = dest / f"{name}.yaml"
@@ -174,7 +174,7 @@ def render_workload(
     force: bool = ForceOpt,
 ) -> None:
     """Render a Databricks AI Runtime workload YAML (`databricks air run -f ...`) for a recipe."""
-    from ftcli import workload
+    from ftcli.commands import workload
 
     if check is not None:
         problems = workload.check_workload_file(check)
@@ -213,7 +213,7 @@ def pack_preview(
 ) -> None:
     """Show how the recipe's data is tokenized, masked and packed: the blocks `train` consumes."""
     r = _load(recipe, overrides)
-    from ftcli.preview import run_preview
+    from ftcli.commands.preview import run_preview
 
     if dump is not None:
         _check_output(dump, force)
@@ -237,7 +237,7 @@ def train(
 
     A full-path checkpoint resumes on any number of processes (same ranks x grad_accum: same blocks per step)."""
     r = _load(recipe, overrides)
-    from ftcli.launch import run_train
+    from ftcli.train.launch import run_train
 
     run_train(r, resume=resume, force=force)
 
@@ -257,7 +257,7 @@ def merge_lora(
 ) -> None:
     """Merge a LoRA adapter into its base (MXFP4 bases dequantized), streamed one layer at a time, and verify it."""
     r = _load(recipe, overrides)
-    from ftcli.merge import run_merge
+    from ftcli.commands.merge import run_merge
 
     run_merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=r, force=force, fmt=fmt)
 
@@ -279,14 +279,14 @@ def register(
     checkpoint: str = typer.Option("last", "--checkpoint", help="A run dir's last (final) or best (best eval) model."),
 ) -> None:
     """Log a trained model to MLflow and register it (local registry or Unity Catalog)."""
-    from ftcli.recipe import plain_text_problem
+    from ftcli.config.recipe import plain_text_problem
 
     for flag, value in (("--name", name), ("--alias", alias)):
         problem = None if value is None else plain_text_problem(value)
         if problem:
             _fail(f"{flag} {value!r}: {problem}")
     r = _load(recipe, overrides)
-    from ftcli.register import run_register
+    from ftcli.commands.register import run_register
 
     run_register(
         model_dir, name=name, registry_uri=registry_uri, tracking_uri=tracking_uri, alias=alias,
@@ -306,7 +306,7 @@ def plan(
 ) -> None:
     """Memory per GPU, fit, s/step, wall time and GPU-hours of a recipe on each known card."""
     r = _load(recipe, overrides)
-    from ftcli.plan import run_plan
+    from ftcli.commands.plan import run_plan
 
     run_plan(r, accelerators=list(accelerators or []), as_json=as_json)
 
@@ -324,7 +324,7 @@ def doctor(
 ) -> None:
     """Versions, packed-kernel backends, known-bad combinations; with a recipe, whether it can run here."""
     r = _load(recipe, overrides)
-    from ftcli.doctor import run_doctor
+    from ftcli.commands.doctor import run_doctor
 
     code = run_doctor(r, as_json=as_json, deep=deep)
     raise typer.Exit(code)
@@ -361,8 +361,8 @@ DECODING_OPTIONS = (
 
 
 def _decoding(max_new_tokens, greedy, temperature, top_p, top_k, seed, **model_options) -> dict:
-    """The DECODING_OPTIONS as the keyword arguments ftcli.generate's runners take."""
-    from ftcli.generate import Sampling
+    """The DECODING_OPTIONS as the keyword arguments ftcli.commands.generate's runners take."""
+    from ftcli.commands.generate import Sampling
 
     sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed)
@@ -408,7 +408,7 @@ def generate(
     force: bool = ForceOpt,
 ) -> None:
     """Generate with a trained model: one streamed prompt, or a JSONL file of conversations."""
-    from ftcli.generate import run_generate
+    from ftcli.commands.generate import run_generate
 
     run_generate(model, prompt=prompt, system=system, input_path=input_path, output=output, force=force,
                  batch_size=batch_size, as_json=as_json, **decoding)
@@ -422,7 +422,7 @@ def chat(
     decoding: Optional[dict] = None,  # the DECODING_OPTIONS (see _with_decoding_options)
 ) -> None:
     """Chat with a trained model: multi-turn, with /system TEXT, /reset and /exit."""
-    from ftcli.chat_repl import run_chat_command
+    from ftcli.commands.chat import run_chat_command
 
     run_chat_command(model, system=system, **decoding)
 

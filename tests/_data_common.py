@@ -110,7 +110,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 def recipe(tmp_path: Path, name: str = "tiny-qwen-cpu", **overrides):
     """A built-in recipe with its cache in tmp_path and `data.x.y=value` overrides; every row trains (no
     eval holdout: these tests count the rows of the data path)."""
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     sets = ["eval=null", f"data.cache_dir={tmp_path / 'cache'}"] + [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
     return load_recipe(name, sets)

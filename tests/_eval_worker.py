@@ -19,12 +19,13 @@ import torch
 
 
 def main(out: Path, cache: str, model_dir: str) -> None:
-    from ftcli import data, kernels
-    from ftcli.distributed import init_distributed, rank0_first
-    from ftcli.evaluate import Evaluator, prepare_eval
-    from ftcli.loss import attach_loss
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import build_model
+    from ftcli import data
+    from ftcli.model import kernels
+    from ftcli.train.distributed import init_distributed, rank0_first
+    from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.train.loss import attach_loss
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import build_model
 
     torch.set_num_threads(1)
     base = ["eval.holdout=40", "data.max_examples=600", f"data.cache_dir={cache}", "model.init=pretrained",
@@ -52,7 +53,7 @@ def main(out: Path, cache: str, model_dir: str) -> None:
         (out / f"evals_{world.world_size}.json").write_text(json.dumps(results))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     exit_worker(0)
 

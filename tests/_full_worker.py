@@ -80,12 +80,13 @@ def concat_blocks(blocks):
 
 
 def grads(out: Path) -> None:
-    from ftcli import data, kernels
-    from ftcli.modeling import DTYPES
-    from ftcli.recipe import load_recipe
-    from ftcli.distributed import init_distributed
-    from ftcli.loss import attach_loss, count_trained_tokens
-    from ftcli.train_full import build_empty_model, build_model, forward_backward, init_random_weights
+    from ftcli import data
+    from ftcli.model import kernels
+    from ftcli.model.build import DTYPES
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.distributed import init_distributed
+    from ftcli.train.loss import attach_loss, count_trained_tokens
+    from ftcli.train.full import build_empty_model, build_model, forward_backward, init_random_weights
 
     recipe = load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=selective"])
     world = init_distributed()
@@ -133,10 +134,11 @@ def grads(out: Path) -> None:
 def train(out: Path, recipe_path: str, nan_steps: set[int], truncate_rank1: int, mask_from: int | None,
           block_delay_ms: float = 0.0) -> None:
     """train_full.train with faults injected through its seams (`loss_fn`, `blocks`), no global patched."""
-    from ftcli import data, train_full
-    from ftcli.errors import UserError
-    from ftcli.loss import token_loss_sum
-    from ftcli.recipe import load_recipe
+    from ftcli import data
+    from ftcli.train import full as train_full
+    from ftcli.config.errors import UserError
+    from ftcli.train.loss import token_loss_sum
+    from ftcli.config.recipe import load_recipe
 
     rank = int(os.environ["RANK"])
     recipe = load_recipe(recipe_path)
@@ -184,6 +186,6 @@ if __name__ == "__main__":
     else:
         steps = {int(s) for s in args.nan_steps.split(",") if s}
         train(args.out, args.recipe, steps, args.truncate_rank1, args.mask_from, args.block_delay_ms)
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     exit_worker(0)  # the files are written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

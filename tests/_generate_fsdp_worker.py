@@ -25,8 +25,8 @@ def main(model_dir: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.generate import sample_greedy
-    from ftcli.modeling import decoder_layers
+    from ftcli.commands.generate import sample_greedy
+    from ftcli.model.build import decoder_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,6 +49,6 @@ def main(model_dir: str, out: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1], sys.argv[2])
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     exit_worker(0)  # the files are written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

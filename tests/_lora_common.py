@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_recipe(*overrides: str, output_dir: Path | None = None):
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     sets = list(overrides)
     if output_dir is not None:
@@ -23,7 +23,7 @@ def tiny_recipe(*overrides: str, output_dir: Path | None = None):
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | None = None):
-    from ftcli.modeling import load_model
+    from ftcli.model.build import load_model
 
     torch.manual_seed(seed)
     return load_model(tiny_recipe().model, dtype=dtype, attn_implementation=attn)

@@ -23,10 +23,10 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     from transformers import AutoTokenizer, GptOssForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from ftcli.kernels import enable_packed_kernels
-    from ftcli.loss import count_trained_tokens
-    from ftcli.recipe import resolve_path
-    from ftcli.train_lora import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
+    from ftcli.model.kernels import enable_packed_kernels
+    from ftcli.train.loss import count_trained_tokens
+    from ftcli.config.recipe import resolve_path
+    from ftcli.train.lora.trainer import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
     from test_lora_loss import _token_mean_grads
 
     if not accepts_loss_kwargs:
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] == "true")
     import torch.distributed as dist
 
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Run by tests/test_lora_fsdp_eval.py under torchrun (2 CPU processes, gloo): ftcli's eval and greedy samples in
-the LoRA path (`ftcli.lora_callbacks.EvalCallback`) with the tiny gpt-oss base kept whole per rank (ddp) or
+the LoRA path (`ftcli.train.lora.callbacks.EvalCallback`) with the tiny gpt-oss base kept whole per rank (ddp) or
 sharded by accelerate's FSDP2 (fsdp). The same seeded nonzero adapters in both runs, and lr 0, so every eval and
 the samples see the same adapter: an eval at step 0, one at the last step (1), samples there, keep_best.
 Everything lands in OUT/<sharding>/ (metrics.jsonl, samples.jsonl, best/); rank 0 writes OUT/<sharding>.json with
@@ -25,10 +25,10 @@ def main(out: Path, sharding: str) -> None:
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.distributed import exit_worker, rank0_first
-    from ftcli.evaluate import Evaluator, prepare_eval
-    from ftcli.kernels import enable_packed_kernels
-    from ftcli.train_lora import build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.distributed import exit_worker, rank0_first
+    from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.model.kernels import enable_packed_kernels
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
 
     torch.set_num_threads(1)
     run_dir = out / sharding

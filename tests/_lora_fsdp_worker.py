@@ -26,9 +26,9 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig
 
-    from ftcli.kernels import enable_packed_kernels
-    from ftcli.recipe import resolve_path
-    from ftcli.train_lora import build_trainer, sft_config_kwargs
+    from ftcli.model.kernels import enable_packed_kernels
+    from ftcli.config.recipe import resolve_path
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs
 
     rng = np.random.default_rng(0)
     rows = [packed_row(rng, [40, 30], 0.1), packed_row(rng, [120, 60], 0.95),
@@ -62,8 +62,8 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
     trainer.train()
     evals = []
     if dtype == "bf16":  # the eval loss after the step, on every block, every rank taking part (FSDP gathers)
-        from ftcli.lora_callbacks import attach_eval_loss
-        from ftcli.train_lora import collate_rows
+        from ftcli.train.lora.callbacks import attach_eval_loss
+        from ftcli.train.lora.trainer import collate_rows
 
         attach_eval_loss(trainer.model, 64)
         with torch.no_grad():
@@ -78,7 +78,7 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
     if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     exit_worker(0)
 

@@ -3,11 +3,11 @@
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/_preempt_worker.py OUT TAG RECIPE_YAML
         [--resume latest] [--sigterm-at-block K]
 
-runs ftcli.train_full.train on the recipe (its output.dir is the run dir) through its `blocks` seam. Every
+runs ftcli.train.full.train on the recipe (its output.dir is the run dir) through its `blocks` seam. Every
 rank writes OUT/TAG_rank{r}.json: the packed-block index of every block it pulled, in order (-1: a
 rank-balancing padding block), and how the run ended (its TrainResult steps, or the step it stopped at).
 --sigterm-at-block K: rank 0 sends itself SIGTERM when it pulls its K-th block, so the stop flag is set on
-rank 0 only while that step runs (the all-reduce of ftcli.preempt must stop every rank after it).
+rank 0 only while that step runs (the all-reduce of ftcli.train.preempt must stop every rank after it).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-    from ftcli import train_full
-    from ftcli.preempt import Stopped
-    from ftcli.recipe import load_recipe
+    from ftcli.train import full as train_full
+    from ftcli.train.preempt import Stopped
+    from ftcli.config.recipe import load_recipe
 
     rank = int(os.environ["RANK"])
     recipe = load_recipe(args.recipe)
@@ -54,6 +54,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from ftcli.distributed import exit_worker
+    from ftcli.train.distributed import exit_worker
 
     exit_worker(0)  # the record is written: skip the interpreter's teardown (gloo can abort there, see exit_worker)

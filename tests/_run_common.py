@@ -55,7 +55,7 @@ def output_tail(res: subprocess.CompletedProcess) -> str:
 
 
 def recipe_file(path: Path, *sets: str) -> Path:
-    from ftcli.recipe import dump_recipe, load_recipe
+    from ftcli.config.recipe import dump_recipe, load_recipe
 
     path.write_text(dump_recipe(load_recipe("tiny-qwen-cpu", list(sets))))
     return path

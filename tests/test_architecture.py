@@ -65,8 +65,8 @@ def test_import_graph_is_found():
     """Guards the walker itself: a few edges every version of ftcli has."""
     modules = _modules()
     graph = {n: _imports(n, p, set(modules)) for n, p in modules.items()}
-    assert "ftcli.recipe" in graph["ftcli.cli"] or any("ftcli.recipe" in graph[m] for m in graph["ftcli.cli"])
-    assert "ftcli.errors" in graph["ftcli.recipe"]
+    assert "ftcli.config.recipe" in graph["ftcli.cli"] or any("ftcli.config.recipe" in graph[m] for m in graph["ftcli.cli"])
+    assert "ftcli.config.errors" in graph["ftcli.config.recipe"]
     assert len(modules) >= 20
 
 

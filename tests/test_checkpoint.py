@@ -1,4 +1,4 @@
-"""ftcli.checkpoint without torch.distributed: which checkpoint --resume means, and when to save."""
+"""ftcli.train.checkpoint without torch.distributed: which checkpoint --resume means, and when to save."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 
 def _dcp(root, step):
@@ -27,7 +27,7 @@ def _trl(root, step):
 def test_resume_resolves_latest_a_dir_or_a_folder_of_checkpoints(tmp_path):
     """Both kinds: None -> fresh start; "latest" and a checkpoints/ folder -> the newest complete one; a
     checkpoint dir -> itself. An unfinished save (.tmp_ dir, no meta.json) is never picked."""
-    from ftcli.checkpoint import resolve_resume
+    from ftcli.train.checkpoint import resolve_resume
 
     for kind, make in (("dcp", _dcp), ("trl", _trl)):
         run = tmp_path / kind
@@ -41,7 +41,7 @@ def test_resume_resolves_latest_a_dir_or_a_folder_of_checkpoints(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_one_line_per_kind(tmp_path):
-    from ftcli.checkpoint import resolve_resume
+    from ftcli.train.checkpoint import resolve_resume
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -59,7 +59,7 @@ def test_resume_without_a_checkpoint_is_one_line_per_kind(tmp_path):
 
 
 def test_checkpoint_schedule_every_steps_and_every_minutes():
-    from ftcli.checkpoint import CheckpointSchedule
+    from ftcli.train.checkpoint import CheckpointSchedule
 
     now = [100.0]
     cfg = SimpleNamespace(enabled=True, every_steps=3, every_minutes=0.5)

@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ftcli import __version__, cli
-from ftcli.recipe import builtin_recipe_text, load_recipe
+from ftcli.config.recipe import builtin_recipe_text, load_recipe
 
 runner = CliRunner()
 

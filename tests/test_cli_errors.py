@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from test_workload import _DELETE, _set
 
 from ftcli import cli
-from ftcli.recipe import builtin_recipe_text
+from ftcli.config.recipe import builtin_recipe_text
 
 runner = CliRunner()
 TINY_TEXT = builtin_recipe_text("tiny-qwen-cpu")
@@ -258,7 +258,7 @@ def _denied(path: Path) -> PermissionError:
 
 
 def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
-    import ftcli.recipe
+    import ftcli.config.recipe
 
     path = tmp_path / "locked.yaml"
     path.write_text(TINY_TEXT)
@@ -268,7 +268,7 @@ def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
             raise _denied(path)
         return open(file, *args, **kwargs)
 
-    monkeypatch.setattr(ftcli.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    monkeypatch.setattr(ftcli.config.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
     res = invoke("recipes", "show", str(path))
     assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
 
@@ -309,9 +309,9 @@ def test_check_with_several_problems_lists_them_indented(tmp_path):
     ["pack-preview", "--recipe", "tiny-qwen-cpu", "--dump", "{out}"],
 ])
 def test_writing_into_a_missing_directory_is_refused_before_any_work(command, tmp_path, monkeypatch):
-    import ftcli.preview
+    import ftcli.commands.preview
 
-    monkeypatch.setattr(ftcli.preview, "run_preview", lambda *a, **k: pytest.fail("tokenized before the check"))
+    monkeypatch.setattr(ftcli.commands.preview, "run_preview", lambda *a, **k: pytest.fail("tokenized before the check"))
     out = tmp_path / "missing" / "out.yaml"
     res = invoke(*[a.format(out=out) for a in command])
     parent = out.parent
@@ -378,9 +378,9 @@ def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
     ("--alias", "champ\r", "'champ\\r': contains the control character '\\r'"),
 ])
 def test_register_names_must_be_printable(flag, value, shown, tmp_path, monkeypatch):
-    import ftcli.register
+    import ftcli.commands.register
 
-    monkeypatch.setattr(ftcli.register, "run_register", lambda *a, **k: pytest.fail("registered"))
+    monkeypatch.setattr(ftcli.commands.register, "run_register", lambda *a, **k: pytest.fail("registered"))
     name = value if flag == "--name" else "ok.model"
     alias = ["--alias", value] if flag == "--alias" else []
     stderr = assert_one_error(invoke("register", str(tmp_path), "--name", name, *alias))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ftcli import compat
-from ftcli.compat import FAIL, NA, OK, WARN, Here
-from ftcli.recipe import load_recipe
+from ftcli.model import compat
+from ftcli.model.compat import FAIL, NA, OK, WARN, Here
+from ftcli.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = ("NVIDIA H100 80GB HBM3", 85_031_714_816)
@@ -158,7 +158,7 @@ def test_torch_cuda_build_is_read_without_importing_torch():
 
     import torch
 
-    code = "import json, sys; from ftcli import compat; print(json.dumps([compat.torch_cuda_build(), 'torch' in sys.modules]))"
+    code = "import json, sys; from ftcli.model import compat; print(json.dumps([compat.torch_cuda_build(), 'torch' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [torch.version.cuda, False]
 

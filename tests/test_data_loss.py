@@ -77,8 +77,8 @@ def test_force_in_own_run_checks_everything_before_deleting(tmp_path):
     """Our own run dir, --force, a bad tokenizer: the tokenizer fails and the earlier run's outputs,
     recipe.yaml included, are all still there. With good inputs --force removes the run's outputs
     and nothing else (a user's notes, a foreign file inside checkpoints/)."""
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import prepare_run_dir
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     recipe = load_recipe("tiny-qwen-cpu", [f"output.dir={run_dir}", "training.max_steps=7"])
@@ -113,8 +113,8 @@ def test_failed_start_in_a_new_dir_leaves_nothing(tmp_path):
 
 
 def test_a_run_of_another_recipe_is_replaced_only_with_force(tmp_path):
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import prepare_run_dir
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     prepare_run_dir(load_recipe("tiny-gpt-oss-cpu", [f"output.dir={run_dir}"]))

@@ -12,7 +12,7 @@ from ftcli.cli import app
 from ftcli.data import BlockStream, load_tokenizer, prepare_blocks
 from ftcli.data.pipeline import weighted
 from ftcli.data.summary import data_summary
-from ftcli.recipe import RecipeError
+from ftcli.config.recipe import RecipeError
 
 U = {"role": "user", "content": "What is 7 plus 6?"}
 S = {"role": "system", "content": "Be brief."}

@@ -15,7 +15,7 @@ from ftcli.data import iter_examples, open_prepared, prepare, prepare_blocks
 from ftcli.data import pipeline
 from ftcli.data.cache import BlockWriter
 from ftcli.data.stats import DataStats
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 U = {"role": "user", "content": "What is 7 plus 6?"}
 A = {"role": "assistant", "content": "13"}

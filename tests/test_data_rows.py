@@ -11,7 +11,7 @@ from _data_common import recipe, runs, tokenizer, write_jsonl
 from ftcli.data import chat, iter_examples, pipeline, prepare, prepare_blocks
 from ftcli.data.chat import ChatEncoder
 from ftcli.data.stats import DataStats
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 U = {"role": "user", "content": "What is 7 plus 6?"}
 U2 = {"role": "user", "content": "And 2 plus 2?"}

@@ -7,7 +7,7 @@ import pytest
 from _data_common import recipe, tokenizer
 
 from ftcli.data import BlockStream, block_to_model_inputs, prepare_blocks
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 
 @pytest.fixture(scope="module")

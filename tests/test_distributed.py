@@ -1,4 +1,4 @@
-"""ftcli.distributed: rank 0 first across nodes, and rank 0's decisions shared by every rank."""
+"""ftcli.train.distributed: rank 0 first across nodes, and rank 0's decisions shared by every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def env(tmp_path_factory) -> dict[str, str]:
 
 
 def test_rank0_decides_is_the_flag_without_a_process_group():
-    from ftcli.distributed import rank0_decides
+    from ftcli.train.distributed import rank0_decides
 
     assert rank0_decides(True) is True and rank0_decides(0) is False
 

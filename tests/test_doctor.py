@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from ftcli import compat, kernels
-from ftcli.doctor import FAIL, NA, OK, WARN, Check, doctor_checks, run_doctor
-from ftcli.recipe import load_recipe
+from ftcli.model import compat
+
+from ftcli.model import kernels
+from ftcli.commands.doctor import FAIL, NA, OK, WARN, Check, doctor_checks, run_doctor
+from ftcli.config.recipe import load_recipe
 
 RECIPES = ("qwen-b300", "gpt-oss-h100", "gpt-oss-120b-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu")
 
@@ -36,7 +38,7 @@ def hopper(triton: str, *, tilelang: bool) -> kernels.Machine:
 
 
 def test_doctor_import_is_cheap():
-    code = "import sys, ftcli.doctor; print(sorted(m for m in ('torch', 'transformers', 'rich') if m in sys.modules))"
+    code = "import sys, ftcli.commands.doctor; print(sorted(m for m in ('torch', 'transformers', 'rich') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -114,14 +116,14 @@ KEEP0 = ["training.activation_checkpointing_keep=0"]
 
 
 def cpu_here(ram_gib=24):
-    from ftcli.compat import Here
+    from ftcli.model.compat import Here
 
     return Here(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30,
                 gpt_oss_attention="eager_segments")
 
 
 def test_a_cpu_machine_cannot_run_qwen_b300_but_kernels_are_correct():
-    from ftcli.doctor import doctor_report
+    from ftcli.commands.doctor import doctor_report
 
     report = doctor_report(load_recipe("qwen-b300"), kernels.Machine(device="cpu"), cpu_here())
     assert report.kernels_correct and not report.fits and report.exit_code == 1
@@ -132,7 +134,7 @@ def test_a_cpu_machine_cannot_run_qwen_b300_but_kernels_are_correct():
 
 
 def test_the_tiny_recipes_run_on_a_cpu_machine():
-    from ftcli.doctor import doctor_report
+    from ftcli.commands.doctor import doctor_report
 
     for name in ("tiny-qwen-cpu", "tiny-gpt-oss-cpu"):
         report = doctor_report(load_recipe(name), kernels.Machine(device="cpu"), cpu_here())
@@ -141,8 +143,8 @@ def test_the_tiny_recipes_run_on_a_cpu_machine():
 
 
 def test_kernels_and_fit_are_judged_separately_on_a_gpu():
-    from ftcli.compat import Here
-    from ftcli.doctor import doctor_report
+    from ftcli.model.compat import Here
+    from ftcli.commands.doctor import doctor_report
 
     h100 = Here(versions={"transformers": "5.24.0", "triton": "3.6.0", "flash-linear-attention": "0.6.0"},
                 gpus=(("NVIDIA H100 80GB HBM3", 85_031_714_816),) * 8, capability=(9, 0), fla_importable=True,
@@ -220,7 +222,7 @@ def test_doctor_json_says_which_checks_were_version_based():
 
 def test_deep_imports_and_finds_what_was_recorded():
     """The recorded transformers facts are what importing the installed (tested) transformers says."""
-    from ftcli.doctor import RECORDED_TRANSFORMERS, Transformers
+    from ftcli.commands.doctor import RECORDED_TRANSFORMERS, Transformers
 
     assert Transformers().version_based  # the installed transformers is in the tested matrix
     imported = Transformers(deep=True)
@@ -228,13 +230,13 @@ def test_deep_imports_and_finds_what_was_recorded():
     assert imported.qwen35_missing_globals() == list(RECORDED_TRANSFORMERS["qwen35_missing_globals"]) == []
     assert {t: imported.vlm_class(t) for t in RECORDED_TRANSFORMERS["vlm_classes"]} == \
         RECORDED_TRANSFORMERS["vlm_classes"]
-    from ftcli.train_lora import normalize_loss_by_tokens  # the VLM check's "ftcli's LoRA path divides" holds
+    from ftcli.train.lora.trainer import normalize_loss_by_tokens  # the VLM check's "ftcli's LoRA path divides" holds
 
     assert callable(normalize_loss_by_tokens)
 
 
 def test_deep_report_equals_the_version_based_one_but_for_the_flags():
-    from ftcli.doctor import doctor_report, read_machine
+    from ftcli.commands.doctor import doctor_report, read_machine
 
     for name in (None, "qwen-b300", "tiny-qwen-cpu"):
         recipe = load_recipe(name) if name else None
@@ -251,7 +253,7 @@ def test_deep_report_equals_the_version_based_one_but_for_the_flags():
 
 
 def test_a_transformers_outside_the_matrix_is_imported():
-    from ftcli.doctor import Transformers
+    from ftcli.commands.doctor import Transformers
 
     untested = Transformers(installed="5.23.0")
     assert not untested.version_based and untested.tested_in is None
@@ -262,7 +264,7 @@ def test_a_transformers_outside_the_matrix_is_imported():
 
 
 def test_checks_run_in_order_one_function_each():
-    from ftcli.doctor import CHECKS, Transformers
+    from ftcli.commands.doctor import CHECKS, Transformers
 
     assert [c.__name__ for c in CHECKS] == ["check_fla_on_cpu", "check_hopper_triton", "check_packing",
                                            "check_vlm_loss", "check_lora_vision", "check_speed_settings"]
@@ -273,7 +275,7 @@ def test_checks_run_in_order_one_function_each():
 
 
 def test_report_json_exact():
-    from ftcli.doctor import Transformers, doctor_report
+    from ftcli.commands.doctor import Transformers, doctor_report
 
     versions = {"torch": "2.13.0+cpu", "transformers": "5.24.0"}
     report = doctor_report(load_recipe("tiny-qwen-cpu"), kernels.Machine(device="cpu"), cpu_here(), versions,
@@ -325,7 +327,7 @@ def test_doctor_text_names_the_version_based_checks(capsys):
 def test_fp8_and_fused_ops_are_checked_where_they_run():
     """qwen-b300 ships fp8: on a GPU it needs torchao and capability >= 8.9 (FAIL, blocking, with the fix);
     fused ops need their packages; on a CPU-only machine (planning) it is not judged."""
-    from ftcli.doctor import Transformers, check_speed_settings
+    from ftcli.commands.doctor import Transformers, check_speed_settings
 
     tf = Transformers(installed="5.24.0")
     h200 = hopper("3.6.0", tilelang=True)
@@ -345,7 +347,7 @@ def test_fp8_and_fused_ops_are_checked_where_they_run():
 
 
 def doctor_report_blocks(recipe, m) -> bool:
-    from ftcli.doctor import Transformers
+    from ftcli.commands.doctor import Transformers
 
     return any(c.blocks_recipe and c.status == FAIL for c in doctor_checks(recipe, m, Transformers(installed="5.24.0"))
                if c.name == "fp8 and fused ops")

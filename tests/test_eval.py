@@ -1,4 +1,4 @@
-"""Held-out evaluation (ftcli.evaluate, ftcli.data.evalsplit) in the FSDP2 loop, on the tiny Qwen3.5 hybrid.
+"""Held-out evaluation (ftcli.train.evaluate, ftcli.data.evalsplit) in the FSDP2 loop, on the tiny Qwen3.5 hybrid.
 
 The invariants: the held-out rows are disjoint from training and chosen by content (stable across runs,
 row order and world sizes); the eval loss is the same for 1 and 2 ranks, for two eval block lengths and
@@ -57,7 +57,7 @@ def test_holdout_disjoint_from_training_and_stable(tmp_path):
     the held-out rows are chosen by content (the file's rows reversed: the same rows held out)."""
     from ftcli.data import load_tokenizer
     from ftcli.data.evalsplit import eval_recipes
-    from ftcli.recipe import load_recipe, resolve_path
+    from ftcli.config.recipe import load_recipe, resolve_path
 
     rows = open(resolve_path(SOURCE)).read().splitlines()[:300]
     forward, backward = tmp_path / "f.jsonl", tmp_path / "b.jsonl"
@@ -79,7 +79,7 @@ def test_holdout_disjoint_from_training_and_stable(tmp_path):
 
 
 def test_holdout_and_eval_keys_validated():
-    from ftcli.recipe import RecipeError, load_recipe
+    from ftcli.config.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match="set one of holdout, path, sources"):
         load_recipe("tiny-qwen-cpu", ["eval.holdout=0.1", f"eval.path={SOURCE}"])
@@ -169,8 +169,8 @@ def test_early_stop_keep_best_and_export_best(eval_run):
 def test_samples_equal_sample_greedy_on_the_saved_model(eval_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.generate import sample_greedy
-    from ftcli.recipe import load_recipe
+    from ftcli.commands.generate import sample_greedy
+    from ftcli.config.recipe import load_recipe
 
     run_dir = eval_run["run_dir"]
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -208,8 +208,8 @@ def _safetensors(model_dir):
 def weights_from_dcp(ckpt) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
 
     model = load_model(load_recipe("tiny-qwen-cpu").model, dtype=torch.float32)
     state = {"model": model.state_dict()}
@@ -224,13 +224,13 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     token-weighted mean of the two."""
     import torch.nn.functional as F
 
-    from ftcli import kernels
+    from ftcli.model import kernels
     from ftcli.data import iter_examples, load_tokenizer
     from ftcli.data.evalsplit import eval_recipes
-    from ftcli.evaluate import Evaluator, prepare_eval
-    from ftcli.loss import attach_loss
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe, resolve_path
+    from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.train.loss import attach_loss
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe, resolve_path
 
     rows = open(resolve_path(SOURCE)).read().splitlines()
     (tmp_path / "a.jsonl").write_text("\n".join(rows[:150]) + "\n")
@@ -268,8 +268,8 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
 
 
 def test_register_takes_the_best_checkpoint(eval_run, tmp_path):
-    from ftcli import register as reg
-    from ftcli.errors import UserError
+    from ftcli.commands import register as reg
+    from ftcli.config.errors import UserError
 
     run_dir = eval_run["run_dir"]
     assert reg.resolve_source(run_dir, checkpoint="best").model_dir == run_dir / "final"  # export=best

@@ -47,9 +47,9 @@ def _lines(run_dir):
 def _load_adapter(run_dir, adapter: str):
     from peft import PeftModel
 
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
-    from ftcli.train_lora import _attn_implementation
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.lora.trainer import _attn_implementation
 
     recipe = load_recipe(str(run_dir / "recipe.yaml"))
     cfg = recipe.model.model_copy(update={"init": "pretrained", "id": str(run_dir / "base")})
@@ -59,8 +59,8 @@ def _load_adapter(run_dir, adapter: str):
 
 def _eval_in_one_process(run_dir, adapter: str) -> float:
     from ftcli.data import load_tokenizer
-    from ftcli.evaluate import Evaluator, prepare_eval
-    from ftcli.loss import attach_loss
+    from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.train.loss import attach_loss
 
     recipe, model = _load_adapter(run_dir, adapter)
     base = model.get_base_model()
@@ -104,7 +104,7 @@ def test_lora_early_stop_and_keep_best(runs):
 def test_lora_samples_equal_sample_greedy_on_the_final_adapter(runs):
     from transformers import AutoTokenizer
 
-    from ftcli.generate import sample_greedy
+    from ftcli.commands.generate import sample_greedy
 
     run_dir = runs["eval"][0]
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -119,8 +119,8 @@ def test_export_best_keeps_final_until_best_is_in_place(tmp_path):
     last adapter stays and the error is one line."""
     import pytest
 
-    from ftcli.errors import UserError
-    from ftcli.lora_callbacks import export_best
+    from ftcli.config.errors import UserError
+    from ftcli.train.lora.callbacks import export_best
 
     final, best = tmp_path / "final", tmp_path / "best"
     final.mkdir()

@@ -1,4 +1,4 @@
-"""training.precision.fp8 (ftcli.float8): which linears get float8 GEMMs on the shipped 27B shape, and the
+"""training.precision.fp8 (ftcli.features.float8): which linears get float8 GEMMs on the shipped 27B shape, and the
 recipe rules. The end-to-end run (losses vs the fp32 run, checkpoint names) is in test_train_full.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def test_fp8_takes_the_27b_layers_big_linears_only():
     layers' 5120 -> 48 head projections; the LM head (5120 -> 248320) stays bf16."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from ftcli.float8 import convert_to_fp8, fp8_linears
+    from ftcli.features.float8 import convert_to_fp8, fp8_linears
 
     raw = json.loads((REPO / "benchmarks" / "configs" / "qwen3_8-27b-text.json").read_text())
     raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
@@ -43,8 +43,8 @@ def test_fp8_takes_the_27b_layers_big_linears_only():
 def test_fp8_is_full_sfts_and_lora_warns_about_it():
     """fp8, compile=regions and fused ops are full SFT's: a LoRA run (qwen-b300 switched to LoRA, say) starts
     and names each one it ignores; compile=regions does not turn on TRL's whole-model compile."""
-    from ftcli.lora_recipe import ignored_settings, sft_config_kwargs
-    from ftcli.recipe import load_recipe
+    from ftcli.train.lora.config import ignored_settings, sft_config_kwargs
+    from ftcli.config.recipe import load_recipe
 
     lora = load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true", "training.compile=regions",
                                             "training.fused_ops=[rms_norm]"])
@@ -64,7 +64,7 @@ def test_fp8_is_full_sfts_and_lora_warns_about_it():
 
 
 def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):
-    from ftcli.float8 import check_fp8_device
+    from ftcli.features.float8 import check_fp8_device
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")

@@ -1,4 +1,4 @@
-"""training.fused_ops (ftcli.fused_ops) and training.compile=regions: which modules are swapped or compiled,
+"""training.fused_ops (ftcli.features.fused_ops) and training.compile=regions: which modules are swapped or compiled,
 that the swap keeps every parameter, and that the swapped model computes what the eager one does.
 
 liger-kernel's and fla's kernels are Triton (CUDA only). Here they are stood in for by plain torch versions
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftcli.errors import UserError
-from ftcli.fused_ops import Kernels, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
+from ftcli.config.errors import UserError
+from ftcli.features.fused_ops import Kernels, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "ftcli" / "assets" / "tiny-qwen3_5.json"
@@ -54,7 +54,7 @@ def tiny_qwen(seed=0, **overrides):
 
 
 def fuse(model, ops=("rms_norm", "swiglu", "gated_norm")):
-    from ftcli.modeling import decoder_layers, text_final_norm
+    from ftcli.model.build import decoder_layers, text_final_norm
 
     return fuse_decoder_ops(model, decoder_layers(model), ops, STAND_INS, final_norm=text_final_norm(model))
 
@@ -94,7 +94,7 @@ def test_a_wrong_offset_would_show():
     """The oracle is sharp: a norm fused without the (1 + w) offset gives other logits."""
     eager, fused = tiny_qwen(), tiny_qwen()
     wrong = Kernels(rms_norm=lambda x, w, eps, offset, mode, inplace: rms_norm(x, w, eps, 0.0, mode, inplace))
-    from ftcli.modeling import decoder_layers
+    from ftcli.model.build import decoder_layers
 
     fuse_decoder_ops(fused, decoder_layers(fused), ["rms_norm"], wrong)
     ids = torch.randint(3, 1024, (1, 32), generator=torch.Generator().manual_seed(2))
@@ -104,7 +104,7 @@ def test_a_wrong_offset_would_show():
 def test_fused_ops_refuse_models_without_those_modules_and_unknown_ops():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from ftcli.modeling import decoder_layers
+    from ftcli.model.build import decoder_layers
 
     model = GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -151,7 +151,7 @@ def test_fused_ops_on_the_vlm_class_qwen_b300_trains():
     model's final norm are swapped, the vision tower is not, and no parameter name changes."""
     from transformers import AutoModelForImageTextToText, Qwen3_5Config
 
-    from ftcli.modeling import decoder_layers, text_final_norm
+    from ftcli.model.build import decoder_layers, text_final_norm
 
     raw = json.loads(TINY.read_text())
     text = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
@@ -172,7 +172,7 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
     from typer.testing import CliRunner
 
     from ftcli.cli import app
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     assert load_recipe("tiny-qwen-cpu", ["training.fused_ops=[rms_norm,swiglu]"]).training.fused_ops == ["rms_norm",
                                                                                                        "swiglu"]
@@ -183,7 +183,7 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
                                         r"qwen3_5_text\); this recipe's model_type is gpt_oss: set training.fused_ops=\[\]"):
         load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
     lora = load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: warned, not refused
-    from ftcli.launch import _preflight
+    from ftcli.train.launch import _preflight
 
     _preflight(lora)  # no CUDA check for a path that ignores them
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny-qwen-cpu", "--set", "training.fused_ops=[swiglu]",
@@ -196,7 +196,7 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
 
 
 def test_compile_regions_are_the_parts_around_the_packed_kernels():
-    from ftcli.train_full import compile_regions
+    from ftcli.train.full import compile_regions
 
     model = tiny_qwen()
     layers = model.model.layers
@@ -212,15 +212,15 @@ def test_compile_regions_take_the_float8_linears_outside_the_mlp():
     the gated-delta / attention layers' float8 projections; a fused MLP leaves its float8 linears."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from ftcli.float8 import convert_to_fp8
-    from ftcli.train_full import compile_regions
+    from ftcli.features.float8 import convert_to_fp8
+    from ftcli.train.full import compile_regions
 
     raw = json.loads((REPO / "benchmarks" / "configs" / "qwen3_8-27b-text.json").read_text())
     raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
     cfg = Qwen3_5TextConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    from ftcli.modeling import decoder_layers, text_final_norm
+    from ftcli.model.build import decoder_layers, text_final_norm
 
     fuse_decoder_ops(model, decoder_layers(model), ["swiglu"], STAND_INS, final_norm=text_final_norm(model))
     convert_to_fp8(model, list(model.model.layers), cfg.hidden_size)
@@ -240,8 +240,8 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
 
     import torch.distributed.fsdp as fsdp
 
-    from ftcli import train_full
-    from ftcli.recipe import load_recipe
+    from ftcli.train import full as train_full
+    from ftcli.config.recipe import load_recipe
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))

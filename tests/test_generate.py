@@ -14,10 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ftcli import cli, generate
-from ftcli.chat_repl import Chat, run_chat
-from ftcli.generate import Sampling
-from ftcli.rundir import BaseModelRecord, RunRecord, write_run_record
+from ftcli import cli
+
+from ftcli.commands import generate
+from ftcli.commands.chat import Chat, run_chat
+from ftcli.commands.generate import Sampling
+from ftcli.artifacts.rundir import BaseModelRecord, RunRecord, write_run_record
 
 runner = CliRunner()
 CONFIGS = {"qwen": ("tiny-qwen3_5.json", "qwen3_5_text"), "gpt-oss": ("tiny-gpt-oss.json", "gpt_oss")}
@@ -32,8 +34,8 @@ PROMPTS = [
 
 
 def _tiny(name: str, seed: int = 0):
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig
 
     config, model_type = CONFIGS[name]
     torch.manual_seed(seed)
@@ -44,7 +46,7 @@ def _tiny(name: str, seed: int = 0):
 def _tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     return AutoTokenizer.from_pretrained(resolve_path(f"pkg://assets/tokenizer-{name}"))
 

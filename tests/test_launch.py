@@ -1,4 +1,4 @@
-"""`ftcli train`'s launcher (ftcli.launch): what it refuses before torchrun starts, and one-line errors."""
+"""`ftcli train`'s launcher (ftcli.train.launch): what it refuses before torchrun starts, and one-line errors."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def test_torchrun_without_shutdown_timeout_still_launches(monkeypatch, capsys):
 
     import torch.distributed.run as torchrun_module
 
-    from ftcli.launch import shutdown_grace_args
-    from ftcli.preempt import STOP_GRACE_S
+    from ftcli.train.launch import shutdown_grace_args
+    from ftcli.train.preempt import STOP_GRACE_S
 
     assert shutdown_grace_args() == [f"--shutdown_timeout={STOP_GRACE_S}"]  # this torch (2.13) has it
 
@@ -81,7 +81,7 @@ def test_torchrun_without_shutdown_timeout_still_launches(monkeypatch, capsys):
 
 
 def test_train_run_in_process_returns_to_its_caller(tmp_path, env):
-    """A worker started by torchrun ends with os._exit (ftcli.distributed.exit_worker); the same command run
+    """A worker started by torchrun ends with os._exit (ftcli.train.distributed.exit_worker); the same command run
     in-process by a caller that set up the rank variables itself (benchmarks/depth_gpu.py's profile) must
     return to it."""
     code = ("import sys; from ftcli.cli import app\n"

@@ -14,8 +14,8 @@ RUN = Path("/runs/x")
 
 
 def test_gpt_oss_h100_sft_config_is_the_reference():
-    from ftcli.recipe import load_recipe
-    from ftcli.train_lora import sft_config_kwargs
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.lora.trainer import sft_config_kwargs
 
     kw = sft_config_kwargs(load_recipe("gpt-oss-h100"), RUN)
     assert kw == {
@@ -68,7 +68,7 @@ def test_tiny_sft_config_builds_and_keeps_values():
     TrainingArguments' post-init (e.g. the warmup ratio and the deprecated gradient_checkpointing alias)."""
     from trl import SFTConfig
 
-    from ftcli.train_lora import sft_config_kwargs
+    from ftcli.train.lora.trainer import sft_config_kwargs
 
     kw = sft_config_kwargs(tiny_recipe(), RUN)
     assert {k: kw[k] for k in ("optim", "learning_rate", "warmup_steps", "lr_scheduler_kwargs", "bf16", "fp16",
@@ -96,7 +96,7 @@ def test_tiny_sft_config_builds_and_keeps_values():
     (["training.max_steps=7", "model.dtype=float16"], {"max_steps": 7, "fp16": True, "bf16": False}),
 ])
 def test_sft_config_follows_recipe_knobs(overrides, expected):
-    from ftcli.train_lora import sft_config_kwargs
+    from ftcli.train.lora.trainer import sft_config_kwargs
 
     kw = sft_config_kwargs(tiny_recipe(*overrides), RUN)
     assert {k: kw[k] for k in expected} == expected
@@ -105,7 +105,7 @@ def test_sft_config_follows_recipe_knobs(overrides, expected):
 def _lora_targets(recipe, model):
     from peft import get_peft_model
 
-    from ftcli.train_lora import lora_config
+    from ftcli.train.lora.trainer import lora_config
 
     peft_model = get_peft_model(model, lora_config(recipe, model))
     return sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in peft_model.named_parameters()
@@ -123,8 +123,8 @@ def test_all_linear_misses_gpt_oss_experts_target_parameters_adds_them():
 
 
 def test_target_parameters_with_dropout_is_a_one_line_error():
-    from ftcli.errors import UserError
-    from ftcli.train_lora import lora_config
+    from ftcli.config.errors import UserError
+    from ftcli.train.lora.trainer import lora_config
 
     with pytest.raises(UserError, match="lora.dropout=0.05 cannot be used with lora.target_parameters"):
         lora_config(tiny_recipe("lora.dropout=0.05"), tiny_model())
@@ -135,7 +135,7 @@ def test_target_parameters_with_dropout_is_a_one_line_error():
 def test_vision_tower_excluded_on_vlm_classes():
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     text = json.loads(Path(resolve_path("pkg://assets/tiny-qwen3_5.json")).read_text())
     text.pop("model_type", None)

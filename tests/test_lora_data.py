@@ -12,7 +12,7 @@ from _lora_common import tiny_model, tiny_recipe
 
 
 def _dump(recipe, path):
-    from ftcli.preview import run_preview
+    from ftcli.commands.preview import run_preview
 
     run_preview(recipe, blocks=0, examples=None, as_json=True, dump=path, strict=False)
     return {rec["index"]: rec for rec in map(json.loads, path.read_text().splitlines())}
@@ -27,7 +27,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     from trl import SFTConfig, SFTTrainer
 
     from ftcli.data import block_to_model_inputs, load_tokenizer, prepare_blocks
-    from ftcli.train_lora import collate_rows, lora_config, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import collate_rows, lora_config, sft_config_kwargs, training_rows
 
     overrides = ["data.packing.enabled=false", "data.max_length=96"] if packing == "unpacked" else []
     recipe = _recipe(tmp_path, *overrides, "tracking.enabled=false")
@@ -67,7 +67,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
 
 
 def test_rows_laid_end_to_end_never_predict_across_rows():
-    from ftcli.train_lora import collate_rows
+    from ftcli.train.lora.trainer import collate_rows
 
     a = {"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8], "position_ids": [0, 1, 2, 3]}
     b = {"input_ids": [9, 10, 11], "labels": [9, 10, 11], "position_ids": [0, 1, 2]}

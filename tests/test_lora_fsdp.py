@@ -140,8 +140,8 @@ def test_resume_from_checkpoint_is_exact(fsdp_run):
 def test_sft_config_for_a_sharded_base():
     """training.sharding=fsdp -> accelerate's FSDP2 (version 2, resharded after forward, rank-0 loading, per-rank
     checkpoint shards) with FSDP's own activation checkpointing instead of the TrainingArguments flag."""
-    from ftcli.recipe import load_recipe
-    from ftcli.train_lora import checkpointing_arg, sft_config_kwargs
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.lora.trainer import checkpointing_arg, sft_config_kwargs
 
     recipe = load_recipe("gpt-oss-120b-h100")
     fsdp = sft_config_kwargs(recipe, Path("/tmp/run"), "fsdp")

@@ -27,7 +27,7 @@ def _trainer(tmp_path, rows, model):
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from ftcli.train_lora import collate_rows, lora_config, sft_config_kwargs
+    from ftcli.train.lora.trainer import collate_rows, lora_config, sft_config_kwargs
 
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
@@ -36,7 +36,7 @@ def _trainer(tmp_path, rows, model):
     ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     from transformers import AutoTokenizer
 
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=ds, data_collator=collate_rows,
@@ -47,7 +47,7 @@ def _reference_copy(trainer, attn):
     """An independent PEFT model with the trainer's weights (a deepcopy would share TRL's patched forward)."""
     from peft import get_peft_model
 
-    from ftcli.train_lora import lora_config
+    from ftcli.train.lora.trainer import lora_config
 
     model = tiny_model(attn=attn)
     model = get_peft_model(model, lora_config(tiny_recipe(), model))
@@ -57,7 +57,7 @@ def _reference_copy(trainer, attn):
 
 def _token_mean_grads(model, rows):
     """Reference: one backward of sum over both rows of token NLL / total trained tokens."""
-    from ftcli.train_lora import collate_rows
+    from ftcli.train.lora.trainer import collate_rows
 
     model.zero_grad()
     total_loss, total_tokens = 0.0, 0
@@ -90,8 +90,8 @@ def _trainer_step_grads(trainer):
 
 def _worst_grad_diff_vs_token_mean(tmp_path, *, accepts_loss_kwargs: bool, normalize: bool) -> float:
     """One grad-accum step of the trainer vs the token-mean reference: max relative grad difference."""
-    from ftcli.kernels import enable_packed_kernels
-    from ftcli.train_lora import normalize_loss_by_tokens
+    from ftcli.model.kernels import enable_packed_kernels
+    from ftcli.train.lora.trainer import normalize_loss_by_tokens
 
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     rows = _rows()

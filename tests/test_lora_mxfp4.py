@@ -12,7 +12,7 @@ from _lora_common import tiny_model
 
 @pytest.fixture(scope="module")
 def mxfp4_dir(tmp_path_factory):
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     model = tiny_model(seed=0, dtype=torch.bfloat16)
     out = mxfp4.save_mxfp4(model, tmp_path_factory.mktemp("mxfp4") / "tiny-gpt-oss-mxfp4")
@@ -51,7 +51,7 @@ def test_transformers_dequantizes_exactly_like_ftcli(mxfp4_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     path, model = mxfp4_dir
     loaded = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
@@ -75,7 +75,7 @@ def test_transformers_dequantizes_exactly_like_ftcli(mxfp4_dir):
 def test_quantize_is_exact_on_representable_values():
     """Values already on the MXFP4 grid survive quantize -> dequantize bit for bit (nibble order, sign,
     scale bias and the transpose all round-trip)."""
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     g = torch.Generator().manual_seed(0)
     experts, fan_out, groups = 3, 8, 4

@@ -20,8 +20,8 @@ STEPS, SAVE_EVERY, LOG_EVERY = 30, 15, 5
 def mxfp4_base(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from ftcli import mxfp4
-    from ftcli.recipe import resolve_path
+    from ftcli.model import mxfp4
+    from ftcli.config.recipe import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
     return mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), tmp_path_factory.mktemp("base") / "tiny-mxfp4",
@@ -58,9 +58,9 @@ def _adapter(run_dir):
 def test_mxfp4_base_loads_dequantized_through_ftcli_modeling(mxfp4_base):
     from safetensors.torch import load_file
 
-    from ftcli import mxfp4
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig
+    from ftcli.model import mxfp4
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig
 
     model = load_model(ModelConfig(id=str(mxfp4_base), model_type="gpt_oss", dtype="float32",
                                    quantization="mxfp4_dequantize"))
@@ -103,8 +103,8 @@ def test_expert_lora_weights_exist_and_are_trained(trained):
 def test_adapter_reloads_onto_the_base(trained, mxfp4_base):
     from peft import PeftModel
 
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig
 
     _, run_dir, _ = trained
     cfg = ModelConfig(id=str(mxfp4_base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize")
@@ -164,7 +164,7 @@ def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):
 
 
 def test_merge_lora_of_the_trained_run(trained):
-    from ftcli.merge import merge_lora
+    from ftcli.commands.merge import merge_lora
 
     _, run_dir, _ = trained
     out = merge_lora(run_dir, dtype="float32")
@@ -180,7 +180,7 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
     from trl import SFTConfig
 
     from ftcli.data import load_tokenizer, prepare_blocks
-    from ftcli.train_lora import TOKENS_FILE, build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import TOKENS_FILE, build_trainer, sft_config_kwargs, training_rows
 
     recipe = tiny_recipe("training.max_steps=3", "training.checkpoint.every_steps=null", "training.log_every=1",
                          "training.checkpoint.every_minutes=0.000001", "training.checkpoint.keep_last=5",

@@ -1,4 +1,4 @@
-"""ftcli.loss: the summed token loss (chunked = full), its edge cases, and the one trained-token count."""
+"""ftcli.train.loss: the summed token loss (chunked = full), its edge cases, and the one trained-token count."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 def test_chunked_loss_equals_full_loss():
     """Value and gradients (hidden states and LM head) of the chunked loss equal the full-logit loss."""
-    from ftcli.loss import token_loss_sum
+    from ftcli.train.loss import token_loss_sum
 
     g = torch.Generator().manual_seed(0)
     T, H, V = 300, 32, 500
@@ -38,7 +38,7 @@ def test_chunked_loss_equals_full_loss():
 def test_all_masked_block_loss_is_zero_with_zero_grads():
     """The published loop's 0/0 (NaN there): a block without trained tokens gives loss 0 and zero (not
     missing) grads."""
-    from ftcli.loss import token_loss_sum
+    from ftcli.train.loss import token_loss_sum
 
     h = torch.randn(1, 16, 8, requires_grad=True)
     w = torch.randn(40, 8, requires_grad=True)
@@ -48,8 +48,8 @@ def test_all_masked_block_loss_is_zero_with_zero_grads():
 
 
 def test_liger_without_liger_kernel_is_a_one_line_error():
-    from ftcli.errors import UserError
-    from ftcli.loss import liger_loss, token_loss_sum
+    from ftcli.config.errors import UserError
+    from ftcli.train.loss import liger_loss, token_loss_sum
 
     try:
         import liger_kernel  # noqa: F401
@@ -66,7 +66,7 @@ def test_trained_tokens_counted_one_way():
     """A block's own num_trained_tokens, its labels as numpy, as a [1, T] tensor: the same count, the
     tokens the loss averages over (labels[1:] != IGNORE_INDEX). A [B, T] batch counts each row shifted."""
     from ftcli import data
-    from ftcli.loss import IGNORE_INDEX, count_trained_tokens
+    from ftcli.train.loss import IGNORE_INDEX, count_trained_tokens
 
     assert IGNORE_INDEX == data.IGNORE_INDEX == -100
     ids = np.arange(5, 17, dtype=np.int32)

@@ -1,4 +1,4 @@
-"""The memory model (ftcli.memory): exact parameter counts, the fit, and the measured H200 peaks within 10%."""
+"""The memory model (ftcli.estimate.memory): exact parameter counts, the fit, and the measured H200 peaks within 10%."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ftcli import memory
-from ftcli.recipe import resolve_path
+from ftcli.estimate import memory
+from ftcli.config.recipe import resolve_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,6 +156,6 @@ def test_benchmark_script_prints_the_package_model(capsys, monkeypatch):
 
 
 def test_memory_model_imports_no_torch():
-    code = "import sys, ftcli.memory; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    code = "import sys, ftcli.estimate.memory; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

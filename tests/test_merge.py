@@ -16,10 +16,10 @@ def lora_run(tmp_path_factory):
     from peft import get_peft_model
     from transformers import AutoTokenizer
 
-    from ftcli import mxfp4
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig, resolve_path
-    from ftcli.train_lora import lora_config
+    from ftcli.model import mxfp4
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig, resolve_path
+    from ftcli.train.lora.trainer import lora_config
 
     root = tmp_path_factory.mktemp("merge")
     tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
@@ -51,9 +51,9 @@ def test_merged_model_logits_equal_base_plus_adapter(lora_run, tmp_path, dtype, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ftcli.merge import merge_lora
-    from ftcli.modeling import load_model
-    from ftcli.recipe import ModelConfig
+    from ftcli.commands.merge import merge_lora
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig
 
     run, base = lora_run
     out = merge_lora(run, output=tmp_path / "merged", dtype=dtype)
@@ -119,7 +119,7 @@ def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):
     """A base of another model_type, a base of the right type with other shapes, and a missing base."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     run, _ = lora_run
     qwen = tmp_path / "qwen"
@@ -201,8 +201,8 @@ def _run_json(run_dir, base_model):
 def test_base_resolution_order_is_flag_then_saved_path_then_hub_id_then_adapter_config(tmp_path):
     """One resolver for merge-lora and register: --base, run.json base_model.path (relative to the run),
     base_model.id@revision, adapter_config.json; a reference naming a dir is that dir."""
-    from ftcli.errors import UserError
-    from ftcli.merge import BaseRef, resolve_adapter, resolve_base
+    from ftcli.config.errors import UserError
+    from ftcli.commands.merge import BaseRef, resolve_adapter, resolve_base
 
     run = tmp_path / "run"
     adapter = _adapter_dir(run / "final", "org/from-adapter", "abc")
@@ -233,8 +233,8 @@ def test_base_resolution_order_is_flag_then_saved_path_then_hub_id_then_adapter_
 
 def test_register_and_merge_resolve_the_same_base(tmp_path):
     """register's source resolution goes through merge.resolve_base: same BaseRef for the same run."""
-    from ftcli.merge import resolve_adapter, resolve_base
-    from ftcli.register import Source, resolve_source
+    from ftcli.commands.merge import resolve_adapter, resolve_base
+    from ftcli.commands.register import Source, resolve_source
 
     run = tmp_path / "run"
     adapter = _adapter_dir(run / "final", "org/from-adapter")
@@ -252,7 +252,7 @@ def test_register_reuses_only_a_merge_of_the_same_adapter_dtype_and_format(tmp_p
     import json
     import os
 
-    from ftcli.merge import is_newer_merge
+    from ftcli.commands.merge import is_newer_merge
 
     final, best, out = tmp_path / "final", tmp_path / "best", tmp_path / "merged"
     for adapter in (final, best):

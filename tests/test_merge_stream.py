@@ -1,5 +1,5 @@
 """`ftcli merge-lora` streams: one unit (a decoder layer or a root module) of base weights resident at a time,
-shards written as they fill, and `--format mxfp4` re-quantizes the merged experts with ftcli.mxfp4's quantizer."""
+shards written as they fill, and `--format mxfp4` re-quantizes the merged experts with ftcli.model.mxfp4's quantizer."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _tensors(folder):
 
 @pytest.fixture(scope="module")
 def merges(lora_run, tmp_path_factory):  # noqa: F811
-    from ftcli.merge import merge_lora
+    from ftcli.commands.merge import merge_lora
 
     run, _ = lora_run
     root = tmp_path_factory.mktemp("stream")
@@ -46,7 +46,7 @@ def test_one_unit_of_base_weights_resident_at_a_time(merges):
 def test_shards_are_written_as_they_fill_and_load_like_one_file(lora_run, merges, tmp_path, monkeypatch):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    from ftcli import merge
+    from ftcli.commands import merge
 
     run, _ = lora_run
     monkeypatch.setattr(merge, "MAX_SHARD_SIZE", "200KB")
@@ -65,7 +65,7 @@ def test_shards_are_written_as_they_fill_and_load_like_one_file(lora_run, merges
 
 
 def test_mxfp4_merge_is_the_bf16_merge_requantized_bit_for_bit(merges):
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     plain, quantized = merges
     dense, packed = _tensors(plain), _tensors(quantized)
@@ -86,7 +86,7 @@ def test_mxfp4_merge_is_the_bf16_merge_requantized_bit_for_bit(merges):
 def test_mxfp4_round_trip_error_is_the_e2m1_grid_error(merges):
     """Every re-quantized expert weight dequantizes to the e2m1 grid point (x its group's power-of-two scale)
     nearest to the bf16 merged value, clamped at +-6 x scale: the format's own error, nothing more."""
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     plain, quantized = merges
     dense, packed = _tensors(plain), _tensors(quantized)
@@ -111,7 +111,7 @@ def test_mxfp4_round_trip_error_is_the_e2m1_grid_error(merges):
 def test_mxfp4_merge_loads_in_transformers_with_the_dequantized_experts(merges):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from ftcli import mxfp4
+    from ftcli.model import mxfp4
 
     _, quantized = merges
     model = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.bfloat16,
@@ -124,8 +124,8 @@ def test_mxfp4_merge_loads_in_transformers_with_the_dequantized_experts(merges):
 
 
 def test_mxfp4_format_needs_a_gpt_oss_base_and_a_known_format(lora_run, tmp_path):  # noqa: F811
-    from ftcli.errors import UserError
-    from ftcli.merge import merge_lora
+    from ftcli.config.errors import UserError
+    from ftcli.commands.merge import merge_lora
 
     run, _ = lora_run
     with pytest.raises(UserError, match="--format gguf: use plain or mxfp4"):

@@ -1,4 +1,4 @@
-"""ftcli.metrics: the step line's numbers (both trainers), from a window of steps, on a fake clock."""
+"""ftcli.train.metrics: the step line's numbers (both trainers), from a window of steps, on a fake clock."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def test_step_metrics_window_tokens_per_s_and_untimed_first_step():
-    from ftcli.metrics import StepMetrics
+    from ftcli.train.metrics import StepMetrics
 
     now = [0.0]
     meter = StepMetrics(flops_per_token=6e6, device=torch.device("cpu"), world_size=2, clock=lambda: now[0])
@@ -32,7 +32,7 @@ def test_step_metrics_window_tokens_per_s_and_untimed_first_step():
 
 
 def test_mfu_is_model_flops_over_the_peak(monkeypatch):
-    from ftcli import metrics
+    from ftcli.train import metrics
 
     monkeypatch.setattr(metrics, "peak_flops", lambda device: 1e12)
     now = [0.0]
@@ -44,7 +44,7 @@ def test_mfu_is_model_flops_over_the_peak(monkeypatch):
 
 
 def test_log_step_prints_appends_and_tracks(tmp_path):
-    from ftcli.metrics import log_step
+    from ftcli.train.metrics import log_step
 
     m = {"step": 2, "loss": 1.5, "grad_norm": 0.25, "lr": 3e-3, "tokens_per_s": 1234.4, "tokens_per_s_per_device": 617.2,
          "mfu": None, "peak_mem": 1.5, "peak_mem_reserved": None, "mem_unit": "GiB rss", "s_per_step": 0.5,

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftcli import kernels
-from ftcli.errors import UserError
+from ftcli.model import kernels
+from ftcli.config.errors import UserError
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -402,7 +402,7 @@ def test_block_tensors_are_built_once_and_reach_every_layer(monkeypatch):
 def test_fla_kernels_without_block_tensors_derive_them():
     """A call without the collator's tensors (another caller's model call) still gets int64 boundaries
     from its own metadata, and no chunk indices (fla builds them)."""
-    from ftcli.kernels import ops
+    from ftcli.model.kernels import ops
 
     blk = block()
     got = ops._fla_varlen({}, lambda: ops._cu_seqlens_from_seq_idx(blk["seq_idx"]))
@@ -417,7 +417,7 @@ def test_fla_kernels_without_block_tensors_derive_them():
 def test_loss_with_collated_trained_positions_equals_device_search(impl):
     """token_loss_sum over the collator's trained_positions: the same sum and gradients as finding the
     trained targets on the device, without `nonzero` (a host sync) on the way."""
-    from ftcli.loss import token_loss_sum
+    from ftcli.train.loss import token_loss_sum
 
     blk = _collated_block()
     labels, trained = blk["labels"], blk["trained_positions"]

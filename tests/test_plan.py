@@ -9,9 +9,11 @@ import sys
 
 import pytest
 
-from ftcli import memory, plan
-from ftcli.errors import UserError
-from ftcli.recipe import load_recipe
+from ftcli.estimate import memory
+
+from ftcli.commands import plan
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import load_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -133,8 +135,8 @@ def test_lora_adapter_size_equals_peft(name):
     import torch
     from peft import get_peft_model
 
-    from ftcli.modeling import load_model
-    from ftcli.train_lora import lora_config
+    from ftcli.model.build import load_model
+    from ftcli.train.lora.trainer import lora_config
 
     recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0"])
     model = load_model(recipe.model, dtype=torch.float32)
@@ -154,7 +156,7 @@ def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     from transformers import AutoTokenizer
 
     from ftcli.data import prepare_blocks
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     recipe = load_recipe("tiny-qwen-cpu")
     sampled = plan.data_size(recipe)
@@ -391,8 +393,8 @@ def test_step_time_json_exact():
 def test_a_suggested_short_block_comes_with_the_faster_loss():
     """Full SFT with liger: a suggested block of 8k or less also switches to the chunked loss (measured faster
     there on an H200), a 16k one keeps liger (16k not measured)."""
-    from ftcli import memory
-    from ftcli.plan import CHUNKED_LOSS_UP_TO, fitting_settings
+    from ftcli.estimate import memory
+    from ftcli.commands.plan import CHUNKED_LOSS_UP_TO, fitting_settings
 
     assert CHUNKED_LOSS_UP_TO == 8192
     shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
@@ -408,8 +410,8 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
 def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
     """A recipe that keeps layers' activations: every suggestion but "keep fewer" also drops them (the last
     resort included: it was once computed without them but did not say so); LoRA has no kept layers."""
-    from ftcli import memory
-    from ftcli.plan import fitting_settings, setting_of
+    from ftcli.estimate import memory
+    from ftcli.commands.plan import fitting_settings, setting_of
 
     shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
     kept = memory.Setting(method="full", tokens=32768, loss="chunked", checkpointing="full", keep=14, world=8)

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT stop a run at the next step boundary with a checkpoint (ftcli.preempt, ftcli.launch).
+"""SIGTERM / SIGINT stop a run at the next step boundary with a checkpoint (ftcli.train.preempt, ftcli.train.launch).
 
 End to end through the real launcher (`ftcli train` -> torchrun -> 2 workers): SIGTERM to the launcher,
 as a platform sends it; SIGINT to the launcher's process group, as Ctrl-C in a terminal does (the
@@ -27,7 +27,7 @@ FULL = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled
 
 # ------------------------------------------------------------------------------------------ units
 def test_stop_flag_records_the_first_signal_and_restores_the_handlers():
-    from ftcli.preempt import StopFlag
+    from ftcli.train.preempt import StopFlag
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     flag = StopFlag().install()
@@ -42,7 +42,7 @@ def test_stop_flag_records_the_first_signal_and_restores_the_handlers():
 
 
 def test_exit_codes_and_the_one_line():
-    from ftcli.preempt import Stopped, exit_code, resume_hint
+    from ftcli.train.preempt import Stopped, exit_code, resume_hint
 
     assert (exit_code(signal.SIGTERM), exit_code(signal.SIGINT)) == (143, 130)
     assert Stopped(7, signal.SIGINT, None).exit_code == 130
@@ -53,7 +53,7 @@ def test_exit_codes_and_the_one_line():
 
 
 def test_truncate_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
-    from ftcli.metrics import truncate_metrics
+    from ftcli.train.metrics import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
@@ -64,7 +64,7 @@ def test_truncate_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
 
 
 def test_interrupted_saves_are_removed_and_committed_ones_kept(tmp_path):
-    from ftcli.checkpoint import checkpoint_step, rank_state_source, remove_interrupted_saves
+    from ftcli.train.checkpoint import checkpoint_step, rank_state_source, remove_interrupted_saves
 
     root = tmp_path / "checkpoints"
     for name in ("step_00000004", ".tmp_step_00000006", ".tmp_step_00000008"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftcli.recipe import (
+from ftcli.config.recipe import (
     Recipe,
     RecipeError,
     apply_overrides,

@@ -1,4 +1,4 @@
-"""Redaction (ftcli.redact) and the import rule it exists for: tracking, register and merge import
+"""Redaction (ftcli.config.redact) and the import rule it exists for: tracking, register and merge import
 downwards only, so no module of the register/tracking/merge group imports one that imports it back."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ftcli.recipe import load_recipe
-from ftcli.redact import mask_uri, scrub_recipe
-from ftcli.tracking import flatten
+from ftcli.config.recipe import load_recipe
+from ftcli.config.redact import mask_uri, scrub_recipe
+from ftcli.artifacts.tracking import flatten
 
 SECRET = "s3cr3t-value-never-logged"
 
@@ -55,10 +55,10 @@ def _ftcli_imports(module: str) -> set[str]:
 
 
 def test_register_tracking_merge_imports_have_no_circle():
-    group = {"ftcli.redact", "ftcli.tracking", "ftcli.rundir", "ftcli.merge", "ftcli.mlflow_model", "ftcli.register",
-             "ftcli.registry"}
+    group = {"ftcli.config.redact", "ftcli.artifacts.tracking", "ftcli.artifacts.rundir", "ftcli.commands.merge", "ftcli.artifacts.mlflow_model", "ftcli.commands.register",
+             "ftcli.artifacts.registry"}
     edges = {m: _ftcli_imports(m) & group for m in group}
-    assert edges["ftcli.redact"] == set() and "ftcli.register" not in edges["ftcli.tracking"]
+    assert edges["ftcli.config.redact"] == set() and "ftcli.commands.register" not in edges["ftcli.artifacts.tracking"]
 
     def reaches(start: str, target: str, seen: set[str]) -> bool:
         return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in edges[start])

@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from ftcli import __version__
-from ftcli.errors import UserError
-from ftcli.recipe import load_recipe, resolve_path
-from ftcli.mlflow_model import check_remote_code
-from ftcli.redact import scrub_recipe
-from ftcli.tracking import check_reachable, flatten
-from ftcli import mlflow_model, registry
-from ftcli import register as reg
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import load_recipe, resolve_path
+from ftcli.artifacts.mlflow_model import check_remote_code
+from ftcli.config.redact import scrub_recipe
+from ftcli.artifacts.tracking import check_reachable, flatten
+from ftcli.artifacts import mlflow_model
+from ftcli.artifacts import registry
+from ftcli.commands import register as reg
 
 
 HUB_BASE = "openai/gpt-oss-20b"
@@ -58,7 +59,7 @@ def _save_tokenizer(path: Path, asset: str) -> None:
 @pytest.fixture(scope="session")
 def tiny_full_final(tmp_path_factory) -> Path:
     """What the full-SFT trainer leaves in <run>/final: an HF checkpoint + tokenizer + template."""
-    from ftcli.modeling import load_model
+    from ftcli.model.build import load_model
 
     out = tmp_path_factory.mktemp("full") / "final"
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def tiny_lora_files(tmp_path_factory) -> Path:
     """What the LoRA trainer leaves: <run>/base (the random-init base) and <run>/final (adapter)."""
     from peft import LoraConfig, get_peft_model
 
-    from ftcli.modeling import load_model
+    from ftcli.model.build import load_model
 
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
@@ -253,7 +254,7 @@ def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path,
 
 
 def test_lora_run_registers_merged_weights_by_default(tmp_path, tiny_lora_files, sqlite_uri, monkeypatch):
-    """Merged by ftcli.merge.merge_lora into <run>/merged. No training run in MLflow (tracking was
+    """Merged by ftcli.commands.merge.merge_lora into <run>/merged. No training run in MLflow (tracking was
     off): a new run gets the scrubbed recipe and run.json's summary metrics."""
     import mlflow
     from mlflow import MlflowClient
@@ -510,7 +511,7 @@ def test_probe_reply_equals_sample_greedy(tmp_path, tiny_full_final, sqlite_uri)
     default prompt without one: test_probe_conversation_reads_eval_samples_defensively)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.generate import sample_greedy
+    from ftcli.commands.generate import sample_greedy
 
     samples = ["What is 9 plus 2?", "unused"]
     run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
@@ -638,7 +639,7 @@ def test_data_that_cannot_give_a_chat_request_says_why():
 
 
 def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):
-    from ftcli import generate
+    from ftcli.commands import generate
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")

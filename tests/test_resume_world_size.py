@@ -1,4 +1,4 @@
-"""A full-path checkpoint written by N ranks resumes on M (ftcli.checkpoint: DCP reshards the model and
+"""A full-path checkpoint written by N ranks resumes on M (ftcli.train.checkpoint: DCP reshards the model and
 optimizer; the data position is global blocks consumed, ftcli.data.BlockStream).
 
 The comparison: the same global batch, i.e. ranks x training.grad_accum blocks per optimizer step (2 x 1

@@ -34,8 +34,8 @@ def env(tmp_path_factory) -> dict[str, str]:
 
 def test_second_train_on_a_locked_run_dir_is_one_line_naming_the_holder(tmp_path):
     from ftcli import cli
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import prepare_run_dir
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={run_dir}"]))

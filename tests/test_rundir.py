@@ -1,4 +1,4 @@
-"""ftcli.rundir: when `ftcli train` may write into a dir, and the run record both trainers write."""
+"""ftcli.artifacts.rundir: when `ftcli train` may write into a dir, and the run record both trainers write."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from _run_common import train_args
 
 def test_output_dir_refused_unless_empty_own_resumed_or_forced(tmp_path):
     from ftcli import cli
-    from ftcli.errors import UserError
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import prepare_run_dir
+    from ftcli.config.errors import UserError
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import prepare_run_dir
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -47,8 +47,8 @@ def test_new_run_record_fills_the_common_part_and_reads_back(tmp_path):
     """Both trainers build run.json with new_run_record: version, method, recipe, base model from
     recipe.model, MLflow info; the trainer's own fields as given; written and read back unchanged."""
     from ftcli import __version__
-    from ftcli.recipe import load_recipe
-    from ftcli.rundir import new_run_record, read_run_record, write_run_record
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import new_run_record, read_run_record, write_run_record
 
     recipe = load_recipe("tiny-gpt-oss-cpu")
     mlflow = {"tracking_uri": "sqlite:///x.db", "experiment_id": "1", "run_id": "abc"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 
 class Payload:
@@ -48,7 +48,7 @@ def _model_and_optimizer(seed=0):
 
 def _load_error(path) -> str:
     """The one-line UserError `load_checkpoint(path)` into a fresh model and optimizer raises."""
-    from ftcli.checkpoint import load_checkpoint
+    from ftcli.train.checkpoint import load_checkpoint
 
     model, optimizer = _model_and_optimizer()
     with pytest.raises(Exception) as err:
@@ -58,7 +58,7 @@ def _load_error(path) -> str:
 
 
 def _save(root, step=1, param_groups_extra=None):
-    from ftcli.checkpoint import rng_state, save_checkpoint
+    from ftcli.train.checkpoint import rng_state, save_checkpoint
 
     model, optimizer = _model_and_optimizer()
     if param_groups_extra:
@@ -78,7 +78,7 @@ def test_payload_runs_under_plain_pickle(tmp_path):
 
 
 def test_trainer_state_round_trips_through_json_and_safetensors(tmp_path, one_rank):
-    from ftcli.checkpoint import load_checkpoint, set_rng_state
+    from ftcli.train.checkpoint import load_checkpoint, set_rng_state
 
     random.seed(5)
     np.random.seed(6)
@@ -105,7 +105,7 @@ def test_trainer_state_round_trips_through_json_and_safetensors(tmp_path, one_ra
 def test_crafted_legacy_rank_pt_is_one_line_and_never_runs(tmp_path, one_rank):
     """An older ftcli wrote rank_XXXXX.pt (a pickle): a plain one loads (weights_only=True, numpy RNG
     allowed); a crafted one is refused."""
-    from ftcli.checkpoint import read_rank_state
+    from ftcli.train.checkpoint import read_rank_state
 
     path, _, _, saved = _save(tmp_path / "ckpts")
     (path / "rank_00000.json").unlink()
@@ -122,7 +122,7 @@ def test_crafted_legacy_rank_pt_is_one_line_and_never_runs(tmp_path, one_rank):
 
 
 def test_crafted_dcp_metadata_is_one_line_and_never_runs(tmp_path, one_rank):
-    from ftcli.checkpoint import check_dcp_metadata
+    from ftcli.train.checkpoint import check_dcp_metadata
 
     path, _, _, _ = _save(tmp_path / "ckpts")
     check_dcp_metadata(path)  # what DCP wrote passes the allowlist

@@ -15,8 +15,8 @@ import yaml
 from typer.testing import CliRunner
 
 from ftcli import cli
-from ftcli.errors import UserError
-from ftcli.recipe import RecipeError, builtin_recipe_text, load_recipe
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import RecipeError, builtin_recipe_text, load_recipe
 
 TINY = "tiny-qwen-cpu"
 runner = CliRunner()
@@ -219,7 +219,7 @@ def test_block_len_of_hub_model_is_not_checked_offline():
 
 # ------------------------------------------------------------------------------- model config check
 def test_config_override_that_builds_no_model_is_one_line():
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     with pytest.raises(UserError) as err:
         check_model_config(load_recipe(TINY, ["model.config_overrides.hidden_act=nope"]))  # sizes: test_recipe
@@ -230,7 +230,7 @@ def test_config_override_that_builds_no_model_is_one_line():
 
 
 def test_config_override_of_the_wrong_type_is_one_line():
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     with pytest.raises(UserError) as err:
         check_model_config(load_recipe("tiny-gpt-oss-cpu", ["model.config_overrides.vocab_size=abc"]))
@@ -244,14 +244,14 @@ def test_config_override_of_the_wrong_type_is_one_line():
     ("tiny-qwen-cpu", "Qwen3_5TextConfig", 64), ("tiny-gpt-oss-cpu", "GptOssConfig", 64),
 ])
 def test_valid_model_configs_pass_the_check(name, config_class, hidden):
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     config = check_model_config(load_recipe(name, [f"model.config_overrides.hidden_size={hidden}"]))
     assert type(config).__name__ == config_class and config.hidden_size == hidden
 
 
 def test_hub_models_not_in_the_cache_are_skipped(monkeypatch, tmp_path):
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
@@ -272,7 +272,7 @@ def test_tracking_names_have_no_control_characters(key, tmp_path):
 
 
 def test_dumped_recipe_has_no_aliases_and_loads_back(tmp_path):
-    from ftcli.recipe import dump_recipe
+    from ftcli.config.recipe import dump_recipe
 
     recipe = load_recipe(TINY)
     shared = [1, 2, 3]
@@ -287,7 +287,7 @@ def test_dumped_recipe_has_no_aliases_and_loads_back(tmp_path):
     ("rope_theta", "; did you mean 'rope_parameters'?"),  # moved in transformers 5: would be ignored
 ])
 def test_config_override_the_model_would_ignore_is_refused(key, hint):
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     with pytest.raises(UserError) as err:
         check_model_config(load_recipe(TINY, [f"model.config_overrides.{key}=64"]))
@@ -307,7 +307,7 @@ def _fake_hub_cache(root: Path, repo_id: str, config: dict) -> None:
 
 
 def test_hub_model_in_the_local_cache_is_checked_offline(monkeypatch, tmp_path):
-    from ftcli.model_check import check_model_config
+    from ftcli.model.checks import check_model_config
 
     config = json.loads((Path(__file__).parents[1] / "ftcli/assets/tiny-gpt-oss.json").read_text())
     _fake_hub_cache(tmp_path, "openai/gpt-oss-20b", config)

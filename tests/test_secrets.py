@@ -27,7 +27,7 @@ SECRET = "S3cr3t-never-written"
                                   "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD", "PGPASSWORD",
                                   "GOOGLE_APPLICATION_CREDENTIALS", "my_db_password", "GITHUB_PAT"])
 def test_env_variable_that_looks_secret_is_refused_with_the_way_to_secrets(name):
-    from ftcli.recipe import RecipeError, load_recipe
+    from ftcli.config.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as err:
         load_recipe("tiny-qwen-cpu", [f"compute.env_variables.{name}={SECRET}"])
@@ -38,7 +38,7 @@ def test_env_variable_that_looks_secret_is_refused_with_the_way_to_secrets(name)
 
 
 def test_ordinary_env_variables_are_accepted():
-    from ftcli.recipe import load_recipe
+    from ftcli.config.recipe import load_recipe
 
     names = ["TOKENIZERS_PARALLELISM", "HF_HOME", "NCCL_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "KEYBOARD_LAYOUT", "PATH"]
     recipe = load_recipe("tiny-qwen-cpu", [f"compute.env_variables.{n}=x" for n in names])
@@ -46,8 +46,8 @@ def test_ordinary_env_variables_are_accepted():
 
 
 def test_masked_uri_stands_for_the_one_in_the_environment(monkeypatch):
-    from ftcli.recipe import load_recipe
-    from ftcli.tracking import export_credentials, resolve_tracking_uri
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.tracking import export_credentials, resolve_tracking_uri
 
     real = f"https://ftcli:{SECRET}@mlflow.example.com:5000/prefix"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -153,7 +153,7 @@ def test_no_secret_in_any_file_of_the_run_or_the_mlflow_store(mlflow_server, tmp
     assert SECRET not in res.stdout + res.stderr
     masked = f"http://***@{host}"
     assert f"tracking_uri: {masked}" in (run_dir / "recipe.yaml").read_text()
-    from ftcli.rundir import read_run_record
+    from ftcli.artifacts.rundir import read_run_record
 
     record = read_run_record(run_dir)
     assert record.mlflow.tracking_uri == masked and record.recipe["tracking"]["tracking_uri"] == masked

@@ -1,4 +1,4 @@
-"""ftcli.tracking: the MLflow run a training run logs to."""
+"""ftcli.artifacts.tracking: the MLflow run a training run logs to."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server(tmp_path, monkeypatch):
     import mlflow
 
-    from ftcli.errors import UserError
-    from ftcli.recipe import load_recipe
-    from ftcli.tracking import NoTracking, start_tracking
+    from ftcli.config.errors import UserError
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.tracking import NoTracking, start_tracking
 
     assert isinstance(start_tracking(load_recipe("tiny-qwen-cpu", ["tracking.enabled=false"])), NoTracking)
     assert isinstance(start_tracking(load_recipe("tiny-qwen-cpu"), rank=1), NoTracking)
@@ -40,8 +40,8 @@ def test_tracking_attaches_to_mlflow_run_id_and_fails_fast_on_unreachable_server
 
 
 def test_recorded_store_comes_after_the_flag_and_a_missing_sqlite_file_is_one_line(tmp_path, monkeypatch):
-    from ftcli.errors import UserError
-    from ftcli.tracking import resolve_tracking_uri
+    from ftcli.config.errors import UserError
+    from ftcli.artifacts.tracking import resolve_tracking_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
     gone = f"sqlite:///{tmp_path / 'gone.db'}"
@@ -57,7 +57,7 @@ def test_recorded_store_comes_after_the_flag_and_a_missing_sqlite_file_is_one_li
 def test_http_settings_restore_each_variable_afterwards(monkeypatch):
     import os
 
-    from ftcli.tracking import http_settings
+    from ftcli.artifacts.tracking import http_settings
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
@@ -72,7 +72,7 @@ def test_http_settings_restore_each_variable_afterwards(monkeypatch):
 def test_create_run_logs_scrubbed_recipe_params_and_step_0_metrics(tmp_path):
     from mlflow import MlflowClient
 
-    from ftcli.tracking import create_run, recipe_params
+    from ftcli.artifacts.tracking import create_run, recipe_params
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     params = recipe_params({"name": "x", "compute": {"secrets": {"HF_TOKEN": "scope/key"}}, "training": {"lr": 1e-5}})

@@ -1,4 +1,4 @@
-"""The FSDP2 full fine-tuning loop (ftcli.train_full) on the tiny Qwen3.5 hybrid, 1-2 CPU processes (gloo).
+"""The FSDP2 full fine-tuning loop (ftcli.train.full) on the tiny Qwen3.5 hybrid, 1-2 CPU processes (gloo).
 
 Multi-process runs go through the real `ftcli train` (launcher -> torchrun -> workers) or through
 tests/_full_worker.py under torchrun when a test needs to reach inside the loop (gradients, injected NaN,
@@ -43,8 +43,8 @@ def weights_from_dcp(ckpt: Path) -> dict[str, torch.Tensor]:
     """The model weights of an ftcli DCP checkpoint, read without torch.distributed."""
     import torch.distributed.checkpoint as dcp
 
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
 
     model = load_model(load_recipe("tiny-qwen-cpu").model, dtype=torch.float32)
     state = {"model": model.state_dict()}
@@ -63,10 +63,11 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 def test_activation_checkpointing_modes_give_the_same_gradients():
     """none, full, full keeping the last 2 layers, selective: which layers recompute differs, the gradient
     of a packed block does not."""
-    from ftcli import data, kernels
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import set_activation_checkpointing
+    from ftcli import data
+    from ftcli.model import kernels
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import set_activation_checkpointing
     from _full_worker import hand_made_blocks
 
     recipe = load_recipe("tiny-qwen-cpu")
@@ -89,8 +90,8 @@ def test_activation_checkpointing_modes_give_the_same_gradients():
 
 
 def test_schedule_warmup_then_decay_to_min_lr():
-    from ftcli.recipe import ScheduleConfig
-    from ftcli.train_full import lr_factor
+    from ftcli.config.recipe import ScheduleConfig
+    from ftcli.train.full import lr_factor
 
     cos = ScheduleConfig(name="cosine", warmup=0.1, min_lr_ratio=0.1)
     f = [lr_factor(s, 100, cos) for s in range(100)]
@@ -106,9 +107,9 @@ def test_bf16_master_loses_small_updates():
     """One AdamW step at lr 1e-5 (the reference recipe): fp32 master weights change exactly as an fp32
     reference step; bf16 master weights drop most updates (measured: ~85% of the matrix entries of the
     tiny model, whose weights are N(0, 0.02) like the 27B's)."""
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import build_optimizer
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import build_optimizer
 
     torch.manual_seed(0)
     recipe = load_recipe("tiny-qwen-cpu", ["training.optimizer.lr=1e-5"])
@@ -143,9 +144,9 @@ def test_bf16_models_keep_fp32_rotary_frequencies():
     move the rotary angle at position p by up to p * 2e-3 rad (gpt-oss 20b width, 8 experts, 2 layers,
     512 tokens, CPU: bf16-vs-fp32 logits error 2.4e-2 -> 8.0e-2). `model.to(bfloat16)` does that rounding;
     from_config and from_pretrained with dtype=bfloat16 do not."""
-    from ftcli.modeling import load_model
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import build_empty_model
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import build_empty_model
 
     full = build_empty_model(load_recipe("tiny-qwen-cpu").model, torch.bfloat16)  # the FSDP2 loop's build
     lora = load_model(load_recipe("tiny-gpt-oss-cpu").model, dtype=torch.bfloat16)  # the LoRA path's load
@@ -292,7 +293,7 @@ def nan_run(tmp_path_factory, env):
 
 
 def test_nan_step_skipped_and_reported(nan_run):
-    from ftcli.checkpoint import read_rank_state
+    from ftcli.train.checkpoint import read_rank_state
 
     run_dir = nan_run["run_dir"]
     out = nan_run["stdout"]
@@ -307,7 +308,7 @@ def test_nan_step_skipped_and_reported(nan_run):
 
 
 def test_repeated_nan_stops_with_checkpoint_intact(nan_run):
-    from ftcli.checkpoint import list_checkpoints
+    from ftcli.train.checkpoint import list_checkpoints
 
     run_dir = nan_run["run_dir"]
     for rank in nan_run["ranks"]:  # every rank stops, at the same step, with the same reason
@@ -340,7 +341,7 @@ def test_uneven_end_of_data_all_ranks_stop_same_step_no_nan_step(tmp_path, env):
         assert r["steps"] == 3 and r["optimizer_steps"] == 2 and r["skipped_empty"] == 1 and r["skipped_nonfinite"] == 0
         assert r["tokens_trained"] == r0["yielded"]["trained"] + r1["yielded"]["trained"]
         assert all(math.isfinite(loss) for _, loss in r["losses"])
-    from ftcli.checkpoint import list_checkpoints
+    from ftcli.train.checkpoint import list_checkpoints
 
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002", "step_00000003"]
 
@@ -350,9 +351,11 @@ def test_pretrained_weights_load_into_every_shard(reference_run, tmp_path, env, 
     2-rank step-1 loss equals the unsharded model's loss on the same two blocks (g0 on rank 0, g1 on 1)."""
     from transformers import AutoModelForCausalLM
 
-    from ftcli import data, kernels
-    from ftcli.recipe import load_recipe
-    from ftcli.loss import attach_loss, count_trained_tokens
+    from ftcli import data
+
+    from ftcli.model import kernels
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.loss import attach_loss, count_trained_tokens
 
     final = reference_run["run_dir"] / "final"
     run_dir = tmp_path / "pretrained"
@@ -385,8 +388,8 @@ def test_vlm_class_trains_text_only_with_frozen_vision_tower(tmp_path, env):
     reloads through AutoModelForImageTextToText."""
     from transformers import AutoModelForImageTextToText
 
-    from ftcli.recipe import load_recipe
-    from ftcli.train_full import build_empty_model, init_random_weights
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.full import build_empty_model, init_random_weights
 
     text = json.loads((REPO / "ftcli" / "assets" / "tiny-qwen3_5.json").read_text())
     text.pop("architectures")

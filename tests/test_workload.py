@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftcli import workload
-from ftcli.errors import UserError
-from ftcli.recipe import Recipe, builtin_recipe_names, load_recipe
+from ftcli.commands import workload
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import Recipe, builtin_recipe_names, load_recipe
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FTCLI_UPDATE_GOLDEN") == "1"

@@ -44,7 +44,7 @@ _ARRAYS = {
 def cache_root(data) -> Path:
     """data.cache_dir, else $FTCLI_CACHE, else ~/.cache/ftcli."""
     root = data.cache_dir or os.environ.get("FTCLI_CACHE") or "~/.cache/ftcli"
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     return Path(resolve_path(root)).expanduser()
 

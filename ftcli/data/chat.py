@@ -71,7 +71,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ftcli.data.validate import BadRow, content_text
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 TEMPLATE_DATE = datetime(2025, 1, 1)
 # Bump when a change to this module (or to validate.py) changes which tokens are trained: it is part of
@@ -92,7 +92,7 @@ def load_tokenizer(recipe):
     (a Jinja file) replaces its chat template. Paths may be `pkg://`."""
     from transformers import AutoTokenizer
 
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     model = recipe.model
     name = resolve_path(model.tokenizer or model.id)

@@ -21,7 +21,7 @@ time: the output size depends on the data) is built here once, on the host, and 
                                                            trained (N = Block.num_trained_tokens)
 
 The fla_* tensors and trained_positions pass through transformers' model call as keyword arguments to
-every decoder layer (ftcli.kernels reads them) and to `ftcli.loss` (attach_loss pops trained_positions);
+every decoder layer (ftcli.model.kernels reads them) and to `ftcli.train.loss` (attach_loss pops trained_positions);
 a kernel that does not get them derives the same values itself. The same tensor objects reach every
 layer, its activation-checkpointing recompute and its backward, so fla's identity-keyed caches hit too.
 """

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ftcli.data.sources import InvalidRow
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row index, row)
 
@@ -73,7 +73,7 @@ def split_rows(rule: Holdout | None, rows: Rows) -> Rows:
 def eval_recipes(recipe) -> dict[str, Any]:
     """source label -> a recipe whose data is that source's eval rows, packed the eval way
     (`eval.strategy`, `eval.block_len`; default the training block length). Empty without eval data."""
-    from ftcli.recipe import PackingConfig, SourceConfig
+    from ftcli.config.recipe import PackingConfig, SourceConfig
 
     ev, data = recipe.eval, recipe.data
     if ev is None or not ev.has_data:

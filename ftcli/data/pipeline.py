@@ -33,7 +33,7 @@ from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
 from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
 PROGRESS_EVERY = 64

@@ -1,6 +1,6 @@
 """Where rows come from: hub datasets (id + revision + split, streamed or not), local JSONL / Parquet /
 CSV / Arrow files or directories (a Unity Catalog volume is a local path), or `datasets.save_to_disk` dirs.
-`data` below is one source (`ftcli.recipe.SourceConfig`: the same keys as the single-source `data`).
+`data` below is one source (`ftcli.config.recipe.SourceConfig`: the same keys as the single-source `data`).
 
 Local files are read directly (json / pyarrow), not through `datasets`: each row arrives exactly as
 written, so a malformed row is counted by the validator instead of failing the whole load, and nothing
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 BOM = b"\xef\xbb\xbf"
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
@@ -30,7 +30,7 @@ class InvalidRow:
 
 
 def _local_path(data) -> Path:
-    from ftcli.recipe import resolve_path
+    from ftcli.config.recipe import resolve_path
 
     path = Path(resolve_path(data.path)).expanduser()
     if not path.exists():

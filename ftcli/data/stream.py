@@ -30,7 +30,7 @@ import numpy as np
 
 from ftcli.data.cache import PackedDataset
 from ftcli.data.packing import Block, padding_block
-from ftcli.errors import UserError
+from ftcli.config.errors import UserError
 
 STATE_VERSION = 1
 

@@ -1,0 +1,126 @@
+"""The MLflow model registry, through one explicit `MlflowClient`: its name and alias rules (MLflow's own
+registry and Unity Catalog), the fail-fast check that it answers, the alias lookup and a new version.
+
+Unity Catalog (`--registry-uri databricks-uc`): a name is `catalog.schema.model`, each part under UC's
+object-name rules (at most 255 characters; no period, space, '/', ASCII control character or DEL),
+stored lowercase; a version needs a signature with inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ftcli.config.errors import UserError
+from ftcli.config.redact import mask_uri
+from ftcli.artifacts.tracking import check_reachable, first_line, http_settings
+
+UC_REGISTRY = "databricks-uc"
+UC_MAX_NAME_LEN = 255
+_UC_BAD_CHARS = re.compile(r"[.\s/\x00-\x1f\x7f]")
+_ALIAS_RE = re.compile(r"^[\w-]+$")
+_ALIAS_VERSION_RE = re.compile(r"^[vV]\d+$")
+_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE")
+_EXISTS = ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS")
+_DENIED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+# ------------------------------------------------------------------------------------ name rules
+def is_uc_registry(registry_uri: str | None) -> bool:
+    return bool(registry_uri) and registry_uri.split(":", 1)[0].lower() == UC_REGISTRY
+
+
+def validate_uc_name(name: str) -> str:
+    """`catalog.schema.model` under Unity Catalog's object-name rules; returns it lowercased."""
+    parts = name.split(".")
+    if len(parts) != 3:
+        raise UserError(
+            f"Unity Catalog model name {name!r} must be catalog.schema.model (three parts), e.g. main.default.my_model"
+        )
+    for label, part in zip(("catalog", "schema", "model"), parts):
+        if not part:
+            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is empty")
+        if len(part) > UC_MAX_NAME_LEN:
+            raise UserError(f"Unity Catalog model name {name!r}: the {label} part is longer than 255 characters")
+        bad = _UC_BAD_CHARS.search(part)
+        if bad:
+            raise UserError(
+                f"Unity Catalog model name {name!r}: the {label} part contains {bad.group()!r}; "
+                "use letters, digits, '_' or '-' (no spaces, '/' or control characters)"
+            )
+    return name.lower()
+
+
+def validate_local_name(name: str) -> str:
+    """MLflow's own registry: any non-empty name without '/' or ':' (they break models:/ URIs)."""
+    if not name or not name.strip():
+        raise UserError("--name is empty")
+    if name != name.strip():
+        raise UserError(f"model name {name!r} has leading or trailing spaces")
+    for ch in "/:":
+        if ch in name:
+            raise UserError(f"model name {name!r} contains {ch!r}, which MLflow model names cannot contain")
+    return name
+
+
+def validate_model_name(name: str, registry_uri: str | None) -> str:
+    return validate_uc_name(name) if is_uc_registry(registry_uri) else validate_local_name(name)
+
+
+def validate_alias(alias: str) -> str:
+    """MLflow's alias rules: letters, digits, '_' and '-'; not 'latest'; not a version like 'v3'."""
+    if not _ALIAS_RE.fullmatch(alias) or len(alias) > 255:
+        raise UserError(f"alias {alias!r}: use 1-255 letters, digits, '_' or '-'")
+    if alias.lower() == "latest":
+        raise UserError("alias 'latest' is reserved by MLflow; pick another, e.g. champion")
+    if _ALIAS_VERSION_RE.fullmatch(alias):
+        raise UserError(f"alias {alias!r} looks like a version reference, which MLflow reserves; pick another")
+    return alias
+
+
+def require_uc_signature(signature) -> None:
+    """Unity Catalog refuses a version whose signature lacks inputs or outputs."""
+    if signature is None or signature.inputs is None:
+        raise UserError("Unity Catalog needs a model signature with inputs and outputs; this model has none")
+    if signature.outputs is None:
+        raise UserError("Unity Catalog needs a model signature with outputs; this model's signature has inputs only")
+
+
+# ---------------------------------------------------------------------------------- the registry
+def check_registry(client, registry_uri: str, timeout_s: float) -> None:
+    """The registry answers one call with no retries, or this fails in seconds with the URI, before
+    anything is merged or uploaded (a wrong URI, missing credentials)."""
+    from mlflow.exceptions import MlflowException
+
+    fix = "check --registry-uri and your credentials"
+    check_reachable(registry_uri, fix=fix, timeout_s=timeout_s, what="model registry")
+    with http_settings(max_retries="0", timeout_s=timeout_s):
+        try:
+            client.search_registered_models(max_results=1)
+        except Exception as e:  # noqa: BLE001 - whatever the store raises, this registry cannot be used
+            denied = isinstance(e, MlflowException) and e.error_code in _DENIED
+            reason = "not authorized" if denied else first_line(e)
+            raise UserError(f"cannot use the model registry at {mask_uri(registry_uri)} ({reason}); {fix}") from None
+
+
+def alias_version(client, name: str, alias: str) -> str | None:
+    """The version `alias` points at now, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        if e.error_code in _NOT_FOUND:
+            return None
+        raise
+
+
+def create_version(client, name: str, info, tags: dict[str, str]):
+    """A new version of `name` (created on first use) from the logged model `info`."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code not in _EXISTS:
+            raise
+    return client.create_model_version(name, source=info.model_uri, tags=tags, model_id=info.model_id)

@@ -1,0 +1,247 @@
+"""Experiment tracking: MLflow from rank 0, nothing anywhere else. Shared by both trainers.
+
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=resume is not None)
+    tracker.log_metrics({"loss": 2.1, "lr": 1e-5}, step=10)
+    tracker.log_artifact(run_dir / "run.json")
+    tracker.finish()                  # or finish("FAILED")
+    tracker.info                      # {"tracking_uri", "experiment_id", "run_id"} for run.json, or None
+
+Where the run goes:
+- $MLFLOW_RUN_ID set (Databricks AI Runtime gives every job one): log into that run.
+- resuming a run dir that was tracked before: log into the same MLflow run (`<run>/tracking.json`), so
+  the metrics continue on one chart.
+- otherwise a new run in experiment `tracking.experiment` (default: the recipe name).
+The store is `tracking.tracking_uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db`
+(an absolute path, so every process of the job writes the same file). Params are the resolved recipe,
+flattened, with secret and env values replaced by "***" (ftcli.config.redact.scrub_recipe).
+
+Failure policy (chosen): a tracking server that cannot be reached when the run starts is a
+`UserError` naming the URI, before any compute is spent (a run you believe is tracked but is not is
+the worse surprise). Once training runs, a failed logging call prints one warning and turns tracking
+off for the rest of the run: hours of training are worth more than the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+from ftcli.config.errors import UserError
+from ftcli.config.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
+
+TRACKING_FILE = "tracking.json"
+PROBE_TIMEOUT_S = 10
+
+
+def resolve_tracking_uri(uri: str | None = None, *, recorded: str | None = None) -> str:
+    """`uri` (the recipe's tracking.tracking_uri, register's --tracking-uri), else `recorded` (the
+    training run's store, run.json: a sqlite file there must still exist), else $MLFLOW_TRACKING_URI,
+    else sqlite:///<abs cwd>/mlflow.db. A URI whose credentials were masked (`https://***@host`, as
+    <run>/recipe.yaml and run.json hold it) stands for $MLFLOW_TRACKING_URI when that is the same URI
+    with them (what the launcher hands its workers, `export_credentials`); otherwise it is used
+    without them, and MLflow reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD."""
+    if not uri and recorded and recorded.startswith("sqlite:///") and not Path(recorded[len("sqlite:///"):]).is_file():
+        raise UserError(f"the training run's MLflow store {recorded} (run.json) is missing; pass --tracking-uri")
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = uri or recorded or env or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    if not has_masked_credentials(uri):
+        return uri
+    return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
+
+
+def export_credentials(recipe) -> None:
+    """The launcher: the workers read recipe.yaml, where the tracking URI's credentials are masked, so
+    the URI with them goes to the workers as $MLFLOW_TRACKING_URI (inherited through torchrun; MLflow's
+    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI)."""
+    uri = recipe.tracking.tracking_uri
+    if uri and mask_uri(uri) != uri and not has_masked_credentials(uri):
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (MLflow's can run to pages), or its type's name,
+    with any credentials in the URLs it quotes masked."""
+    return mask_uri((str(exc).strip().splitlines() or [type(exc).__name__])[0])
+
+
+def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, what="MLflow tracking server") -> None:
+    """An http(s) MLflow server must answer one quick GET /health, so a wrong URI fails in seconds
+    (not after MLflow's retries) with a UserError naming the masked URI, why, and `fix`. Other stores
+    (sqlite, databricks) are left to the first real call."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    parts = urlsplit(uri)  # /health needs no credentials, and urllib would take user:password@ for the host
+    health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
+    try:
+        urllib.request.urlopen(health, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered: reachable (auth or routing is MLflow's to report)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)  # URLError wraps the socket's error
+        if isinstance(reason, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(reason, TimeoutError):
+            why = f"no answer within {timeout_s:g} s"
+        elif isinstance(reason, socket.gaierror):
+            why = "unknown host"
+        else:
+            why = str(reason)
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
+
+
+@contextlib.contextmanager
+def http_settings(max_retries: str, timeout_s: float | None = None) -> Iterator[None]:
+    """MLflow's HTTP retries (and request timeout) for the block, through its own environment variables;
+    afterwards each has its old value, or none."""
+    values = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": max_retries}
+    if timeout_s is not None:
+        values["MLFLOW_HTTP_REQUEST_TIMEOUT"] = f"{timeout_s:g}"
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def recipe_params(recipe: dict | None) -> dict[str, str]:
+    """The MLflow params of a run: the recipe dict flattened, secrets and env values "***", URIs masked."""
+    return flatten(scrub_recipe(recipe))
+
+
+def create_run(client, experiment: str, *, run_name: str, tags: dict[str, str], params: dict[str, str],
+               metrics: dict[str, float]):
+    """A new run in `experiment` (created on first use) through `client`, with params and step-0 metrics."""
+    from mlflow.entities import Metric, Param
+
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    now = int(time.time() * 1000)
+    client.log_batch(run.info.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                     params=[Param(k, v) for k, v in params.items()])
+    return run
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"training": {"optimizer": {"lr": 1e-5}}} -> {"training.optimizer.lr": "1e-05"} (MLflow params)."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    return out
+
+
+class NoTracking:
+    """Tracking turned off, or a rank other than 0: every call does nothing."""
+
+    info: dict[str, str] | None = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path) -> None:
+        pass
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        pass
+
+    def finish(self, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracking(NoTracking):
+    """An active MLflow run; logging errors warn once and switch tracking off (see the module doc)."""
+
+    def __init__(self, mlflow, run, tracking_uri: str):
+        self._mlflow = mlflow
+        self._live = True
+        # what run.json and tracking.json record: the URI with its credentials masked
+        self.info = {"tracking_uri": mask_uri(tracking_uri), "experiment_id": run.info.experiment_id,
+                     "run_id": run.info.run_id}
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        if not self._live:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
+            self._live = False
+            print(f"warning: MLflow logging to {self.info['tracking_uri']} failed ({first_line(e)}); "
+                  "tracking is off for the rest of this run", file=sys.stderr)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._call(self._mlflow.log_metrics, {k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self._call(self._mlflow.log_artifact, str(path))
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows of equal keys as an MLflow table artifact (e.g. the training samples)."""
+        columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
+        self._call(self._mlflow.log_table, data=columns, artifact_file=artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self._call(self._mlflow.end_run, status=status)
+
+
+def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume: bool = False) -> NoTracking:
+    """Start (or attach to) the MLflow run on rank 0 and log the resolved recipe as params."""
+    if rank != 0 or not recipe.tracking.enabled:
+        return NoTracking()
+    uri = resolve_tracking_uri(recipe.tracking.tracking_uri)
+    fix = "start it, fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+    check_reachable(uri, fix=fix)
+    import logging
+
+    import mlflow
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
+    mlflow.set_tracking_uri(uri)
+    if mask_uri(uri) != uri:  # MLflow prints the run's link, credentials and all, when the run ends
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    saved = Path(run_dir) / TRACKING_FILE if run_dir is not None else None
+    if not run_id and resume and saved is not None and saved.is_file():
+        previous = json.loads(saved.read_text())
+        if previous.get("tracking_uri") in (uri, mask_uri(uri)):
+            run_id = previous.get("run_id")
+    try:
+        if run_id:
+            run = mlflow.start_run(run_id=run_id, log_system_metrics=recipe.tracking.log_system_metrics)
+        else:
+            experiment = mlflow.set_experiment(recipe.tracking.experiment or recipe.name)
+            run = mlflow.start_run(
+                experiment_id=experiment.experiment_id,
+                run_name=recipe.tracking.run_name,
+                log_system_metrics=recipe.tracking.log_system_metrics,
+            )
+    except Exception as e:  # noqa: BLE001 - MLflow raises many types; the user needs one line
+        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {first_line(e)}; "
+                        "set tracking.enabled=false to train without tracking") from None
+    tracker = MlflowTracking(mlflow, run, uri)
+    try:
+        mlflow.log_params(recipe_params(recipe.to_dict()))
+    except Exception as e:  # noqa: BLE001 - e.g. a resumed run whose recipe changed: params are immutable
+        print(f"warning: MLflow kept the params it had for this run ({first_line(e)})", file=sys.stderr)
+    if run_dir is not None:
+        tracker._call(mlflow.set_tag, "ftcli.run_dir", str(Path(run_dir).resolve()))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(tracker.info, indent=2) + "\n")
+    return tracker

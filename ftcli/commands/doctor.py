@@ -1,0 +1,386 @@
+"""`ftcli doctor`: versions, the packed-kernel backends this machine will use, and known-bad combinations.
+
+With a recipe it answers "can this recipe run here?" in two parts, said separately: "kernels correct here"
+(every packed op has a correct backend, no known-bad version combination applies: `doctor_checks` and
+ftcli.model.compat) and "fits here" (ftcli.commands.plan's memory per GPU, or per CPU process, against this machine). It
+returns exit code 1 with a one-line reason when either fails. The report is plain data (`doctor_report`), so
+it can be tested against any machine description; `run_doctor` only renders it (tables or `--json`).
+
+Fast without guessing: versions come from package metadata, GPUs from nvidia-smi (`read_machine`), and the
+two checks that would import transformers (and torch, ~3 s) answer from RECORDED_TRANSFORMERS when the
+installed transformers is in the tested matrix; each such check says so (`Check.version_based`, one line in
+the tables). Torch is imported only when a GPU driver is present (the backends depend on what torch sees
+there), for a transformers outside the matrix, or with `--deep` (everything imported). The checks are named
+functions, run in the order of CHECKS.
+
+Importing this module is free: torch, transformers and ftcli.model.kernels are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, replace
+
+OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
+
+# distribution names, in the order shown
+PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang", "triton",
+            "causal-conv1d", "flash-attn", "liger-kernel", "torchao", "mlflow")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok | warn | FAIL | n/a
+    detail: str  # what was found, and the fix when it is not ok
+    blocks_recipe: bool = False  # a FAIL that makes the given recipe train wrongly (or not at all) here
+    version_based: bool = False  # answered from RECORDED_TRANSFORMERS for a tested version, nothing imported
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# What two checks would import transformers (and torch, ~3 s) to learn, as found by importing the transformers
+# versions of the tested matrix (constraints/*.txt); tests/test_doctor.py compares it with the import on the
+# installed one. Another transformers version is imported; `ftcli doctor --deep` always imports.
+RECORDED_TRANSFORMERS = {
+    # the kernels.QWEN35_GLOBALS the qwen3_5 modeling module lacks
+    "qwen35_missing_globals": (),
+    # model_type -> its image-text-to-text class and that class's accepts_loss_kwargs (None: no such class)
+    "vlm_classes": {"qwen3_5": ("Qwen3_5ForConditionalGeneration", False), "qwen3_5_text": None, "gpt_oss": None},
+}
+
+
+class Transformers:
+    """The installed transformers as the checks need it: recorded facts for a tested version (`version_based`),
+    else (or with `deep`) read by importing it."""
+
+    def __init__(self, deep: bool = False, installed: str | None = None):
+        from ftcli.model import compat
+
+        self.version = installed or version("transformers")
+        self.tested_in = None if deep else compat.tested_in("transformers", self.version)
+        self.version_based = self.tested_in is not None
+
+    def qwen35_missing_globals(self) -> list[str]:
+        from ftcli.model import kernels
+
+        if self.version_based:
+            return list(RECORDED_TRANSFORMERS["qwen35_missing_globals"])
+        return kernels.qwen35_missing_globals()
+
+    def recorded(self, model_type: str) -> bool:
+        return self.version_based and model_type in RECORDED_TRANSFORMERS["vlm_classes"]
+
+    def vlm_class(self, model_type: str) -> tuple[str, bool] | None:
+        """(class name, accepts_loss_kwargs) of `model_type`'s image-text-to-text class; None: it has none."""
+        if self.recorded(model_type):
+            return RECORDED_TRANSFORMERS["vlm_classes"][model_type]
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+        cls = getattr(transformers, name, None) if name else None
+        return None if cls is None else (cls.__name__, getattr(cls, "accepts_loss_kwargs", True))
+
+
+# ----------------------------------------------------------------------------------- the named checks
+# Each takes (recipe or None, machine `m` (a `ftcli.model.kernels.Machine`), `tf` (Transformers)), returns its rows.
+def _is_qwen(recipe) -> bool:
+    from ftcli.model import kernels
+
+    return recipe is None or kernels.MODEL_FAMILIES.get(recipe.model.model_type) == "qwen3_5"
+
+
+def _is_vlm_lora(recipe) -> bool:
+    return (recipe is not None and recipe.model.model_class == "image_text_to_text"
+            and recipe.training.method == "lora")
+
+
+def check_fla_on_cpu(recipe, m, tf: Transformers) -> list[Check]:
+    """fla on a machine without CUDA: transformers binds it and every Qwen3.5 forward fails."""
+    name = "fla on a CPU-only machine"
+    if "fla" in m.importable and m.device_type == "cpu":
+        return [Check(name, FAIL, "flash-linear-attention is installed but there is no GPU: transformers binds it "
+                      "and every Qwen3.5 forward fails; pip uninstall flash-linear-attention fla-core",
+                      blocks_recipe=_is_qwen(recipe) and recipe is not None)]
+    return [Check(name, NA if m.device_type == "cpu" else OK,
+                  "fla not installed" if m.device_type == "cpu" else f"GPU present ({m.device})")]
+
+
+def check_hopper_triton(recipe, m, tf: Transformers) -> list[Check]:
+    """Hopper + Triton [3.4, 3.7.1): fla's gated-delta backward is wrong unless tilelang takes over."""
+    name = "Hopper + Triton 3.4-3.7.0 (fla gradients)"
+    triton = m.versions.get("triton")
+    if not m.hopper_bad_triton:
+        return [Check(name, NA, f"capability {m.capability or '-'}, Triton {triton or '-'}")]
+    if m.tilelang_usable:
+        return [Check(name, OK, f"Triton {triton} on capability {m.capability}: fla uses its tilelang "
+                      f"{m.versions.get('tilelang')} kernels")]
+    return [Check(name, FAIL, f"Triton {triton} on capability {m.capability} gives wrong gated-delta gradients and "
+                  "tilelang is not usable: install tilelang (and a CUDA toolkit's nvcc) or Triton >= 3.7.1",
+                  blocks_recipe=_is_qwen(recipe) and recipe is not None)]
+
+
+def check_packing(recipe, m, tf: Transformers) -> list[Check]:
+    """Every op of a packed block keeps the segments apart (per family without a recipe)."""
+    from ftcli.model import kernels
+
+    def problems(model_type: str) -> tuple[list[str], bool]:
+        found = kernels.backend_problems(model_type, m)
+        if kernels.MODEL_FAMILIES.get(model_type) != "qwen3_5":
+            return found, False
+        return found + [kernels.missing_global_problem(g) for g in tf.qwen35_missing_globals()], tf.version_based
+
+    def row(name: str, model_type: str, blocks: bool) -> Check:
+        found, version_based = problems(model_type)
+        return Check(name, FAIL if found else OK, found[0] if found else "every op has a segment-aware backend",
+                     blocks_recipe=blocks, version_based=version_based)
+
+    if recipe is None:
+        return [row(f"packing keeps segments apart ({family})", family, False) for family in kernels.FAMILY_OPS]
+    if not recipe.data.packing.enabled:
+        return [Check("packing keeps segments apart", NA, "data.packing.enabled is false")]
+    return [row("packing keeps segments apart", recipe.model.model_type, True)]
+
+
+def check_vlm_loss(recipe, m, tf: Transformers) -> list[Check]:
+    """A VLM class whose loss is a per-micro-batch mean (accepts_loss_kwargs=False), trained through TRL: ftcli's
+    LoRA path always divides by the step's trained tokens instead (train_lora.normalize_loss_by_tokens)."""
+    name = "VLM loss across grad accumulation"
+    if recipe is not None and not _is_vlm_lora(recipe):
+        return [Check(name, NA, "not a LoRA run of a VLM class")]
+    model_type = recipe.model.model_type if recipe else "qwen3_5"
+    found = tf.vlm_class(model_type)
+    if found is None or found[1]:
+        detail = f"{found[0] if found else model_type} normalizes its loss by the step's tokens"
+    else:
+        detail = (f"{found[0]}.accepts_loss_kwargs=False (a mean per micro-batch); ftcli's LoRA path divides by the "
+                  "step's trained tokens instead (train_lora.normalize_loss_by_tokens)")
+    return [Check(name, OK, detail, version_based=tf.recorded(model_type))]
+
+
+def check_lora_vision(recipe, m, tf: Transformers) -> list[Check]:
+    """LoRA all-linear on a VLM class also wraps the vision tower."""
+    name = "LoRA all-linear reaching a vision tower"
+    if recipe is None:
+        return [Check(name, NA, "needs a recipe")]
+    if not _is_vlm_lora(recipe):
+        return [Check(name, NA, "not a LoRA run of a VLM class")]
+    if recipe.lora.target_modules != "all-linear":
+        return [Check(name, OK, "explicit lora.target_modules")]
+    if recipe.lora.exclude_vision:
+        return [Check(name, OK, "excluded by lora.exclude_vision")]
+    return [Check(name, WARN, "all-linear also wraps the vision tower, which text-only data never trains; set "
+                  "lora.exclude_vision: true")]
+
+
+def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
+    """A full-SFT recipe's fp8 and fused ops where they run: fp8 needs torchao and a GPU of compute capability
+    >= 8.9, each fused op its package (liger-kernel, flash-linear-attention) and a GPU."""
+    from ftcli.config.recipe import FP8_MIN_CAPABILITY, FUSED_OP_PACKAGES
+
+    name = "fp8 and fused ops"
+    t = recipe.training if recipe is not None else None
+    if t is None or t.method != "full" or not (t.precision.fp8 or t.fused_ops):
+        return [Check(name, NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops")]
+    if m.device_type != "cuda":
+        return [Check(name, NA, "no GPU here (both run on the training machine's GPUs)")]
+    problems, found = [], []
+    if t.precision.fp8:
+        cap = ".".join(map(str, m.capability or (0, 0)))
+        if (m.capability or (0, 0)) < FP8_MIN_CAPABILITY:
+            problems.append(f"training.precision.fp8 needs compute capability >= "
+                            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}, this GPU is {cap}: set "
+                            "training.precision.fp8=false")
+        if not m.versions.get("torchao"):
+            problems.append("training.precision.fp8 needs torchao: pip install torchao")
+        found.append(f"fp8: torchao {m.versions.get('torchao')} on capability {cap}")
+    for package in dict.fromkeys(FUSED_OP_PACKAGES[op] for op in t.fused_ops):
+        # fla's kernels ship in fla-core too (flash-linear-attention is its wrapper)
+        have = m.versions.get(package) or (m.versions.get("fla-core") if package == "flash-linear-attention" else None)
+        if not have:
+            problems.append(f"training.fused_ops needs {package}: pip install {package}")
+        found.append(f"{package} {have}")
+    if problems:
+        return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
+    return [Check(name, OK, ", ".join(found))]
+
+
+CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, check_lora_vision,
+          check_speed_settings)
+
+
+def doctor_checks(recipe, m, tf: Transformers | None = None) -> list[Check]:
+    """Known-bad combinations on machine `m` (a `ftcli.model.kernels.Machine`), for `recipe` if one is given."""
+    tf = tf or Transformers()
+    return [row for check in CHECKS for row in check(recipe, m, tf)]
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything `doctor` says, as data: `run_doctor` renders it as tables or JSON."""
+
+    versions: dict[str, str | None]
+    gpu: str
+    backends: list[tuple[str, str, str, str]]  # (model_type, op, backend, why)
+    checks: list[Check]
+    recipe: str | None = None
+    kernels_correct: bool | None = None  # no blocking known-bad combination (None: no recipe)
+    kernels_detail: str = ""
+    fits: bool | None = None  # the plan's memory fits this machine
+    fits_detail: str = ""
+    gpu_source: str = ""  # how the GPUs were found (nvidia-smi, torch.cuda)
+    torch_cuda: str | None = None  # torch.version.cuda (None: a CPU build)
+    deep: bool = False  # every check imported what it reads (--deep)
+    transformers_basis: str = ""  # why the version-based checks could skip importing transformers
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.recipe is not None and not (self.kernels_correct and self.fits) else 0
+
+    @property
+    def verdict(self) -> str:
+        if self.recipe is None:
+            return ""
+        if not self.kernels_correct:
+            return f"recipe {self.recipe} cannot run correctly here: {self.kernels_detail}"
+        if not self.fits:
+            return f"recipe {self.recipe} cannot run here: {self.fits_detail}"
+        return f"recipe {self.recipe} can run correctly here"
+
+    def to_dict(self) -> dict:
+        return {"versions": self.versions, "torch_cuda": self.torch_cuda, "gpu": self.gpu,
+                "gpu_source": self.gpu_source or None, "deep": self.deep,
+                "backends": [dict(zip(("model_type", "op", "backend", "why"), b)) for b in self.backends],
+                "checks": [{"name": c.name, "status": c.status, "detail": c.detail, "blocks_recipe": c.blocks_recipe,
+                            "version_based": c.version_based} for c in self.checks],
+                "version_based_because": self.transformers_basis or None,
+                "recipe": self.recipe, "kernels_correct_here": self.kernels_correct,
+                "kernels_detail": self.kernels_detail or None, "fits_here": self.fits,
+                "fits_detail": self.fits_detail or None, "exit_code": self.exit_code, "verdict": self.verdict or None}
+
+
+@dataclass(frozen=True)
+class ThisMachine:
+    """This machine as doctor reads it: `read_machine`."""
+
+    m: object  # ftcli.model.kernels.Machine
+    here: object  # ftcli.model.compat.Here
+    gpu: str  # "NVIDIA H200 (capability 9.0)" or "none"
+    gpu_source: str
+    torch_cuda: str | None
+
+
+def read_machine(deep: bool = False) -> ThisMachine:
+    """Versions from package metadata, GPUs from nvidia-smi: torch is imported only when a GPU driver is
+    present (the backends then depend on what torch sees) or with `deep`."""
+    from ftcli.model import compat
+    from ftcli.model import kernels
+
+    ask_torch, found = compat.gpu_probe()
+    if not (ask_torch or deep):
+        m = kernels.machine("cpu")
+        return ThisMachine(m, compat.detect_here(m), "none", f"{found}; torch not imported", compat.torch_cuda_build())
+    import torch
+
+    cuda = torch.cuda.is_available()
+    m = kernels.machine("cuda" if cuda else "cpu")
+    gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if cuda else "none"
+    source = f"torch.cuda: {torch.cuda.device_count()} GPU(s)" if cuda else "torch.cuda.is_available() is False"
+    return ThisMachine(m, compat.detect_here(m), gpu, f"{source} ({found})", torch.version.cuda)
+
+
+def doctor_report(recipe, m, here, versions: dict[str, str | None] | None = None, gpu: str = "none",
+                  tf: Transformers | None = None, **machine_notes) -> Report:
+    """The report for `recipe` (or None) on machine `m` (ftcli.model.kernels.Machine) / `here` (ftcli.model.compat.Here);
+    `machine_notes`: Report's gpu_source / torch_cuda / deep."""
+    from ftcli.model import compat
+    from ftcli.model import kernels
+
+    tf = tf or Transformers(deep=machine_notes.get("deep", False))
+    backends = []
+    for model_type in [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS):
+        chosen = kernels.decide_backends(model_type, m)
+        if not chosen:
+            backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
+        backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
+    problems = [*compat.known_bad(recipe, here), compat.matrix_check(here)]
+    if recipe is not None:
+        problems += compat.gpu_notes(recipe, here)
+    checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
+    basis = (f"transformers {tf.version} is in the tested matrix ({tf.tested_in}): its recorded facts are used, "
+             "ftcli doctor --deep imports it" if any(c.version_based for c in checks) else "")
+    report = Report(versions=versions or {}, gpu=gpu, backends=backends, checks=checks, transformers_basis=basis,
+                    **machine_notes)
+    if recipe is None:
+        return report
+    blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
+    fits, fits_detail = compat.fit_here(recipe, here)
+    return replace(report, recipe=recipe.name, kernels_correct=not blocking,
+                   kernels_detail=blocking[0].detail if blocking else
+                   "every packed op has a correct backend and no known-bad combination applies",
+                   fits=fits, fits_detail=fits_detail)
+
+
+def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
+    """Print the report (tables, or JSON); with a recipe, return 1 when it cannot run correctly here (else 0):
+    a known-bad combination that breaks its training, or a plan that does not fit this machine."""
+    import json
+
+    here = read_machine(deep)
+    versions = {dist: version(dist) for dist in PACKAGES}
+    report = doctor_report(recipe, here.m, here.here, versions, here.gpu, gpu_source=here.gpu_source,
+                           torch_cuda=here.torch_cuda, deep=deep)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return report.exit_code
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="Versions", title_justify="left")
+    table.add_column("package")
+    table.add_column("version")
+    for dist, found in versions.items():
+        shown = found or "-"
+        if dist == "torch":
+            shown += f" (CUDA {report.torch_cuda})" if report.torch_cuda else " (CPU build)"
+        table.add_row(dist, shown)
+    table.add_row("GPU", report.gpu)
+    table.add_row("GPU found by", report.gpu_source)
+    console.print(table)
+
+    table = Table(title=f"Packed kernels on {here.m.device}", title_justify="left")
+    for column in ("model_type", "op", "backend", "why"):
+        table.add_column(column)
+    for row in report.backends:
+        table.add_row(*row)
+    console.print(table)
+
+    table = Table(title="Known-bad combinations", title_justify="left")
+    for column in ("check", "status", "detail"):
+        table.add_column(column)
+    style = {OK: "green", WARN: "yellow", FAIL: "bold red", NA: "dim"}
+    for c in report.checks:
+        table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
+    console.print(table)
+    version_based = [c.name for c in report.checks if c.version_based]
+    if version_based:
+        console.print(f"version-based, nothing imported: {'; '.join(version_based)} ({report.transformers_basis})",
+                      highlight=False, soft_wrap=True)
+
+    if recipe is None:
+        return 0
+    for label, ok, detail in (("kernels correct here", report.kernels_correct, report.kernels_detail),
+                              ("fits here", report.fits, report.fits_detail)):
+        mark = "[green]yes[/]" if ok else "[bold red]no[/]"
+        console.print(f"{label}: {mark} ({detail})", highlight=False, soft_wrap=True)
+    color = "green" if report.exit_code == 0 else "bold red"
+    console.print(f"[{color}]{report.verdict}[/]", highlight=False, soft_wrap=True)
+    return report.exit_code

@@ -1,0 +1,995 @@
+"""Recipes: typed, validated YAML that says everything about one fine-tune.
+
+A recipe is data. `load_recipe("qwen-b300")` finds a built-in recipe by name (shipped inside the
+package, so it works after a plain `pip install`), `load_recipe("my.yaml")` reads a file, and
+`--set training.optimizer.lr=2e-5` style overrides are applied before validation. Unknown keys fail
+with their dotted path and the closest valid key; type errors name the path. No pydantic dumps reach
+the user: every problem becomes a `RecipeError` with one short line per problem.
+
+What YAML allows but a recipe refuses (`parse_yaml`, also used for workloads): duplicate keys, aliases
+(`*name`; anchors alone are harmless), nesting deeper than 64 levels, files that are not UTF-8 text or
+are over 8 MiB. What the schema refuses everywhere: inf/nan (also inside `model.config_overrides`),
+`true`/`false` where a number goes, `data.packing.block_len` over 2**20 or over the model's
+`max_position_embeddings` when its config.json is a file here, sizes and counts in
+`model.config_overrides` below 1 (`num_hidden_layers: 0`). `ftcli.model.checks` goes further and
+builds the model config (and the model, on the meta device) before any worker starts.
+
+Paths inside a recipe may use `pkg://assets/...` for files shipped with ftcli (tiny configs, the tiny
+tokenizer and dataset). They stay `pkg://` in the validated recipe (so a recipe rendered into a
+workload still points at the installed package there); code that opens one calls `resolve_path`.
+Plain relative paths (model files, the chat template, local data and eval data) are made absolute
+against the recipe file's folder at load time.
+
+This module imports no torch: `ftcli --help` and `ftcli render-workload` stay instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import types
+import typing
+import unicodedata
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from ftcli.config.errors import UserError
+
+PKG_PREFIX = "pkg://"
+# Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
+NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
+ACCELERATOR_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")  # group 1: GPUs per node
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+MAX_BLOCK_LEN = 2**20  # tokens per packed block; past this one block's activations fit no GPU
+
+
+class RecipeError(UserError):
+    """A user mistake in a recipe or an override; the message is ready to print."""
+
+
+def _members(annotation: Any) -> list:
+    """The alternatives a field accepts: `int | None` -> [int, NoneType]; `Annotated[X, ...]` -> [X]."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _bool_for_number(annotation: Any, value: Any) -> bool:
+    """True where YAML `true`/`false` stands in a number's place (pydantic would read it as 1/0)."""
+    members = _members(annotation)
+    if isinstance(value, bool):
+        kinds = {type(v) for m in members if typing.get_origin(m) is Literal for v in typing.get_args(m)}
+        kinds |= {m for m in members if typing.get_origin(m) is not Literal}
+        return bool(kinds & {int, float}) and not kinds & {bool, Any}
+    if isinstance(value, list):  # tuple[float, float], list[int]: look at the items
+        for m in members:
+            origin, args = typing.get_origin(m), typing.get_args(m)
+            if origin is tuple and any(_bool_for_number(t, v) for t, v in zip(args, value)):
+                return True
+            if origin is list and args and any(_bool_for_number(args[0], v) for v in value):
+                return True
+    return False
+
+
+class _Section(BaseModel):
+    """Rules for every section: unknown keys fail, every float is finite, `true`/`false` is no number."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # keys a dump leaves out while they hold these values: settings added later, so that dumps (recipe.yaml,
+    # rendered workloads) of recipes that do not use them stay byte-identical
+    quiet_defaults: ClassVar[dict[str, Any]] = {}
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        for key, default in self.quiet_defaults.items():
+            if key in out and out[key] == default:
+                del out[key]
+        return out
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if _bool_for_number(cls.model_fields[info.field_name].annotation, value):
+            raise ValueError("expected a number, not true/false")
+        return value
+
+
+# ----------------------------------------------------------------------------------------- model
+# `model.config_overrides` keys that are sizes or counts in transformers' configs (at any depth, e.g.
+# text_config.num_hidden_layers): a whole number (not true/false) of at least 1; zero only for the keys
+# where it means "none of these" (no MTP layers, no shared expert, a dense model).
+_SIZE_KEY_RE = re.compile(r"^(num|n)_|_(size|dim|layers|heads|experts|per_tok)$|^max_position_embeddings$")
+_ZERO_MEANS_NONE = frozenset({
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "max_window_layers", "n_shared_experts",
+    "num_shared_experts", "shared_expert_intermediate_size", "num_experts", "n_routed_experts",
+})
+
+
+def _impossible_sizes(overrides: dict[str, Any], prefix: str = "") -> list[str]:
+    """What is wrong with the sizes and counts in `model.config_overrides` (nested configs included)."""
+    problems = []
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            problems += _impossible_sizes(value, f"{name}.")
+        elif not isinstance(key, str) or not _SIZE_KEY_RE.search(key):
+            continue
+        elif isinstance(value, bool):
+            problems.append(f"{name} must be a whole number, not true/false")
+        elif isinstance(value, int) and value < (0 if key in _ZERO_MEANS_NONE else 1):
+            least = "not be negative" if key in _ZERO_MEANS_NONE else "be at least 1"
+            problems.append(f"{name} must {least} (got {value})")
+    return problems
+
+
+class ModelConfig(_Section):
+    id: str | None = Field(None, description="Hub repo id or local directory of pretrained weights.")
+    revision: str | None = Field(None, description="Hub commit to pin (ignored for local paths).")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="random: build from `config` with random weights (tiny recipes, benchmarks)."
+    )
+    config: str | None = Field(None, description="config.json for random init (path or pkg://).")
+    config_overrides: dict[str, Any] = Field(default_factory=dict, description="Applied on top of the config.")
+    model_type: str = Field(..., description="transformers model_type: qwen3_5, qwen3_5_text, gpt_oss, ...")
+    model_class: Literal["causal_lm", "image_text_to_text"] = "causal_lm"
+    tokenizer: str | None = Field(None, description="Tokenizer id/path; defaults to `id`.")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    attn_implementation: str = Field(
+        "auto", description="auto: ftcli's packed-kernel module picks per machine; or a transformers name."
+    )
+    quantization: Literal["none", "mxfp4_dequantize"] = "none"
+    trust_remote_code: bool = False
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _possible_sizes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems = _impossible_sizes(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelConfig:
+        if self.init == "random" and not self.config:
+            raise ValueError("model.init=random needs model.config (a config.json path)")
+        if self.init == "pretrained" and not self.id:
+            raise ValueError("model.init=pretrained needs model.id (hub id or local path)")
+        if not (self.tokenizer or self.id):
+            raise ValueError("set model.tokenizer (or model.id) so ftcli can tokenize the data")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ data
+class PackingConfig(_Section):
+    enabled: bool = True
+    block_len: int = Field(32768, ge=8, description="Tokens per packed block.")
+    strategy: Literal["split", "bfd"] = Field(
+        "split", description="split: cut at the block edge (the published Databricks examples); bfd: best-fit decreasing, no splits."
+    )
+    bfd_buffer: int = Field(1024, ge=1, description="Examples buffered per best-fit-decreasing round.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="bfd: example longer than a block.")
+
+
+class SyntheticData(_Section):
+    """Random token conversations with a realistic length spread (benchmarks)."""
+
+    num_examples: int = Field(20000, ge=1)
+    mean_tokens: int = Field(1200, ge=2)
+    max_tokens: int = Field(16384, ge=2)
+    prompt_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    seed: int = 0
+
+
+SourceKind = Literal["hub", "local", "synthetic"]
+SpecialTokensInText = Literal["keep", "escape", "error"]
+
+
+class SourceConfig(_Section):
+    """One dataset of a mix (`data.sources`). Fields left unset take the value of the same key in `data`."""
+
+    name: str | None = Field(None, description="Label in pack-preview and run.json; default: the path.")
+    source: SourceKind = "hub"
+    path: str | None = Field(
+        None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow; a UC volume is a path)."
+    )
+    revision: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    format: Literal["messages", "prompt_completion"] | None = None
+    messages_field: str | None = None
+    tools_field: str | None = None
+    max_examples: int | None = Field(None, ge=1, description="Rows read from this source (before weighting).")
+    synthetic: SyntheticData = Field(default_factory=SyntheticData)
+    weight: float = Field(
+        1.0, gt=0, description="Times each row is used: 2 = every row twice (epochs-style), 0.5 = a seeded half, "
+        "1.5 = every row once plus a seeded half again (data.mix_seed)."
+    )
+
+    @model_validator(mode="after")
+    def _path(self) -> SourceConfig:
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"a data.sources entry with source={self.source} needs a path")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.path if self.source != "synthetic" else "synthetic")
+
+
+class DataConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
+                                                "sources": None, "mix_seed": 0}
+    source: SourceKind = "hub"
+    path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
+    revision: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    format: Literal["messages", "prompt_completion"] = "messages"
+    messages_field: str = "messages"
+    tools_field: str | None = Field(
+        "tools", description="Row field with function schemas, passed to the template as tools=."
+    )
+    sources: list[SourceConfig] | None = Field(
+        None, description="A mix of datasets, each with its own fields and weight; replaces source/path/... above."
+    )
+    mix_seed: int = Field(0, description="Seed of the fractional part of data.sources weights.")
+    chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template.")
+    train_on: Literal["assistant", "all", "last"] = Field("assistant", description="Which turns get loss.")
+    strict: bool = Field(False, description="Stop at the first bad row instead of skipping and counting it.")
+    # keep (default): a special-token string a user typed (`<|im_end|>`) is tokenized as the characters it
+    # is, never as the control token: the text reaches the model unchanged and cannot end a turn or fake
+    # a role. escape: a zero-width space after its first character (the text changes, visibly to a
+    # decoder). error: the row is skipped and counted (strict: stops). Counted in every mode. (With a
+    # tokenizer ftcli cannot cut at its added tokens, e.g. a SentencePiece one, keep tokenizes as escape.)
+    special_tokens_in_text: SpecialTokensInText = Field(
+        "keep", description="keep: tokenize as plain text; escape: break with a zero-width space; error: skip the row."
+    )
+    max_examples: int | None = Field(None, ge=1, description="Rows read (per source with data.sources).")
+    max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    synthetic: SyntheticData = Field(default_factory=SyntheticData)
+    num_workers: int = Field(0, ge=0)
+    cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
+
+    @model_validator(mode="after")
+    def _path(self) -> DataConfig:
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("data.sources is empty; list at least one source (or use data.path)")
+            labels = [s.label for s in self.sources]
+            if len(set(labels)) != len(labels):
+                raise ValueError("data.sources: two sources have the same name/path; give them distinct names")
+        elif self.source != "synthetic" and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path")
+        return self
+
+
+    def source_list(self) -> list[SourceConfig]:
+        """The sources to read: `data.sources`, or the single source the top-level keys describe. Unset
+        per-source fields are filled from `data`."""
+        if self.sources is None:
+            single = SourceConfig(
+                source=self.source, path=self.path, revision=self.revision, split=self.split,
+                streaming=self.streaming, synthetic=self.synthetic,
+            )
+            sources = [single]
+        else:
+            sources = self.sources
+        return [
+            s.model_copy(update={
+                "format": s.format or self.format,
+                "messages_field": s.messages_field or self.messages_field,
+                "tools_field": s.tools_field if s.tools_field is not None else self.tools_field,
+            })
+            for s in sources
+        ]
+
+
+# ------------------------------------------------------------------------------------------ eval
+class EarlyStopConfig(_Section):
+    patience: int = Field(3, ge=1, description="Evals in a row without an improvement before the run stops.")
+    min_delta: float = Field(0.0, ge=0, description="An eval improves when it beats the best by more than this.")
+
+
+class EvalConfig(_Section):
+    """A held-out loss: a share of the training rows (`holdout`) or separate data (`path` / `sources`),
+    encoded, masked and packed by the training data path. Every source gets its own loss (ftcli.train.evaluate)."""
+
+    holdout: float | None = Field(
+        None, gt=0, description="Training rows held out for eval: a share (<1, e.g. 0.02) or a row count per "
+        "source (>=1), picked by a hash of the row and holdout_seed; training never sees them.")
+    holdout_seed: int = 0
+    source: SourceKind = "local"
+    path: str | None = Field(None, description="Separate eval data (same forms as data.path).")
+    revision: str | None = None
+    split: str = "validation"
+    sources: list[SourceConfig] | None = Field(None, description="Separate eval data as a list (data.sources form).")
+    max_examples: int | None = Field(None, ge=1, description="Eval rows read (per source).")
+    block_len: int | None = Field(None, ge=8, description="Eval block length; default data.packing.block_len.")
+    strategy: Literal["bfd", "split", "none"] = Field(
+        "bfd", description="bfd (default): no example is cut, so the loss does not depend on the block length; "
+        "split: as training's split; none: one example per block.")
+    every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(None, gt=0)
+    at_start: bool = Field(False, description="Also evaluate before the first step (step 0).")
+    export: Literal["last", "best"] = Field("last", description="What becomes <run>/final: the last or the best model.")
+    early_stop: EarlyStopConfig | None = None
+    samples: list[str | list[dict[str, Any]]] = Field(
+        default_factory=list, description="Prompts (a user message, or a conversation) generated greedily during "
+        "training into <run>/samples.jsonl.")
+    samples_every: int = Field(1, ge=1, description="Generate the samples every N evals (and at the end).")
+    samples_every_steps: int | None = Field(None, ge=1, description="Generate the samples every N steps instead.")
+    samples_max_new_tokens: int = Field(32, ge=1)
+    _side: str = "train"  # not a key: ftcli.data.evalsplit marks the recipes of the eval split "eval"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        given = [k for k in ("holdout", "path", "sources") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"eval: set one of holdout, path, sources (got {', '.join(given)})")
+        if self.holdout is not None and self.holdout >= 1 and self.holdout != int(self.holdout):
+            raise ValueError("eval.holdout: a share below 1 (0.02) or a whole row count (200)")
+        if not self.has_data and (self.early_stop is not None or self.export == "best"):
+            raise ValueError("eval.early_stop / eval.export=best need eval data (eval.holdout, eval.path or eval.sources)")
+        return self
+
+    @property
+    def has_data(self) -> bool:
+        return self.holdout is not None or self.path is not None or self.sources is not None
+
+    def sample_conversations(self) -> list[list[dict[str, Any]]]:
+        return [[{"role": "user", "content": s}] if isinstance(s, str) else s for s in self.samples]
+
+
+# -------------------------------------------------------------------------------------- training
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    fused: bool = True
+
+
+class ScheduleConfig(_Section):
+    name: Literal["constant", "cosine", "cosine_with_min_lr", "linear"] = "constant"
+    warmup: float = Field(0.0, ge=0, description="<1: fraction of total steps; >=1: number of steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class PrecisionConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fp8": False}
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    reduce_dtype: Literal["bfloat16", "float32"] = "float32"
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bfloat16: what the published Databricks qwen-b300 example did (most small updates round away)."
+    )
+    fp8: bool = Field(
+        False, description="Full SFT: the decoder layers' large linears run their GEMMs in float8 (torchao float8 "
+        "training, dynamic tensorwise scales; needs torchao and a GPU of compute capability >= 8.9). The LM "
+        "head, small projections and the master weights stay as they are (ftcli/features/float8.py)."
+    )
+
+
+class CheckpointConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"keep_best": False}
+    enabled: bool = True
+    every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(None, gt=0)
+    keep_last: int = Field(2, ge=1)
+    save_final_hf: bool = Field(True, description="Write a Hugging Face checkpoint at the end.")
+    keep_best: bool = Field(
+        False, description="Keep the checkpoint of the best eval loss beside the last keep_last (needs eval data)."
+    )
+
+
+class LossConfig(_Section):
+    impl: Literal["chunked", "full", "liger"] = Field(
+        "chunked", description="chunked: never materializes full fp32 logits; full: full-vocabulary logits (the published examples' loss)."
+    )
+    chunk_tokens: int = Field(4096, ge=1)
+
+
+# training.fused_ops: op -> the package whose kernel it runs (ftcli/features/fused_ops.py; doctor checks them torch-free)
+FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
+FUSED_OP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # the dense Qwen3.5 text model and its VLM class
+FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
+
+
+class TrainingConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
+    method: Literal["full", "lora"] = "full"
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
+    per_device_batch: int = Field(1, ge=1)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    grad_clip: float | None = Field(1.0, gt=0, description="Max grad norm; null disables clipping.")
+    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    activation_checkpointing_keep: int = Field(
+        0, ge=0, description="With full checkpointing: keep the activations of this many decoder layers (the "
+        "last ones) instead of recomputing them; spare memory for speed (benchmarks/memory_model.py says how "
+        "many fit per card)."
+    )
+    compile: bool | Literal["regions"] = Field(
+        False, description="true: torch.compile each decoder layer whole; regions: compile only the parts of each "
+        "layer around its packed kernels (norms, the dense MLP, float8 linears), which a graph break in the "
+        "gated-delta or attention kernel cannot push back to eager (ftcli/train_full.compile_regions)."
+    )
+    fused_ops: list[Literal["rms_norm", "swiglu", "gated_norm"]] = Field(
+        default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
+        "(rms_norm, liger-kernel), MLP activation (swiglu, liger-kernel) and gated-delta output norm "
+        "(gated_norm, fla); same parameters and checkpoints (ftcli/features/fused_ops.py)."
+    )
+    sharding: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="LoRA: ddp keeps the whole frozen base on every GPU, fsdp shards it (FSDP2); auto: "
+        "ddp where `ftcli plan` says it fits the recipe's accelerator, else fsdp. Full SFT always shards."
+    )
+    loss: LossConfig = Field(default_factory=LossConfig)
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    max_bad_steps: int = Field(3, ge=1, description="Consecutive non-finite steps before the run stops.")
+    cpu_processes: int = Field(2, ge=1, description="torchrun processes on a machine without GPUs.")
+
+    @model_validator(mode="after")
+    def _keep_needs_full(self) -> TrainingConfig:
+        if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
+            raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ lora
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    bias: Literal["none", "all", "lora_only"] = "none"
+    target_modules: str | list[str] = "all-linear"
+    target_parameters: list[str] = Field(default_factory=list, description="3-D params, e.g. MoE experts.")
+    exclude_vision: bool = Field(True, description="Keep LoRA off the vision tower of VLM classes.")
+
+
+# -------------------------------------------------------------------------------------- tracking
+def _plain_text(v: str | None) -> str | None:
+    problem = None if v is None else plain_text_problem(v)
+    if problem:
+        raise ValueError(problem)
+    return v
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///mlflow.db (or $MLFLOW_TRACKING_URI).")
+    experiment: Annotated[str | None, AfterValidator(_plain_text)] = None
+    run_name: Annotated[str | None, AfterValidator(_plain_text)] = None
+    log_system_metrics: bool = True
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe name.")
+
+
+# --------------------------------------------------------------------------------------- compute
+class PermissionConfig(_Section):
+    user_name: str | None = None
+    group_name: str | None = None
+    service_principal_name: str | None = None
+    level: str
+
+    @model_validator(mode="after")
+    def _one_principal(self) -> PermissionConfig:
+        given = [x for x in (self.user_name, self.group_name, self.service_principal_name) if x]
+        if len(given) != 1:
+            raise ValueError("a permission names exactly one of user_name, group_name, service_principal_name")
+        return self
+
+
+# Where a job runs: rules shared by `ComputeConfig` and the AI Runtime workload check (`ftcli.commands.workload`).
+def check_accelerator_type(v: str) -> str:
+    if not ACCELERATOR_RE.fullmatch(v):
+        raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
+    return v
+
+
+def check_secret_ref(v: str) -> str:
+    if v.count("/") != 1 or not all(v.split("/")):
+        raise ValueError("must be 'scope/key' (exactly one '/')")
+    return v
+
+
+def placement_problems(
+    accelerator_type: str | None, num_accelerators: int | None, pool_id: str | None, priority_class: str | None
+) -> list[str]:
+    """Every broken rule between the compute keys, one line each. None: a key that is missing or
+    already reported as bad on its own (those rules are skipped)."""
+    problems = []
+    m = ACCELERATOR_RE.fullmatch(accelerator_type) if accelerator_type is not None else None
+    if m and num_accelerators is not None and num_accelerators % int(m.group(1)):
+        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {m.group(1)} GPUs per node "
+                        f"of {accelerator_type}")
+    if priority_class is not None and not pool_id:
+        problems.append("priority_class needs pool_id (provisioned capacity)")
+    return problems
+
+
+class ComputeConfig(_Section):
+    accelerator_type: Annotated[str, AfterValidator(check_accelerator_type)] = Field(
+        "GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
+    num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
+    experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
+    environment_version: str = "databricks_ai_v6"
+    dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
+    env_variables: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
+        default_factory=dict, description="NAME -> 'scope/key'.")
+    timeout_minutes: int | None = Field(None, ge=1)
+    max_retries: int = Field(0, ge=0)
+    pool_id: str | None = None
+    priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
+    mlflow_experiment_directory: str | None = None
+    permissions: list[PermissionConfig] = Field(default_factory=list)
+    ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
+
+    @field_validator("env_variables")
+    @classmethod
+    def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
+        from ftcli.config.redact import looks_secret
+
+        secret = sorted(k for k in env if looks_secret(k))
+        if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
+            raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
+                             f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")
+        return env
+
+    @model_validator(mode="after")
+    def _topology(self) -> ComputeConfig:
+        problems = placement_problems(self.accelerator_type, self.num_accelerators, self.pool_id, self.priority_class)
+        both = sorted(set(self.secrets) & set(self.env_variables))
+        if both:
+            problems.append(f"{', '.join(both)} set both as a secret and as an env variable")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return int(self.accelerator_type[4:].split("x", 1)[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_accelerators // self.gpus_per_node
+
+
+def max_position_embeddings(cfg: ModelConfig) -> tuple[int, str] | None:
+    """(the model's max_position_embeddings, where it comes from) when its config.json is a readable
+    file here (random init, or a local model dir); None otherwise (hub ids are checked by the workers)."""
+    override = cfg.config_overrides.get("max_position_embeddings")
+    if isinstance(override, int) and not isinstance(override, bool):
+        return override, "model.config_overrides"
+    source = cfg.config if cfg.init == "random" else cfg.id
+    try:
+        path = Path(resolve_path(source) or "")
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file() or path.stat().st_size > MAX_YAML_BYTES:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RuntimeError):  # unreadable here: the workers report it
+        return None
+    for section in (data, data.get("text_config") if isinstance(data, dict) else None):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, str(source)
+    return None
+
+
+# ---------------------------------------------------------------------------------------- recipe
+class Recipe(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"eval": None}  # no `eval: null` in recipes without eval
+    name: str
+    description: str = ""
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    eval: EvalConfig | None = None
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.fullmatch(v):
+            raise ValueError(NAME_RULE)
+        return v
+
+    @model_validator(mode="after")
+    def _packing(self) -> Recipe:
+        """Packed blocks need attention that keeps their documents apart: ftcli's packed kernels ("auto")."""
+        if self.data.packing.enabled and self.model.attn_implementation != "auto":
+            raise ValueError(
+                f"model.attn_implementation={self.model.attn_implementation} cannot keep packed documents apart; "
+                "use model.attn_implementation=auto (or, for LoRA, data.packing.enabled=false)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _block_len(self) -> Recipe:
+        """A hard cap, and the model's own limit where its config can be read here (a file, no hub)."""
+        block_len = self.data.packing.block_len
+        if block_len > MAX_BLOCK_LEN:
+            raise ValueError(f"data.packing.block_len={block_len} is over ftcli's limit of {MAX_BLOCK_LEN} "
+                             "tokens per block (2**20)")
+        limit = max_position_embeddings(self.model)
+        if self.data.packing.enabled and limit is not None and block_len > limit[0]:
+            raise ValueError(
+                f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
+                f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fused_ops_model(self) -> Recipe:
+        t = self.training
+        if t.method == "full" and t.fused_ops and self.model.model_type not in FUSED_OP_MODEL_TYPES:
+            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(FUSED_OP_MODEL_TYPES)}); "
+                             f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_tokens(self) -> Recipe:
+        """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
+        the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
+        tokens = self.data.packing.block_len * self.training.per_device_batch
+        full_fp8 = self.training.precision.fp8 and self.training.method == "full"  # LoRA ignores fp8 (warned)
+        if full_fp8 and (not self.data.packing.enabled or tokens % 16):
+            raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
+                             f"per_device_batch = {tokens}) are a multiple of 16")
+        return self
+
+
+    @model_validator(mode="after")
+    def _keep_best(self) -> Recipe:
+        if self.training.checkpoint.keep_best and not (self.eval and self.eval.has_data):
+            raise ValueError("training.checkpoint.keep_best needs eval data (eval.holdout, eval.path or eval.sources)")
+        if self.eval and self.eval.export == "best" and not self.training.checkpoint.keep_best:
+            raise ValueError("eval.export=best needs training.checkpoint.keep_best=true")
+        return self
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output.dir.replace("{name}", self.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------------------------- YAML
+# One reader for every YAML file ftcli is handed (recipes, `--set` values, workloads to check).
+MAX_YAML_BYTES = 8 * 2**20
+MAX_YAML_DEPTH = 64
+
+
+class YamlError(UserError):
+    """What is wrong with a YAML text, in one line that names the line."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader minus what a recipe never needs and YAML makes dangerous: duplicate keys (the later
+    one silently replaced a whole section), aliases (a 1.5 KB alias bomb expands to billions of nodes,
+    which validation and `recipes show` then walk) and nesting deeper than MAX_YAML_DEPTH (PyYAML
+    composes recursively: 5,000 levels end in a RecursionError)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{event.anchor}) are not supported; write the value out", event.start_mark
+            )
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first set at line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse one YAML document with `_StrictLoader`; every failure is a one-line `YamlError`."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" line {mark.line + 1}" if mark else ""
+        raise YamlError(f"not valid YAML{where}: {e.problem or e.context}") from None
+    except yaml.reader.ReaderError as e:  # `character` is a code point (or a byte for bytes input)
+        raise YamlError(
+            f"not valid YAML: control character #x{e.character:04x} at offset {e.position} (a binary file?)"
+        ) from None
+    except yaml.YAMLError as e:
+        raise YamlError(f"not valid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`; a missing, unreadable, binary or oversized file is one line naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise UserError(f"{what} {path} is larger than {MAX_YAML_BYTES // 2**20} MiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); is it a binary file?"
+        ) from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte or an over-long name: not a file
+        return False
+
+
+def plain_text_problem(value: str) -> str | None:
+    """What is wrong with a name that ends up in MLflow, a registry or a terminal (None: nothing):
+    it must not be blank or hold control characters (newlines, escapes, bidi overrides)."""
+    if not value.strip():
+        return "must not be empty"
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    return None if bad is None else f"contains the control character {bad!r}; use printable characters only"
+
+
+# ------------------------------------------------------------------------------ loading & errors
+def builtin_recipe_names() -> list[str]:
+    root = resources.files("ftcli") / "recipes"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def builtin_recipe_text(name: str) -> str:
+    path = resources.files("ftcli") / "recipes" / f"{name}.yaml"
+    if not NAME_RE.fullmatch(name) or not path.is_file():
+        raise RecipeError(_unknown_recipe_message(name))
+    return path.read_text()
+
+
+def _unknown_recipe_message(name: str) -> str:
+    names = builtin_recipe_names()
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; built-in recipes: {', '.join(names)}"
+    return f"no recipe file or built-in recipe named '{name}'{hint}"
+
+
+def resolve_path(value: str | None, base: Path | None = None) -> str | None:
+    """`pkg://assets/x` -> the installed file; relative paths -> against `base` (the recipe's folder)."""
+    if value is None:
+        return None
+    if value.startswith(PKG_PREFIX):
+        return str(resources.files("ftcli").joinpath(value[len(PKG_PREFIX) :]))
+    try:
+        path = Path(value).expanduser()
+        if base is not None and not path.is_absolute() and (base / path).exists():
+            return str((base / path).resolve())
+    except (OSError, ValueError, RuntimeError):  # NUL bytes, over-long names, `~nosuchuser`: left as given
+        pass
+    return value
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], parsed value); values are YAML (1e-5, true, [1,2], null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {item!r}: expected dotted.key=value, e.g. training.optimizer.lr=2e-5")
+    try:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except YamlError:
+        value = raw
+    if isinstance(value, str) and _FLOAT_RE.fullmatch(raw.strip()):
+        value = float(raw)  # YAML 1.1 reads `1e-5` (no dot) as a string
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {item!r}: '{'.'.join(keys[: i + 1])}' is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+# ------------------------------------------------------------------------------------ did you mean
+# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.commands.workload`).
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The schema sections a field holds: `X`, `X | None`, `list[X]` -> [X]."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return [t for a in args for t in _sections_in(a)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def schema_section(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """Walk the schema from `root` along a pydantic error location to the section it names (None: not one)."""
+    model = root
+    for part in path:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        field = model.model_fields.get(part)
+        sections = _sections_in(field.annotation) if field else []
+        if not sections:
+            return None
+        model = sections[0]
+    return model
+
+
+def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | None:
+    """`training.lr` -> `optimizer.lr`: the key exists one section further down."""
+    for name, field in model.model_fields.items():
+        for section in _sections_in(field.annotation):
+            if key in section.model_fields:
+                return f"{prefix}{name}.{key}"
+            found = _nested_key(section, key, f"{prefix}{name}.")
+            if found:
+                return found
+    return None
+
+
+def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
+    """"; did you mean 'a.b'?" for the unknown key at `loc` under the schema `root`: the closest key of its
+    section, else the same key one section further down; "" when there is neither."""
+    owner = schema_section(root, loc[:-1])
+    if owner is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
+    found = _nested_key(owner, str(loc[-1])) or (close[0] if close else None)  # an exact key deeper beats a near one
+    return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{path}'{did_you_mean(Recipe, loc)}")
+        elif e["type"] == "missing":
+            lines.append(f"missing required key '{path}'")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            given = e.get("input")
+            shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
+            lines.append(f"{path}: {msg}{shown}" if loc else msg)  # top-level rules name their own keys
+    return _problems_message(lines, source)
+
+
+def _problems_message(lines: list[str], source: str) -> str:
+    """One line for one problem; a head line and one indented `  - ` line per problem for several."""
+    head = f"invalid recipe {source}: "
+    if len(lines) == 1:
+        return head + lines[0]
+    return head + f"{len(lines)} problems\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _non_finite(data: Any, path: str = "") -> list[tuple[str, float]]:
+    """(dotted path, value) of every inf/nan anywhere in parsed YAML, `config_overrides` included."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return [(path or "(top level)", data)]
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return [found for key, value in items for found in _non_finite(value, f"{path}.{key}" if path else str(key))]
+
+
+def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
+    """Make paths relative to the recipe file absolute; `pkg://` stays symbolic until opened. Data paths
+    (data, eval and their `sources`) only where the source is local (else a hub id)."""
+    if base is None:
+        return
+    model, dataset = data.get("model") or {}, data.get("data") or {}
+    for section, key in ((model, "config"), (model, "tokenizer"), (model, "id"), (dataset, "chat_template")):
+        if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].startswith(PKG_PREFIX):
+            section[key] = resolve_path(section[key], base)
+    entries = []  # (a section holding `source` / `path`, the schema's default source there)
+    for section, schema in ((dataset, DataConfig), (data.get("eval"), EvalConfig)):
+        if isinstance(section, dict):
+            entries.append((section, schema.model_fields["source"].default))
+            sources = section.get("sources")
+            default = SourceConfig.model_fields["source"].default
+            entries += [(s, default) for s in sources if isinstance(s, dict)] if isinstance(sources, list) else []
+    for entry, default in entries:
+        path = entry.get("path")
+        if isinstance(path, str) and entry.get("source", default) == "local" and not path.startswith(PKG_PREFIX):
+            entry["path"] = resolve_path(path, base)
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
+    path = Path(name_or_path).expanduser()
+    base: Path | None = None
+    if _is_file(path):
+        text, source, base = read_text_file(path, "recipe"), str(path), path.resolve().parent
+    elif str(name_or_path).endswith((".yaml", ".yml")) or "/" in str(name_or_path):
+        raise RecipeError(f"recipe file not found: {name_or_path}")
+    else:
+        text, source = builtin_recipe_text(str(name_or_path)), f"'{name_or_path}'"
+    try:
+        data = parse_yaml(text)
+    except YamlError as e:
+        raise RecipeError(f"invalid recipe {source}: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"invalid recipe {source}: expected a mapping of sections at the top level")
+    data = apply_overrides(data, overrides or [])
+    not_finite = [f"{key}: must be a finite number (got {value})" for key, value in _non_finite(data)]
+    if not_finite:
+        raise RecipeError(_problems_message(not_finite, source))
+    _resolve_paths(data, base)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation_error(e, source)) from None
+
+
+class YamlDumper(yaml.SafeDumper):
+    """Writes a value out wherever it appears: no `&anchor`/`*alias`, which `parse_yaml` refuses."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.dump(recipe.to_dict(), Dumper=YamlDumper, sort_keys=False)

@@ -1,0 +1,84 @@
+"""Float8 GEMMs for full SFT (`training.precision.fp8`), through torchao's float8 training.
+
+Which linears: only those inside the decoder layers whose in and out features are both multiples of 16
+(what the float8 GEMM needs) and at least hidden_size / 8 (a projection to a few heads, such as Qwen3.5's
+gated-delta `in_proj_a`/`in_proj_b`, has too little work to repay the casts). The LM head, the
+embeddings, the vision tower and every norm stay in the compute dtype: the LM head feeds the loss, and
+its error would land on every token's logits.
+
+How: dynamic tensorwise scales (torchao's default recipe), input and weight in e4m3, the output
+gradient in e5m2; the module swap keeps parameter names, so checkpoints, resume and the Hugging Face
+export are the same as without fp8. It runs on the meta-built model before `fully_shard`, so FSDP2
+shards the same parameters (the all-gather stays in param_dtype). The master weights and the
+optimizer are untouched.
+
+Where: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper, Blackwell) for speed; on CPU torch
+emulates the float8 GEMM (slow, for tests only).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import FP8_MIN_CAPABILITY
+
+
+def fp8_filter(hidden_size: int, layer_prefixes: tuple[str, ...]):
+    """torchao's module_filter_fn: True for the linears that get float8 GEMMs (the module doc)."""
+    min_features = max(16, hidden_size // 8)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or not fqn.startswith(layer_prefixes):
+            return False
+        dims = (module.in_features, module.out_features)
+        return all(d % 16 == 0 and d >= min_features for d in dims)
+
+    return keep
+
+
+def check_fp8_device(device) -> None:
+    """One-line error where float8 GEMMs cannot run (a CUDA card older than compute capability 8.9)."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise UserError(f"training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
+                        f"Blackwell); this one is {torch.cuda.get_device_name(device)} ({'.'.join(map(str, capability))})")
+
+
+def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) -> list[str]:
+    """Swap the chosen linears of `layers` (modules of `model`) for torchao Float8Linear, in place;
+    returns their names."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise UserError(f"training.precision.fp8 needs torchao (pip install 'ftcli[gpu]'): {e}") from None
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = tuple(names[id(layer)] + "." for layer in layers)
+    keep = fp8_filter(hidden_size, prefixes)
+    chosen = [n for n, m in model.named_modules() if keep(m, n)]
+    # the weight-gradient GEMM's inner dimension is the tokens per micro-batch: the recipe makes it a multiple
+    # of 16 (Recipe._fp8_tokens), so no operand is padded (a copy per GEMM)
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
+    return chosen
+
+
+def fp8_linears(model: nn.Module) -> list[str]:
+    """Names of the modules that run float8 GEMMs (none without torchao)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """A torchao Float8Linear (False without torchao)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return False
+    return isinstance(module, Float8Linear)

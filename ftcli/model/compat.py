@@ -1,0 +1,335 @@
+"""Can this recipe run on this machine: known-bad version combinations, the tested version matrix, and
+whether the recipe's GPUs (count, type, memory) are here.
+
+Everything is a pure function of a `Here` (what the machine has) and a recipe, so each rule is tested on
+faked versions and machines (tests/test_compat.py); `detect_here` reads the real machine (torch is imported
+there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine without a GPU never
+imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.model.kernels and the
+known-bad rules) and "fits here" (ftcli.commands.plan's memory model against this machine) separately.
+
+Known-bad combinations:
+
+    transformers 5.2.0-5.8.1      drops cu_seq_lens / seq_idx on the way to Qwen3.5's gated-delta layers:
+                                  packed documents leak into each other
+    Blackwell + fla <= 0.5.1      silent NaN gradients / misaligned-address errors in chunk_gated_delta_rule
+      or Triton 3.7.0             (fla-org/flash-linear-attention#913: still reproduced on fla 0.5.1 main
+                                  @ c525f49 with Triton 3.7.0 on B200 on 2026-06-10; the issue was closed as
+                                  stale with no release named as the fix; fla#1000 later restricted the
+                                  Blackwell backward autotune configs for a hang). Later fla: a warning,
+                                  since no fix is confirmed and ftcli has not run on Blackwell.
+    no fla on a GPU, qwen3_5      the gated-delta rule falls back to ftcli's exact torch path per segment:
+                                  correct but many times slower (transformers' own torch fallback would
+                                  raise or leak across documents)
+    gpt-oss packed without sinks  an attention path without the learned sinks computes a different model
+    outside the tested matrix     installed versions that differ from constraints/<platform>.txt
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
+FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
+SINK_ATTENTION = ("flex_sinks", "eager_segments")  # ftcli.model.kernels backends that apply gpt-oss's sinks
+MATRIX_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
+                   "liger-kernel", "causal-conv1d", "flash-attn")
+BAD_TRANSFORMERS = ((5, 2, 0), (5, 8, 1))  # inclusive
+FLA_913 = "fla-org/flash-linear-attention#913"
+# a GPU driver is loaded (NVIDIA, ROCm) even when nvidia-smi does not list a GPU: then torch is asked
+GPU_DRIVER_SIGNS = (Path("/proc/driver/nvidia/gpus"), Path("/dev/kfd"))
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    status: str  # ok | warn | FAIL | n/a
+    detail: str
+    blocks_recipe: bool = False  # the recipe would train wrongly (or not at all) here
+
+
+@dataclass(frozen=True)
+class Here:
+    """What the machine has. `gpus`: (name, total memory in bytes) per visible GPU."""
+
+    versions: dict[str, str | None] = field(default_factory=dict)
+    gpus: tuple[tuple[str, int], ...] = ()
+    capability: tuple[int, int] | None = None
+    ram_bytes: int = 0
+    fla_importable: bool = False
+    gpt_oss_attention: str | None = None  # the attention backend ftcli.model.kernels picks for gpt_oss here
+
+    @property
+    def blackwell(self) -> bool:
+        return (self.capability or (0, 0))[0] in (10, 12)
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    parts = []
+    for piece in (version or "0").split("+")[0].split(".")[:3]:
+        digits = re.match(r"\d*", piece).group(0)
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _family(recipe) -> str | None:
+    return FAMILIES.get(recipe.model.model_type) if recipe is not None else None
+
+
+# ------------------------------------------------------------------------------------------ known bad
+def known_bad(recipe, here: Here) -> list[Problem]:
+    """The known-bad combinations for `recipe` (or for both families when None) on `here`."""
+    family = _family(recipe)
+    qwen = recipe is None or family == "qwen3_5"
+    packed = recipe is None or recipe.data.packing.enabled
+    v = here.versions
+    out = []
+
+    name = "transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)"
+    tv = v.get("transformers")
+    if not (qwen and packed):
+        out.append(Problem(name, NA, "no packed Qwen3.5 blocks in this recipe"))
+    elif tv and BAD_TRANSFORMERS[0] <= version_tuple(tv) <= BAD_TRANSFORMERS[1]:
+        out.append(Problem(name, FAIL, f"transformers {tv} drops cu_seq_lens / seq_idx before Qwen3.5's gated-delta "
+                           "layers: packed documents leak into each other; install transformers 5.24.0 "
+                           "(constraints/gpu-h200.txt)", blocks_recipe=recipe is not None))
+    else:
+        out.append(Problem(name, OK, f"transformers {tv or '-'}"))
+
+    name = f"Blackwell gated-delta NaN gradients ({FLA_913})"
+    fla = v.get("flash-linear-attention") or v.get("fla-core")
+    triton = v.get("triton")
+    if not here.blackwell or not qwen:
+        out.append(Problem(name, NA, f"capability {here.capability or '-'}" if qwen else "no gated-delta layers"))
+    elif not here.fla_importable:
+        out.append(Problem(name, NA, "fla not installed"))
+    elif version_tuple(fla) <= (0, 5, 1) or version_tuple(triton) == (3, 7, 0):
+        out.append(Problem(name, FAIL, f"fla {fla} / Triton {triton} on capability {here.capability}: "
+                           f"chunk_gated_delta_rule gives NaN gradients on Blackwell ({FLA_913}, reproduced with fla "
+                           "0.5.0 and 0.5.1 on Triton 3.7.0); no release is confirmed to fix it: check this machine "
+                           "with benchmarks/packed_kernels_gpu.py first", blocks_recipe=recipe is not None))
+    else:
+        out.append(Problem(name, WARN, f"fla {fla} / Triton {triton} on Blackwell: {FLA_913} was closed without a "
+                           "named fix and ftcli has not run on Blackwell; run benchmarks/packed_kernels_gpu.py once"))
+
+    name = "fla on a GPU machine (Qwen3.5 gated delta)"
+    if not here.gpus or not qwen:
+        out.append(Problem(name, NA, "no GPU" if not here.gpus else "no gated-delta layers"))
+    elif not here.fla_importable:
+        out.append(Problem(name, WARN, "flash-linear-attention is not installed: the gated-delta rule runs ftcli's "
+                           "exact torch path per segment, many times slower; pip install flash-linear-attention"))
+    else:
+        out.append(Problem(name, OK, f"fla {fla}"))
+
+    name = "gpt-oss packed attention keeps the sinks"
+    if recipe is not None and not (family == "gpt_oss" and packed):
+        out.append(Problem(name, NA, "no packed gpt-oss blocks in this recipe"))
+    elif here.gpt_oss_attention in SINK_ATTENTION:
+        out.append(Problem(name, OK, f"{here.gpt_oss_attention} applies the learned sinks"))
+    else:
+        out.append(Problem(name, FAIL, f"attention backend {here.gpt_oss_attention or 'none'} has no learned sinks: "
+                           "gpt-oss would train as a different model; use model.attn_implementation=auto on a "
+                           "torch with flex attention", blocks_recipe=recipe is not None))
+    return out
+
+
+# -------------------------------------------------------------------------------------- tested matrix
+def constraints_dir() -> Path | None:
+    """constraints/ of the source tree (next to the package, or under $CODE_SOURCE_PATH on AI Runtime)."""
+    for root in (Path(__file__).resolve().parents[2], Path(os.environ.get("CODE_SOURCE_PATH", "/nonexistent"))):
+        if (root / "constraints").is_dir():
+            return root / "constraints"
+    return None
+
+
+def platform_of(here: Here) -> str | None:
+    """The constraints file name for this machine: cpu, gpu-h100, gpu-h200; None for an untested card."""
+    if not here.gpus:
+        return "cpu"
+    name = here.gpus[0][0]
+    for card in ("H100", "H200"):
+        if card in name:
+            return f"gpu-{card.lower()}"
+    return None
+
+
+def read_constraints(path: Path, follow: bool = True) -> dict[str, str]:
+    """`name==version` pins (following `-c other.txt` lines unless not `follow`), lower-case names."""
+    pins: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-c ") and follow:
+            pins.update(read_constraints(path.parent / line[3:].strip()))
+        elif "==" in line:
+            name, ver = line.split("==", 1)
+            pins[name.strip().lower()] = ver.strip()
+    return pins
+
+
+def _matches(installed: str, pin: str) -> bool:
+    base = installed.split("+")[0]
+    if pin.endswith(".*"):
+        return base == pin[:-2] or base.startswith(pin[:-1])
+    return version_tuple(base) == version_tuple(pin)
+
+
+def matrix_check(here: Here, directory: Path | None = None) -> Problem:
+    name = "versions vs the tested matrix"
+    directory = directory or constraints_dir()
+    platform = platform_of(here)
+    if platform is None:
+        return Problem(name, WARN, f"no tested matrix for {here.gpus[0][0]}: ftcli was tested on CPU and H200")
+    path = directory / f"{platform}.txt" if directory else None
+    if path is None or not path.is_file():
+        return Problem(name, NA, f"constraints/{platform}.txt not found (it ships in the source tree)")
+    pins = read_constraints(path)
+    off = [f"{d} {here.versions[d]} (tested {pins[d]})" for d in MATRIX_PACKAGES
+           if d in pins and here.versions.get(d) and not _matches(here.versions[d], pins[d])]
+    if off:
+        return Problem(name, WARN, f"outside constraints/{platform}.txt: {', '.join(off)}")
+    return Problem(name, OK, f"within constraints/{platform}.txt ({len(pins)} pins)")
+
+
+# ---------------------------------------------------------------------------------------- can it run
+def fit_here(recipe, here: Here) -> tuple[bool, str]:
+    """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits this machine, and the figures."""
+    from ftcli.commands import plan
+    from ftcli.config.errors import UserError
+
+    compute = recipe.compute
+    wanted_card = compute.accelerator_type.split("x", 1)[1]
+    world = len(here.gpus) or recipe.training.cpu_processes
+    try:
+        per_rank = plan.memory_on(recipe, world).total
+    except UserError as e:
+        return True, f"not checked: {e}"
+    if not here.gpus:
+        need, have = world * per_rank, 0.92 * here.ram_bytes / 2**30
+        if need > have:
+            return False, (f"{recipe.name} needs ~{need:.0f} GiB of RAM on this CPU machine ({world} processes), it "
+                           f"has {here.ram_bytes / 2**30:.0f} GiB; it is a {compute.accelerator_type} recipe "
+                           f"({compute.num_accelerators} GPUs): run it there (ftcli render-workload --recipe "
+                           f"{recipe.name})")
+        return True, f"~{need:.1f} GiB of {have:.1f} GiB RAM usable ({world} CPU processes)"
+    name, total = here.gpus[0]
+    usable = 0.92 * total / 2**30
+    if per_rank > usable:
+        kind = "" if wanted_card in name else f" (the recipe is for {compute.accelerator_type})"
+        return False, (f"{recipe.name} needs {per_rank:.1f} GiB per GPU on {world} GPU(s); this {name} has "
+                       f"{usable:.1f} usable of {total / 2**30:.0f} GiB{kind}")
+    return True, f"{per_rank:.1f} GiB per GPU of {usable:.1f} usable on {world} x {name}"
+
+
+def can_run_here(recipe, here: Here) -> list[str]:
+    """Why `recipe` cannot run on this machine (empty: it can): the plan's memory per GPU on the GPUs that are
+    here (the launcher uses them all), or per CPU process against the RAM on a machine without GPUs."""
+    ok, detail = fit_here(recipe, here)
+    return [] if ok else [detail]
+
+
+def gpu_notes(recipe, here: Here) -> list[Problem]:
+    """Type and count against compute.accelerator_type (a different card or fewer GPUs is not an error when
+    the memory fits: the launcher uses the GPUs that are here)."""
+    compute = recipe.compute
+    wanted_card = compute.accelerator_type.split("x", 1)[1]
+    if not here.gpus:
+        return [Problem("GPUs vs compute.accelerator_type", NA if recipe.model.init == "random" else WARN,
+                        f"no GPU: {recipe.training.cpu_processes} CPU processes instead of {compute.accelerator_type}")]
+    name = here.gpus[0][0]
+    detail = f"{len(here.gpus)} x {name} here, recipe: {compute.num_accelerators} x {wanted_card}"
+    same = wanted_card in name and len(here.gpus) >= compute.gpus_per_node
+    return [Problem("GPUs vs compute.accelerator_type", OK if same else WARN, detail)]
+
+
+def nvidia_smi_gpus() -> tuple[tuple[str, int], ...] | None:
+    """(name, memory in bytes) of each GPU nvidia-smi lists, without importing torch; None when there is no
+    nvidia-smi (no NVIDIA driver: no GPU torch could use) or it fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    gpus = []
+    for line in out.stdout.splitlines():
+        name, _, mib = line.rpartition(",")
+        if name.strip() and mib.strip().isdigit():
+            gpus.append((name.strip(), int(mib) * 2**20))
+    return tuple(gpus)
+
+
+def gpu_probe() -> tuple[bool, str]:
+    """(whether torch must be asked about GPUs, what was found), without importing torch: yes when nvidia-smi
+    lists a GPU or a GPU driver is loaded (GPU_DRIVER_SIGNS); no GPU otherwise."""
+    listed = nvidia_smi_gpus()
+    if listed:
+        return True, f"nvidia-smi: {len(listed)} x {listed[0][0]}"
+    driver = next((str(p) for p in GPU_DRIVER_SIGNS if p.exists()), None)
+    if driver:
+        return True, f"{driver} exists but nvidia-smi lists no GPU"
+    return False, "nvidia-smi lists no GPU" if listed == () else "no nvidia-smi (no NVIDIA driver): no GPU"
+
+
+def torch_cuda_build() -> str | None:
+    """`torch.version.cuda` (None: a CPU build or no torch), read from torch/version.py unless torch is
+    imported already; torch is imported only when that file cannot be read."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.cuda
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return None
+    try:
+        text = Path(next(iter(spec.submodule_search_locations)), "version.py").read_text()
+        return ast.literal_eval(re.search(r"^cuda\s*(?::[^=]*)?=\s*(.+)$", text, re.M).group(1).strip())
+    except (OSError, StopIteration, AttributeError, ValueError, SyntaxError):
+        import torch
+
+        return torch.version.cuda
+
+
+def tested_in(dist: str, installed: str | None, directory: Path | None = None) -> str | None:
+    """The constraints file (constraints/<platform>.txt, the tested matrix) that pins `dist` to `installed`,
+    or None when no file does."""
+    directory = directory or constraints_dir()
+    for path in sorted(directory.glob("*.txt")) if directory and installed else []:
+        pin = read_constraints(path, follow=False).get(dist)  # the file that pins it, not one that includes it
+        if pin and _matches(installed, pin):
+            return f"constraints/{path.name}"
+    return None
+
+
+def detect_here(m) -> Here:
+    """The real machine as `m` (its `ftcli.model.kernels.Machine`) saw it; torch is imported only when `m` is a CUDA
+    device (GPU names and memory as torch sees them: CUDA_VISIBLE_DEVICES applies)."""
+    from ftcli.model import kernels
+
+    gpus: tuple[tuple[str, int], ...] = ()
+    capability = None
+    if m.device_type == "cuda":
+        import torch
+
+        gpus = tuple((torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+                     for i in range(torch.cuda.device_count()))
+        capability = tuple(torch.cuda.get_device_capability(0))
+    attention = next((b.name for b in kernels.decide_backends("gpt_oss", m) if b.op == "attention"), None)
+    versions = {}
+    for dist in (*MATRIX_PACKAGES, "fla-core"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return Here(versions=versions, gpus=gpus, capability=capability, ram_bytes=ram,
+                fla_importable="fla" in m.importable, gpt_oss_attention=attention)

@@ -1,0 +1,101 @@
+"""Install the chosen backends process-wide, and take them out again.
+
+Attention goes through `transformers.AttentionInterface` / `AttentionMaskInterface` (no model class is
+touched). transformers offers no hook for the gated-delta rule and the conv when the `kernels` package
+is absent (its `use_kernel_func_from_hub_with_fallback` binds fla / causal-conv1d at import time, and its
+torch fallbacks raise on `cu_seqlens`/`seq_idx`), so the two module globals `torch_chunk_gated_delta_rule`
+and `causal_conv1d_fn` of the qwen3_5 modeling module, which the layer looks up at call time, are
+replaced. `disable_packed_kernels` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ftcli.config.errors import UserError
+from ftcli.model.kernels.choose import (
+    FAMILY_OPS,
+    MODEL_FAMILIES,
+    QWEN35_GLOBALS,
+    QWEN35_MODULE,
+    UNAVAILABLE,
+    Backend,
+    check_packing_safe,
+    decide_backends,
+)
+from ftcli.model.kernels.ops import KERNELS, MASKS, TRANSFORMERS_ORIGINALS, transformers_original
+
+log = logging.getLogger("ftcli.model.kernels")
+
+# attention backend -> the attn_implementation name models are given
+ATTN_IMPLEMENTATIONS = {
+    "flash_attn_varlen": "flash_attention_2",
+    "torch_varlen": "ftcli_varlen",
+    "sdpa_segments": "ftcli_sdpa_segments",
+    "flex_sinks": "ftcli_flex_sinks",
+    "eager_segments": "ftcli_eager_segments",
+}
+
+_LOGGED: set[tuple] = set()
+
+
+def enable_packed_kernels(
+    model_type: str, device: str | torch.device, *, reference: bool = False
+) -> tuple[str, list[Backend]]:
+    """Choose and install the packed kernels for `model_type` on `device`; log the choice once.
+
+    Returns the attn_implementation to give `from_pretrained` / `from_config` /
+    `model.set_attn_implementation`, and the backends. Raises UserError when packed training of this
+    model cannot be correct here (unknown model_type, fla with wrong gradients).
+    """
+    problems = check_packing_safe(model_type, device)
+    if problems:
+        raise UserError(problems[0])
+    backends = decide_backends(model_type, device, reference=reference)
+    attn_implementation = install_backends(model_type, backends)
+    key = (model_type, str(device), tuple(backends))
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(
+            "packed kernels for %s on %s: %s",
+            model_type,
+            device,
+            "; ".join(f"{b.op}={b.name} ({b.reason})" for b in backends),
+        )
+    return attn_implementation, backends
+
+
+def install_backends(model_type: str, backends: list[Backend]) -> str:
+    """Install the given backends (process-wide) and return the attn_implementation name to use."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    by_op = {b.op: b for b in backends}
+    missing = set(FAMILY_OPS[MODEL_FAMILIES[model_type]]) - set(by_op)
+    assert not missing, f"no backend for {missing}"
+    for b in backends:
+        if b.name == UNAVAILABLE:
+            raise UserError(f"{b.op}: {b.reason}")
+
+    attention = by_op["attention"].name
+    attn_implementation = ATTN_IMPLEMENTATIONS[attention]
+    if attention in KERNELS["attention"]:
+        AttentionInterface.register(attn_implementation, KERNELS["attention"][attention])
+        AttentionMaskInterface.register(attn_implementation, MASKS[attention])
+
+    if MODEL_FAMILIES[model_type] == "qwen3_5":
+        module = importlib.import_module(QWEN35_MODULE)
+        for op, name in QWEN35_GLOBALS.items():
+            transformers_original(name)  # saved before the first replacement
+            setattr(module, name, KERNELS[op][by_op[op].name])
+    return attn_implementation
+
+
+def disable_packed_kernels() -> None:
+    """Put transformers' own gated-delta rule and conv back (registered attention names stay)."""
+    if TRANSFORMERS_ORIGINALS:
+        module = importlib.import_module(QWEN35_MODULE)
+        for name, fn in TRANSFORMERS_ORIGINALS.items():
+            setattr(module, name, fn)

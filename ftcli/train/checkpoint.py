@@ -1,0 +1,451 @@
+"""Resumable sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export.
+
+One checkpoint is one directory, committed by a rename:
+
+    <run>/checkpoints/
+      step_00000200/            committed: `latest_checkpoint` only ever returns one of these
+        .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: model + optimizer, each rank writes its shards
+        rank_00000.json, rank_00000.safetensors, ...   per-rank trainer state: data position, RNG, ...
+        meta.json                                      step, world size, token counts (written last)
+      .tmp_step_00000250/       a save in progress, or one a crash interrupted: never resumed from
+
+Every rank writes into the .tmp dir; after a barrier rank 0 writes meta.json and renames the dir, so a
+crash (kill -9 of any rank) at any point leaves either the old set of checkpoints or the new one. Then
+rank 0 deletes all but the newest `keep_last`. The checkpoint dir must be on a filesystem every rank
+sees (one node, or a shared filesystem across nodes).
+
+Model and optimizer state go through `get_state_dict` / `set_state_dict`, so the sharded DTensors are
+saved as shards; DCP reshards them on load, so a checkpoint written by N ranks resumes on M. The rest
+is world-size-free too: the data position is the number of GLOBAL blocks consumed
+(`ftcli.data.BlockStream.state_dict`), the scheduler and the step accounting are the same on every
+rank. Only the RNG state is per rank: on M != N, rank r takes rank r's state when r < N, else rank 0's
+(`rank_state_source`); the trainers draw no random numbers per step (no dropout), so this changes
+nothing they compute. With the same global batch (ranks x grad_accum) the resumed run takes the same
+blocks per optimizer step as the uninterrupted one.
+
+A save that a SIGKILL interrupted leaves a `.tmp_step_*` dir: `remove_interrupted_saves` (rank 0,
+at the next start) deletes those.
+
+Loading never runs code from the checkpoint dir (a run dir may come from anywhere): ftcli's own state is
+JSON plus a safetensors file (`write_rank_state` / `read_rank_state`; an older ftcli's rank_*.pt is read
+with torch.load(weights_only=True)), DCP's pickled `.metadata` is unpickled first with an allowlist of
+DCP's own record classes (`check_dcp_metadata`), and DCP's non-tensor items load through
+torch.load(weights_only=True) (`SafeLoadPlanner`). A file that fails these is one UserError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+
+from ftcli.config.errors import UserError
+from ftcli.artifacts.rundir import CHECKPOINTS
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _last_trl_checkpoint(root: Path) -> Path | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(root)) if Path(root).is_dir() else None
+    return Path(last) if last else None
+
+
+# kind -> (newest checkpoint under a folder, the file a complete checkpoint holds, message when none, when not one)
+_RESUME_KINDS = {
+    "dcp": (latest_checkpoint, "meta.json", "--resume: no checkpoint in {root}; train without --resume",
+            "--resume {resume}: not a complete ftcli checkpoint (no meta.json)"),
+    "trl": (_last_trl_checkpoint, "trainer_state.json",
+            "--resume: no checkpoint-N in {root}; train without --resume to start fresh",
+            "--resume {resume}: not a LoRA checkpoint (no trainer_state.json)"),
+}
+
+
+def resolve_resume(run_dir: Path, resume: str | None, kind: Literal["dcp", "trl"] = "dcp") -> Path | None:
+    """`--resume` -> the checkpoint dir to resume from (None: start fresh). Both trainers call it.
+
+    resume: None | "latest" (the newest under <run>/checkpoints) | a checkpoint dir | a folder of them
+    (e.g. a run's checkpoints/: its newest). kind: "dcp" for the full path's step_XXXXXXXX dirs (this
+    module), "trl" for the LoRA path's checkpoint-N dirs (transformers' Trainer). A path that is not a
+    complete checkpoint of that kind is one UserError."""
+    if resume is None:
+        return None
+    newest, marker, none_found, not_one = _RESUME_KINDS[kind]
+    if resume == "latest":
+        root = Path(run_dir) / CHECKPOINTS
+        path = newest(root)
+        if path is None:
+            raise UserError(none_found.format(root=root))
+        return path
+    path = Path(resume)
+    if not (path / marker).is_file():
+        path = newest(path) or path  # a run dir's checkpoints/ folder is accepted too
+    if not (path / marker).is_file():
+        raise UserError(not_one.format(resume=resume))
+    return path
+
+
+class CheckpointSchedule:
+    """When to save: every `every_steps` steps and/or every `every_minutes` minutes (both trainers).
+
+    The clock is a single rank's (rank 0's): `time_due()` is only meaningful there, and the trainer hands
+    rank 0's answer to every rank (`ftcli.train.distributed.rank0_decides`, or one all-reduce MAX with other
+    numbers), so that all ranks save at the same step. `mark_saved()` restarts the clock."""
+
+    def __init__(self, enabled: bool, every_steps: int | None, every_minutes: float | None, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.enabled, self.every_steps, self.every_minutes = enabled, every_steps, every_minutes
+        self.clock = clock
+        self.last_save = clock()
+
+    @classmethod
+    def from_config(cls, cfg, **kwargs) -> "CheckpointSchedule":
+        """From the recipe's `training.checkpoint`."""
+        return cls(cfg.enabled, cfg.every_steps, cfg.every_minutes, **kwargs)
+
+    def time_due(self) -> bool:
+        return self.every_minutes is not None and self.clock() - self.last_save >= 60 * self.every_minutes
+
+    def due(self, step: int, time_due: bool) -> bool:
+        """Save after `step`? `time_due`: rank 0's `time_due()`, shared by every rank."""
+        return self.enabled and ((self.every_steps is not None and step % self.every_steps == 0) or bool(time_due))
+
+    def mark_saved(self) -> None:
+        self.last_save = self.clock()
+
+
+# -------------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------- save/load
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank_state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep_last: int,
+    protect: list[Path] = (),
+) -> Path:
+    """Collective: every rank calls it. Returns the committed checkpoint dir. Rotation keeps the newest
+    `keep_last` and every checkpoint in `protect` (the best eval's, training.checkpoint.keep_best)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp_{final.name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this same step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    write_rank_state(tmp, rank, rank_state)
+    dist.barrier()  # every rank's files are on disk
+
+    if rank == 0:
+        meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if final.exists():  # re-saving a step (a resumed run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        kept = {Path(p).resolve() for p in protect}
+        for old in list_checkpoints(root)[:-keep_last]:
+            if old.resolve() not in kept:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def rank_state_source(saved_world_size: int, rank: int) -> int:
+    """Whose per-rank trainer state rank `rank` loads from a checkpoint of `saved_world_size` ranks: its
+    own when it had one, else rank 0's (scheduler, data position and step accounting are equal on every
+    rank; only the RNG differs, see the module doc)."""
+    return rank if rank < saved_world_size else 0
+
+
+def remove_interrupted_saves(root: Path) -> list[Path]:
+    """Delete the `.tmp_step_*` dirs under `root` (saves a crash or a second kill interrupted; never
+    resumed from). Rank 0, before the run's first save; returns what was removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted(p for p in root.iterdir() if p.is_dir() and _TMP_STEP_DIR.match(p.name))
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a committed checkpoint dir: step_XXXXXXXX (full) or checkpoint-N (LoRA, TRL)."""
+    name = Path(path).name
+    match = _STEP_DIR.match(name) or re.match(r"^checkpoint-(\d+)$", name)
+    if not match:
+        raise ValueError(f"not a checkpoint dir: {path}")
+    return int(match.group(1))
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Collective. Loads model + optimizer in place; returns (this rank's trainer state, meta)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    meta = read_meta(path)
+    rank = rank_state_source(meta["world_size"], dist.get_rank())  # the rank state this rank resumes from
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    rank_state = read_rank_state(path, rank)
+    check_dcp_metadata(path)
+    try:
+        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+    except CheckpointException as e:  # DCP wraps what each rank raised; ours is one line
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
+        if refused:
+            raise UserError(f"checkpoint {path}: {refused[0]}") from None
+        raise
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return rank_state, meta
+
+
+# ----------------------------------------------------------------------- loading that runs no code
+def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The trainer state as JSON: tensors go to `tensors` (safetensors) and leave a reference; numpy
+    arrays and tuples (the RNG states) are tagged so they come back as they were."""
+    if isinstance(value, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = value.detach().cpu().contiguous().clone()
+        return {"__tensor__": name}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) and not k.startswith("__") for k in value), f"state keys: {list(value)[:5]}"
+        return {k: _encode(v, tensors) for k, v in value.items()}
+    assert value is None or isinstance(value, (bool, int, float, str)), f"cannot save {type(value).__name__}"
+    return value
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.asarray(value["__ndarray__"], dtype=np.dtype(value["dtype"]))
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
+    """This rank's trainer state (scheduler, data position, RNG) as rank_XXXXX.json + .safetensors."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(state, tensors)
+    save_file(tensors, str(Path(ckpt_dir) / f"rank_{rank:05d}.safetensors"))
+    (Path(ckpt_dir) / f"rank_{rank:05d}.json").write_text(json.dumps(encoded) + "\n")
+
+
+def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
+    """What `write_rank_state` wrote; an older ftcli's rank_XXXXX.pt through torch.load(weights_only=True).
+    Anything else (a pickle that would run code, a damaged file) is one UserError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / f"rank_{rank:05d}.json"
+    if path.is_file():
+        try:
+            encoded = json.loads(path.read_text(encoding="utf-8"))
+            tensors = load_file(str(path.with_suffix(".safetensors")))
+            return _decode(encoded, tensors)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            raise UserError(f"checkpoint {ckpt_dir}: cannot read {path.name} and its .safetensors ({e}); "
+                            "resume from another checkpoint") from None
+    legacy = ckpt_dir / f"rank_{rank:05d}.pt"
+    if not legacy.is_file():
+        raise UserError(f"checkpoint {ckpt_dir} has no trainer state for rank {rank} ({path.name}); "
+                        "resume from another checkpoint")
+    try:  # an older ftcli pickled it; the numpy RNG state is the only non-torch type it holds
+        with torch.serialization.safe_globals([np.ndarray, np.dtype, np.dtypes.UInt32DType,
+                                               np._core.multiarray._reconstruct]):
+            return torch.load(legacy, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, or whatever a damaged file raises
+        raise UserError(f"checkpoint {ckpt_dir}: {legacy.name} holds more than tensors and plain data, so ftcli does "
+                        f"not load it (loading could run code: {_first_line(e)})") from None
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint {ckpt_dir}: cannot read meta.json ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
+        raise UserError(f"checkpoint {ckpt_dir}: meta.json is not one ftcli wrote (no world_size)")
+    return meta
+
+
+def _first_line(e: BaseException) -> str:
+    """The line that says why: torch.load's weights_only refusal names the global on a later line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    found = [ln.split(" was not an allowed global")[0] for ln in lines if "Unsupported global" in ln]
+    return found[0].removeprefix("WeightsUnpickler error: ") if found else lines[0]
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` allowing only the records DCP itself writes there (dataclasses and
+    enums of torch.distributed.checkpoint, torch.Size, dtypes, layouts, paths); any other global, the
+    way a crafted pickle runs code, raises before it is looked up, let alone called."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+    _NAMED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        import dataclasses
+        import enum
+
+        if (module, name) in self._NAMED:
+            return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif module in self._MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def check_dcp_metadata(ckpt_dir: Path) -> None:
+    """Every *.metadata file of a DCP checkpoint unpickles with `_DcpMetadataUnpickler`, or UserError.
+    (DCP then reads the same file with pickle; a file swapped in between needs write access to the
+    checkpoint while it is being resumed.)"""
+    import io
+
+    for path in sorted(Path(ckpt_dir).glob("*.metadata")) or [Path(ckpt_dir) / ".metadata"]:
+        try:
+            _DcpMetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, ... on a damaged or crafted file
+            raise UserError(f"checkpoint {ckpt_dir}: {path.name} is not DCP metadata ftcli can load safely "
+                            f"({_first_line(e)}); resume from another checkpoint") from None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner, except that a non-tensor item (the optimizer's hyperparameters) must load
+    with torch.load(weights_only=True) first: the default unpickles it with weights_only=False."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - UnpicklingError on a crafted item
+            raise UserError(f"item {read_item.dest_index.fqn} holds more than plain data, so ftcli does "
+                            f"not load it (loading could run code: {_first_line(e)})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def best_checkpoint(root: Path, step: int | None) -> Path | None:
+    """The committed checkpoint of `step` under `root` (the best eval's), or None."""
+    if step is None:
+        return None
+    path = Path(root) / step_dir_name(step)
+    return path if (path / "meta.json").is_file() else None
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Collective. Only the model weights of a checkpoint, into the (sharded) model: the best eval's model
+    before the final export (eval.export=best). The optimizer and trainer state are left alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+
+
+# ------------------------------------------------------------------------------------- final export
+def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: Path, dtype: torch.dtype) -> None:
+    """Collective. Gathers the full state dict to rank 0 (CPU) and writes a `from_pretrained` dir there:
+    safetensors + config + generation config + tokenizer + chat template. `build_empty()` returns the
+    same model class with parameters on the meta device (the gathered tensors are assigned into it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    export = build_empty()
+    missing, unexpected = export.load_state_dict(full, strict=False, assign=True)
+    assert not unexpected, f"unexpected keys in the gathered state dict: {unexpected[:5]}"
+    assert not [k for k in missing if k in dict(export.named_parameters())], f"missing: {missing[:5]}"
+    export.to(dtype)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp_{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)

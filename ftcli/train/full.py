@@ -1,0 +1,743 @@
+"""Full-parameter fine-tuning with FSDP2: one loop, read top to bottom.
+
+`train(recipe, run_dir, resume)` runs in every torchrun worker (ftcli.train.launch starts them):
+
+    1. distributed   one process per GPU (NCCL), or recipe.training.cpu_processes on CPU (gloo)
+    2. data          rank 0 tokenizes and packs (cached on disk), then every rank streams its blocks
+    3. model         built on the meta device, `fully_shard` per decoder layer then the root, then
+                     only this rank's shard is materialized: random init or pretrained weights
+    4. optimizer     AdamW over the sharded fp32 master weights; warmup + schedule
+    5. resume        model, optimizer, scheduler, data position and RNG from a DCP checkpoint
+    6. loop          count trained tokens -> all-reduce -> forward/backward every micro-batch with
+                     the loss divided by the GLOBAL count -> grad norm, clip -> step (or skip) -> log
+                     -> checkpoint
+    7. finish        last checkpoint, Hugging Face export to <run>/final (the last or the best model), run.json
+
+Eval (`recipe.eval`, ftcli.train.evaluate): the held-out loss every eval.every_steps / every_minutes, at step 0
+if asked and at the last step, in the step line; the best eval's checkpoint kept (keep_best), early
+stopping, and greedy samples (every rank generates: each decoding step is a sharded forward).
+
+Precision: the sharded parameters are the master weights, in `precision.master_dtype` (float32 by
+default). FSDP2's MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16) for compute and
+reduce-scatters gradients in `reduce_dtype` (fp32); AdamW then updates the fp32 shards, so an update
+of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the published qwen-b300 example's setup (weights loaded
+in bf16): an update smaller than half a bf16 ulp of its weight rounds away (see
+tests/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
+
+Random init (`model.init: random`) must not depend on the world size: a 1-rank and a 2-rank run start
+from the same weights, and a 27B model never exists whole on one device, nor on rank 0 to broadcast.
+So the weights are generated group by group (one decoder layer, then everything else): every rank
+materializes the group in full on its own device, seeds the RNG from (training.seed, group name), runs
+the model's own Hugging Face init on it, keeps its shard and frees the rest. Same seed, same group,
+same values, whatever the sharding; the peak extra memory is the largest group (for the 27B shape,
+embeddings + LM head + vision tower, ~3B values). Pretrained weights are read by rank 0 and
+broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
+
+Activation checkpointing: `full` recomputes every decoder layer in backward (as the published qwen-b300 example), except
+the last `activation_checkpointing_keep` layers, which keep their activations (memory traded for speed
+where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
+recompute (a layer-level choice works the same for the linear-attention and full-attention layers
+of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
+logits unless `loss.impl: full` asks for the published examples' behaviour; see `ftcli.train.loss.token_loss_sum`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch import nn
+
+from ftcli import data
+
+from ftcli.model import kernels
+from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
+                              remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
+                              save_hf_checkpoint, set_rng_state, step_dir_name)
+from ftcli.train.distributed import World, all_reduce, init_distributed, rank0_first
+from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, eval_summaries, evaluate_now,
+                            prepare_eval, publish_eval, sample_now, samples_due)
+from ftcli.features.float8 import check_fp8_device, convert_to_fp8, fp8_linears, is_float8_linear
+from ftcli.features.fused_ops import FUSED_MODULES, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
+from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
+from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
+from ftcli.model.build import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model, text_final_norm
+from ftcli.train.preempt import Stopped, stop_flag
+from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
+from ftcli.artifacts.tracking import start_tracking
+
+# ========================================================================================== model
+def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
+    """The recipe's model with parameters on the meta device and real buffers (rotary inv_freq is a
+    non-persistent buffer computed in __init__: it is in no checkpoint, so it must stay real)."""
+    from accelerate import init_empty_weights
+
+    config = load_config(cfg)
+    config.use_cache = False
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = False
+    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        return auto_class(cfg.model_class).from_config(config, **kwargs)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def count_text_params(model: nn.Module) -> int:
+    """Non-embedding parameters a text token goes through (the vision tower of a VLM class excluded)."""
+    _, non_embedding = count_params(model)
+    visual = vision_tower(model)
+    return non_embedding - (sum(p.numel() for p in visual.parameters()) if visual is not None else 0)
+
+
+def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
+    """Which decoder layers recompute their activations in backward (the module doc); returns the flags."""
+    layers = decoder_layers(model)
+    if tcfg.activation_checkpointing == "none":
+        flags = [False] * len(layers)
+    elif tcfg.activation_checkpointing == "full":  # the last `keep` layers keep their activations
+        flags = [i < len(layers) - tcfg.activation_checkpointing_keep for i in range(len(layers))]
+    else:  # selective
+        flags = [i % 2 == 0 for i in range(len(layers))]
+    if any(flags):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer, flag in zip(layers, flags):
+        layer.gradient_checkpointing = flag
+    return flags
+
+
+REGION_RECOMPILE_LIMIT = 64
+
+
+def compile_regions(layer: nn.Module) -> list[str]:
+    """The parts of one decoder layer that `training.compile=regions` compiles, by name in the layer.
+
+    Compiling a whole layer does not pay on Qwen3.5: the gated-delta and attention kernels are graph
+    breaks, and under activation checkpointing a break inside the checkpointed layer sends all of it back
+    to eager. The parts around them have no break: the norms, the dense MLP (its activation and, with
+    fp8, its float8 casts fuse into the GEMMs' neighbours) and the other float8 linears (their amax and
+    scale-and-cast fuse). A module already fused by `training.fused_ops` stays as it is (a float8 linear
+    inside a fused MLP is still compiled); an MoE MLP (experts) is left alone.
+    """
+    fused = tuple(FUSED_MODULES.values())
+    chosen: list[str] = []
+    for name, m in layer.named_modules():
+        if not name or any(name.startswith(c + ".") for c in chosen) or isinstance(m, fused):
+            continue
+        dense_mlp = name.rpartition(".")[2] == "mlp" and not hasattr(m, "experts")
+        norm = type(m).__name__.endswith(("RMSNorm", "RMSNormGated", "LayerNorm"))
+        if dense_mlp or norm or is_float8_linear(m):
+            chosen.append(name)
+    return chosen
+
+
+def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
+    """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
+    tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    tcfg = recipe.training
+    layers = decoder_layers(model)
+    set_activation_checkpointing(model, tcfg)
+    if tcfg.compile == "regions":  # one graph per region shape (8 float8 weight shapes in a Qwen3.5 layer pair,
+        # norms on contiguous and strided inputs, eval blocks): dynamo's default of 8 would send the rest to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
+    for layer in layers:  # in place: parameter names (and so checkpoints) stay the same
+        if tcfg.compile == "regions":
+            for name in compile_regions(layer):
+                layer.get_submodule(name).compile()
+        elif tcfg.compile:
+            layer.compile()
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
+    )
+    for layer in layers:
+        fully_shard(layer, mesh=world.mesh, mp_policy=mp_policy)
+    visual = vision_tower(model)
+    if visual is not None:
+        visual.requires_grad_(False)
+        fully_shard(visual, mesh=world.mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
+    return model
+
+
+def _group_seed(seed: int, group: str) -> int:
+    return zlib.crc32(f"{seed}/{group}".encode()) & 0x7FFFFFFF
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
+    """Fill the sharded `model` with a random init that does not depend on the sharding (module doc).
+    `template` is an unsharded meta copy of the same model; one group at a time is made real in it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    names = {id(m): n for n, m in template.named_modules()}
+    layers_prefix = names[id(decoder_layers(template))] + "."
+    groups = [f"{layers_prefix}{i}." for i in range(len(decoder_layers(template)))] + ["<rest>"]
+    sharded = dict(model.named_parameters())
+    for group in groups:
+        def in_group(name: str, group=group) -> bool:
+            return name.startswith(group) if group != "<rest>" else not name.startswith(layers_prefix)
+
+        members = [m for n, m in template.named_modules() if in_group(n + ".")]
+        for m in members:
+            m.to_empty(device=device, recurse=False)
+        for m in template.modules():  # HF skips modules it has initialized once
+            m.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(_group_seed(seed, group))
+        template.initialize_weights()  # the model's own init; meta tensors of other groups are no-ops
+        for name, full in template.named_parameters():
+            if in_group(name):
+                target = sharded[name]
+                if isinstance(target, DTensor):
+                    full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                target.copy_(full)
+        for m in members:
+            m.to_empty(device="meta", recurse=False)
+
+
+def load_pretrained_weights(model: nn.Module, cfg, dtype: torch.dtype, world: World) -> None:
+    """Rank 0 reads the checkpoint (CPU); every rank receives its shards by broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = load_model(cfg, dtype=dtype).state_dict() if world.is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Module:
+    """Meta build -> shard -> materialize this rank's shard -> weights. Returns the FSDP2 model."""
+    cfg, tcfg = recipe.model, recipe.training
+    master_dtype = DTYPES[tcfg.precision.master_dtype]
+    model = build_empty_model(cfg, master_dtype, attn_implementation)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    if tcfg.fused_ops:  # the same parameter objects under the same names: sharding and checkpoints unchanged
+        check_fused_device(world.device, tcfg.fused_ops)
+        fuse_decoder_ops(model, decoder_layers(model), tcfg.fused_ops, load_kernels(tcfg.fused_ops),
+                         final_norm=text_final_norm(model))
+    if tcfg.precision.fp8:  # before sharding: FSDP2 then shards the swapped modules' same parameters
+        check_fp8_device(world.device)
+        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
+    shard_model(model, recipe, world)
+    model.to_empty(device=world.device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    if cfg.init == "random":
+        init_random_weights(model, build_empty_model(cfg, master_dtype), tcfg.seed, world.device)
+    else:
+        load_pretrained_weights(model, cfg, master_dtype, world)
+    model.train()
+    return model
+
+
+# ================================================================================ loss algebra
+# One optimizer step covers W ranks x M micro-batches (blocks). The objective is the mean token loss
+# over every trained token of the step, wherever it sits:
+#
+#     L = (1 / N) * sum_{r, m} S_{r,m}          S_{r,m} = summed token CE of block m on rank r
+#                                               N = global_valid_tokens = sum_{r,m} n_{r,m}
+#
+# N is known before any backward: every rank counts its trained tokens n_{r,m} from the labels and
+# one all_reduce(SUM) adds them up. Each rank then backpropagates, per micro-batch,
+#
+#     l_{r,m} = S_{r,m} * W / N
+#
+# Gradients of the micro-batches add up in the sharded .grad (FSDP2 reduce-scatters after every
+# backward and accumulates), and the reduce-scatter AVERAGES over the W ranks, i.e. divides by W:
+#
+#     grad = (1/W) * sum_r sum_m grad(S_{r,m}) * W / N = grad(L)
+#
+# so 1 rank x 4 micro-batches, 2 ranks x 2 and one 4-block batch give the same gradient, however
+# unevenly the trained tokens are spread. Averaging per-block means instead would weight a block
+# with 3 trained tokens like one with 3,000, and an all-masked block would give 0/0 = NaN. A step
+# with N = 0 (every block masked: padding at the end of the data) is skipped on every rank.
+def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int):
+    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss."""
+    summed_loss = torch.zeros((), dtype=torch.float64)
+    for inputs in micro_batches:
+        loss_sum = model.loss_sum(**inputs)
+        (loss_sum * (world_size / global_valid_tokens)).backward()
+        summed_loss += loss_sum.detach().double().cpu()
+    return float(summed_loss)
+
+
+# ====================================================================================== optimizer
+def build_optimizer(model: nn.Module, recipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases, or 1-D gates like A_log)."""
+    ocfg = recipe.training.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": ocfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+        fused=True if ocfg.fused and device.type == "cuda" else None,
+    )
+
+
+def lr_factor(step: int, total_steps: int, schedule) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based). Linear warmup to 1 over the warmup
+    steps, then: constant; cosine / cosine_with_min_lr (to min_lr_ratio); linear (to min_lr_ratio)."""
+    warmup = int(schedule.warmup) if schedule.warmup >= 1 else int(round(schedule.warmup * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.name.startswith("cosine") else 1 - progress
+    return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
+    """Global L2 norm of the sharded gradients (same value on every rank); clips when max_norm is set
+    and the norm is finite."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    norm = float(total)
+    if max_norm is not None and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
+    return norm
+
+
+# ================================================================================== micro-batches
+def _padding_inputs(like: dict | None, device: torch.device) -> dict:
+    """A micro-batch with no trained token: lets a rank that ran out of blocks still join the FSDP
+    collectives of a step. It contributes 0 to the summed loss and 0 to the token count."""
+    if like is not None:
+        out = dict(like)
+        out["labels"] = torch.full_like(like["labels"], IGNORE_INDEX)
+        return out
+    n = 8
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return {
+        "input_ids": torch.zeros(1, n, dtype=torch.long, device=device),
+        "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long, device=device),
+        "position_ids": torch.arange(n, device=device).unsqueeze(0),
+        "seq_idx": torch.zeros(1, n, dtype=torch.int32, device=device),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n,
+    }
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0  # data steps (windows of grad_accum blocks per rank), skipped ones included
+    optimizer_steps: int = 0
+    skipped_empty: int = 0
+    skipped_nonfinite: int = 0
+    tokens_trained: int = 0
+    tokens_seen: int = 0
+    final_loss: float | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+# ========================================================================================= train
+def train(recipe, run_dir: Path, resume: str | None, *, loss_fn: Callable = token_loss_sum,
+          blocks: Callable[[data.BlockStream], Iterable[data.Block]] | None = None) -> TrainResult:
+    """The entry point in every torchrun worker: set up torch.distributed, train, always tear it down.
+
+    The seams tests inject faults through: `loss_fn` replaces `token_loss_sum` (same signature), and
+    `blocks(stream)` turns this rank's BlockStream into the blocks the loop reads (default: the stream)."""
+    world = init_distributed()
+    try:
+        run = FullRun(recipe, Path(run_dir), resume, world, loss_fn=loss_fn)
+        return run.train(blocks(run.stream) if blocks is not None else None)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # let the model go (below) while the exception propagates
+        raise
+    finally:
+        # FSDP state holds collective work objects in reference cycles; free them while the process group
+        # and the interpreter are alive (freed at exit instead, gloo can abort the process).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+class FullRun:
+    """One run on this rank, in the order it happens (the numbers of the module docstring):
+
+        run = FullRun(recipe, run_dir, resume, world)    1-5  tracking, data, model, optimizer, resume
+        run.train()                                      6    for each step's blocks:
+            run.step(blocks, num_micro_batches)                 count -> all-reduce -> forward/backward
+                                                                -> clip -> step or skip -> log
+            run.maybe_checkpoint(save_by_time)
+            run.stop(signum)  (at a step boundary, after SIGTERM / SIGINT on any rank: checkpoint, `Stopped`)
+        run.finish()                                     7    last checkpoint, HF export, run.json
+
+    The attributes are the run's state; `result` is what `train` returns (and what a checkpoint keeps)."""
+
+    def __init__(self, recipe, run_dir: Path, resume: str | None, world: World, *,
+                 loss_fn: Callable = token_loss_sum):
+        self.recipe, self.run_dir, self.world = recipe, run_dir, world
+        self.stop_flag = stop_flag()  # SIGTERM / SIGINT from here on: stop at the next step boundary
+        tcfg = self.tcfg = recipe.training
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(highlight=False, soft_wrap=True)
+
+        # ---- 1. setup ----------------------------------------------------------------------------
+        say = self.say = self.console.print if world.is_main else (lambda *a, **k: None)
+        torch.manual_seed(tcfg.seed)
+        if tcfg.per_device_batch != 1:
+            say(f"warning: training.per_device_batch={tcfg.per_device_batch} has no effect here (one packed "
+                "block per micro-batch); use training.grad_accum")
+        self.tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
+
+        # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it
+        self.prepare_data()
+        # ---- 3. model: meta -> shard -> materialize this rank's shard
+        trainable, non_embedding = self.prepare_model(loss_fn)
+
+        # ---- 4. optimizer + schedule -------------------------------------------------------------
+        self.optimizer = build_optimizer(self.model, recipe, world.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, tcfg.schedule))
+
+        # ---- 5. resume ---------------------------------------------------------------------------
+        self.result = TrainResult()
+        if world.is_main:
+            remove_interrupted_saves(run_dir / CHECKPOINTS)
+        start = resolve_resume(run_dir, resume, kind="dcp")
+        if start is not None:
+            self.restore(start)
+            say(f"resumed from {start} at step {self.result.steps}")
+        self.save_schedule = CheckpointSchedule.from_config(tcfg.checkpoint)
+        self.last_save_step = self.result.steps
+        self.bad_in_a_row = 0  # consecutive steps with a non-finite loss or grad norm
+        self.last_inputs: dict | None = None  # this rank's last micro-batch (the shape of its padding)
+
+        say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
+            f"{world.world_size} x {world.device.type}, {self.total_steps} steps of {tcfg.grad_accum} block(s) "
+            f"per rank, run dir {run_dir}")
+        self.metrics_path = run_dir / METRICS_FILE if world.is_main else None
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+                                 disable=not world.is_main)
+        self.task = self.progress.add_task("train", total=self.total_steps, completed=self.result.steps)
+
+    def prepare_data(self) -> None:
+        """Tokenizer, packed blocks (rank 0 builds the cache, then every rank opens it), this rank's stream,
+        the data summary, the eval data and schedule, and the number of optimizer steps."""
+        recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
+                             then=lambda: data.open_prepared(recipe, self.tokenizer))
+        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+        self.data_summary = data.data_summary(recipe, packed)
+        for line in self.data_summary.lines():
+            say(f"data {line}")
+        self.tracker.log_metrics(self.data_summary.metrics(), step=0)
+        self.eval_cfg = recipe.eval
+        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
+                                   world.device)
+        self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
+        self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
+            if recipe.eval is not None else CheckpointSchedule(False, None, None)
+        for label, p in self.evaluator.packed.items():
+            say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
+                f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
+        self.stop_reason: str | None = None  # set by early stopping
+        self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
+        self.last_sample_step: int | None = None
+        windows = math.ceil(len(self.stream) / tcfg.grad_accum)
+        self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
+        if self.total_steps == 0:
+            raise UserError("the data gave no packed block; check data.path / data.max_examples")
+
+    def prepare_model(self, loss_fn: Callable) -> tuple[int, int]:
+        """The packed kernels, the sharded model with its loss, the fp8 line and the step meter; returns the
+        trainable and non-embedding parameter counts."""
+        recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
+        attn = None
+        if recipe.model.attn_implementation == "auto":
+            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
+            say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
+        self.model = build_model(recipe, world, attn)
+        attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
+        if tcfg.loss.impl == "liger":
+            liger_loss()  # fail now, not after the first forward
+        if tcfg.precision.fp8:
+            fp8 = fp8_linears(self.model)
+            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
+                "decoder layers; the LM head, embeddings and small projections stay in "
+                f"{tcfg.precision.param_dtype}")
+        if tcfg.fused_ops:
+            say("fused ops (Triton): " + ", ".join(f"{op} x{n}" for op, n in fused_module_counts(self.model).items()))
+        if tcfg.compile == "regions":
+            say(f"compiled regions: {len(compile_regions(decoder_layers(self.model)[0]))} in the first decoder layer")
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        non_embedding = count_text_params(self.model)
+        # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation
+        # are not counted: model FLOPs, not hardware FLOPs)
+        self.meter = StepMetrics(6 * non_embedding, world.device, world.world_size)
+        return trainable, non_embedding
+
+    # ---- 6. the loop -------------------------------------------------------------------------------
+    def train(self, batches: Iterable[data.Block] | None = None) -> TrainResult:
+        """Steps until the schedule or the data ends, then `finish`. `batches`: the blocks this rank reads
+        (default: its BlockStream)."""
+        batches = iter(self.stream if batches is None else batches)
+        self.meter.start_window()  # the first step line's window starts here, not at the model build
+        self.save_schedule.mark_saved()  # so do the clocks of time-based saves and evals
+        self.eval_schedule.mark_saved()
+        try:
+            self.progress.start()
+            if self.evaluator and self.eval_cfg.at_start and self.result.steps == 0:
+                self.log_eval(self.evaluate())
+                self.new_best = False  # nothing to keep: the weights of step 0 are the init
+            while self.result.steps < self.total_steps:
+                if signum := self.stop_flag.agreed(self.world.device):  # SIGTERM / SIGINT on any rank
+                    self.stop(signum)
+                step_start = time.perf_counter()
+                # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
+                blocks = list(islice(batches, self.tcfg.grad_accum))
+                time_due = int(self.world.is_main and self.save_schedule.time_due())  # rank 0's clock decides
+                eval_time_due = int(self.world.is_main and self.eval_schedule.time_due())
+                num_micro_batches, save_by_time, eval_by_time = all_reduce(
+                    [len(blocks), time_due, eval_time_due], dist.ReduceOp.MAX, self.world.device)
+                if num_micro_batches == 0:
+                    break  # every rank is out of data
+                if self.step(blocks, int(num_micro_batches), started=step_start, eval_by_time=bool(eval_by_time)):
+                    self.maybe_checkpoint(bool(save_by_time))
+                if self.stop_reason:
+                    self.say(f"[yellow]{self.stop_reason}[/]")
+                    break
+            return self.finish()
+        except BaseException as e:
+            self.progress.stop()
+            self.tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
+            raise
+
+    def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None,
+             eval_by_time: bool = False) -> bool:
+        """One step over this rank's `blocks`, padded to `num_micro_batches` (the most any rank has).
+        True when the optimizer stepped; False when the step was skipped (no trained token on any rank,
+        or a non-finite loss or grad norm). Raises TrainingStopped after max_bad_steps bad steps in a row."""
+        started = time.perf_counter() if started is None else started
+        world, tcfg, result, say = self.world, self.tcfg, self.result, self.say
+        micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
+        if micro_batches:
+            self.last_inputs = micro_batches[-1]
+        while len(micro_batches) < num_micro_batches:  # this rank ran out first
+            micro_batches.append(_padding_inputs(self.last_inputs, world.device))
+
+        # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
+        num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
+        num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+        global_valid_tokens, global_seen_tokens = map(
+            int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
+        result.steps += 1
+        result.tokens_seen += global_seen_tokens
+        if global_valid_tokens == 0:
+            result.skipped_empty += 1
+            say(f"step {result.steps}: no trained token on any rank; skipped")
+            self.progress.advance(self.task)
+            return False
+
+        # 6c. forward + backward, grad norm, then step or skip
+        lr = self.scheduler.get_last_lr()[0]
+        summed_loss = forward_backward(self.model, micro_batches, global_valid_tokens, world.world_size)
+        (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
+        loss = global_loss_sum / global_valid_tokens
+        grad_norm = grad_norm_and_clip(self.model, tcfg.grad_clip)
+        loss_is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if loss_is_finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.bad_in_a_row = 0
+            result.optimizer_steps += 1
+            result.tokens_trained += global_valid_tokens
+            result.final_loss = loss
+            result.losses.append((result.steps, loss))
+        else:
+            self.bad_in_a_row += 1
+            result.skipped_nonfinite += 1
+            say(f"[yellow]step {result.steps}: non-finite loss ({loss}) or grad norm ({grad_norm}); skipped, "
+                f"no optimizer step ({self.bad_in_a_row}/{tcfg.max_bad_steps} in a row)[/]")
+            self.tracker.log_metrics({"skipped_nonfinite": result.skipped_nonfinite}, step=result.steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.bad_in_a_row >= tcfg.max_bad_steps:
+            latest = result.checkpoint or "none was saved"
+            raise TrainingStopped(
+                f"stopped at step {result.steps}: {self.bad_in_a_row} consecutive steps had a non-finite loss or "
+                f"gradient norm (training.max_bad_steps={tcfg.max_bad_steps}); no update was applied from them. "
+                f"Last good checkpoint: {latest}"
+            )
+
+        # 6d. eval (when due), then log
+        self.meter.step_done(global_seen_tokens, time.perf_counter() - started)
+        self.progress.advance(self.task)
+        last = result.steps == self.total_steps
+        evaluated = None
+        if loss_is_finite and self.eval_schedule.due(result.steps, eval_by_time) or (self.evaluator and last):
+            evaluated = self.evaluate()
+        if loss_is_finite and (result.steps % tcfg.log_every == 0 or last or evaluated):
+            m = self.meter.line(step=result.steps, loss=loss, grad_norm=grad_norm, lr=lr,
+                                tokens_trained=result.tokens_trained, tokens_seen=result.tokens_seen)
+            if evaluated is not None:
+                m.update(evaluated.metrics())
+            if world.is_main:
+                log_step(m, self.total_steps, say=say, metrics_path=self.metrics_path, tracker=self.tracker)
+        if samples_due(self.eval_cfg, result.steps, len(self.evals.history) if self.evals else 0,
+                       evaluated is not None, last):
+            self.sample()
+        return loss_is_finite
+
+    # ---- eval -------------------------------------------------------------------------------------
+    def evaluate(self) -> EvalResult:
+        """Collective: the held-out loss now (ftcli.train.evaluate), recorded; early stopping decides here."""
+        result, self.new_best = evaluate_now(self.evaluator, self.evals, self.model, self.result.steps,
+                                             say=self.say if self.world.is_main else None)
+        self.eval_schedule.mark_saved()
+        self.stop_reason = self.evals.stop_reason()
+        return result
+
+    def log_eval(self, result: EvalResult) -> None:
+        """An eval outside a step line (step 0): printed, in metrics.jsonl and MLflow."""
+        if self.world.is_main:
+            publish_eval(result, say=self.say, metrics_path=self.metrics_path, tracker=self.tracker)
+
+    def sample(self) -> None:
+        """Collective: greedy completions of eval.samples; every rank takes part in each sharded forward."""
+        sample_now(self.model, self.tokenizer, self.eval_cfg, self.result.steps, run_dir=self.run_dir,
+                   is_main=self.world.is_main, tracker=self.tracker)
+        self.last_sample_step = self.result.steps
+
+    def maybe_checkpoint(self, save_by_time: bool) -> Path | None:
+        """6e. Save if the schedule says so (`save_by_time`: rank 0's clock, shared), but never in the
+        middle of a run of bad steps (the last good checkpoint must survive) nor at the last step
+        (`finish` saves that one). Collective: every rank calls it with the same arguments."""
+        steps = self.result.steps
+        keep_best = self.tcfg.checkpoint.keep_best and getattr(self, "new_best", False)
+        self.new_best = False
+        if not ((self.save_schedule.due(steps, save_by_time) or keep_best) and self.bad_in_a_row == 0
+                and steps < self.total_steps and not self.stop_reason):
+            return None
+        path = self.save()
+        self.say(f"checkpoint: {path}")
+        return path
+
+    def stop(self, signum: int) -> None:
+        """Collective, at a step boundary, after a SIGTERM / SIGINT on any rank (ftcli.train.preempt): a checkpoint
+        of this step (unless it has one, or checkpoints are off), then `Stopped` on every rank."""
+        if self.tcfg.checkpoint.enabled and self.last_save_step != self.result.steps:
+            self.say(f"checkpoint: {self.save()}")
+        raise Stopped(self.result.steps, signum, self.result.checkpoint)
+
+    def restore(self, path: Path) -> None:
+        """Model, optimizer, scheduler, data position, RNG and the step accounting that `save` wrote; the
+        checkpoint may come from another world size (ftcli.train.checkpoint). metrics.jsonl loses the steps
+        logged after the checkpoint: they are trained again."""
+        rank_state, meta = load_checkpoint(path, self.model, self.optimizer)
+        blocks_per_step = self.world.world_size * self.tcfg.grad_accum
+        if meta.get("blocks_per_step", blocks_per_step) != blocks_per_step:
+            self.say(f"[yellow]warning: {path} was trained with {meta['blocks_per_step']} blocks per optimizer step "
+                     f"({meta['world_size']} ranks), this run takes {blocks_per_step} ({self.world.world_size} x "
+                     "training.grad_accum): the steps after it differ from the uninterrupted run's[/]")
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / METRICS_FILE, meta["result"]["steps"])
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self.stream.load_state_dict(rank_state["data"])
+        set_rng_state(rank_state["rng"])
+        for key in ("steps", "optimizer_steps", "skipped_empty", "skipped_nonfinite", "tokens_trained", "tokens_seen"):
+            setattr(self.result, key, meta["result"][key])
+        self.result.final_loss = meta["result"]["final_loss"]
+        self.result.checkpoint = str(path)
+        if self.evals is not None:
+            self.evals.load_state_dict(meta.get("evals"))
+
+    def save(self) -> Path:
+        """Collective: a DCP checkpoint of this step (ftcli.train.checkpoint)."""
+        rank_state = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rng_state()}
+        meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")},
+                "blocks_per_step": self.world.world_size * self.tcfg.grad_accum}
+        if self.evals is not None:
+            meta["evals"] = self.evals.state_dict()
+        path = save_checkpoint(self.run_dir / CHECKPOINTS, self.result.steps, self.model, self.optimizer, rank_state,
+                               meta, keep_last=self.tcfg.checkpoint.keep_last, protect=self.protected())
+        self.result.checkpoint = str(path)
+        self.last_save_step = self.result.steps
+        self.save_schedule.mark_saved()
+        return path
+
+    def protected(self) -> list[Path]:
+        """Checkpoints rotation must keep: the best eval's (training.checkpoint.keep_best)."""
+        best = self.evals.best_step if self.evals is not None and self.tcfg.checkpoint.keep_best else None
+        return [self.run_dir / CHECKPOINTS / step_dir_name(best)] if best is not None else []
+
+    # ---- 7. finish: last checkpoint, Hugging Face export, run.json --------------------------------
+    def finish(self) -> TrainResult:
+        recipe, tcfg, result, world, tracker = self.recipe, self.tcfg, self.result, self.world, self.tracker
+        self.progress.stop()
+        if self.evaluator and (not self.evals.history or self.evals.history[-1]["step"] != result.steps):
+            self.log_eval(self.evaluate())  # the data ended before the schedule did: the end's eval
+        if self.eval_cfg is not None and self.eval_cfg.samples and self.last_sample_step != result.steps:
+            self.sample()  # the end's samples (an early stop, or the data ended first)
+        if tcfg.checkpoint.enabled and self.last_save_step != result.steps:
+            self.say(f"checkpoint: {self.save()}")
+        final_dir = self.run_dir / FINAL
+        best_step = self.evals.best_step if self.evals is not None else None
+        best = best_checkpoint(self.run_dir / CHECKPOINTS, best_step) if tcfg.checkpoint.keep_best else None
+        best_model_dir = None
+        if tcfg.checkpoint.save_final_hf:
+            def export(out_dir: Path) -> None:
+                save_hf_checkpoint(
+                    self.model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), self.tokenizer,
+                    out_dir, DTYPES[recipe.model.dtype],
+                )
+
+            if best is not None:
+                best_model_dir = best_model_location(best_step, result.steps, self.eval_cfg.export)
+            if best_model_dir == FINAL and best_step != result.steps:  # export: best, the best is not the last
+                load_model_weights(best, self.model)
+            export(final_dir)
+            if best_model_dir == BEST:  # export: last, and a best model beside it
+                load_model_weights(best, self.model)
+                export(self.run_dir / BEST)
+            if best is not None:
+                self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
+                         f"{self.run_dir / best_model_dir}")
+        if world.is_main:
+            evals = self.evals
+            record = new_run_record(
+                recipe, method="full", mlflow=tracker.info, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                final_loss=result.final_loss, throughput=self.meter.throughput(), status="completed",
+                data=self.data_summary.to_dict(), evals=evals.history if evals else [],
+                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, self.evaluator.packed).items()} or None,
+                best_step=best_step, best_eval_loss=evals.best_loss if evals else None,
+                best_checkpoint=str(best) if best is not None else None, best_model_dir=best_model_dir,
+                stopped_early=self.stop_reason,
+            )
+            path = write_run_record(self.run_dir, record)
+            tracker.log_artifact(path)
+            tracker.log_artifact(self.run_dir / "recipe.yaml")
+            tracker.finish()
+            where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
+            loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+            self.say(f"done: {result.steps} steps, final loss {loss}{where}")
+        dist.barrier()  # leave together: a rank that tears down its process group early aborts the others
+        return result

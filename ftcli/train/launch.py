@@ -1,0 +1,331 @@
+"""`ftcli train`: prepare the run dir, start torchrun, and in each worker hand over to the trainer.
+
+    ftcli train --recipe R            (no RANK in the environment: the launcher)
+      -> the run dir's lock (one writer), after the refusal rule   run_dir_lock, ftcli.artifacts.rundir.check_run_dir
+      -> tokenizer, data tokenized + packed into the on-disk cache (errors are one line here)
+      -> only then: an earlier run's outputs cleared (--force), <run>/recipe.yaml   ftcli.artifacts.rundir.prepare_run_dir
+      -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
+           (inside torchrun, RANK is set: the worker; it dies with the launcher, _die_with_launcher)
+           -> method full: ftcli.train.full.train(recipe, run_dir, resume)
+              method lora: ftcli.train.lora.trainer.train(recipe, run_dir, resume)
+
+The launcher runs torchrun's agent in this process (`torch.distributed.run.run`), the same code the
+`torchrun` command runs, so a failed worker ends in one line and an exit code rather than the agent's
+traceback. Multi-node: on Databricks AI Runtime (NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set)
+the launcher passes them on; anywhere else, run `torchrun --nnodes ... -m ftcli train --recipe R` on
+every node yourself: the workers read everything from the environment and the recipe.
+
+SIGTERM / SIGINT (Ctrl-C) to the launcher: torchrun's agent forwards it to every worker and waits up to
+`ftcli.train.preempt.STOP_GRACE_S`; the workers stop at the next step boundary with a checkpoint, and the
+launcher prints one line, `stopped at step N; resume with ftcli train --recipe <run>/recipe.yaml --resume`,
+and exits 143 (SIGTERM) or 130 (SIGINT). The same when the platform signals the workers themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
+from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
+                          read_run_record, recipe_differences, run_dir_of)
+from ftcli.artifacts.tracking import export_credentials
+
+LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
+
+
+def _inside_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_train(recipe, *, resume: str | None, force: bool) -> None:
+    if recipe.training.method == "full" and not recipe.data.packing.enabled:
+        raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
+    if _inside_torchrun():
+        _worker(recipe, resume=resume, force=force)
+    else:
+        with run_dir_lock(recipe, resume=resume, force=force):
+            _launch(recipe, resume=resume, force=force)
+
+
+# ------------------------------------------------------------------------------------------ launcher
+def shutdown_grace_args() -> list[str]:
+    """torchrun's grace between forwarding a stop signal and SIGKILL: the workers' stop checkpoint
+    (ftcli.train.preempt) may take minutes at 27B, torchrun's default is 30 s. torch 2.13's torchrun takes
+    `--shutdown_timeout`, 2.11's does not (it refuses the whole command line): there the 30 s stay, said on
+    stderr, since a stop checkpoint may be cut short."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"--shutdown_timeout={STOP_GRACE_S}", "worker.py"])
+    if not unknown:
+        return [f"--shutdown_timeout={STOP_GRACE_S}"]
+    import torch
+
+    print(f"note: torchrun of torch {torch.__version__} has no --shutdown_timeout: on SIGTERM the workers get its "
+          f"30 s (not {STOP_GRACE_S} s) to write their stop checkpoint", file=sys.stderr)
+    return []
+
+
+def _processes_per_node(recipe) -> tuple[int, str]:
+    import torch
+
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"]), "GPU"
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "GPU"
+    return recipe.training.cpu_processes, "CPU process"
+
+
+def _launch(recipe, *, resume: str | None, force: bool) -> None:
+    run_dir = run_dir_of(recipe)
+    if resume is not None and is_own_run(run_dir, recipe):
+        changed = recipe_differences(run_dir, recipe)
+        if changed:
+            print(f"warning: resuming with a recipe that differs from the run's at: {', '.join(changed)}",
+                  file=sys.stderr)
+    if resume not in (None, "latest"):
+        resume = str(Path(resume).resolve())
+    from ftcli.model.checks import check_model_config
+
+    check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
+    try:
+        _preflight(recipe)  # before anything in the run dir is cleared or written
+    except KeyboardInterrupt:
+        print("interrupted before training started; nothing to resume", file=sys.stderr)
+        raise SystemExit(exit_code(signal.SIGINT)) from None
+    run_dir = prepare_run_dir(recipe, force=force, resume=resume)
+    export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
+    nproc, unit = _processes_per_node(recipe)
+    if unit == "CPU process":
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("PYTHONSAFEPATH", "1")  # `-m ftcli` must not pick up a folder named ftcli in the cwd
+    os.environ["FTCLI_LAUNCHED"] = "1"
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (_die_with_launcher)
+
+    torchrun_args = [f"--nproc_per_node={nproc}", *shutdown_grace_args()]
+    num_nodes = int(os.environ.get("NUM_NODES", "1"))
+    if num_nodes > 1:
+        torchrun_args += [
+            f"--nnodes={num_nodes}", f"--node_rank={os.environ['NODE_RANK']}",
+            f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}",
+        ]
+    else:
+        torchrun_args += ["--standalone"]
+    worker = ["-m", "ftcli", "train", "--recipe", str(run_dir / RECIPE_FILE)]
+    if resume is not None:
+        worker += ["--resume", resume]
+    print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {unit}(s), "
+          f"run dir {run_dir}", file=sys.stderr)
+
+    import logging
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # the failure or the stop is reported below; every elastic module's logger has its own level (LOGLEVEL)
+    for name in ["torch.distributed.elastic", *logging.Logger.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    started = time.time()
+    try:
+        run(parse_args([*torchrun_args, *worker]))
+    except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
+        _stopped(recipe, run_dir, int(e.sigval), started)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        signals = {_STOP_EXIT_CODES[c] for c in codes if c in _STOP_EXIT_CODES}
+        if len(codes) == len(signals) == 1:  # the workers were signalled directly (not through the launcher)
+            _stopped(recipe, run_dir, signals.pop(), started)
+        ranks = sorted(e.failures)  # global ranks
+        ckpts = run_dir / CHECKPOINTS
+        hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
+        raise UserError(
+            f"training stopped: rank(s) {', '.join(map(str, ranks))} exited with code(s) "
+            f"{', '.join(map(str, codes))}; the reason is printed above{hint}"
+        ) from None
+
+
+# a worker's exit code after a stop: its own (ftcli.train.preempt.EXIT_CODES) or killed by the signal (-signum)
+_STOP_EXIT_CODES = {code: int(sig) for sig, code in EXIT_CODES.items()} | {-int(sig): int(sig) for sig in STOP_SIGNALS}
+
+
+def _completed_since(run_dir: Path, started: float) -> bool:
+    """Did this launch's workers finish the run (a signal during the final export is too late to stop it)?"""
+    path = run_dir / RUN_JSON
+    try:
+        return path.stat().st_mtime >= started and read_run_record(run_dir).status == "completed"
+    except (OSError, UserError):
+        return False
+
+
+def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
+    """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
+    (none when the run had completed: it returns)."""
+    from ftcli.train.checkpoint import checkpoint_step, latest_checkpoint, resolve_resume
+
+    if _completed_since(run_dir, started):
+        return
+
+    if recipe.training.method == "lora":
+        try:
+            newest = resolve_resume(run_dir, "latest", kind="trl")
+        except UserError:
+            newest = None
+    else:
+        newest = latest_checkpoint(run_dir / CHECKPOINTS)
+    step = checkpoint_step(newest) if newest is not None else None
+    print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=recipe.training.checkpoint.enabled),
+          file=sys.stderr)
+    raise SystemExit(exit_code(signum))
+
+
+def _preflight(recipe) -> None:
+    """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
+    from ftcli import data
+
+    if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
+        from ftcli.train.loss import liger_loss
+
+        liger_loss()
+    if recipe.training.method == "full" and recipe.training.fused_ops:  # LoRA ignores them (warned)
+        import torch
+
+        from ftcli.features.fused_ops import check_fused_device, load_kernels
+
+        check_fused_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), recipe.training.fused_ops)
+        load_kernels(recipe.training.fused_ops)
+    tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
+    data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
+
+
+# -------------------------------------------------------------------------------------------- worker
+def _worker(recipe, *, resume: str | None, force: bool) -> None:
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # not a caller running the command in-process
+    if under_torchrun:
+        _die_with_launcher()
+    run_dir = run_dir_of(recipe)
+    rank = int(os.environ["RANK"])
+    if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
+        prepare_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: same refusal rule
+    stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
+    if recipe.training.method == "lora":
+        from ftcli.train.lora.trainer import train
+    else:
+        from ftcli.train.full import train
+    try:
+        train(recipe, run_dir, resume)
+    except Stopped as e:
+        if rank == 0 and os.environ.get("FTCLI_LAUNCHED") != "1":  # started by hand: no launcher to say it
+            print(resume_hint(e.step if e.checkpoint else None, str(run_dir / RECIPE_FILE)), file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except TrainingStopped:
+        if rank != 0:
+            raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
+        raise
+    if under_torchrun:
+        from ftcli.train.distributed import exit_worker
+
+        exit_worker(0)  # run.json, checkpoints and MLflow are closed: leave without the interpreter's teardown
+
+
+
+# ----------------------------------------------------------------------------- one run dir, one writer
+@contextlib.contextmanager
+def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
+    """The launcher holds an exclusive lock on <run>/.ftcli.lock (fcntl.flock) for the whole run, so a
+    second `ftcli train` on the same dir fails in one line naming the holder's PID. The kernel drops
+    the lock when the launcher dies, however it dies; the workers die with it (`_die_with_launcher`),
+    so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
+    refusal rule (check_run_dir, which writes nothing), and only then is the lock file created. On a
+    multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
+    (some network mounts) gets a warning, not a refusal."""
+    import fcntl
+
+    run_dir = run_dir_of(recipe)
+    path = run_dir / LOCK_FILE
+    if path.is_file():
+        _refuse_if_locked(path)
+    check_run_dir(recipe, force=force, resume=resume)
+    if os.environ.get("NODE_RANK", "0") != "0":
+        yield run_dir
+        return
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the workers
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        _refuse_if_locked(path)  # lost a race to another launcher: name it
+        raise
+    except OSError as e:
+        print(f"warning: cannot lock {path} ({e.strerror}); make sure no other `ftcli train` writes to {run_dir}",
+              file=sys.stderr)
+        os.close(fd)
+        yield run_dir
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield run_dir
+    finally:
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
+            path.unlink()
+            run_dir.rmdir()
+        os.close(fd)
+
+
+def _refuse_if_locked(path: Path) -> None:
+    """UserError naming the PID in the lock file when another process holds the lock; writes nothing."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        raise UserError(f"{path.parent} is in use by another `ftcli train` (pid {holder}); wait for it to finish "
+                        "or stop it, then run again") from None
+    except OSError:
+        pass  # no flock on this filesystem: run_dir_lock warns
+    finally:
+        os.close(fd)
+
+
+def _die_with_launcher() -> None:
+    """A worker ends when its parent does, SIGKILL included. torchrun starts workers in their own
+    session, so a signal to the launcher's process group does not reach them; a worker outliving its
+    launcher would keep writing into a run dir whose lock is gone (a --resume started then would
+    interleave with it). The parent is the launcher (`ftcli train`, which runs torchrun's agent in
+    its process), or torchrun's agent when torchrun was started by hand (a Databricks workload). On
+    Linux the kernel sends SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG); elsewhere a
+    watchdog thread polls the parent's PID. A launcher that is already gone ends the worker at once."""
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        armed = ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != parent:
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="ftcli-parent-watchdog", daemon=True).start()

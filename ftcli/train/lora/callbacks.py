@@ -1,0 +1,325 @@
+"""The TRL callbacks of the LoRA path: what TRL does not know about ftcli, one concern each
+(`ftcli.train.lora.trainer.build_trainer` installs them at the front of TRL's list, in this order).
+
+    StepLog        ftcli's step line instead of TRL's dict dump (`ftcli.train.metrics`: printed, appended to
+                   <run>/metrics.jsonl and logged to MLflow by rank 0), and the run's trained and seen tokens
+    TimedSave      training.checkpoint.every_minutes (`every_steps` is TRL's own `save_steps`)
+    EvalCallback   recipe.eval through `ftcli.train.evaluate`, the functions the full loop calls: the eval loss in
+                   the step line, the best adapter in <run>/best, early stopping, greedy samples
+    StopOnSignal   SIGTERM / SIGINT (`ftcli.train.preempt`): checkpoint and stop at the end of the step
+
+Every checkpoint-N carries what TRL's own checkpoint lacks: the token counts (TOKENS_FILE) and the evals so
+far (EVALS_FILE), which `load` reads back on resume. With the base sharded by FSDP2 (training.sharding=fsdp)
+the model is accelerate's FSDP root: the eval loss and the samples are forwards through it on every rank
+(`ftcli.train.evaluate`), and the best adapter is gathered whole before rank 0 writes it (`save_adapter`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import types
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from ftcli.train.checkpoint import CheckpointSchedule
+from ftcli.train.distributed import all_reduce, local_device, rank0_decides
+from ftcli.config.errors import UserError
+from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
+from ftcli.artifacts.rundir import BEST, FINAL
+
+TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
+EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _checkpoint_dir(args, state) -> Path | None:
+    """Rank 0 after TRL's save: the checkpoint-N it has just written (None elsewhere)."""
+    ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+    return ckpt if state.is_world_process_zero and ckpt.is_dir() else None
+
+
+def _read_json(checkpoint: Path | None, name: str):
+    path = Path(checkpoint or "") / name
+    return json.loads(path.read_text()) if checkpoint and path.is_file() else None
+
+
+def active_params(model) -> int:
+    """Non-embedding parameters one token goes through: MoE experts count top-k / num_experts."""
+    from ftcli.model.build import count_params, text_config
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _, non_embedding = count_params(base)
+    cfg = text_config(base.config)
+    experts, k = getattr(cfg, "num_local_experts", None), getattr(cfg, "num_experts_per_tok", None)
+    if experts and k:
+        expert_params = sum(p.numel() for n, p in base.named_parameters() if ".experts." in n and "lora_" not in n)
+        non_embedding -= expert_params - expert_params * k // experts
+    return non_embedding
+
+
+def save_adapter(model, tokenizer, out: Path) -> None:
+    """The adapter (+ tokenizer and chat template) in PEFT format, written once by rank 0. An FSDP2-sharded model
+    first gathers its trainable parameters whole on every rank (torch's `get_model_state_dict`, collective; the
+    frozen base is never gathered): every rank calls this then. Otherwise only rank 0 needs to."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    state = None
+    if isinstance(model, FSDPModule):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        model.save_pretrained(str(out), state_dict=state)
+        tokenizer.save_pretrained(str(out))
+
+
+def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> str:
+    """Rank 0, after the final save: where the best eval's adapter is (relative to the run dir,
+    `ftcli.train.evaluate.best_model_location`). <run>/best moves to <run>/final for export=best; the best being the
+    last model, final/ is it already."""
+    where = best_model_location(best_step, last_step, export)
+    if best_step == last_step:
+        shutil.rmtree(run_dir / BEST, ignore_errors=True)
+    elif where == FINAL:
+        if not (run_dir / BEST / "adapter_config.json").is_file():  # checked before final/ goes
+            raise UserError(f"export: best needs the best eval's adapter in {run_dir / BEST}, which is missing; "
+                            f"the last adapter stays in {run_dir / FINAL}")
+        aside = run_dir / f".old_{FINAL}"
+        shutil.rmtree(aside, ignore_errors=True)
+        (run_dir / FINAL).rename(aside)
+        (run_dir / BEST).rename(run_dir / FINAL)
+        shutil.rmtree(aside)
+    return where
+
+
+def attach_eval_loss(model, chunk_tokens: int) -> None:
+    """`model.loss_sum(**inputs)` on the PEFT model, as the full loop's model has it: the base's summed token CE
+    (`ftcli.train.loss.attach_loss`, the LoRA layers included), registered as an FSDP forward method, so that a root
+    sharded by accelerate's FSDP2 gathers its own parameters around it as around `forward` (a no-op without
+    FSDP; transformers registers `generate` on that root the same way). accelerate makes the LM head an FSDP
+    unit of its own, whose weight the loss reads without calling its forward: gathered around the call
+    (`FSDPModule.unshard` / `reshard`)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    from ftcli.train.loss import attach_loss
+
+    base = model.get_base_model()
+    attach_loss(base, "chunked", chunk_tokens)
+    head = base.lm_head if isinstance(base.lm_head, FSDPModule) else None
+
+    def loss_sum(self, **inputs):
+        if head is None:
+            return base.loss_sum(**inputs)
+        head.unshard()
+        try:
+            return base.loss_sum(**inputs)
+        finally:
+            head.reshard()
+
+    model.loss_sum = types.MethodType(loss_sum, model)
+    register_fsdp_forward_method(model, "loss_sum")
+
+
+def _reshard(model) -> None:
+    """Free what FSDP2 left gathered after forwards outside backward (the root's parameters, the LM head's after
+    generation): every unit sharded again (`FSDPModule.reshard`, a no-op on a sharded one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+class StepLog(ProgressCallback):
+    """TRL's progress bar with ftcli's step line, and the run's trained and seen tokens summed over ranks: a
+    forward pre-hook counts what this rank feeds the model (`ftcli.train.loss.count_trained_tokens`; batches the
+    data loader prefetches but never trains on are not counted), each step end all-reduces the step's two
+    numbers; `.trained` / `.seen` are the totals, carried by every checkpoint. `eval_callback`: the EvalCallback
+    whose eval of a step goes into that step's line."""
+
+    def __init__(self, model, *, metrics_path: Path | None = None, tracker=None,
+                 eval_callback: EvalCallback | None = None):
+        super().__init__()
+        self.model, self.metrics_path, self.tracker, self.eval_callback = model, metrics_path, tracker, eval_callback
+        self.device = local_device()  # where the model trains (an FSDP base is still on the CPU here)
+        self.trained = self.seen = 0
+        self._pending = [0, 0]
+        self.meter = None
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        if module.training and kwargs.get("labels") is not None:
+            from ftcli.train.loss import count_trained_tokens
+
+            self._pending[0] += count_trained_tokens(kwargs["labels"])
+            self._pending[1] += kwargs["input_ids"].numel()
+
+    def load(self, checkpoint: Path | None) -> None:
+        """A resumed run's state from its checkpoint-N: the token counts, and the evals so far."""
+        saved = _read_json(checkpoint, TOKENS_FILE)
+        if saved:
+            self.trained, self.seen = saved["trained"], saved["seen"]
+        if self.eval_callback is not None:
+            self.eval_callback.load(checkpoint)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from ftcli.train.metrics import StepMetrics
+
+        if not args.disable_tqdm:
+            super().on_train_begin(args, state, control, **kwargs)
+        self.meter = StepMetrics(4 * active_params(self.model), self.device, args.world_size)  # LoRA: no weight grads
+        self.step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kwargs)
+        step = all_reduce(self._pending, device=self.device) if torch.distributed.is_initialized() else self._pending
+        self.trained, self.seen, self._pending = self.trained + int(step[0]), self.seen + int(step[1]), [0, 0]
+        now = time.perf_counter()
+        self.meter.step_done(int(step[1]), now - self.step_start)
+        self.step_start = now
+
+    def on_save(self, args, state, control, **kwargs):
+        if (ckpt := _checkpoint_dir(args, state)) is not None:
+            (ckpt / TOKENS_FILE).write_text(json.dumps({"trained": self.trained, "seen": self.seen}))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from ftcli.train.metrics import log_step
+
+        if logs is None or "loss" not in logs:  # the end-of-training summary: printed by TRL as is
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+        m = self.meter.line(step=state.global_step, loss=logs["loss"], grad_norm=logs.get("grad_norm") or 0.0,
+                            lr=logs.get("learning_rate", 0.0), tokens_trained=self.trained, tokens_seen=self.seen)
+        if self.eval_callback is not None:
+            m.update(self.eval_callback.take_metrics(state.global_step))
+        logs.update({k: v for k, v in m.items() if k not in ("step", "loss", "grad_norm", "lr", "mem_unit")
+                     and v is not None})
+        if state.is_world_process_zero:
+            say = self.training_bar.write if self.training_bar is not None else _say
+            log_step(m, state.max_steps, say=say, metrics_path=self.metrics_path, tracker=self.tracker)
+
+
+class TimedSave(TrainerCallback):
+    """training.checkpoint.every_minutes (`ftcli.train.checkpoint.CheckpointSchedule`): TRL saves at the end of the
+    step where rank 0's clock says so, every rank at the same step (`ftcli.train.distributed.rank0_decides`)."""
+
+    def __init__(self, checkpoint_cfg):
+        self.schedule = CheckpointSchedule.from_config(checkpoint_cfg)
+        self.by_time = self.schedule.enabled and self.schedule.every_minutes is not None
+        self.device = local_device()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.by_time and rank0_decides(self.schedule.time_due(), self.device):
+            control.should_save = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.schedule.mark_saved()
+
+
+class EvalCallback(TrainerCallback):
+    """recipe.eval (`ftcli.train.evaluate`): at step 0 if asked, every eval.every_steps / every_minutes and at the last
+    step, its numbers in that step's line (TRL is told to log it); the best adapter kept in <run>/best
+    (keep_best), early stopping (TRL is told to stop, with a final checkpoint), greedy samples. Every rank
+    evaluates its share and generates (collective under FSDP2); rank 0 prints and writes."""
+
+    def __init__(self, recipe, evaluator, tokenizer, *, run_dir: Path | None = None,
+                 metrics_path: Path | None = None, tracker=None):
+        self.cfg, self.evaluator, self.tokenizer = recipe.eval, evaluator, tokenizer
+        self.run_dir, self.metrics_path, self.tracker = run_dir, metrics_path, tracker
+        self.keep_best, self.save_on_stop = recipe.training.checkpoint.keep_best, recipe.training.checkpoint.enabled
+        self.chunk_tokens = recipe.training.loss.chunk_tokens
+        self.has_eval = evaluator is not None and bool(evaluator)
+        self.schedule = CheckpointSchedule(self.has_eval, self.cfg.every_steps, self.cfg.every_minutes)
+        self.evals = EvalTracker(self.cfg)
+        self.device = local_device()
+        self.model, self.is_main = None, True
+        self.pending = None  # the eval of this step, for its step line
+        self.stop_reason: str | None = None
+
+    def load(self, checkpoint: Path | None) -> None:
+        self.evals.load_state_dict(_read_json(checkpoint, EVALS_FILE))
+
+    def take_metrics(self, step: int) -> dict:
+        """The metrics of this step's eval for its step line ({} without one); the eval is then consumed."""
+        pending, self.pending = self.pending, None
+        return pending.metrics() if pending is not None and pending.step == step else {}
+
+    def evaluate(self, step: int):
+        result, new_best = evaluate_now(self.evaluator, self.evals, self.model, step,
+                                        say=_say if self.is_main else None)
+        self.schedule.mark_saved()
+        if new_best and self.keep_best:
+            self.save_best()
+        self.stop_reason = self.evals.stop_reason()
+        _reshard(self.model)
+        return result
+
+    def save_best(self) -> None:
+        """The adapter of the best eval so far into <run>/best (replaced atomically by rank 0)."""
+        best, tmp = self.run_dir / BEST, self.run_dir / f".tmp_{BEST}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(self.model, self.tokenizer, tmp)
+        if self.is_main:
+            shutil.rmtree(best, ignore_errors=True)
+            os.replace(tmp, best)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded
+        if not self.has_eval:
+            return
+        attach_eval_loss(model, self.chunk_tokens)
+        if self.cfg.at_start and state.global_step == 0:
+            result = self.evaluate(0)
+            if self.is_main:
+                publish_eval(result, say=_say, metrics_path=self.metrics_path, tracker=self.tracker)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step, last = state.global_step, state.global_step >= state.max_steps
+        by_time = self.schedule.every_minutes is not None and rank0_decides(self.schedule.time_due(), self.device)
+        evaluated = self.has_eval and (self.schedule.due(step, by_time) or last)
+        if evaluated:
+            self.pending = self.evaluate(step)
+            control.should_log = True  # this step's line carries the eval
+            if self.stop_reason:
+                control.should_training_stop = True
+                control.should_save = self.save_on_stop  # stop with a final checkpoint
+                if self.is_main:
+                    _say(self.stop_reason)
+        if samples_due(self.cfg, step, len(self.evals.history), evaluated, last or bool(self.stop_reason)):
+            sample_now(self.model, self.tokenizer, self.cfg, step, run_dir=self.run_dir, is_main=self.is_main,
+                       tracker=self.tracker)
+            _reshard(self.model)
+
+    def on_save(self, args, state, control, **kwargs):
+        if (ckpt := _checkpoint_dir(args, state)) is not None:
+            (ckpt / EVALS_FILE).write_text(json.dumps(self.evals.state_dict()))
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGTERM / SIGINT (`ftcli.train.preempt`): at the end of the step in progress, every rank agrees on the flag (one
+    all-reduce MAX), saves checkpoint-N through TRL (`save`: checkpoints enabled) and stops; `train` then
+    raises `Stopped`. `.signum`: the agreed signal (0: none)."""
+
+    def __init__(self, save: bool) -> None:
+        from ftcli.train.preempt import stop_flag
+
+        self.flag, self.signum, self.save = stop_flag(), 0, save
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.signum = self.flag.agreed(args.device)
+        if self.signum:
+            control.should_save = control.should_save or self.save
+            control.should_training_stop = True

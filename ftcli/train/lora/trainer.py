@@ -1,0 +1,350 @@
+"""LoRA training: a thin adapter from a recipe to TRL's SFTTrainer + PEFT.
+
+`train(recipe, run_dir, resume)` runs inside torchrun (one process per GPU, gloo on CPU), started by
+`ftcli.train.launch`. TRL/accelerate own the loop (DDP, gradient accumulation, clipping, the optimizer and
+schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
+
+1. the model, loaded like everywhere else in ftcli (`ftcli.model.build.load_model`: hub id + revision or
+   a local path, MXFP4 dequantized, the packed attention from `ftcli.model.kernels` when "auto");
+2. the data: the exact blocks `ftcli pack-preview` shows (`ftcli.data`), handed to TRL pre-tokenized
+   (`skip_prepare_dataset`) with a collator that emits each block as one padding-free row, so TRL
+   neither re-tokenizes nor re-packs;
+3. the recipe -> SFTConfig / LoraConfig mapping (`ftcli.train.lora.config`, pure, tested value by value);
+4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`);
+
+and, as TRL callbacks (`ftcli.train.lora.callbacks`), what TRL does not know: ftcli's step line and token counts,
+time-based saves, stopping on a signal, and ftcli's own eval (`ftcli.train.evaluate`, the functions the full loop
+calls; TRL's eval averages per-batch means, not normalized by the trained tokens across ranks), also with the
+base sharded by FSDP2 (`training.sharding: fsdp`). Shared with the full path through the modules below: the
+step line (`ftcli.train.metrics`), checkpoint timing and resume (`ftcli.train.checkpoint`), the trained-token count
+(`ftcli.train.loss`), run.json (`ftcli.artifacts.rundir.RunRecord`). Outputs follow the run-dir contract:
+<run>/checkpoints/checkpoint-N (resumable), <run>/final (adapter + tokenizer + chat template), <run>/best
+(keep_best), <run>/run.json, and <run>/base for random-init bases.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ftcli.config.errors import UserError
+from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
+from ftcli.train.lora.callbacks import EvalCallback, StepLog, StopOnSignal, TimedSave, export_best, save_adapter
+from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
+from ftcli.config.recipe import Recipe
+
+
+# ---------------------------------------------------------------------------------------------- data
+def training_rows(recipe: Recipe, tokenizer):
+    """The rows TRL trains on: one per block of `ftcli.data.prepare_blocks`, exactly what
+    `ftcli pack-preview --dump` writes, as a `datasets.Dataset` of (input_ids, labels, position_ids).
+
+    Packing on: fixed-length packed blocks. Packing off (the published gpt-oss example): one example per row,
+    truncated to `data.max_length` by the data path.
+    """
+    import datasets
+
+    from ftcli.data import prepare_blocks
+
+    packed = prepare_blocks(recipe, tokenizer)
+    blocks = [packed[i] for i in range(len(packed))]
+    if not blocks:
+        raise UserError(f"data: no example with trained tokens in {recipe.data.path}")
+    columns = {key: [getattr(b, key).astype(np.int64) for b in blocks] for key in ("input_ids", "labels", "position_ids")}
+    return datasets.Dataset.from_dict(columns).with_format("numpy")
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows -> one padding-free row: the rows laid end to end as one block (`ftcli.data.make_block`, a
+    segment wherever position_ids restart), given to the model as `ftcli.data.block_to_model_inputs`.
+
+    One row is exactly its block again. With several rows (per_device_batch > 1) a row's first label is
+    dropped when another row precedes it (it would be predicted across rows), as at every segment start:
+
+        position_ids   0 1 2 3 0 1 | 0 1 2 0 1 2 3      <- two rows of the dataset
+        cu_seq_lens    0       4   6     9         13   (int32; the same tensor for q and k)
+        seq_idx        0 0 0 0 1 1   2 2 2 3 3 3 3      (int32)
+        labels         . - x x - x   - x x - - x x      (- = -100; . = label[0], never used by the loss)
+    """
+    from ftcli.data import block_to_model_inputs, make_block
+    from ftcli.train.loss import IGNORE_INDEX
+
+    input_ids, labels, position_ids = (np.concatenate([np.asarray(r[key], dtype=np.int64) for r in rows])
+                                       for key in ("input_ids", "labels", "position_ids"))
+    if len(position_ids) == 0 or position_ids[0] != 0:
+        raise ValueError("a packed row must start a segment (position_ids[0] == 0)")
+    trained = labels != IGNORE_INDEX
+    assert (labels[trained] == input_ids[trained]).all(), "a trained label is its own input token (ftcli.data)"
+    starts = np.flatnonzero(position_ids == 0)
+    block = make_block(input_ids, trained, np.diff(starts, append=len(input_ids)).tolist(), len(input_ids), pad_id=0)
+    return block_to_model_inputs(block)
+
+
+# ------------------------------------------------------------------------------- loss and sharding
+def normalize_loss_by_tokens(trainer) -> None:
+    """Make every optimizer step minimize (sum of token losses) / (trained tokens of the whole step).
+
+    TRL computes the loss with its fused LM head as `-sum(log p) / num_items_in_batch`, where
+    `num_items_in_batch` is the trained-token count of all micro-batches of the step, all-gathered over
+    ranks (`average_tokens_across_devices`), and multiplies by the world size to undo DDP's gradient
+    mean. Summed over accumulation and averaged by DDP, that is exactly the token mean of the step.
+
+    transformers only counts `num_items_in_batch` when the model class "accepts loss kwargs"; classes
+    that declare `accepts_loss_kwargs = False` (Qwen3_5ForConditionalGeneration) would get a mean per
+    micro-batch, averaged over accumulation steps, so a short block weighs as much as a long one. The
+    flag is about the model's own loss, which TRL's fused head never calls, so it is safe to set it
+    for the trainer; the loss is then already scaled for accumulation.
+    """
+    trainer.model_accepts_loss_kwargs = True
+    trainer.loss_is_scaled_for_ga = True
+
+
+def fsdp_on_cpu_processes(trainer, args) -> None:
+    """Let accelerate's FSDP2 run on CPU processes (gloo), as it runs on GPUs.
+
+    accelerate only turns an FSDP plugin into `DistributedType.FSDP` for accelerator devices: in
+    `AcceleratorState.__init__` the FSDP branch sits under MULTI_GPU/MULTI_XPU/..., and MULTI_CPU silently
+    falls back to DDP (accelerate 1.15). FSDP2 itself (`fully_shard`) runs on gloo, so on CPU processes ftcli
+    sets the two attributes that branch would have set, and the trainer's FSDP flag read from them; from
+    there on the CPU run takes the GPU code path (accelerate's `fsdp2_prepare_model`, its FSDP checkpoint
+    save/load). Neither accelerate nor TRL has a public switch for this (`ACCELERATE_USE_FSDP` and
+    `fsdp_plugin` are read in that same branch only), hence this one place; a no-op on GPUs."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if state.mixed_precision != "no":  # as that branch does
+        state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
+    trainer.is_fsdp_enabled = True
+
+
+def fp32_loss_and_reduce(trainer) -> None:
+    """Under FSDP2, leave the model's outputs uncast and sum the adapter's gradients over ranks in float32.
+
+    For bf16 mixed precision accelerate's FSDP2 plugin sets `MixedPrecisionPolicy(param_dtype=reduce_dtype=
+    output_dtype=bf16)`. FSDP2 applies output_dtype to the output of every sharded unit, the root included, so
+    TRL's float32 per-token log-probs came back as bf16 and the block's loss was summed in bf16 (8 bits: a 4k
+    block's logged loss moved in steps of ~0.06, seen on an H200 as identical losses at 4 and 6 layers), and
+    so was the eval loss; reduce_dtype summed the adapter's gradients over ranks in bf16, where DDP sums them
+    in float32. ftcli keeps param_dtype (weights gathered and computed in bf16), sets output_dtype to None (no
+    cast: every unit returns what it computed; a float32 cast would hand the decoder layers and the eval loss's
+    LM-head matmul float32 activations next to bf16 weights) and reduce_dtype to float32."""
+    from dataclasses import replace
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None or policy.param_dtype is None:
+        return
+    plugin.mixed_precision_policy = replace(policy, reduce_dtype=torch.float32, output_dtype=None)
+
+
+# -------------------------------------------------------------------------------------------- model
+def _attn_implementation(recipe: Recipe, device: torch.device) -> str | None:
+    """ftcli's packed kernels for "auto" (they keep the segments of a block apart; refuse where they
+    cannot); a named implementation is only allowed unpacked (the recipe schema enforces it), since e.g.
+    gpt-oss eager would let the documents of a block attend to each other."""
+    if recipe.model.attn_implementation != "auto":
+        return recipe.model.attn_implementation
+    from ftcli.model.kernels import check_packing_safe, enable_packed_kernels
+
+    if not recipe.data.packing.enabled and check_packing_safe(recipe.model.model_type, device):
+        return None  # unpacked rows need no packed kernels; transformers' default for this model
+    name, _ = enable_packed_kernels(recipe.model.model_type, device)
+    return name
+
+
+def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | None, *, resume: bool):
+    """The base model on `device`. A random-init base is saved once to <run>/base (rank 0), so that
+    resume, merge-lora and register rebuild the exact weights the adapter was trained on."""
+    from ftcli.model.build import load_model
+
+    base_dir = run_dir / "base"
+    if recipe.model.init == "random" and resume and (base_dir / "config.json").exists():
+        cfg = recipe.model.model_copy(update={"init": "pretrained", "id": str(base_dir), "quantization": "none"})
+        return load_model(cfg, attn_implementation=attn, device=device)
+    if recipe.model.init == "random":
+        torch.manual_seed(recipe.training.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+        if device is None and (gpu := random_init_gpu(recipe)) is not None:
+            model = load_model(recipe.model, attn_implementation=attn, device=gpu).to("cpu")
+            torch.cuda.empty_cache()  # the drawn base's memory back for NCCL, and out of the step lines' peak
+            torch.cuda.reset_peak_memory_stats(gpu)
+            return model
+    return load_model(recipe.model, attn_implementation=attn, device=device)
+
+
+def random_init_gpu(recipe: Recipe) -> torch.device | None:
+    """Where FSDP's random-init base (kept on the CPU until accelerate shards it) is drawn: this process's GPU
+    when the base takes under half its free memory, else None (the CPU). The CPU draws ~0.1B parameters/s
+    (minutes for a 13B-parameter base); the GPU draws it in seconds, and the copy to the CPU takes seconds.
+    The same seed draws different weights on the GPU and the CPU; <run>/base holds the ones trained on."""
+    if not torch.cuda.is_available():
+        return None
+    from ftcli.train.distributed import local_device
+    from ftcli.model.build import DTYPES
+    from ftcli.commands.plan import model_shape
+
+    gpu = local_device()
+    shape = model_shape(recipe)  # parameter counts from the config, as `ftcli plan` counts them
+    need = (shape.total_params + shape.frozen_params) * DTYPES[recipe.model.dtype].itemsize
+    free, _ = torch.cuda.mem_get_info(gpu)
+    return gpu if need < free / 2 else None
+
+
+# -------------------------------------------------------------------------------------------- train
+def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
+                  evaluator=None, run_dir: Path | None = None):
+    """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
+    returns (trainer, step log: `.trained` / `.seen` are the run's tokens, `.eval_callback` the eval's, None
+    without recipe.eval). Shared by `train` and benchmarks/lora_gpt_oss_gpu.py."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import SFTTrainer
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
+                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    if args.fsdp:
+        fsdp_on_cpu_processes(trainer, args)
+        fp32_loss_and_reduce(trainer)
+    normalize_loss_by_tokens(trainer)
+    trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
+    trainer.remove_callback(PrinterCallback)
+    evals = None if recipe.eval is None else EvalCallback(recipe, evaluator, tokenizer, run_dir=run_dir,
+                                                          metrics_path=metrics_path, tracker=tracker)
+    step_log = StepLog(trainer.model, metrics_path=metrics_path, tracker=tracker, eval_callback=evals)
+    # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
+    trainer.callback_handler.callbacks[:0] = [cb for cb in (step_log, TimedSave(recipe.training.checkpoint), evals)
+                                              if cb is not None]
+    return trainer, step_log
+
+
+def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
+    """One LoRA run under torchrun; see the module docstring."""
+    from trl import SFTConfig
+
+    from ftcli import data
+    from ftcli.train.checkpoint import checkpoint_step, resolve_resume
+    from ftcli.train.distributed import local_device, rank0_first
+    from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.train.metrics import truncate_metrics
+    from ftcli.commands.plan import resolved_sharding
+    from ftcli.train.preempt import Stopped
+    from ftcli.artifacts.rundir import METRICS_FILE
+    from ftcli.artifacts.tracking import start_tracking
+
+    run_dir = Path(run_dir)
+    if recipe.training.method != "lora":
+        raise UserError(f"train_lora got training.method={recipe.training.method}")
+    checkpoint = resolve_resume(run_dir, resume, kind="trl")
+    device = local_device()
+    sharding, why = resolved_sharding(recipe)
+    if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
+        os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
+    # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
+    args = SFTConfig(**sft_config_kwargs(recipe, run_dir, sharding), use_cpu=device.type == "cpu")
+    if args.process_index == 0:
+        for message in ignored_settings(recipe, sharding):
+            print(f"warning: {message}", flush=True)
+
+    # MLflow (rank 0): ftcli.artifacts.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
+    # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
+    tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
+    if checkpoint is not None and args.process_index == 0:
+        truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
+    try:
+        attn = _attn_implementation(recipe, device)
+        tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
+        summary = data.data_summary(recipe, data.open_prepared(recipe, tokenizer))
+        evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
+        if args.process_index == 0:
+            for line in summary.lines():
+                print(f"data {line}", flush=True)
+            for label, p in evaluator.packed.items():
+                print(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
+                      f"{int(p.block_trained.sum())} trained, {len(p)} blocks", flush=True)
+        tracker.log_metrics(summary.metrics(), step=0)
+
+        # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
+        started = time.perf_counter()
+        model = load_base(recipe, run_dir, device if sharding == "ddp" else None, attn, resume=checkpoint is not None)
+        if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
+            built = time.perf_counter() - started
+            model.save_pretrained(run_dir / "base")
+            tokenizer.save_pretrained(run_dir / "base")
+            print(f"random-init base: drawn in {built:.1f} s, saved to {run_dir / 'base'} in "
+                  f"{time.perf_counter() - started - built:.1f} s", flush=True)
+
+        trainer, step_log = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE,
+                                          tracker=tracker, evaluator=evaluator, run_dir=run_dir)
+        if args.process_index == 0:
+            trainable, total = trainer.model.get_nb_trainable_parameters()
+            print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "
+                  f"{len(rows)} rows ({'packed blocks' if recipe.data.packing.enabled else 'examples'}), "
+                  f"{args.world_size} x {device.type}, base {sharding} ({why}), attention {attn or 'default'}, "
+                  f"run dir {run_dir}", flush=True)
+
+        step_log.load(checkpoint)  # the token counts and the evals so far of a resumed run
+        stop = StopOnSignal(recipe.training.checkpoint.enabled)
+        trainer.add_callback(stop)
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except pickle.UnpicklingError as e:  # transformers loads TRL checkpoints with weights_only=True
+            reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise UserError(f"checkpoint {checkpoint} holds more than tensors and plain data, so it is not loaded "
+                            f"(loading could run code: {reason})") from None
+        if stop.signum and trainer.state.global_step < trainer.state.max_steps:
+            step = trainer.state.global_step
+            saved = Path(args.output_dir) / f"checkpoint-{step}"
+            raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
+        finish(recipe, run_dir, trainer, step_log, tracker=tracker, summary=summary, evaluator=evaluator,
+               sharding=sharding)
+        tracker.finish()
+    except BaseException as e:
+        tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
+        raise
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # run.json is written before any rank exits
+        # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
+        # can abort in C++ teardown ("terminate called without an active exception", seen on gloo)
+        torch.distributed.destroy_process_group()
+
+
+def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
+    """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
+    from ftcli.train.evaluate import eval_summaries
+    from ftcli.artifacts.rundir import FINAL, new_run_record, write_run_record
+
+    if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
+        save_adapter(trainer.model, trainer.processing_class, run_dir / FINAL)
+    else:
+        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+    if trainer.args.process_index != 0:
+        return
+    evals = step_log.eval_callback
+    tracked = evals.evals if evals is not None else None
+    best_step = tracked.best_step if tracked is not None else None
+    best_model_dir = None
+    if recipe.training.checkpoint.keep_best and best_step is not None:
+        best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    record = new_run_record(
+        recipe, method="lora", mlflow=tracker.info, base_path="base" if recipe.model.init == "random" else None,
+        model_dir=FINAL, steps=trainer.state.global_step,
+        tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
+        throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+        status="completed", data=summary.to_dict(), evals=tracked.history if tracked else [],
+        eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
+        best_step=best_step, best_eval_loss=tracked.best_loss if tracked else None,
+        best_model_dir=best_model_dir, stopped_early=evals.stop_reason if evals is not None else None,
+    )
+    tracker.log_artifact(write_run_record(run_dir, record))
+    tracker.log_artifact(run_dir / "recipe.yaml")
+    print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)

@@ -1,0 +1,107 @@
+"""The training loss of the full path: summed token cross-entropy without full-vocabulary fp32 logits.
+
+    count_trained_tokens(block)            the tokens one block contributes to the loss (the one count)
+    token_loss_sum(hidden, weight, labels) sum of next-token CE over the trained tokens (chunked/full/liger)
+    attach_loss(model, impl, chunk)        model.loss_sum(input_ids, labels, **packing) for FSDP2
+    liger_loss()                           liger-kernel's fused linear CE, or a one-line UserError
+
+IGNORE_INDEX is defined once, by the data code that writes the labels (ftcli.data), and re-exported here.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftcli.data.packing import IGNORE_INDEX
+from ftcli.config.errors import UserError
+
+__all__ = ["IGNORE_INDEX", "attach_loss", "count_trained_tokens", "liger_loss", "token_loss_sum"]
+
+
+def count_trained_tokens(block_or_labels) -> int:
+    """Trained tokens after the shift (labels[0] of a row is never a target).
+
+    A packed block carries its own count (`Block.num_trained_tokens`, computed where it is built, and
+    stored in the data cache); labels alone (numpy, a list, or a tensor [T] / [B, T]) are counted."""
+    count = getattr(block_or_labels, "num_trained_tokens", None)
+    if count is not None:
+        return int(count)
+    labels = block_or_labels
+    if isinstance(labels, torch.Tensor):
+        return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return int(np.count_nonzero(np.asarray(labels)[..., 1:] != IGNORE_INDEX))
+
+
+def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of rows of `hidden` against `targets`; logits in fp32, then freed."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, impl: str, chunk_tokens: int,
+                   trained_positions: torch.Tensor | None = None):
+    """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
+
+    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
+    (HF convention: position t predicts labels[t + 1]; -100 = no loss). `trained_positions` (int64 [N],
+    ftcli.data.collate's, built on the host) are the positions whose target is trained; without them they
+    are found on the device (`nonzero`: a host sync). A listed position whose target is -100 adds 0.
+      chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
+               recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
+      full     the published qwen-b300 loop's loss: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
+      liger    liger-kernel's fused linear cross-entropy (GPU).
+    """
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if impl == "full":
+        return _ce_sum(hidden, weight, targets)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1) if trained_positions is None else trained_positions
+    hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
+    if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
+        return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
+    if impl == "liger":
+        return liger_loss()(weight, hidden, targets).float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + torch.utils.checkpoint.checkpoint(
+            _ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False
+        )
+    return total
+
+
+def liger_loss():
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        raise UserError(
+            "training.loss.impl=liger needs liger-kernel (GPU only: pip install 'ftcli[gpu]'); "
+            "or set training.loss.impl=chunked"
+        ) from None
+    import inspect
+
+    kwargs = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
+    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
+        kwargs["accum_dtype"] = torch.float32  # the LM head gradient adds up over chunks in fp32
+    return LigerFusedLinearCrossEntropyLoss(**kwargs)
+
+
+def attach_loss(model: nn.Module, impl: str, chunk_tokens: int, *, loss_fn: Callable = token_loss_sum) -> None:
+    """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
+    `loss_fn` (`token_loss_sum`; a test may pass a faulty one) with the LM head's weight and the block's
+    `trained_positions` (None when the call has none). Registered with FSDP as a forward method, so the
+    root's parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def loss_sum(self, input_ids, labels, trained_positions=None, **inputs):
+        hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+        return loss_fn(hidden, self.lm_head.weight, labels, impl, chunk_tokens, trained_positions=trained_positions)
+
+    model.loss_sum = types.MethodType(loss_sum, model)
+    register_fsdp_forward_method(model, "loss_sum")
