@@ -25,7 +25,7 @@ import torch
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from ftcli.commands import generate
+    from ftcli import inference as generate
     from ftcli.model.build import load_model
     from ftcli.config.recipe import ModelConfig, resolve_path
 

@@ -88,7 +88,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--size", args.size, "--layers", str(args.layers), "--make", str(tmp)],
                        check=True, capture_output=True)
         n_params = int((tmp / "n_params").read_text())
-        imports = [sys.executable, "-c", "import torch, transformers, peft, safetensors, ftcli.commands.merge, ftcli.model.build"]
+        imports = [sys.executable, "-c", "import torch, transformers, peft, safetensors, ftcli.artifacts.merge, ftcli.model.build"]
         merge = [sys.executable, "-m", "ftcli", "merge-lora", str(tmp / "adapter"), "--base", str(tmp / "base"),
                  "--output", str(tmp / "merged"), "--dtype", "bfloat16"]
         baseline = child_peak_rss(imports)

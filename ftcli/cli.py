@@ -362,7 +362,7 @@ DECODING_OPTIONS = (
 
 def _decoding(max_new_tokens, greedy, temperature, top_p, top_k, seed, **model_options) -> dict:
     """The DECODING_OPTIONS as the keyword arguments ftcli.commands.generate's runners take."""
-    from ftcli.commands.generate import Sampling
+    from ftcli.inference import Sampling
 
     sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed)

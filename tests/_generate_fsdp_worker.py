@@ -25,7 +25,7 @@ def main(model_dir: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.commands.generate import sample_greedy
+    from ftcli.inference import sample_greedy
     from ftcli.model.build import decoder_layers
 
     torch.set_num_threads(1)

@@ -169,7 +169,7 @@ def test_early_stop_keep_best_and_export_best(eval_run):
 def test_samples_equal_sample_greedy_on_the_saved_model(eval_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.commands.generate import sample_greedy
+    from ftcli.inference import sample_greedy
     from ftcli.config.recipe import load_recipe
 
     run_dir = eval_run["run_dir"]

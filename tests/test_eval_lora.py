@@ -104,7 +104,7 @@ def test_lora_early_stop_and_keep_best(runs):
 def test_lora_samples_equal_sample_greedy_on_the_final_adapter(runs):
     from transformers import AutoTokenizer
 
-    from ftcli.commands.generate import sample_greedy
+    from ftcli.inference import sample_greedy
 
     run_dir = runs["eval"][0]
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

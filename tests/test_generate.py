@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 from ftcli import cli
 
-from ftcli.commands import generate
+from ftcli import inference as generate
+from ftcli.artifacts.resolve import model_source
 from ftcli.commands.chat import Chat, run_chat
-from ftcli.commands.generate import Sampling
+from ftcli.inference import Sampling
 from ftcli.artifacts.rundir import BaseModelRecord, RunRecord, write_run_record
 
 runner = CliRunner()
@@ -95,7 +96,7 @@ def lora_run(tmp_path_factory):
 
 
 def _load(path) -> generate.LoadedModel:
-    return generate.load(generate.resolve_source(str(path)), device="cpu")
+    return generate.load(model_source(str(path)), device="cpu")
 
 
 def argmax_decode(model, prompt: list[int], stop_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -139,7 +140,7 @@ def test_adapter_on_base_equals_merged(lora_run):
     assert a == b
     base_only = [c.token_ids for c in generate.generate(_load(run / "base"), PROMPTS, greedy)]
     assert base_only != a  # the adapter is applied: without it the replies differ
-    assert generate.resolve_source(str(run / "final")) == on_base.source  # <run>/final is its run
+    assert model_source(str(run / "final")) == on_base.source  # <run>/final is its run
 
 
 def test_seed_makes_sampling_reproducible(model_dirs):
@@ -302,7 +303,7 @@ def _write_run(path, **record):
     ("still training", "{p} is a run that has not finished (no run.json yet: it is still training, or it stopped "
                        "early; `ftcli train --recipe {p}/recipe.yaml --resume` continues it)"),
     ("status running", "{p}: the run is 'running', not completed; its final model is written when training ends"),
-    ("lora base missing", "{p}: the LoRA run's base {p}/base is missing (run.json base_model.path)"),
+    ("lora base missing", "base model dir {p}/base (run.json base_model.path) is missing or has no config.json"),
     ("no such path", "{p}: no such run dir or model dir (and not a hub id of the form owner/name)"),
 ])
 def test_cli_bad_model_is_one_line(case, expected, tmp_path):
@@ -340,7 +341,7 @@ def test_cli_bad_model_fails_before_heavy_imports(tmp_path):
 
 
 def test_hub_id_resolves_with_its_revision_and_fails_offline_in_one_line(tmp_path):
-    source = generate.resolve_source("openai/gpt-oss-20b", "abc123")
+    source = model_source("openai/gpt-oss-20b", "abc123")
     assert source == generate.ModelSource(model="openai/gpt-oss-20b", revision="abc123")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "ftcli", "generate", "no-such-org/no-such-model", "-p", "hi"],

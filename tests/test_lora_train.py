@@ -164,7 +164,7 @@ def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):
 
 
 def test_merge_lora_of_the_trained_run(trained):
-    from ftcli.commands.merge import merge_lora
+    from ftcli.artifacts.merge import merge_lora
 
     _, run_dir, _ = trained
     out = merge_lora(run_dir, dtype="float32")

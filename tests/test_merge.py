@@ -51,7 +51,7 @@ def test_merged_model_logits_equal_base_plus_adapter(lora_run, tmp_path, dtype, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ftcli.commands.merge import merge_lora
+    from ftcli.artifacts.merge import merge_lora
     from ftcli.model.build import load_model
     from ftcli.config.recipe import ModelConfig
 
@@ -202,7 +202,8 @@ def test_base_resolution_order_is_flag_then_saved_path_then_hub_id_then_adapter_
     """One resolver for merge-lora and register: --base, run.json base_model.path (relative to the run),
     base_model.id@revision, adapter_config.json; a reference naming a dir is that dir."""
     from ftcli.config.errors import UserError
-    from ftcli.commands.merge import BaseRef, resolve_adapter, resolve_base
+    from ftcli.artifacts.merge import resolve_adapter
+    from ftcli.artifacts.resolve import BaseRef, resolve_base
 
     run = tmp_path / "run"
     adapter = _adapter_dir(run / "final", "org/from-adapter", "abc")
@@ -233,7 +234,8 @@ def test_base_resolution_order_is_flag_then_saved_path_then_hub_id_then_adapter_
 
 def test_register_and_merge_resolve_the_same_base(tmp_path):
     """register's source resolution goes through merge.resolve_base: same BaseRef for the same run."""
-    from ftcli.commands.merge import resolve_adapter, resolve_base
+    from ftcli.artifacts.merge import resolve_adapter
+    from ftcli.artifacts.resolve import resolve_base
     from ftcli.commands.register import Source, resolve_source
 
     run = tmp_path / "run"
@@ -252,7 +254,7 @@ def test_register_reuses_only_a_merge_of_the_same_adapter_dtype_and_format(tmp_p
     import json
     import os
 
-    from ftcli.commands.merge import is_newer_merge
+    from ftcli.artifacts.merge import is_newer_merge
 
     final, best, out = tmp_path / "final", tmp_path / "best", tmp_path / "merged"
     for adapter in (final, best):

@@ -22,7 +22,7 @@ def _tensors(folder):
 
 @pytest.fixture(scope="module")
 def merges(lora_run, tmp_path_factory):  # noqa: F811
-    from ftcli.commands.merge import merge_lora
+    from ftcli.artifacts.merge import merge_lora
 
     run, _ = lora_run
     root = tmp_path_factory.mktemp("stream")
@@ -125,7 +125,7 @@ def test_mxfp4_merge_loads_in_transformers_with_the_dequantized_experts(merges):
 
 def test_mxfp4_format_needs_a_gpt_oss_base_and_a_known_format(lora_run, tmp_path):  # noqa: F811
     from ftcli.config.errors import UserError
-    from ftcli.commands.merge import merge_lora
+    from ftcli.artifacts.merge import merge_lora
 
     run, _ = lora_run
     with pytest.raises(UserError, match="--format gguf: use plain or mxfp4"):

@@ -43,7 +43,7 @@ def test_scrub_recipe_hides_secret_and_env_values():
 
 def _ftcli_imports(module: str) -> set[str]:
     """Every ftcli module `module` imports, at the top or inside a function."""
-    path = Path(__file__).resolve().parents[1] / "ftcli" / (module.removeprefix("ftcli.") + ".py")
+    path = Path(__file__).resolve().parents[1] / "ftcli" / (module.removeprefix("ftcli.").replace(".", "/") + ".py")
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ftcli"):
@@ -55,7 +55,7 @@ def _ftcli_imports(module: str) -> set[str]:
 
 
 def test_register_tracking_merge_imports_have_no_circle():
-    group = {"ftcli.config.redact", "ftcli.artifacts.tracking", "ftcli.artifacts.rundir", "ftcli.commands.merge", "ftcli.artifacts.mlflow_model", "ftcli.commands.register",
+    group = {"ftcli.config.redact", "ftcli.artifacts.tracking", "ftcli.artifacts.rundir", "ftcli.artifacts.merge", "ftcli.artifacts.mlflow_model", "ftcli.commands.register",
              "ftcli.artifacts.registry"}
     edges = {m: _ftcli_imports(m) & group for m in group}
     assert edges["ftcli.config.redact"] == set() and "ftcli.commands.register" not in edges["ftcli.artifacts.tracking"]

@@ -254,7 +254,7 @@ def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path,
 
 
 def test_lora_run_registers_merged_weights_by_default(tmp_path, tiny_lora_files, sqlite_uri, monkeypatch):
-    """Merged by ftcli.commands.merge.merge_lora into <run>/merged. No training run in MLflow (tracking was
+    """Merged by ftcli.artifacts.merge.merge_lora into <run>/merged. No training run in MLflow (tracking was
     off): a new run gets the scrubbed recipe and run.json's summary metrics."""
     import mlflow
     from mlflow import MlflowClient
@@ -392,11 +392,11 @@ def test_unreachable_registry_fails_fast_with_the_masked_uri(tmp_path, tiny_full
 def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_full_final):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(UserError, match=r"has no run.json \(not a run dir\)"):
+    with pytest.raises(UserError, match=r"holds no model: expected run.json \(a run dir\), config.json \(a model dir\)"):
         reg.resolve_source(empty)
     run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
     shutil.rmtree(run_dir / "final")
-    with pytest.raises(UserError, match=r"final is missing .*status='completed'.*did `ftcli train` finish"):
+    with pytest.raises(UserError, match=r"no model in this run \(.*final does not exist; a full run exports final/ only with"):
         reg.resolve_source(run_dir)
     (run_dir / "final").mkdir()
     (run_dir / "final" / "config.json").write_text("{}")
@@ -406,7 +406,7 @@ def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_ful
         reg.resolve_source(tmp_path / "nope")
     run = json.loads((run_dir / "run.json").read_text())
     (run_dir / "run.json").write_text(json.dumps({**run, "model_dir": None}))
-    with pytest.raises(UserError, match="no final model .*save_final_hf"):
+    with pytest.raises(UserError, match=r"no model in this run \(run.json names no model_dir; .*save_final_hf"):
         reg.resolve_source(run_dir)
 
 
@@ -511,7 +511,7 @@ def test_probe_reply_equals_sample_greedy(tmp_path, tiny_full_final, sqlite_uri)
     default prompt without one: test_probe_conversation_reads_eval_samples_defensively)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcli.commands.generate import sample_greedy
+    from ftcli.inference import sample_greedy
 
     samples = ["What is 9 plus 2?", "unused"]
     run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
@@ -639,12 +639,12 @@ def test_data_that_cannot_give_a_chat_request_says_why():
 
 
 def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):
-    from ftcli.commands import generate
+    from ftcli import inference
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(generate, "load", out_of_memory)
+    monkeypatch.setattr(inference, "load", out_of_memory)
     source = reg.Source(model_dir=tmp_path, kind="checkpoint")
     assert reg.probe_generation(tmp_path, None, source, [{"role": "user", "content": "hi"}]) is None
     assert " ".join(capsys.readouterr().err.split()) == (
@@ -659,7 +659,7 @@ def test_register_reaches_no_private_mlflow_state():
     import ftcli
 
     found = []
-    for module in ("register", "registry", "mlflow_model", "tracking"):
+    for module in ("commands/register", "artifacts/registry", "artifacts/mlflow_model", "artifacts/tracking"):
         path = Path(ftcli.__file__).parent / f"{module}.py"
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlflow"):

@@ -34,7 +34,7 @@ from typing import Iterator
 
 from ftcli import __version__
 from ftcli.config.errors import UserError
-from ftcli.commands.merge import BaseRef
+from ftcli.artifacts.resolve import BaseRef
 from ftcli.artifacts.tracking import first_line
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
-from ftcli.commands.generate import LoadedModel, Sampling, load, resolve_source, stream_reply, system_prompt, template_kwargs
+from ftcli.artifacts.resolve import model_source
+from ftcli.inference import LoadedModel, Sampling, load, stream_reply, system_prompt, template_kwargs
 
 HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
 
@@ -51,7 +52,7 @@ def run_chat_command(ref: str, *, system: str | None, sampling: Sampling, reason
     """`ftcli chat`: resolve and load the model, then talk."""
     from rich.console import Console
 
-    source = resolve_source(ref, revision)
+    source = model_source(ref, revision)
     with Console(stderr=True).status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
     run_chat(loaded, sampling, system=system_prompt(system, reasoning_language),

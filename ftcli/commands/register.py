@@ -4,7 +4,7 @@ What is logged depends on what training wrote:
 
     full run    <run>/final: HF checkpoint      -> logged as is (files copied byte for byte)
     LoRA run    <run>/final: adapter, + a base  -> "merged" (default when the base is local or
-                                                   random-init): ftcli.commands.merge.merge_lora writes
+                                                   random-init): ftcli.artifacts.merge.merge_lora writes
                                                    <run>/merged, logged like a full checkpoint
                                                 -> "adapter" (--adapter-only, default for a hub
                                                    base): the PEFT model; the base is referenced,
@@ -27,7 +27,7 @@ Order of work: every cheap check runs before anything is merged or uploaded.
     model name, alias name -> run dir / model files -> mode rules -> reach MLflow (5 s, no retries)
     -> alias free (or --force) -> [merge] -> probe -> log the model -> create the version -> set the alias
 
-The probe: one greedy generation (ftcli.commands.generate.sample_greedy) on the model to be logged, from the
+The probe: one greedy generation (ftcli.inference.sample_greedy) on the model to be logged, from the
 recipe's first `eval.samples` prompt or a default one; a model that fails to load or ends its turn
 before a single token stops the registration in one line. (An adapter over a hub base is not
 probed: register never downloads base weights.) The logged input example is a real chat request
@@ -63,7 +63,8 @@ from ftcli.artifacts import mlflow_model
 
 from ftcli.artifacts import registry
 from ftcli.config.errors import UserError
-from ftcli.commands.merge import BaseRef, default_output, is_newer_merge, merge_lora, recipe_model, resolve_base, run_dir_holding
+from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, resolve_base
+from ftcli.artifacts.merge import default_output, is_newer_merge, merge_lora
 from ftcli.config.redact import mask_uri
 from ftcli.artifacts.rundir import RunRecord, read_run_record
 from ftcli.artifacts.tracking import check_reachable, create_run, first_line, http_settings, recipe_params, resolve_tracking_uri
@@ -94,66 +95,36 @@ class Source:
     base: BaseRef | None = None  # adapters only
 
     @property
+    def settings(self) -> ModelSettings:
+        return ModelSettings.of(self.recipe)
+
+    @property
     def trust_remote_code(self) -> bool:
-        return bool(recipe_model(self.recipe).get("trust_remote_code", False))
+        return self.settings.trust_remote_code
 
     @property
     def dtype(self) -> str:
-        return recipe_model(self.recipe).get("dtype") or "bfloat16"
+        return self.settings.dtype or "bfloat16"
 
     @property
     def model_class(self) -> str:
         recorded = self.run.base_model.model_class if self.run is not None else None
-        return recorded or recipe_model(self.recipe).get("model_class") or "causal_lm"
+        return recorded or self.settings.model_class or "causal_lm"
 
 
 def resolve_source(path: Path, recipe: dict | None = None, checkpoint: str = "last") -> Source:
-    """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir. checkpoint="best":
-    a run dir's best eval model (run.json best_model_dir, training.checkpoint.keep_best)."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        problem = "is not a directory" if path.exists() else "does not exist"
-        raise UserError(f"{path} {problem}; pass a run dir (with run.json) or a model dir")
-    path = path.resolve()
-    run_dir = run_dir_holding(path)  # the parent: `register <run>/final`
-    source = _source_of_run(path, run_dir, recipe, checkpoint) if run_dir else _source_of_model_dir(path, recipe)
+    """A run dir (run.json), the model dir inside one (<run>/final), or a bare model dir
+    (ftcli.artifacts.resolve.locate). checkpoint="best": a run dir's best eval model (run.json best_model_dir,
+    training.checkpoint.keep_best)."""
+    target = locate(path, checkpoint=checkpoint)
+    if target.run is not None and target.run.status != "completed":
+        _warn(f"run.json status is {target.run.status!r}, not 'completed'; registering what {target.model_dir} holds")
+    source = Source(model_dir=target.model_dir, kind=target.kind, run_dir=target.run_dir, run=target.run,
+                    recipe=recipe or (target.run.recipe if target.run is not None else None))
     _check_model_files(source)
     if source.kind == "adapter":
         source.base = resolve_base(source.model_dir, source.run_dir, source.run)
     return source
-
-
-def _source_of_model_dir(path: Path, recipe: dict | None) -> Source:
-    if (path / "adapter_config.json").is_file():
-        return Source(model_dir=path, kind="adapter", recipe=recipe)
-    if (path / "config.json").is_file():
-        return Source(model_dir=path, kind="checkpoint", recipe=recipe)
-    raise UserError(f"{path} has no run.json (not a run dir) and no config.json or adapter_config.json "
-                    "(not a model dir); pass the run dir that `ftcli train` wrote")
-
-
-def _source_of_run(path: Path, run_dir: Path, recipe: dict | None, checkpoint: str) -> Source:
-    """The model a training run wrote: `path` itself when it is a dir inside the run, else run.json's."""
-    run = read_run_record(run_dir)
-    if checkpoint == "best":
-        if path != run_dir:
-            raise UserError(f"--checkpoint best takes the run dir ({run_dir}), not a model dir inside it")
-        if not run.best_model_dir:
-            raise UserError(f"--checkpoint best: {run_dir} records no best eval model (train with eval data and "
-                            "training.checkpoint.keep_best=true), or pass the run dir itself")
-        path = run.best_model_path(run_dir)
-    elif path == run_dir:
-        if not run.model_dir:
-            raise UserError(f"{run_dir} has no final model (run.json model_dir is null: "
-                            "training.checkpoint.save_final_hf was false); retrain with it on, or register a model dir")
-        path = run.model_path(run_dir)
-    if not path.is_dir():
-        raise UserError(f"{path} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
-                        "did `ftcli train` finish?")
-    if run.status != "completed":
-        _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {path} holds")
-    kind = "adapter" if run.method == "lora" else "checkpoint"
-    return Source(model_dir=path, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
 
 
 def _check_model_files(source: Source) -> None:
@@ -206,24 +177,25 @@ def probe_conversation(recipe: dict | None) -> list[dict]:
 
 def probe_generation(model_dir: Path, base: BaseRef | None, source: Source, messages: list[dict],
                      max_new_tokens: int = PROBE_MAX_NEW_TOKENS) -> str | None:
-    """One greedy reply (ftcli.commands.generate.sample_greedy) from the model about to be logged: `model_dir`
+    """One greedy reply (ftcli.inference.sample_greedy) from the model about to be logged: `model_dir`
     as a checkpoint, or as an adapter over the local `base`. A model that cannot load, generate or
     produce a single token before its end of turn is a UserError: registering it would serve
     errors or empty replies. One that does not fit in memory here is not probed (None, a warning):
     that says nothing about the model."""
     import torch
 
-    from ftcli.commands import generate
+    from ftcli import inference
+    from ftcli.artifacts.resolve import ModelSource
 
     where = f"{model_dir} (over {base})" if base is not None else str(model_dir)
-    dtype = source.dtype if source.dtype in generate.DTYPES else "auto"
-    target = generate.ModelSource(
+    dtype = source.dtype if source.dtype in inference.DTYPES else "auto"
+    target = ModelSource(
         model=str(base.path) if base is not None else str(model_dir), adapter=model_dir if base is not None else None,
         model_class=source.model_class, trust_remote_code=source.trust_remote_code,
     )
     try:
-        loaded = generate.load(target, dtype=dtype, device="auto")
-        [text] = generate.sample_greedy(loaded.model, loaded.tokenizer, [messages], max_new_tokens)
+        loaded = inference.load(target, dtype=dtype, device="auto")
+        [text] = inference.sample_greedy(loaded.model, loaded.tokenizer, [messages], max_new_tokens)
     except UserError as e:
         raise UserError(f"probe generation on {where} failed: {e}") from None
     except (MemoryError, torch.OutOfMemoryError) as e:

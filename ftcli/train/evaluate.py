@@ -192,9 +192,9 @@ def samples_due(cfg, step: int, evals_done: int, evaluated: bool, last: bool) ->
 
 
 def generate_samples(model, tokenizer, cfg, *, synced_gpus: bool = False) -> list[str]:
-    """Greedy completions of the recipe's eval.samples (`ftcli.commands.generate.sample_greedy`; under FSDP2
+    """Greedy completions of the recipe's eval.samples (`ftcli.inference.sample_greedy`; under FSDP2
     every rank calls it with synced_gpus=True)."""
-    from ftcli.commands.generate import sample_greedy
+    from ftcli.inference import sample_greedy
 
     devices = [next(model.parameters()).device] if next(model.parameters()).is_cuda else []
     with torch.random.fork_rng(devices=devices):  # greedy draws nothing; the training RNG stays untouched anyway

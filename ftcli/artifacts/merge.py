@@ -1,0 +1,640 @@
+"""Fold a LoRA adapter into its base and write a plain Hugging Face checkpoint (`ftcli merge-lora`, and
+`ftcli register` of a LoRA run).
+
+    ADAPTER_DIR (a run dir with run.json, or an adapter dir)
+      -> base: --base, else run.json base_model (path beats hub id@revision), else the adapter's
+         base_model_name_or_path; its safetensors files are read tensor by tensor, MXFP4 experts
+         dequantized (ftcli.model.mxfp4)
+      -> the model's skeleton on the meta device + the adapter (PEFT); a base of another model_type, without
+         a module the adapter adapts, or with other shapes is refused in one line (ftcli's own checks)
+      -> three streamed forwards of a probe, one unit (decoder layer / root module) of base weights
+         resident at a time: base, base+adapter, and the merge (each unit merged by PEFT as it loads)
+      -> check: every adapted weight now equals W + dW (to one rounding), and the logits agree
+         (MoE routing pinned, see RoutingReplay); otherwise the shards written so far are removed
+      -> shards written as they fill (--format plain: every weight in --dtype; mxfp4: the experts
+         re-quantized by ftcli.model.mxfp4, bit for bit its quantizer) + config + tokenizer + merge.json (the
+         check's numbers and the files written), into a temporary sibling that then takes the output's
+         place. `-o` is checked before anything loads: never the adapter, its run, the base or a folder
+         holding them, never a dir with files merge-lora did not write; an earlier merge is replaced only
+         with --force, once the new one has passed
+
+Memory: the whole model never exists. Resident at once: one unit's base weights, PEFT's delta for it
+(fp32, the size of the adapted weight: for the experts of a gpt-oss layer, twice the unit's bf16 size),
+one pending output shard (MAX_SHARD_SIZE), the adapter, the imports. Measured by
+benchmarks/merge_peak_rss.py (peak RSS of the merge-lora process, ru_maxrss, minus that of a process that
+only imports the same modules), gpt-oss-20b's shape cut to 3 layers (3.63B params, 6.76 GiB in bf16,
+MXFP4 base, largest base shard 1.99 GiB, largest unit 1.53 GiB): 8.21 GiB, 4.1x the largest shard and
+1.21 bf16 copies of a model that small. None of it grows with depth (the pending shard is capped), so a
+deeper model of that width should stay near that figure (not measured beyond 3 layers). On the
+1.24B-param "mid" gpt-oss: 2.54 GiB, where the load-everything merge it replaced took 3.44 GiB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ftcli.config.errors import UserError
+from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
+from ftcli.artifacts.rundir import RunRecord, read_run_record
+from ftcli.artifacts.tracking import first_line
+
+PROBE_TOKENS = 48
+MAX_SHARD_SIZE = "2GB"
+MERGE_REPORT = "merge.json"  # the check's numbers, and the files this merge wrote (what --force may replace)
+# The logits check: max |merged - (base+adapter)| over the probe, relative to max(1, max |logits|),
+# with MoE routing pinned (RoutingReplay). float32 merges agree up to summation order. In bf16/fp16
+# every merged weight is rounded once (W + dW -> 8 or 11 mantissa bits); measured on an 8-layer
+# gpt-oss of width 1024 in bf16: 0.039 at a logit scale of 3.3 (~3 ulps), so 8 ulps is the bound.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 8 * 2**-8, "float16": 8 * 2**-11}
+FORMATS = ("plain", "mxfp4")  # plain: every weight in --dtype; mxfp4: expert weights re-quantized (gpt-oss)
+
+
+def merge_lora(adapter_dir: Path, *, base: str | None = None, output: Path | None = None, dtype: str = "bfloat16",
+               recipe=None, force: bool = False, fmt: str = "plain") -> Path:
+    """Merge, verify and save; returns the output dir (what `ftcli register` calls)."""
+    return merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force, fmt=fmt)[0]
+
+
+def merge(adapter_dir: Path, *, base: str | None = None, output: Path | None = None, dtype: str = "bfloat16",
+          recipe=None, force: bool = False, fmt: str = "plain") -> tuple[Path, dict[str, Any]]:
+    """Merge, verify and save; returns the output dir and the check's report (merge.json)."""
+    return _merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force, fmt=fmt)
+
+
+# ------------------------------------------------------------------------------------- resolution
+def resolve_adapter(adapter_dir: Path) -> tuple[Path, Path | None, RunRecord | None]:
+    """(adapter dir, run dir or None, run.json or None) for a LoRA run dir, <run>/final, or a bare adapter."""
+    path = Path(adapter_dir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory; pass a LoRA run dir (with run.json) or an adapter dir")
+    run_dir = run_dir_holding(path.resolve())
+    if run_dir is not None:
+        run = read_run_record(run_dir)
+        if run.method != "lora":
+            raise UserError(f"{run_dir} is a '{run.method}' run, not a LoRA run; there is nothing to merge")
+    target = locate(path)
+    if target.kind != "adapter" or not (target.model_dir / "adapter_config.json").is_file():
+        raise UserError(f"{target.model_dir} has no adapter_config.json; pass a LoRA run dir or the adapter dir it wrote")
+    return target.model_dir, target.run_dir, target.run
+
+
+def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | None, recipe):
+    """An ftcli ModelConfig for the base, with the MXFP4 flag read from the base's own config."""
+    from transformers import AutoConfig
+
+    from ftcli.config.recipe import ModelConfig
+
+    if dtype not in TOLERANCE:
+        raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32")
+    settings = ModelSettings.of(recipe)
+    trust = settings.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise UserError(f"base {base!r}: cannot load its config ({first_line(e)}); pass --base ID_OR_DIR") from None
+    recorded = run.base_model if run is not None else None
+    expected = (recorded and recorded.model_type) or settings.model_type
+    if expected and config.model_type != expected and getattr(config.get_text_config(), "model_type", None) != expected:
+        raise UserError(f"base {base!r} is a '{config.model_type}' model but the adapter was trained on '{expected}'; "
+                        "pass the right --base")
+    model_class = (recorded and recorded.model_class) or settings.model_class
+    if not model_class:
+        archs = getattr(config, "architectures", None) or []
+        model_class = "image_text_to_text" if any("ConditionalGeneration" in a for a in archs) else "causal_lm"
+    quant = getattr(config, "quantization_config", None) or {}
+    quant_method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if quant_method not in (None, "mxfp4"):
+        raise UserError(f"base {base!r} is quantized with {quant_method}; merge into an unquantized or MXFP4 base")
+    return ModelConfig(id=base, revision=revision, model_type=config.model_type, model_class=model_class, dtype=dtype,
+                       quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
+                       trust_remote_code=trust)
+
+
+def default_output(adapter: Path, run_dir: Path | None) -> Path:
+    """Where a merge goes without -o: <run>/merged, or `<adapter>-merged` beside a bare adapter."""
+    return run_dir / "merged" if run_dir else adapter.with_name(adapter.name + "-merged")
+
+
+def is_newer_merge(out: Path, adapter: Path, dtype: str, fmt: str = "plain") -> bool:
+    """Does `out` hold a merge of this adapter (merge.json names it), in this dtype and format, written after
+    the adapter's weights (one `ftcli register` may reuse)? <run>/final and <run>/best share <run>/merged."""
+    done = out / "config.json"
+    try:
+        report = json.loads((out / MERGE_REPORT).read_text())
+    except (OSError, ValueError):
+        return False
+    same = (isinstance(report, dict) and Path(str(report.get("adapter"))).resolve() == adapter.resolve()
+            and report.get("dtype") == dtype and report.get("format", "plain") == fmt)
+    return same and done.is_file() and any(out.glob("*.safetensors")) and all(
+        done.stat().st_mtime >= p.stat().st_mtime for p in adapter.glob("adapter_model.*") if p.is_file())
+
+
+def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: BaseRef, force: bool) -> Path:
+    """Where the merged model goes, checked before anything is loaded; deletes nothing. Refused: the
+    adapter, its run dir, the base, any folder holding one of them, a folder inside the adapter or
+    the base, and a non-empty dir that is not an earlier merge-lora output (merge.json lists the files
+    it wrote; with --force such an output is replaced, by `_put_in_place`, once the new merge passed)."""
+    out = (Path(output) if output else default_output(adapter, run_dir)).expanduser().resolve()
+    for what, path in (("its run dir", run_dir), ("the adapter", adapter), ("the base model", base.path)):
+        if path is None:
+            continue
+        path = Path(path).resolve()
+        if out == path or out in path.parents:
+            raise UserError(f"--output {out} would overwrite {what} ({path}); pick another dir")
+        if path in out.parents and what != "its run dir":  # <run>/merged is the default
+            raise UserError(f"--output {out} is inside {what} ({path}); pick another dir")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; pick a directory")
+    _check_replaceable(out, force)
+    return out
+
+
+def _check_replaceable(out: Path, force: bool) -> None:
+    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not contents:
+        return
+    foreign = [name for name in contents if name not in (_merged_files(out) or ())]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{out} holds files merge-lora did not write ({shown}); merge-lora never deletes those: "
+                        "pass another --output")
+    if not force:
+        raise UserError(f"{out} holds an earlier merge; pass --force to replace it, or --output DIR")
+
+
+def _merged_files(out: Path) -> set[str] | None:
+    """The files an earlier merge wrote into `out` (its merge.json says), or None when it is not one."""
+    try:
+        files = json.loads((out / MERGE_REPORT).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(files, list) or not all(isinstance(f, str) and "/" not in f for f in files):
+        return None
+    return {*files, MERGE_REPORT}
+
+
+def _put_in_place(tmp: Path, out: Path, report: dict[str, Any], force: bool) -> None:
+    """List the files in merge.json, then put the finished merge in `tmp` in place of `out` (an earlier
+    merge there is removed file by file, only now that the new one is complete)."""
+    report["files"] = sorted(p.name for p in tmp.iterdir()) + [MERGE_REPORT]
+    (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    if out.is_dir():
+        _check_replaceable(out, force)  # again: the dir may have changed while merging
+        for name in _merged_files(out) or ():
+            target = out / name
+            if target.is_file() or target.is_symlink():
+                target.unlink()
+        out.rmdir()
+    os.replace(tmp, out)
+
+
+# ------------------------------------------------------------------------------------------ merge
+def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = "plain") -> tuple[Path, dict[str, Any]]:
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: use {' or '.join(FORMATS)}")
+    adapter, run_dir, run = resolve_adapter(adapter_dir)
+    read_adapter_config(adapter)  # readable and LoRA's, and the weights are there, before anything loads
+    if not any((adapter / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise UserError(f"{adapter} has no adapter_model.safetensors; pass the adapter dir that training wrote")
+    resolved = resolve_base(adapter, run_dir, run, base)
+    base_ref = resolved.ref
+    out = _output_dir(output, adapter, run_dir, resolved, force)  # refuse before any loading
+    cfg = _model_config(base_ref, resolved.revision, dtype, run, recipe)
+    if fmt == "mxfp4" and cfg.model_type != "gpt_oss":
+        raise UserError(f"--format mxfp4 writes gpt-oss expert weights; base {base_ref!r} is a '{cfg.model_type}' model")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
+        report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
+        tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
+        try:
+            AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
+        except OSError:
+            pass  # a base without tokenizer files: the merged model is still complete
+        _put_in_place(tmp, out, report, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, report
+
+
+# -------------------------------------------------------------------------------------- streaming
+#
+# The merge never holds the whole model. Its skeleton lives on the meta device (no storage; the rotary
+# buffers on the CPU), the adapter is loaded whole (small), and one unit at a time -- a decoder layer,
+# or one of the root modules (embeddings, final norm, LM head) -- is materialized from the base's
+# safetensors files by a forward pre-hook and dropped back to meta by the forward post-hook:
+#
+#     probe -> embed -> layer 0 -> layer 1 -> ... -> norm -> lm_head -> logits
+#              ^load/drop ^load/drop                           (one unit resident at a time)
+#
+# Three streamed forwards of the probe: the base (adapter disabled), base+adapter (MoE routing
+# recorded), and the merge itself: the pre-hook loads the unit and merges its LoRA layers (PEFT's
+# `merge`, as merge_and_unload would), the forward runs on the merged weights (routing replayed), and
+# the post-hook checks them (W + dW) and hands them to the shard writer before dropping them. Host
+# memory: the largest unit + one pending output shard + the adapter + what the imports take.
+def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, fmt: str) -> dict[str, Any]:
+    import torch
+
+    reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype))
+    model, config = _meta_peft_model(cfg, adapter, resolved.ref)
+    units = _units(model)
+    writer = _MergedShards(out, fmt)  # `out`: the caller's fresh temporary dir
+    try:
+        report, passes = _three_forwards(model, units, reader, dtype, writer.add, config.get_text_config().vocab_size)
+    except UserError:
+        writer.discard()
+        raise
+    report.update(format=fmt, max_resident_bytes=max(p.max_resident_bytes for p in passes),  # base weights at once
+                  largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
+                                             if "lora_" not in n) for _, m in units))
+    if not report["passed"]:
+        writer.discard()
+        raise UserError(f"merge check failed: merged logits differ from base+adapter by up to {report['max_abs_diff']:.3g} "
+                        f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
+                        f"(tolerance {report['tolerance']:.3g}); nothing was written")
+    report.update(writer.finish())
+    _write_config(config, out, dtype, fmt)
+    if (reader.folder / "generation_config.json").is_file():
+        shutil.copyfile(reader.folder / "generation_config.json", out / "generation_config.json")
+    return report
+
+
+def _three_forwards(model, units, reader: CheckpointReader, dtype: str, write, vocab_size: int):
+    """The streamed probe forwards (base, base+adapter, merge; see above): the logits check's numbers, and the
+    three passes (what each held resident)."""
+    import torch
+
+    probe = _probe_batch(vocab_size)
+    routing = RoutingReplay(model)
+    passes = [StreamedUnits(units, reader, dtype), StreamedUnits(units, reader, dtype),
+              StreamedUnits(units, reader, dtype, merge=True, write=write)]
+    with torch.no_grad():
+        with passes[0], model.disable_adapter():
+            base_logits = model(input_ids=probe).logits.float()
+        with passes[1], routing.record():
+            adapted = model(input_ids=probe).logits.float()
+        with passes[2], routing.replay():
+            merged = model(input_ids=probe).logits.float()
+    routing.remove()
+    return {**_compare_logits(merged, adapted, base_logits, dtype), "routing_ties": routing.flips}, passes
+
+
+class _MergedShards:
+    """The merged tensors into safetensors shards as they come (--format mxfp4: gpt-oss experts re-quantized,
+    with the quantization's error measured)."""
+
+    def __init__(self, out: Path, fmt: str) -> None:
+        from ftcli.model import mxfp4
+
+        self.writer, self.fmt = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE)), fmt
+        self.max_abs_error = self.sq_error = self.sq_weight = 0.0
+
+    def add(self, name: str, tensor) -> None:
+        import torch
+
+        from ftcli.model import mxfp4
+
+        if self.fmt != "mxfp4":
+            self.writer.add(name, tensor)
+            return
+        for disk_name, disk_tensor in mxfp4.mxfp4_tensors(name, tensor):
+            self.writer.add(disk_name, disk_tensor)
+        if mxfp4.expert_param_name(name):
+            err = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(tensor), dtype=torch.float32) - tensor.float()
+            self.max_abs_error = max(self.max_abs_error, err.abs().max().item())
+            self.sq_error += err.square().sum().item()
+            self.sq_weight += tensor.float().square().sum().item()
+
+    def discard(self) -> None:
+        self.writer.discard()
+
+    def finish(self) -> dict[str, Any]:
+        """The last shard and the index written; what the report records of them."""
+        self.writer.finish()
+        report: dict[str, Any] = {"largest_shard_bytes": self.writer.largest_shard_bytes}
+        if self.fmt == "mxfp4":
+            report["mxfp4"] = {"max_abs_error": self.max_abs_error,
+                               "relative_rms_error": (self.sq_error / max(self.sq_weight, 1e-30)) ** 0.5}
+        return report
+
+
+def _write_config(config, out: Path, dtype: str, fmt: str) -> None:
+    from ftcli.model import mxfp4
+
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)  # the dequantized weights, unless re-quantized below
+    config_dict["dtype"] = dtype
+    if fmt == "mxfp4":
+        config_dict = mxfp4.mxfp4_config(config_dict)
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+
+
+def _shard_bytes(size: str) -> int:
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3}
+    return int(float(size[:-2]) * units[size[-2:]]) if size[-2:] in units else int(size)
+
+
+def _base_folder(resolved: BaseRef) -> Path:
+    """The base's files on this machine: its dir, or the hub snapshot (config, safetensors; downloaded once)."""
+    if resolved.local:
+        return resolved.path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(resolved.id, revision=resolved.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as e:  # noqa: BLE001 - hub errors come in many classes; each is a one-line user problem
+        raise UserError(f"base {resolved}: cannot download it ({first_line(e)})") from None
+
+
+class CheckpointReader:
+    """The base's tensors by the model's state-dict names, one at a time, from its safetensors files (one file
+    or a sharded index); MXFP4 expert weights (`{name}_blocks` + `{name}_scales`) dequantized by
+    `ftcli.model.mxfp4.dequantize_mxfp4` (checked against transformers' loader in tests/test_lora_mxfp4.py)."""
+
+    def __init__(self, folder: Path, dtype) -> None:
+        self.folder, self.dtype = Path(folder), dtype
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.folder / "model.safetensors"), "pt") as f:
+                self.files = {k: self.folder / "model.safetensors" for k in f.keys()}
+        else:
+            raise UserError(f"base {self.folder} has no model.safetensors(.index.json); merge-lora reads safetensors")
+
+    def _raw(self, name: str):
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def get(self, name: str):
+        from ftcli.model.mxfp4 import dequantize_mxfp4
+
+        if name in self.files:
+            return self._raw(name).to(self.dtype)
+        if f"{name}_blocks" in self.files:
+            return dequantize_mxfp4(self._raw(f"{name}_blocks"), self._raw(f"{name}_scales"), dtype=self.dtype)
+        raise UserError(f"base {self.folder}: no tensor {name} in its safetensors files")
+
+
+def _meta_peft_model(cfg, adapter: Path, base_ref: str):
+    """base+adapter with every base weight on the meta device and the adapter's weights loaded (float32, as
+    PEFT keeps adapters of a bf16 base). Before PEFT builds anything, the adapter is checked against the
+    base: its config is LoRA's, every tensor adapts a module the base has, and (once PEFT has made the
+    LoRA layers, still empty) every tensor has the shape of its slot; each misfit is one line."""
+    import torch
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from peft import LoraConfig, get_peft_model, load_peft_weights
+
+    from ftcli.model.build import DTYPES, auto_class, load_config
+
+    config = load_config(cfg)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        base = auto_class(cfg.model_class).from_config(config, dtype=DTYPES[cfg.dtype],
+                                                        trust_remote_code=cfg.trust_remote_code)
+    base.eval()
+    try:
+        lora = LoraConfig.from_peft_type(**read_adapter_config(adapter))
+    except (TypeError, ValueError) as e:  # a value LoraConfig refuses (e.g. r: 0)
+        raise UserError(f"{adapter / 'adapter_config.json'}: not a LoRA config PEFT can use ({first_line(e)})") from None
+    try:
+        saved = load_peft_weights(str(adapter), device="cpu")
+    except Exception as e:  # noqa: BLE001 - a truncated safetensors file, a .bin that does not unpickle
+        raise UserError(f"{adapter}: cannot read the adapter weights ({first_line(e)})") from None
+    modules = {name for name, _ in base.named_modules()}
+    _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})
+    # as PeftModel.from_pretrained would (inference mode, eval), minus the load: its weights go in below
+    lora.base_model_name_or_path, lora.inference_mode = None, True  # the base is `base`, wherever it came from
+    model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
+    slots = {name.replace(".default", ""): (name, p) for name, p in model.named_parameters() if "lora_" in name}
+    _check_fit(adapter, base_ref, [k for k in saved if k not in slots], {  # in the model's order
+        k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape},
+        empty=[k for k in slots if k not in saved])
+    for key, tensor in saved.items():
+        set_module_tensor_to_device(model, slots[key][0], "cpu", value=tensor.to(torch.float32))
+    return model, config
+
+
+def _adapted_module(key: str) -> str:
+    """An adapter tensor's name -> the base module it adapts: 'base_model.model.model.layers.0.self_attn.q_proj
+    .lora_A.weight' -> 'model.layers.0.self_attn.q_proj' (and 'mlp.experts.base_layer.lora_A.weight', the second
+    of two parameters adapted on one module, -> 'mlp.experts')."""
+    return plain_name(key.split(".lora_")[0])
+
+
+def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[str, tuple[list, list]],
+               empty: list[str] = ()) -> None:
+    """One line for the first misfit: adapter tensors with no place in the base, LoRA slots of the base the
+    adapter has no weights for (e.g. a deeper base whose extra layers its target_modules also match), or a
+    tensor of another shape."""
+    problem = None
+    if unplaced:
+        problem = f"{len(unplaced)} adapter tensors have no place in it (e.g. {sorted(unplaced)[0]})"
+    elif empty:
+        problem = (f"the adapter has no weights for {len(empty)} of its LoRA tensors on this base (e.g. "
+                   f"{empty[0].removeprefix('base_model.model.')})")
+    elif shapes:
+        key, (have, want) = next(iter(shapes.items()))
+        problem = f"{key.removeprefix('base_model.model.')} is {have} in the adapter but {want} on this base"
+    if problem:
+        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {problem}")
+
+
+def plain_name(peft_name: str) -> str:
+    """A PEFT model's state-dict name -> the merged (plain) model's name."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def _units(model) -> list[tuple[str, Any]]:
+    """(prefix, module) of what is resident at once: each decoder layer, and each other module that holds
+    base weights of its own (embeddings, final norm, LM head)."""
+    from ftcli.model.build import decoder_layers
+
+    layers = decoder_layers(model.get_base_model())
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [(names[id(layer)], layer) for layer in layers]
+    inside = tuple(prefix + "." for prefix, _ in units)
+    for name, module in model.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False) if "lora_" not in name + n]
+        if own and not (name + ".").startswith(inside):
+            units.append((name, module))
+    return units
+
+
+class StreamedUnits:
+    """While active: each unit's base weights are read (`reader`) in its forward pre-hook and dropped back to
+    meta in its post-hook. With `merge`, the unit's LoRA layers are merged right after loading, and the
+    post-hook checks each adapted weight against W + dW and passes every merged tensor to `write`."""
+
+    def __init__(self, units, reader: CheckpointReader, dtype: str, *, merge: bool = False, write=None) -> None:
+        self.units, self.reader, self.dtype, self.merge, self.write = units, reader, dtype, merge, write
+        self.handles: list = []
+        self.expected: dict[str, tuple] = {}
+        self.resident_bytes = self.max_resident_bytes = 0
+
+    def __enter__(self):
+        for prefix, module in self.units:
+            self.handles.append(module.register_forward_pre_hook(functools.partial(self._load, prefix)))
+            self.handles.append(module.register_forward_hook(functools.partial(self._drop, prefix)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _base_tensors(self, prefix: str, module):
+        """(name in the module, plain name) of the unit's base weights and persistent buffers."""
+        for name, _ in module.state_dict().items():
+            if "lora_" not in name:
+                yield name, plain_name(f"{prefix}.{name}")
+
+    def _load(self, prefix: str, module, args) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        for name, plain in self._base_tensors(prefix, module):
+            value = self.reader.get(plain)
+            set_module_tensor_to_device(module, name, "cpu", value=value)
+            self.resident_bytes += value.numel() * value.element_size()
+        self.max_resident_bytes = max(self.max_resident_bytes, self.resident_bytes)
+        if self.merge:
+            self.expected = _expected_merged_slices(module, prefix)
+            for sub in _lora_layers(module):
+                sub.merge(adapter_names=["default"])
+
+    def _drop(self, prefix: str, module, args, output) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        if self.merge:
+            state = {plain: module.state_dict()[name] for name, plain in self._base_tensors(prefix, module)}
+            _check_merged_weights(state, self.expected, self.dtype)
+            for plain, tensor in state.items():
+                self.write(plain, tensor.detach())
+        for name, _ in self._base_tensors(prefix, module):
+            tensor = module.state_dict()[name]
+            self.resident_bytes -= tensor.numel() * tensor.element_size()
+            set_module_tensor_to_device(module, name, "meta")
+
+
+def _is_lora(module) -> bool:
+    from peft.tuners.lora.layer import LoraLayer
+
+    return isinstance(module, LoraLayer) and "default" in module.lora_A
+
+
+def _lora_layers(module) -> list:
+    return [m for m in module.modules() if _is_lora(m)]
+
+
+class RoutingReplay:
+    """MoE routers (modules that return top-k expert indices, e.g. GptOssTopKRouter) record their
+    choices on the base+adapter probe and replay them on the merged one. In bf16 the merged weights
+    are rounded, and a token whose router sits on a near tie can then pick another expert: a real but
+    discontinuous change that would swamp the comparison (seen on random-weight models: median logit
+    differences of 0.2 at a logit scale of 3). With the routing pinned the check measures what the
+    merge did to the weights; `flips` counts the (token, layer) choices that differed."""
+
+    def __init__(self, model) -> None:
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
+        self.saved: dict[int, list] = {}
+        self.mode, self.flips = None, 0
+        self.handles = [m.register_forward_hook(self._hook) for m in self.routers]
+
+    def _hook(self, module, args, output):
+        if self.mode == "record":
+            self.saved.setdefault(id(module), []).append(output)
+        elif self.mode == "replay":
+            recorded = self.saved[id(module)].pop(0)
+            self.flips += int((recorded[-1].sort(-1).values != output[-1].sort(-1).values).any(-1).sum())
+            return recorded
+        return None
+
+    @contextlib.contextmanager
+    def record(self):
+        self.mode = "record"
+        yield
+        self.mode = None
+
+    @contextlib.contextmanager
+    def replay(self):
+        self.mode = "replay"
+        yield
+        self.mode = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _compare_logits(merged, adapted, base_logits, dtype: str) -> dict[str, Any]:
+    scale = max(1.0, adapted.abs().max().item())
+    per_token = (merged - adapted).abs().amax(-1).flatten()
+    tolerance = TOLERANCE[dtype] * scale
+    over = int((per_token > tolerance).sum())
+    return {"max_abs_diff": per_token.max().item(), "median_token_diff": per_token.median().item(),
+            "tolerance": tolerance, "tokens_over_tolerance": over,
+            "adapter_effect": (adapted - base_logits).abs().max().item(), "probe_tokens": per_token.numel(),
+            "passed": over == 0}
+
+
+def _expected_merged_slices(unit, prefix: str) -> dict[str, tuple]:
+    """For every adapted weight of a unit, its first row of (base weight, low-rank delta) taken before the
+    merge, keyed by the weight's plain name (exactness check of the merge itself)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    expected = {}
+    for name, module in unit.named_modules():
+        if not _is_lora(module):
+            continue
+        target = plain_name(f"{prefix}.{name}" if name else prefix)
+        if isinstance(module, ParamWrapper):
+            target, weight = f"{target}.{module.parameter_name}", module.get_param()
+        else:
+            target, weight = f"{target}.weight", module.get_base_layer().weight
+        delta = module.get_delta_weight("default")
+        expected[target] = (weight[:1].detach().float().clone(), delta[:1].detach().float().clone())
+    return expected
+
+
+def _check_merged_weights(state: dict, expected: dict[str, tuple], dtype: str) -> None:
+    import torch
+
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    for name, (w0, delta) in expected.items():
+        if name not in state:
+            raise UserError(f"merge check failed: {name} is missing after the merge; nothing was written")
+        got = state[name][:1].float()
+        bound = 2 * eps * (w0.abs() + delta.abs()) + 1e-30
+        if not bool(((got - (w0 + delta)).abs() <= bound).all()):
+            raise UserError(f"merge check failed: {name} did not receive its LoRA delta; nothing was written")
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _probe_batch(vocab_size: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (2, PROBE_TOKENS // 2), generator=g)
+
