@@ -82,3 +82,60 @@ def test_no_import_circles():
 def test_walker_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
+
+
+# ------------------------------------------------------------------------------------------ families
+def _string_constants(path: Path) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_no_module_outside_families_names_a_model_type():
+    """Every model-type fact lives in ftcli/families/: no other module holds a registered model type as a string
+    (nor asks `startswith` of one: the prefixes a family's model types share count too)."""
+    from ftcli.families import BY_MODEL_TYPE
+
+    types = set(BY_MODEL_TYPE)
+    prefixes = {t.split("_")[0] + "_" for t in types if "_" in t} | types  # qwen3_, gpt_ ... as startswith args
+    offenders = {}
+    for name, path in _modules().items():
+        if name == "ftcli.families" or name.startswith("ftcli.families."):
+            continue
+        found = sorted(s for s in _string_constants(path) if s in types or s in prefixes)
+        if found:
+            offenders[name] = found
+    assert offenders == {}
+    assert len(types) >= 3  # the walk had something to look for
+
+
+def test_string_walker_finds_a_planted_model_type(tmp_path):
+    planted = tmp_path / "m.py"
+    planted.write_text('def f(t):\n    return t.startswith("qwen3_5")  # docstrings and comments: qwen3_5\n')
+    assert "qwen3_5" in _string_constants(planted)
+
+
+def test_every_family_has_every_field_filled():
+    """Each registered family states every fact its consumers ask (no field left empty where it has a value)."""
+    import dataclasses
+
+    from ftcli.data.chat import GRAMMARS
+    from ftcli.families import BY_MODEL_TYPE, FAMILIES
+    from ftcli.families import base
+
+    rules = {base.TRANSFORMERS_PACKING_ARGS, base.BLACKWELL_GATED_DELTA, base.FLA_ON_GPU, base.SINK_ATTENTION}
+    assert set(FAMILIES) and all(BY_MODEL_TYPE[t] is f for f in FAMILIES.values() for t in f.model_types)
+    for name, f in FAMILIES.items():
+        for fld in dataclasses.fields(f):
+            value = getattr(f, fld.name)
+            optional = fld.name in ("kernel_module", "setup_note", "no_pins_note", "pins", "fused_op_targets",
+                                    "module_globals", "vlm_text_types", "notes")  # may say "none"
+            assert optional or value not in (None, "", (), {}), (name, fld.name)
+        assert f.name == name and f.model_types and f.attention in (base.DENSE, base.SINKS)
+        assert f.packed_ops[0] == "attention" and set(f.module_globals) <= set(f.packed_ops)
+        assert bool(f.module_globals) <= bool(f.kernel_module)
+        assert set(f.known_bad) <= rules and f.chat_format in GRAMMARS
+        assert set(f.vlm_classes) == set(f.model_types)  # doctor's recorded VLM classes cover every model type
+        assert set(f.vlm_text_types) <= set(f.model_types) and set(f.vlm_text_types.values()) <= set(f.model_types)
+        assert f.setup_note or f.no_pins_note  # the workload's setup comment has something to say
+        assert f.stored_layer_bytes > 0 and f.stored_layer_bytes_source in ("fit", *FAMILIES)
+        assert callable(f.layer_shapes)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
+from ftcli.families import find_family
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
 from ftcli.artifacts.tracking import first_line
@@ -211,7 +212,7 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
     base_ref = resolved.ref
     out = _output_dir(output, adapter, run_dir, resolved, force)  # refuse before any loading
     cfg = _model_config(base_ref, resolved.revision, dtype, run, recipe)
-    if fmt == "mxfp4" and cfg.model_type != "gpt_oss":
+    if fmt == "mxfp4" and not getattr(find_family(cfg.model_type), "mxfp4_experts", False):  # ftcli.families: gpt-oss
         raise UserError(f"--format mxfp4 writes gpt-oss expert weights; base {base_ref!r} is a '{cfg.model_type}' model")
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, replace
 
+from ftcli.families import FAMILIES, find_family
+
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 
 # distribution names, in the order shown
@@ -48,10 +50,11 @@ def version(dist: str) -> str | None:
 # versions of the tested matrix (constraints/*.txt); tests/test_doctor.py compares it with the import on the
 # installed one. Another transformers version is imported; `ftcli doctor --deep` always imports.
 RECORDED_TRANSFORMERS = {
-    # the kernels.QWEN35_GLOBALS the qwen3_5 modeling module lacks
+    # the kernels.QWEN35_GLOBALS the Qwen3.5 modeling module lacks
     "qwen35_missing_globals": (),
-    # model_type -> its image-text-to-text class and that class's accepts_loss_kwargs (None: no such class)
-    "vlm_classes": {"qwen3_5": ("Qwen3_5ForConditionalGeneration", False), "qwen3_5_text": None, "gpt_oss": None},
+    # model_type -> its image-text-to-text class and that class's accepts_loss_kwargs (None: no such class), as
+    # each family (ftcli.families) records it
+    "vlm_classes": {t: c for f in FAMILIES.values() for t, c in f.vlm_classes.items()},
 }
 
 
@@ -91,9 +94,9 @@ class Transformers:
 # ----------------------------------------------------------------------------------- the named checks
 # Each takes (recipe or None, machine `m` (a `ftcli.model.kernels.Machine`), `tf` (Transformers)), returns its rows.
 def _is_qwen(recipe) -> bool:
-    from ftcli.model import kernels
-
-    return recipe is None or kernels.MODEL_FAMILIES.get(recipe.model.model_type) == "qwen3_5"
+    """Whether the recipe (any, without one) has gated-delta layers (Qwen3.5's: ftcli.families)."""
+    family = find_family(recipe.model.model_type) if recipe is not None else None
+    return recipe is None or (family is not None and family.uses("gated_delta_rule"))
 
 
 def _is_vlm_lora(recipe) -> bool:
@@ -132,7 +135,8 @@ def check_packing(recipe, m, tf: Transformers) -> list[Check]:
 
     def problems(model_type: str) -> tuple[list[str], bool]:
         found = kernels.backend_problems(model_type, m)
-        if kernels.MODEL_FAMILIES.get(model_type) != "qwen3_5":
+        family = find_family(model_type)
+        if family is None or not family.module_globals:
             return found, False
         return found + [kernels.missing_global_problem(g) for g in tf.qwen35_missing_globals()], tf.version_based
 
@@ -142,7 +146,7 @@ def check_packing(recipe, m, tf: Transformers) -> list[Check]:
                      blocks_recipe=blocks, version_based=version_based)
 
     if recipe is None:
-        return [row(f"packing keeps segments apart ({family})", family, False) for family in kernels.FAMILY_OPS]
+        return [row(f"packing keeps segments apart ({name})", f.model_type, False) for name, f in FAMILIES.items()]
     if not recipe.data.packing.enabled:
         return [Check("packing keeps segments apart", NA, "data.packing.enabled is false")]
     return [row("packing keeps segments apart", recipe.model.model_type, True)]
@@ -154,7 +158,8 @@ def check_vlm_loss(recipe, m, tf: Transformers) -> list[Check]:
     name = "VLM loss across grad accumulation"
     if recipe is not None and not _is_vlm_lora(recipe):
         return [Check(name, NA, "not a LoRA run of a VLM class")]
-    model_type = recipe.model.model_type if recipe else "qwen3_5"
+    model_type = recipe.model.model_type if recipe else next(t for f in FAMILIES.values()
+                                                              for t, c in f.vlm_classes.items() if c)
     found = tf.vlm_class(model_type)
     if found is None or found[1]:
         detail = f"{found[0] if found else model_type} normalizes its loss by the step's tokens"
@@ -304,7 +309,7 @@ def doctor_report(recipe, m, here, versions: dict[str, str | None] | None = None
 
     tf = tf or Transformers(deep=machine_notes.get("deep", False))
     backends = []
-    for model_type in [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS):
+    for model_type in [recipe.model.model_type] if recipe else [f.model_type for f in FAMILIES.values()]:
         chosen = kernels.decide_backends(model_type, m)
         if not chosen:
             backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))

@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.families import find_family
 from ftcli.config.redact import mask_uri
 from ftcli.config.recipe import (
     NAME_RE,
@@ -273,19 +274,9 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     Setup is paid at the start of every run, so only wheels: no CUDA source builds.
     """
     model_name = recipe.compute.accelerator_type.split("x", 1)[1]
-    reqs = []
-    if recipe.model.model_type.startswith("qwen3_5"):
-        reqs.append((
-            "flash-linear-attention==0.6.0",
-            "pure Python + Triton: gated-delta kernels that honour cu_seqlens, and a Triton varlen causal "
-            "conv that takes seq_idx in place of causal-conv1d (a CUDA source build of many minutes)",
-        ))
-        if model_name.upper() in _HOPPER:
-            reqs.append((
-                "tilelang==0.1.15",
-                "a wheel; on Hopper fla 0.6.0 refuses the Triton gated-delta backward with Triton < 3.7.1 "
-                "(wrong gradients) and uses tilelang kernels instead",
-            ))
+    family = find_family(recipe.model.model_type)  # a model ftcli has no family for trains unpacked, with no pins
+    reqs = [(pin.requirement, pin.why) for pin in (family.pins if family else ())
+            if not pin.hopper_only or model_name.upper() in _HOPPER]
     liger_uses = [use for use, on in (("fused linear cross-entropy (loss.impl=liger)",
                                        recipe.training.loss.impl == "liger"),
                                       ("fused RMSNorm / SwiGLU (training.fused_ops)",
@@ -422,14 +413,12 @@ def _setup_comment(recipe: Recipe) -> list[str]:
     )
     for req, why in gpu_requirements(recipe):
         lines += _comment(f"{req}: {why}.", indent="- ")
-    if recipe.model.model_type.startswith("qwen3_5"):
-        lines += _comment("No flash-attn or causal-conv1d builds: packed attention uses torch's varlen_attn.", "- ")
+    family = find_family(recipe.model.model_type)
+    if family and family.setup_note:
+        lines += _comment(family.setup_note, "- ")
     elif not gpu_requirements(recipe):
-        lines += _comment(
-            f"Nothing else: {recipe.model.model_type} needs no extra kernels (its attention and the MXFP4 "
-            "dequantization are plain torch).",
-            indent="- ",
-        )
+        note = family.no_pins_note if family else "Nothing else: {model_type} needs no extra kernels."
+        lines += _comment(note.format(model_type=recipe.model.model_type), indent="- ")
     if recipe.compute.dependencies:
         lines += _comment("The recipe's compute.dependencies, resolved with the above in one pip call.", "- ")
     return lines

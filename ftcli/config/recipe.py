@@ -151,7 +151,7 @@ class ModelConfig(_Section):
     )
     config: str | None = Field(None, description="config.json for random init (path or pkg://).")
     config_overrides: dict[str, Any] = Field(default_factory=dict, description="Applied on top of the config.")
-    model_type: str = Field(..., description="transformers model_type: qwen3_5, qwen3_5_text, gpt_oss, ...")
+    model_type: str = Field(..., description="transformers model_type (the families ftcli packs: ftcli.families)")
     model_class: Literal["causal_lm", "image_text_to_text"] = "causal_lm"
     tokenizer: str | None = Field(None, description="Tokenizer id/path; defaults to `id`.")
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
@@ -413,7 +413,6 @@ class LossConfig(_Section):
 
 # training.fused_ops: op -> the package whose kernel it runs (ftcli/features/fused_ops.py; doctor checks them torch-free)
 FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
-FUSED_OP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # the dense Qwen3.5 text model and its VLM class
 FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
 
 
@@ -655,8 +654,10 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _fused_ops_model(self) -> Recipe:
         t = self.training
-        if t.method == "full" and t.fused_ops and self.model.model_type not in FUSED_OP_MODEL_TYPES:
-            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(FUSED_OP_MODEL_TYPES)}); "
+        from ftcli.families import fused_op_model_types  # the families' facts (pure Python, no upward state)
+
+        if t.method == "full" and t.fused_ops and self.model.model_type not in fused_op_model_types():
+            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(fused_op_model_types())}); "
                              f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
         return self
 

@@ -44,14 +44,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ftcli.families import FAMILIES, find_family, model_types
+from ftcli.families.base import layer_types
+
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
 
 # Fitted on ftcli/assets/measured.json by `fit()` (bytes per token per hidden unit of one stored layer, in
 # bf16; bytes per token per vocab entry of the full-logit loss). tests/test_memory_model.py refits them.
-STORED_LAYER_BYTES = {"qwen3_5": 66.12, "gpt_oss": 91.41}
+# K lives in each family's record (ftcli.families); families without measurements borrow one (the record says which).
+STORED_LAYER_BYTES = {name: f.stored_layer_bytes for name, f in FAMILIES.items() if f.stored_layer_bytes_source == "fit"}
 FULL_LOGITS_BYTES = 9.744
-FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
 
 
 # ------------------------------------------------------------------------------------------- shapes
@@ -59,7 +62,7 @@ FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss
 class ModelShape:
     """What the memory model needs from a config: sizes and exact parameter counts."""
 
-    family: str  # qwen3_5 | gpt_oss
+    family: str  # its ftcli.families name
     hidden: int
     vocab: int
     layers: int
@@ -82,67 +85,25 @@ class ModelShape:
                        layer_kinds=tuple(kinds[i % len(kinds)] for i in range(layers)) if kinds else ())
 
 
-def _layer_types(cfg: dict[str, Any], default: str) -> list[str]:
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [default]
-    return [types[i % len(types)] for i in range(n)]
-
-
 def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
-    """A ModelShape from a transformers config dict (qwen3_5 VLM, qwen3_5_text, gpt_oss)."""
+    """A ModelShape from a transformers config dict (a family's text model, or its VLM: ftcli.families)."""
     model_type = cfg.get("model_type")
     frozen = 0
-    if model_type == "qwen3_5":  # the VLM: the text config inside, the vision tower frozen
+    found = find_family(model_type)
+    if found is not None and model_type in found.vlm_text_types:  # the VLM: the text config inside, the vision tower frozen
         frozen = int(cfg.get("vision_params", 0))
-        cfg = {**cfg["text_config"], "model_type": "qwen3_5_text"}
-        model_type = "qwen3_5_text"
-    family = FAMILIES.get(model_type or "")
+        model_type = found.vlm_text_types[model_type]
+        cfg = {**cfg["text_config"], "model_type": model_type}
+    family = find_family(model_type)
     if family is None:
-        raise ValueError(f"no memory model for model_type {model_type!r} (known: {', '.join(sorted(FAMILIES))})")
+        raise ValueError(f"no memory model for model_type {model_type!r} (known: {', '.join(model_types())})")
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     root = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
-    if family == "qwen3_5":
-        kinds = _layer_types(cfg, "full_attention")
-        linears, layers = _qwen_layers(cfg, kinds)
-        experts: tuple = ()
-    else:
-        kinds = _layer_types(cfg, "full_attention")
-        linears, experts, layers = _gpt_oss_layers(cfg)
-    return ModelShape(family=family, hidden=h, vocab=vocab, layers=cfg["num_hidden_layers"], root_params=root,
+    kinds = layer_types(cfg, "full_attention")
+    linears, experts, layers = family.layer_shapes(cfg)
+    return ModelShape(family=family.name, hidden=h, vocab=vocab, layers=cfg["num_hidden_layers"], root_params=root,
                       layer_params=tuple(layers), frozen_params=frozen, layer_kinds=tuple(kinds),
-                      linear_shapes=tuple(linears), expert_shapes=experts)
-
-
-def _qwen_layers(cfg: dict[str, Any], kinds: list[str]) -> tuple[list, list[int]]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    gate = 2 if cfg.get("attn_output_gate", True) else 1
-    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv, width = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    mlp = [("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
-    full = [("q_proj", h, heads * hd * gate), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h)]
-    conv_dim = 2 * nk * dk + nv * dv
-    linear = [("in_proj_qkv", h, conv_dim), ("in_proj_z", h, nv * dv), ("in_proj_b", h, nv), ("in_proj_a", h, nv),
-              ("out_proj", nv * dv, h)]
-    counts = []
-    for kind in kinds:
-        mats = (full if kind == "full_attention" else linear) + mlp
-        extra = 2 * hd if kind == "full_attention" else conv_dim * width + dv + 2 * nv  # norms / conv, dt_bias, A_log
-        counts.append(sum(i * o for _, i, o in mats) + extra + 2 * h)
-    tagged = [("linear_attention", *x) for x in linear] + [("full_attention", *x) for x in full] + [("*", *x) for x in mlp]
-    return tagged, counts
-
-
-def _gpt_oss_layers(cfg: dict[str, Any]) -> tuple[list, tuple, list[int]]:
-    h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
-    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    attn = [("q_proj", h, heads * hd), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h)]
-    router = h * experts + experts  # GptOssTopKRouter: a weight and a bias, not an nn.Linear (LoRA skips it)
-    bias = sum(o for _, _, o in attn) if cfg.get("attention_bias", True) else 0
-    expert_shapes = (("mlp.experts.gate_up_proj", experts, h, 2 * inter), ("mlp.experts.down_proj", experts, inter, h))
-    expert_params = sum(e * (i * o + o) for _, e, i, o in expert_shapes)
-    per_layer = sum(i * o for _, i, o in attn) + bias + router + heads + expert_params + 2 * h  # + sinks, norms
-    return [("*", *x) for x in attn], expert_shapes, [per_layer] * cfg["num_hidden_layers"]
+                      linear_shapes=tuple(linears), expert_shapes=tuple(experts))
 
 
 def shipped_shape_path(model_id: str) -> Path | None:
@@ -231,7 +192,7 @@ def loss_bytes(shape: ModelShape, s: Setting) -> float:
 
 def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = None) -> Estimate:
     """Peak GiB per GPU of `shape` trained with setting `s`."""
-    k = STORED_LAYER_BYTES[shape.family] if stored_layer_bytes is None else stored_layer_bytes
+    k = FAMILIES[shape.family].stored_layer_bytes if stored_layer_bytes is None else stored_layer_bytes
     u = s.tokens * shape.hidden
     stored, checkpointed = _stored_layers(shape, s)
     activations = stored * k * (s.compute_bytes / 2) * u + checkpointed * s.compute_bytes * u

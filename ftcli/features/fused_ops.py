@@ -32,10 +32,11 @@ from torch import nn
 
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import FUSED_OP_PACKAGES
+from ftcli.families import FAMILIES
 
 FUSED_OPS = ("rms_norm", "swiglu", "gated_norm")
 # op -> the transformers class it replaces (matched by exact class name: a subclass may compute otherwise)
-TARGETS = {"rms_norm": "Qwen3_5RMSNorm", "swiglu": "Qwen3_5MLP", "gated_norm": "Qwen3_5RMSNormGated"}
+TARGETS = {op: cls for f in FAMILIES.values() for op, cls in f.fused_op_targets.items()}  # ftcli.families: Qwen3.5's
 PACKAGES = FUSED_OP_PACKAGES
 
 

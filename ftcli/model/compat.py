@@ -17,7 +17,7 @@ Known-bad combinations:
                                   stale with no release named as the fix; fla#1000 later restricted the
                                   Blackwell backward autotune configs for a hang). Later fla: a warning,
                                   since no fix is confirmed and ftcli has not run on Blackwell.
-    no fla on a GPU, qwen3_5      the gated-delta rule falls back to ftcli's exact torch path per segment:
+    no fla on a GPU, Qwen3.5      the gated-delta rule falls back to ftcli's exact torch path per segment:
                                   correct but many times slower (transformers' own torch fallback would
                                   raise or leak across documents)
     gpt-oss packed without sinks  an attention path without the learned sinks computes a different model
@@ -37,8 +37,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftcli.families import find_family
+from ftcli.families.base import (
+    BLACKWELL_GATED_DELTA,
+    FLA_ON_GPU,
+    SINK_ATTENTION as SINKS_RULE,
+    SINKS,
+    TRANSFORMERS_PACKING_ARGS,
+)
+
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
-FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
 SINK_ATTENTION = ("flex_sinks", "eager_segments")  # ftcli.model.kernels backends that apply gpt-oss's sinks
 MATRIX_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
                    "liger-kernel", "causal-conv1d", "flash-attn")
@@ -80,22 +88,22 @@ def version_tuple(version: str | None) -> tuple[int, ...]:
     return tuple(parts + [0] * (3 - len(parts)))
 
 
-def _family(recipe) -> str | None:
-    return FAMILIES.get(recipe.model.model_type) if recipe is not None else None
+def _applies(recipe, rule: str) -> bool:
+    """Whether known-bad `rule` concerns `recipe`'s family (ftcli.families; every rule when there is no recipe)."""
+    family = find_family(recipe.model.model_type) if recipe is not None else None
+    return recipe is None or (family is not None and family.has_rule(rule))
 
 
 # ------------------------------------------------------------------------------------------ known bad
 def known_bad(recipe, here: Here) -> list[Problem]:
     """The known-bad combinations for `recipe` (or for both families when None) on `here`."""
-    family = _family(recipe)
-    qwen = recipe is None or family == "qwen3_5"
     packed = recipe is None or recipe.data.packing.enabled
     v = here.versions
     out = []
 
     name = "transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)"
     tv = v.get("transformers")
-    if not (qwen and packed):
+    if not (_applies(recipe, TRANSFORMERS_PACKING_ARGS) and packed):
         out.append(Problem(name, NA, "no packed Qwen3.5 blocks in this recipe"))
     elif tv and BAD_TRANSFORMERS[0] <= version_tuple(tv) <= BAD_TRANSFORMERS[1]:
         out.append(Problem(name, FAIL, f"transformers {tv} drops cu_seq_lens / seq_idx before Qwen3.5's gated-delta "
@@ -107,6 +115,7 @@ def known_bad(recipe, here: Here) -> list[Problem]:
     name = f"Blackwell gated-delta NaN gradients ({FLA_913})"
     fla = v.get("flash-linear-attention") or v.get("fla-core")
     triton = v.get("triton")
+    qwen = _applies(recipe, BLACKWELL_GATED_DELTA)
     if not here.blackwell or not qwen:
         out.append(Problem(name, NA, f"capability {here.capability or '-'}" if qwen else "no gated-delta layers"))
     elif not here.fla_importable:
@@ -121,7 +130,7 @@ def known_bad(recipe, here: Here) -> list[Problem]:
                            "named fix and ftcli has not run on Blackwell; run benchmarks/packed_kernels_gpu.py once"))
 
     name = "fla on a GPU machine (Qwen3.5 gated delta)"
-    if not here.gpus or not qwen:
+    if not here.gpus or not _applies(recipe, FLA_ON_GPU):
         out.append(Problem(name, NA, "no GPU" if not here.gpus else "no gated-delta layers"))
     elif not here.fla_importable:
         out.append(Problem(name, WARN, "flash-linear-attention is not installed: the gated-delta rule runs ftcli's "
@@ -130,7 +139,7 @@ def known_bad(recipe, here: Here) -> list[Problem]:
         out.append(Problem(name, OK, f"fla {fla}"))
 
     name = "gpt-oss packed attention keeps the sinks"
-    if recipe is not None and not (family == "gpt_oss" and packed):
+    if recipe is not None and not (_applies(recipe, SINKS_RULE) and packed):
         out.append(Problem(name, NA, "no packed gpt-oss blocks in this recipe"))
     elif here.gpt_oss_attention in SINK_ATTENTION:
         out.append(Problem(name, OK, f"{here.gpt_oss_attention} applies the learned sinks"))
@@ -323,7 +332,7 @@ def detect_here(m) -> Here:
         gpus = tuple((torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
                      for i in range(torch.cuda.device_count()))
         capability = tuple(torch.cuda.get_device_capability(0))
-    attention = next((b.name for b in kernels.decide_backends("gpt_oss", m) if b.op == "attention"), None)
+    attention = kernels.attention_backend(SINKS, m).name
     versions = {}
     for dist in (*MATRIX_PACKAGES, "fla-core"):
         try:

@@ -155,8 +155,11 @@ def save_mxfp4(model: nn.Module, out_dir: str | Path, *, tokenizer=None, max_sha
 
     Tensors are quantized and written shard by shard, so host memory grows by at most one shard.
     """
-    if getattr(model.config, "model_type", None) != "gpt_oss":
-        raise ValueError(f"MXFP4 writer supports gpt_oss models, got {getattr(model.config, 'model_type', None)!r}")
+    from ftcli.families import find_family
+
+    model_type = getattr(model.config, "model_type", None)
+    if not getattr(find_family(model_type), "mxfp4_experts", False):  # ftcli.families: gpt-oss
+        raise ValueError(f"MXFP4 writer supports gpt-oss models, got {model_type!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, max_shard_bytes)

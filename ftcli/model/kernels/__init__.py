@@ -48,6 +48,7 @@ from ftcli.model.kernels.choose import (
     UNAVAILABLE,
     Backend,
     Machine,
+    attention_backend,
     backend_problems,
     check_packing_safe,
     decide_backends,
@@ -71,7 +72,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "FAMILY_OPS", "KERNELS", "MODEL_FAMILIES", "QWEN35_MODULE", "UNAVAILABLE", "Backend",
-    "Machine", "backend_problems", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
+    "Machine", "attention_backend", "backend_problems", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
     "disable_packed_kernels", "enable_packed_kernels", "install_backends", "machine", "missing_global_problem",
     "qwen35_missing_globals",
 ]

@@ -21,17 +21,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ftcli.families import BY_MODEL_TYPE, FAMILIES, find_family
+from ftcli.families.base import DENSE, SINKS
+
 if TYPE_CHECKING:
     import torch
 
 UNAVAILABLE = "unavailable"
 
-# model_type -> family; the family decides which ops a packed block goes through.
-MODEL_FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
-FAMILY_OPS = {"qwen3_5": ("attention", "gated_delta_rule", "causal_conv1d"), "gpt_oss": ("attention",)}
-QWEN35_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-# the qwen3_5 module globals its linear-attention layer looks up at call time (replaced by `install`)
-QWEN35_GLOBALS = {"gated_delta_rule": "torch_chunk_gated_delta_rule", "causal_conv1d": "causal_conv1d_fn"}
+# model_type -> family name; the family (ftcli.families) decides which ops a packed block goes through.
+MODEL_FAMILIES = {model_type: f.name for model_type, f in BY_MODEL_TYPE.items()}
+FAMILY_OPS = {name: f.packed_ops for name, f in FAMILIES.items()}
+# the one family whose layers look module globals up at call time (Qwen3.5's linear attention; `install`
+# replaces them): its modeling module and op -> global name
+_GLOBALS_FAMILY = next(f for f in FAMILIES.values() if f.module_globals)
+QWEN35_MODULE = _GLOBALS_FAMILY.kernel_module
+QWEN35_GLOBALS = dict(_GLOBALS_FAMILY.module_globals)
+# the modeling module whose eager attention applies learned sinks (gpt-oss's): the sinks kernels' stock path
+SINKS_MODULE = next(f.kernel_module for f in FAMILIES.values() if f.attention == SINKS)
 
 # Triton versions whose gated chunk backward is wrong on Hopper (fla #640): [3.4.0, 3.7.1)
 _BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
@@ -146,21 +153,27 @@ def decide_backends(
     even on CUDA (for checks). An unknown model_type gets no backends: packing it is not supported.
     """
     m = device if isinstance(device, Machine) else machine(device)
-    family = MODEL_FAMILIES.get(model_type)
+    family = find_family(model_type)
     if family is None:
         return []
     fast = m.device_type == "cuda" and not reference
     slow_why = "reference requested" if reference else m.device_type.upper()
-    if family == "gpt_oss":
-        return [_gpt_oss_attention(m, fast, slow_why)]
-    return [_qwen35_attention(m, fast, slow_why), _gated_delta(m, fast, slow_why), _conv(m, fast, slow_why)]
+    return [_ATTENTION[family.attention](m, fast, slow_why)] + [
+        _OPS[op](m, fast, slow_why) for op in family.packed_ops if op != "attention"]
+
+
+def attention_backend(kind: str, device: str | torch.device | Machine) -> Backend:
+    """The packed attention backend of an attention kind (ftcli.families: dense | sinks) on `device`."""
+    m = device if isinstance(device, Machine) else machine(device)
+    fast = m.device_type == "cuda"
+    return _ATTENTION[kind](m, fast, m.device_type.upper())
 
 
 def _exact(op: str, name: str, what: str, why: str) -> Backend:
     return Backend(op, name, f"{why}: {what} (exact)")
 
 
-def _gpt_oss_attention(m: Machine, fast: bool, slow_why: str) -> Backend:
+def _sinks_attention(m: Machine, fast: bool, slow_why: str) -> Backend:
     if fast and m.flex:
         return Backend("attention", "flex_sinks", "flex attention with a document + sliding-window block mask, "
                        "sinks applied through the log-sum-exp")
@@ -168,7 +181,7 @@ def _gpt_oss_attention(m: Machine, fast: bool, slow_why: str) -> Backend:
                   "torch without flex attention" if fast else slow_why)
 
 
-def _qwen35_attention(m: Machine, fast: bool, slow_why: str) -> Backend:
+def _dense_attention(m: Machine, fast: bool, slow_why: str) -> Backend:
     if fast and "flash_attn" in m.importable:
         return Backend("attention", "flash_attn_varlen", f"flash-attn {m.versions.get('flash-attn')}")
     if fast and m.torch_varlen:
@@ -209,11 +222,15 @@ def _conv(m: Machine, fast: bool, slow_why: str) -> Backend:
                   "no causal-conv1d and no fla" if fast else slow_why)
 
 
+_ATTENTION = {DENSE: _dense_attention, SINKS: _sinks_attention}  # per ftcli.families attention kind
+_OPS = {"gated_delta_rule": _gated_delta, "causal_conv1d": _conv}
+
+
 def check_packing_safe(model_type: str, device: str | torch.device | Machine) -> list[str]:
     """Problems that would make packed training of `model_type` wrong (or impossible) on `device`: the
     backends' (`backend_problems`) and, for Qwen3.5, the transformers module's (imports it)."""
     problems = backend_problems(model_type, device)
-    if MODEL_FAMILIES.get(model_type) == "qwen3_5":
+    if model_type in BY_MODEL_TYPE and BY_MODEL_TYPE[model_type].module_globals:
         problems += [missing_global_problem(name) for name in qwen35_missing_globals()]
     return problems
 
@@ -227,7 +244,7 @@ def backend_problems(model_type: str, device: str | torch.device | Machine) -> l
 
 
 def qwen35_missing_globals() -> list[str]:
-    """The QWEN35_GLOBALS the installed transformers' qwen3_5 module lacks (imports it, and torch)."""
+    """The QWEN35_GLOBALS the installed transformers' Qwen3.5 module lacks (imports it, and torch)."""
     module = importlib.import_module(QWEN35_MODULE)
     return [name for name in QWEN35_GLOBALS.values() if not callable(getattr(module, name, None))]
 

@@ -4,7 +4,7 @@ Attention goes through `transformers.AttentionInterface` / `AttentionMaskInterfa
 touched). transformers offers no hook for the gated-delta rule and the conv when the `kernels` package
 is absent (its `use_kernel_func_from_hub_with_fallback` binds fla / causal-conv1d at import time, and its
 torch fallbacks raise on `cu_seqlens`/`seq_idx`), so the two module globals `torch_chunk_gated_delta_rule`
-and `causal_conv1d_fn` of the qwen3_5 modeling module, which the layer looks up at call time, are
+and `causal_conv1d_fn` of the Qwen3.5 modeling module, which the layer looks up at call time, are
 replaced. `disable_packed_kernels` puts the originals back.
 """
 
@@ -16,10 +16,10 @@ import logging
 import torch
 
 from ftcli.config.errors import UserError
+from ftcli.families import family_of
 from ftcli.model.kernels.choose import (
     FAMILY_OPS,
     MODEL_FAMILIES,
-    QWEN35_GLOBALS,
     QWEN35_MODULE,
     UNAVAILABLE,
     Backend,
@@ -85,9 +85,10 @@ def install_backends(model_type: str, backends: list[Backend]) -> str:
         AttentionInterface.register(attn_implementation, KERNELS["attention"][attention])
         AttentionMaskInterface.register(attn_implementation, MASKS[attention])
 
-    if MODEL_FAMILIES[model_type] == "qwen3_5":
-        module = importlib.import_module(QWEN35_MODULE)
-        for op, name in QWEN35_GLOBALS.items():
+    family = family_of(model_type)
+    if family.module_globals:
+        module = importlib.import_module(family.kernel_module)
+        for op, name in family.module_globals.items():
             transformers_original(name)  # saved before the first replacement
             setattr(module, name, KERNELS[op][by_op[op].name])
     return attn_implementation

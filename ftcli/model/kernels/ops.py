@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from ftcli.data.collate import FLA_CHUNK
-from ftcli.model.kernels.choose import QWEN35_MODULE
+from ftcli.model.kernels.choose import QWEN35_MODULE, SINKS_MODULE
 
-# The qwen3_5 module's own functions, as transformers defined them: saved by `install` before it
+# The Qwen3.5 modeling module's own functions, as transformers defined them: saved by `install` before it
 # replaces them, read by the torch gated-delta kernel and by `disable_packed_kernels`.
 TRANSFORMERS_ORIGINALS: dict[str, object] = {}
 
 
 def transformers_original(name: str):
-    """transformers' own `name` from the qwen3_5 modeling module (saved the first time it is asked for)."""
+    """transformers' own `name` from the Qwen3.5 modeling module (saved the first time it is asked for)."""
     if name not in TRANSFORMERS_ORIGINALS:
         TRANSFORMERS_ORIGINALS[name] = getattr(importlib.import_module(QWEN35_MODULE), name)
     return TRANSFORMERS_ORIGINALS[name]
@@ -187,9 +187,7 @@ def _stock_sdpa():
 
 
 def _stock_eager():
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    return eager_attention_forward
+    return importlib.import_module(SINKS_MODULE).eager_attention_forward  # gpt-oss's: it applies the sinks
 
 
 def _segments_else(stock):
