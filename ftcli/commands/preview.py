@@ -81,6 +81,10 @@ def run_preview(
                 f.write(json.dumps(block_to_json(block)) + "\n")
         stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)
 
+    from ftcli.data.checks import source_problems
+
+    for problem in source_problems(recipe, packed.stats):  # what `train` refuses (data.allow_empty_sources)
+        err.print(f"warning: {problem}", highlight=False, markup=False, soft_wrap=True)
     if as_json:
         print(json.dumps(summary, indent=1))
         return

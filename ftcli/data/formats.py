@@ -56,6 +56,7 @@ class Detected:
     format: str
     messages_field: str | None
     why: str
+    matched: int = 0  # rows of that format among those looked at (0: none matched any format)
 
 
 # --------------------------------------------------------------------------------------- one row
@@ -226,7 +227,7 @@ def detect(rows: Iterable[Any], messages_field: str | None = "messages") -> Dete
                                                     f"({what}); read as messages")
     best = max(seen, key=lambda k: (seen[k], -list(first).index(k)))
     return Detected(best[0], best[1] or messages_field,
-                    f"auto: {seen[best]} of the first {looked} rows have {first[best]}")
+                    f"auto: {seen[best]} of the first {looked} rows have {first[best]}", seen[best])
 
 
 def resolve(src) -> tuple[Any, Detected | None]:
