@@ -137,10 +137,18 @@ def _take(rows, limit):
 def _hub_rows(data):
     import datasets
 
+    from ftcli import hub
+
+    offline = hub.offline_for(data.path)
+    if offline and not hub.offline_flag():  # datasets reads its cache only when told
+        raise UserError(hub.no_connection(f"hub dataset {data.path!r}", offline)
+                        + " (or set HF_HUB_OFFLINE=1 to read what the HF cache holds)")
     try:
         ds = datasets.load_dataset(data.path, revision=data.revision, split=data.split, streaming=data.streaming)
     except Exception as e:  # noqa: BLE001 - network / hub / split errors become one line
         first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        if offline:
+            raise UserError(hub.no_connection(f"hub dataset {data.path!r} (split {data.split!r})", offline)) from None
         raise UserError(f"cannot load hub dataset {data.path!r} (split {data.split!r}): {first}") from None
     total = None if data.streaming else len(ds)
     return enumerate(ds), total
