@@ -89,7 +89,8 @@ class DataSummary:
             for label, s in self.sources.items():
                 out.append((
                     f"  source {label}",
-                    f"format {s.format}, rows {s.rows_read}, kept {s.kept}, skipped {s.skipped}, tokens {s.tokens}, "
+                    f"format {s.format}{f' ({s.format_why})' if s.format_why else ''}, rows {s.rows_read}, "
+                    f"kept {s.kept}, skipped {s.skipped}, tokens {s.tokens}, "
                     f"trained {s.trained_tokens}, lost {s.trained_tokens_lost}",
                 ))
         cached = " (cached result; this run only read it)" if self.from_cache else ""
