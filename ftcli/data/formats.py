@@ -88,9 +88,10 @@ def row_format(row: Any, messages_field: str | None = "messages") -> tuple[str, 
     return None
 
 
-def _text(value: Any, what: str) -> str:
-    if isinstance(value, list):  # list-of-parts content, as in messages rows
-        return value  # type: ignore[return-value]  (check_messages joins and checks the parts)
+def _text(value: Any, what: str) -> str | list:
+    """A turn's value as message content: a string, or a list of text parts (check_messages joins them)."""
+    if isinstance(value, list):
+        return value
     if not isinstance(value, str):
         raise BadRow("content not a string", f"{what} is {type(value).__name__}")
     return value
