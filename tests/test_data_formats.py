@@ -190,3 +190,18 @@ def test_other_compressed_types_are_refused_with_what_is_read(tmp_path):
                                         r"\.zst\)"):
         _examples(tmp_path, [], path=path)
 
+
+
+def test_messages_of_a_row_in_each_format():
+    """What a token estimate (plan) counts: the same turns for the same conversation in any format."""
+    from ftcli.data.formats import messages_of
+
+    want = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = {"messages": {"messages": want},
+            "sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            "alpaca": {"instruction": "hi", "output": "yo"}, "prompt_completion": {"prompt": "hi", "completion": "yo"}}
+    for fmt, row in rows.items():
+        assert messages_of(row, fmt) == messages_of(row, "auto") == want, fmt
+    assert messages_of({"text": "hi yo"}, "auto") == [{"role": "user", "content": ""},
+                                                      {"role": "assistant", "content": "hi yo"}]
+    assert messages_of({"question": "q"}, "auto") is None

@@ -239,3 +239,16 @@ def resolve(src) -> tuple[Any, Detected | None]:
     rows, _ = sources.open_rows(src, limit=DETECT_ROWS)
     found = detect((row for _, row in rows if not isinstance(row, sources.InvalidRow)), src.messages_field)
     return src.model_copy(update={"format": found.format, "messages_field": found.messages_field}), found
+
+
+def messages_of(row: Any, fmt: str, messages_field: str | None = "messages") -> list[dict] | None:
+    """The messages a row says in format `fmt`, for counting its tokens without the data path (`plan`'s data
+    estimate): a chat row's turns, a string prompt/completion or a text row as one user/assistant pair; None
+    for a row that is no valid conversation."""
+    try:
+        conv = conversation(row, fmt, messages_field, tools_field=None)
+    except BadRow:
+        return None
+    if conv.messages is not None:
+        return conv.messages
+    return [{"role": "user", "content": conv.prompt}, {"role": "assistant", "content": conv.completion}]
