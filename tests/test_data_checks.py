@@ -96,3 +96,23 @@ def test_a_zero_row_train_stops_before_launch_and_writes_nothing(tmp_path, monke
     assert result.exit_code == 2, result.output
     assert "keeps 0 of the 198 rows read" in result.output and "set data.format=sharegpt" in result.output
     assert not run_dir.exists() and not (tmp_path / "c").exists()
+
+
+def test_under_a_bare_torchrun_the_refusal_prints_once(tmp_path):
+    """torchrun started by hand (a Databricks workload): rank 0 refuses the source, rank 1 stops quietly."""
+    import subprocess
+    import sys
+
+    from _run_common import recipe_file, subprocess_env
+
+    path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 50)
+    r = recipe_file(tmp_path / "r.yaml", f"data.path={path}", "tracking.enabled=false", f"output.dir={tmp_path / 'run'}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ftcli", "train", "--recipe", str(r)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path / "cache"), capture_output=True, text=True,
+                         timeout=240)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith(f"error: data source '{path}' keeps 0 of the 50 rows read (messages missing 50")
+    assert "looks like ShareGPT: set data.format=sharegpt" in errors[0]
+    assert "[rank1]" not in res.stderr and "gloo" not in res.stderr  # (the traceback left is torchrun's agent's)
