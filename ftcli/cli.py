@@ -125,8 +125,8 @@ def recipes_list() -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("method")
     table.add_column("model", overflow="fold")
-    table.add_column("compute")
-    table.add_column("description")
+    table.add_column("compute", overflow="fold")
+    table.add_column("description", overflow="fold")  # fold, never cut (tests/test_tables.py)
     for name in builtin_recipe_names():
         r = load_recipe(name)
         model = r.model.id or f"random init ({Path(r.model.config or '').name})"

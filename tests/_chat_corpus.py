@@ -118,3 +118,51 @@ def corpus() -> list[tuple[str, list[dict], list | None]]:
                         _tool("25 C"), _a("25 C.")], [WEATHER]),
     ]
     return c
+
+
+# ----------------------------------------------------------------------------- the corpus in other formats
+_SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
+
+
+def as_sharegpt(messages: list[dict], tools: list | None) -> dict | None:
+    """The conversation as a ShareGPT row (LLaMA-Factory's: a top-level system, function_call turns with
+    [{"name", "arguments"}] JSON, observation turns, tools as a JSON string), or None where ShareGPT cannot
+    say it (reasoning, developer turns, list-of-parts content, a call beside text)."""
+    import json
+
+    turns, row = [], {}
+    for i, m in enumerate(messages):
+        extra = set(m) - {"role", "content", "tool_calls"}
+        if m["role"] not in _SHAREGPT_FROM or extra or not isinstance(m.get("content"), str):
+            return None
+        if m.get("tool_calls"):
+            if m["content"]:
+                return None
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            turns.append({"from": "function_call", "value": json.dumps(calls)})
+        elif m["role"] == "system" and i == 0:
+            row["system"] = m["content"]
+        else:
+            turns.append({"from": _SHAREGPT_FROM[m["role"]], "value": m["content"]})
+    row["conversations"] = turns
+    if tools:
+        row["tools"] = json.dumps(tools)
+    return row
+
+
+def as_alpaca(messages: list[dict], tools: list | None) -> dict | None:
+    """The conversation as an Alpaca row (system, history pairs, instruction/output), or None where Alpaca
+    cannot say it (anything but [system] (user, assistant)+ with plain string text)."""
+    if tools or any(set(m) != {"role", "content"} or not isinstance(m["content"], str) for m in messages):
+        return None
+    row = {}
+    if messages[0]["role"] == "system":
+        row["system"], messages = messages[0]["content"], messages[1:]
+    roles = [m["role"] for m in messages]
+    if not messages or roles != ["user", "assistant"] * (len(messages) // 2) or len(messages) % 2:
+        return None
+    pairs = [[messages[i]["content"], messages[i + 1]["content"]] for i in range(0, len(messages), 2)]
+    row.update(instruction=pairs[-1][0], input="", output=pairs[-1][1])
+    if len(pairs) > 1:
+        row["history"] = pairs[:-1]
+    return row

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
-from _chat_corpus import corpus
+from _chat_corpus import as_alpaca, as_sharegpt, corpus
 from _data_common import ASSETS, merging_tokenizer, template
 
 from ftcli.data.chat import ChatEncoder, normalize_messages
@@ -261,3 +261,37 @@ def test_gpt_oss_tool_turn_with_thinking_trains_no_tool_result_or_header():
     ]
     tool_result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"\\"paris 21\\""<|end|>'
     assert tool_result in tok.decode(ids[~mask].tolist())
+
+
+# Conversations of the corpus each format can say, and of those the ones each template renders.
+IN_FORMAT = {"sharegpt": 30, "alpaca": 16}
+FORMAT_RENDERED = {"sharegpt": {"gemma3": 18}, "alpaca": {}}  # Gemma refuses tool turns
+
+
+@pytest.mark.parametrize("fmt", sorted(IN_FORMAT))
+@pytest.mark.parametrize("name", ["qwen3_8", "gemma3", "qwen3_8@merging", "gptoss", "llama3"])
+def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
+    """A ShareGPT or Alpaca row becomes the messages it says before the template sees it: the same ids
+    as the messages row, and a mask equal to the oracle's, token for token."""
+    from ftcli.data.formats import conversation
+
+    convert = {"sharegpt": as_sharegpt, "alpaca": as_alpaca}[fmt]
+    tok = _tokenizer(name)
+    enc = ChatEncoder(tok, date=datetime.now())
+    said = rendered = 0
+    for case, messages, tools in CORPUS:
+        row = convert(messages, tools)
+        if row is None:
+            continue
+        said += 1
+        conv = conversation(row, fmt)
+        assert conv.messages == messages and conv.tools == tools and conv.first_trained == 0, case
+        try:
+            ids, mask = enc.encode(conv.messages, tools=conv.tools)
+        except Exception:  # noqa: BLE001 - the template's own raise_exception, as for the messages rows
+            continue
+        rendered += 1
+        assert ids.tolist() == enc.encode(messages, tools=tools)[0].tolist(), case
+        assert (mask == oracle(name, tok, ids.tolist())).all(), case
+    assert said == IN_FORMAT[fmt]
+    assert rendered == FORMAT_RENDERED[fmt].get(name, IN_FORMAT[fmt])

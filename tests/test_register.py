@@ -635,7 +635,8 @@ def test_data_that_cannot_give_a_chat_request_says_why():
         None, f"no row with a user turn in the first {mlflow_model.EXAMPLE_SCAN_ROWS} rows of pkg://assets/tiny_chat.jsonl")
     if datasets.config.HF_HUB_OFFLINE:  # set before datasets was imported (this module's HF_HUB_OFFLINE)
         example, why = mlflow_model.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
-        assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
+        assert example is None and why.startswith("cannot read nobody/no-such-dataset (no connection to the Hub "
+                                                  "(HF_HUB_OFFLINE is set) and hub dataset 'nobody/no-such-dataset'")
 
 
 def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):

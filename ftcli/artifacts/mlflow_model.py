@@ -110,7 +110,8 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
 def _first_chat_request(src) -> dict | None:
     """The turns before the first assistant reply of `src`'s first row that has a user turn."""
     from ftcli.data import sources
-    from ftcli.data.validate import BadRow, conversation
+    from ftcli.data.formats import conversation
+    from ftcli.data.validate import BadRow
 
     if src.source == "hub" and not src.streaming and not _hf_offline():
         src = src.model_copy(update={"streaming": True})

@@ -350,8 +350,8 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     console = Console()
     table = Table(title="Versions", title_justify="left")
-    table.add_column("package")
-    table.add_column("version")
+    table.add_column("package", overflow="fold")  # fold, never cut, at any width (80 columns: tests/test_tables.py)
+    table.add_column("version", overflow="fold")
     for dist, found in versions.items():
         shown = found or "-"
         if dist == "torch":
@@ -363,14 +363,14 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     table = Table(title=f"Packed kernels on {here.m.device}", title_justify="left")
     for column in ("model_type", "op", "backend", "why"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for row in report.backends:
         table.add_row(*row)
     console.print(table)
 
     table = Table(title="Known-bad combinations", title_justify="left")
     for column in ("check", "status", "detail"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     style = {OK: "green", WARN: "yellow", FAIL: "bold red", NA: "dim"}
     for c in report.checks:
         table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)

@@ -734,27 +734,36 @@ def print_plan(plan: Plan) -> None:
     own = plan.cards[0].accelerator if plan.cards and plan.cards[0].own else "none of the known cards"
     console.print(f"the recipe's accelerator: {own} (first row)", highlight=False)
 
-    memory_table = Table(title="Memory per GPU, GiB (fits: total <= 92% of the card; keep: layers that could keep "
-                               "their activations)", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("accelerator", "GPUs", "params", "grads", "optim", "activ", "loss", "other", "total", "usable",
+    # 80 columns hold both tables with every header whole: no cell padding (the box's one-space column rule
+    # separates), GPUs per node and nodes as columns, and the step times' provenance as numbered notes below
+    tables = {"box": box.SIMPLE_HEAD, "padding": (0, 0), "show_edge": False, "title_justify": "left"}
+    memory_table = Table(title="Memory per GPU, GiB (fits: total <= limit, 92% of the card; keep: layers that could "
+                               "keep their activations)", **tables)
+    for col in ("accelerator", "GPUs", "nodes", "params", "grads", "optim", "activ", "loss", "other", "total", "limit",
                 "fits", "keep"):
         memory_table.add_column(col, justify="left" if col in ("accelerator", "fits") else "right", no_wrap=True)
-    time_table = Table(title="Time (* estimate)", title_justify="left", box=box.SIMPLE_HEAD)
+    time_table = Table(title="Time (* estimate)", **tables)
     for col in ("accelerator", "s/step", "wall", "GPU-h", "from"):
-        time_table.add_column(col, justify="left" if col in ("accelerator", "from") else "right",
-                              no_wrap=col != "from")
-    commands = list(dict.fromkeys(c.step.command for c in plan.cards if c.step.command))  # [n] in "from"
+        time_table.add_column(col, justify="left" if col in ("accelerator", "from") else "right", no_wrap=True)
+    notes: list[str] = []  # [n] under the time table: where each step time came from, the commands that measured it
+
+    def note(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
     for c in plan.cards:
         e = c.estimate
         style = "bold" if c.own else None
-        memory_table.add_row(c.accelerator, str(c.gpus), *(f"{v:.1f}" for v in (
+        per_node = int(c.accelerator.removeprefix("GPU_").split("x", 1)[0])
+        memory_table.add_row(c.accelerator, str(per_node), str(max(1, c.gpus // per_node)), *(_gib(v) for v in (
             e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)),
             "[green]yes[/]" if c.fits else "[red]no[/]", "-" if c.keep_layers is None else str(c.keep_layers),
             style=style)
         step = "-" if c.step.s_per_step is None else f"{c.step.s_per_step:.2f}" + ("" if c.step.measured else "*")
+        source = note(c.step.source) + (f" {note(f'measured by: {c.step.command}')}" if c.step.command else "")
         time_table.add_row(c.accelerator, step, _hours(c.wall_hours),
-                           "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", c.step.source
-                           + (f" [{commands.index(c.step.command) + 1}]" if c.step.command else ""), style=style)
+                           "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", source, style=style)
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
@@ -768,8 +777,14 @@ def print_plan(plan: Plan) -> None:
         elif not c.fits:
             console.print(f"{c.accelerator} does not fit: {c.why}", highlight=False, soft_wrap=True)
     console.print(time_table)
-    for number, command in enumerate(commands, 1):
-        console.print(f"[dim][{number}] measured by: {command}[/]", highlight=False, soft_wrap=True)
+    for number, text in enumerate(notes, 1):
+        console.print(f"[{number}] {text}", style="dim" if text.startswith("measured by: ") else None,
+                      highlight=False, markup=False)
+
+
+def _gib(v: float) -> str:
+    """A GiB figure in at most 5 characters (the memory table's columns are as wide as their headers)."""
+    return f"{v:.1f}" if v < 999.95 else f"{v:.0f}"
 
 
 def run_plan(recipe: Recipe, accelerators: list[str] | None = None, as_json: bool = False) -> None:

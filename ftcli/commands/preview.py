@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -81,7 +82,11 @@ def run_preview(
                 f.write(json.dumps(block_to_json(block)) + "\n")
         stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)
 
+    from ftcli.data.checks import source_problems
+
+    problems = source_problems(recipe, packed.stats)  # what `train` refuses (data.allow_empty_sources)
     if as_json:
+        _warn(err, problems)
         print(json.dumps(summary, indent=1))
         return
     for n, block in enumerate(stream):
@@ -91,8 +96,14 @@ def run_preview(
     _show_summary(out, table)
     if evals:
         out.print(_splits_table(table, evals))
+    _warn(err, problems)
     if dump is not None:
         err.print(f"wrote {summary['blocks']} blocks to {dump}")
+
+
+def _warn(err: Console, problems: list[str]) -> None:
+    for problem in problems:
+        err.print(f"warning: {problem}", highlight=False, markup=False, soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -111,8 +122,8 @@ def block_to_json(block) -> dict[str, Any]:
 
 def _show_summary(out: Console, summary) -> None:
     t = Table(title=f"pack-preview: {summary.recipe}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
+    t.add_column(style="bold", overflow="fold")
+    t.add_column(overflow="fold")  # fold, never cut (a cache path, a source label): tests/test_tables.py
     for label, value in summary.rows():
         t.add_row(label, value)
     out.print(t)
@@ -120,11 +131,15 @@ def _show_summary(out: Console, summary) -> None:
         out.print(_sources_table(summary))
 
 
+# the many-column tables: no cell padding (the box's one-space rule separates), so 80 columns hold every header
+COMPACT = {"box": box.SIMPLE_HEAD, "padding": (0, 0), "show_edge": False, "title_justify": "left"}
+
+
 def _splits_table(train, evals: dict) -> Table:
     """The training split and each eval source's split, side by side."""
-    t = Table(title="splits", title_justify="left")
+    t = Table(title="splits", **COMPACT)
     for col in ("split", "rows", "tokens", "trained tokens", "blocks", "packing"):
-        t.add_column(col, justify="left" if col in ("split", "packing") else "right")
+        t.add_column(col, justify="left" if col in ("split", "packing") else "right", overflow="fold")
     named = [(f"eval {label}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
     for name, s in [("train", train), *named]:
         t.add_row(name, str(s.examples["kept"]), str(s.tokens), str(s.trained_tokens), str(s.blocks),
@@ -133,12 +148,14 @@ def _splits_table(train, evals: dict) -> Table:
 
 
 def _sources_table(summary) -> Table:
-    t = Table(title="sources", title_justify="left")
-    for col in ("source", "rows", "kept", "skipped", "tokens", "trained tokens", "trained lost", "skipped by reason"):
-        t.add_column(col, justify="left" if col in ("source", "skipped by reason") else "right")
+    t = Table(title="sources", **COMPACT)
+    for col in ("source", "format", "rows", "kept", "skipped", "tokens", "trained tokens", "trained lost",
+                "skipped by reason"):
+        t.add_column(col, justify="left" if col in ("source", "format", "skipped by reason") else "right",
+                     overflow="fold")
     for label, s in summary.sources.items():
         reasons = ", ".join(f"{r} {n}" for r, n in s.skipped_by_reason.items())
-        t.add_row(label, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
+        t.add_row(label, s.format, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
                   str(s.trained_tokens_lost), reasons)
     return t
 

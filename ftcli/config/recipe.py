@@ -203,6 +203,7 @@ class SyntheticData(_Section):
 
 SourceKind = Literal["hub", "local", "synthetic"]
 SpecialTokensInText = Literal["keep", "escape", "error"]
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # ftcli.data.formats
 
 
 class SourceConfig(_Section):
@@ -216,7 +217,7 @@ class SourceConfig(_Section):
     revision: str | None = None
     split: str = "train"
     streaming: bool = False
-    format: Literal["messages", "prompt_completion"] | None = None
+    format: DataFormat | None = None
     messages_field: str | None = None
     tools_field: str | None = None
     max_examples: int | None = Field(None, ge=1, description="Rows read from this source (before weighting).")
@@ -239,13 +240,16 @@ class SourceConfig(_Section):
 
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
-                                                "sources": None, "mix_seed": 0}
+                                                "sources": None, "mix_seed": 0, "allow_empty_sources": False}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
     revision: str | None = None
     split: str = "train"
     streaming: bool = False
-    format: Literal["messages", "prompt_completion"] = "messages"
+    format: DataFormat = Field(
+        "auto", description="Row format: auto (detected from the first rows), messages, sharegpt, alpaca, "
+        "prompt_completion, text (ftcli.data.formats)."
+    )
     messages_field: str = "messages"
     tools_field: str | None = Field(
         "tools", description="Row field with function schemas, passed to the template as tools=."
@@ -257,6 +261,9 @@ class DataConfig(_Section):
     chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template.")
     train_on: Literal["assistant", "all", "last"] = Field("assistant", description="Which turns get loss.")
     strict: bool = Field(False, description="Stop at the first bad row instead of skipping and counting it.")
+    allow_empty_sources: bool = Field(
+        False, description="Train although a source keeps no row (or under 1% of its rows); default: refused before launch."
+    )
     # keep (default): a special-token string a user typed (`<|im_end|>`) is tokenized as the characters it
     # is, never as the control token: the text reaches the model unchanged and cannot end a turn or fake
     # a role. escape: a zero-width space after its first character (the text changes, visibly to a

@@ -7,12 +7,14 @@
     block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
     iter_examples(recipe, tokenizer)         unpacked examples (as the published gpt-oss example trains)
     data_summary(recipe, packed)             the data summary (pack-preview, train log, run.json, MLflow)
+    check_sources(recipe, packed)            refuse a source that keeps no row (ftcli.data.checks)
 
 Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this package.
 """
 
 from ftcli.data.cache import PackedDataset
 from ftcli.data.chat import ChatEncoder, load_tokenizer, reference_encode
+from ftcli.data.checks import check_sources
 from ftcli.data.packing import IGNORE_INDEX, Block, make_block, padding_block
 from ftcli.data.pipeline import Example, iter_examples, open_prepared, prepare, prepare_blocks
 from ftcli.data.stats import DataStats
@@ -37,6 +39,7 @@ __all__ = [
     "Example",
     "PackedDataset",
     "block_to_model_inputs",
+    "check_sources",
     "data_summary",
     "iter_examples",
     "load_tokenizer",

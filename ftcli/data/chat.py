@@ -94,14 +94,19 @@ def load_tokenizer(recipe):
 
     from ftcli.config.recipe import resolve_path
 
+    from ftcli import hub
+
     model = recipe.model
     name = resolve_path(model.tokenizer or model.id)
     revision = None if model.tokenizer else model.revision
+    offline = hub.offline_for(name)  # no Hub: the local HF cache only, no retries
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            name, revision=revision, trust_remote_code=model.trust_remote_code
+            name, revision=revision, trust_remote_code=model.trust_remote_code, local_files_only=bool(offline)
         )
     except Exception as e:  # noqa: BLE001 - hub/IO errors of every kind become one line
+        if offline:
+            raise UserError(hub.no_connection(f"tokenizer {name!r}", offline)) from None
         raise UserError(f"cannot load tokenizer {name!r}: {_first_line(e)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"tokenizer {name!r} is not a fast tokenizer; ftcli needs character offsets to mask turns")

@@ -1,7 +1,8 @@
 """The one data path: rows -> validate -> render + mask -> (truncate) -> pack -> cache -> blocks.
 
     for each source of data.source_list() (one, or data.sources), under its weight (`weighted`):
-        sources.open_rows -> validate.conversation -> chat.ChatEncoder.encode
+        formats.resolve (auto: the format of the first rows)
+        sources.open_rows -> formats.conversation (any format -> messages) -> chat.ChatEncoder.encode
     -> truncate (data.max_length; bfd: the block) -> packing.pack_*
     -> cache.BlockWriter (once, atomic) -> cache.PackedDataset (memory-mapped) -> stream.BlockStream
 
@@ -25,14 +26,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ftcli.data import sources
+from ftcli.data import formats, sources
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
 from ftcli.data.evalsplit import holdout_rule, split_rows
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
 from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow
 from ftcli.config.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -107,17 +108,21 @@ def encoded_examples(
     dropped per `packing.overlong`). Every row is counted once in `stats` and its source's row: kept
     (perhaps truncated) or skipped under one reason (strict: the first bad row raises UserError)."""
     data = recipe.data
-    sources_ = data.source_list()
+    resolved = [formats.resolve(s) for s in data.source_list()]  # format: auto -> the format of the first rows
+    sources_ = [src for src, _ in resolved]
+    for src, found in resolved:
+        stats.source(src.label).format = src.format if src.source != "synthetic" else "synthetic"
+        stats.source(src.label).format_why = found.why if found else ""
     multi = data.sources is not None
     limit = data.max_length
     packing = data.packing
     block_cut = packing.enabled and packing.strategy == "bfd"
-    if any(s.source != "synthetic" and s.format == "messages" for s in sources_):
+    if any(s.source != "synthetic" and s.format in formats.TEMPLATED for s in sources_):
         ChatEncoder(tokenizer)  # fail now, with one line, if the tokenizer has no chat template
     streams, totals = [], []
     holdout = holdout_rule(recipe)  # eval.holdout: training leaves those rows out, the eval split keeps only them
     for k, src in enumerate(sources_):
-        results, total = _source_results(data, src, k, tokenizer, holdout)
+        results, total = _source_results(data, src, k, tokenizer, holdout, sources_)
         streams.append(results)
         totals.append(_source_total(total, src.weight))
     grand_total = None if None in totals else sum(totals)
@@ -163,7 +168,7 @@ def encoded_examples(
         progress(stats.examples_read, grand_total)
 
 
-def _source_results(data, src, k: int, tokenizer, holdout=None):
+def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None):
     """One source's (row index, *encoded) stream under its weight, and its row count if known."""
     limit = _limit(data, src)
     if src.source == "synthetic":
@@ -182,16 +187,16 @@ def _source_results(data, src, k: int, tokenizer, holdout=None):
 
     rows = weighted(split_rows(holdout, passes), src.weight, data.mix_seed, k)
     encode = _parallel_encode if data.num_workers else _serial_encode
-    return encode(((k, i, row) for i, row in rows), data, tokenizer), total
+    return encode(((k, i, row) for i, row in rows), data, tokenizer, sources_), total
 
 
 class RowEncoder:
     """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
     saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
-    need a template)."""
+    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`)."""
 
-    def __init__(self, data, tokenizer):
-        self.sources = data.source_list()
+    def __init__(self, data, tokenizer, sources_=None):
+        self.sources = sources_ if sources_ is not None else data.source_list()
         self.train_on, self.special = data.train_on, data.special_tokens_in_text
         self.tokenizer = tokenizer
         self._chat: ChatEncoder | None = None
@@ -201,7 +206,7 @@ class RowEncoder:
         try:
             if isinstance(row, sources.InvalidRow):
                 raise BadRow(row.reason, row.detail)
-            conv = conversation(row, src.format, src.messages_field, src.tools_field)
+            conv = formats.conversation(row, src.format, src.messages_field, src.tools_field)
             if conv.messages is None:
                 ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
                 return ids, mask, {}, 0
@@ -221,8 +226,8 @@ class RowEncoder:
             return (BadRow("template error", (str(e).strip() or type(e).__name__).splitlines()[0]),)
 
 
-def _serial_encode(rows, data, tokenizer):
-    encode = RowEncoder(data, tokenizer)
+def _serial_encode(rows, data, tokenizer, sources_=None):
+    encode = RowEncoder(data, tokenizer, sources_)
     for k, index, row in rows:
         yield (index, *encode(k, row))
 
@@ -233,13 +238,13 @@ _WORKER: RowEncoder | None = None
 CHUNK = 256
 
 
-def _init_worker(data, tokenizer) -> None:
+def _init_worker(data, tokenizer, sources_=None) -> None:
     import os
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     global _WORKER
-    _WORKER = RowEncoder(data, tokenizer)
+    _WORKER = RowEncoder(data, tokenizer, sources_)
 
 
 def _encode_chunk(chunk: list) -> list[tuple]:
@@ -257,11 +262,11 @@ def _chunks(rows, size: int):
         yield chunk
 
 
-def _parallel_encode(rows, data, tokenizer):
+def _parallel_encode(rows, data, tokenizer, sources_=None):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(data.num_workers, initializer=_init_worker, initargs=(data, tokenizer)) as pool:
+    with ctx.Pool(data.num_workers, initializer=_init_worker, initargs=(data, tokenizer, sources_)) as pool:
         for chunk in pool.imap(_encode_chunk, _chunks(rows, CHUNK)):
             yield from chunk
 
@@ -279,7 +284,7 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
 # the cache key, so any change to the masking (or validation, truncation, packing, counting) code
 # invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
 ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
-                   "evalsplit.py")
+                   "evalsplit.py", "formats.py")
 
 
 def encoder_fingerprint() -> dict[str, Any]:

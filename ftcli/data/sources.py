@@ -20,6 +20,43 @@ from ftcli.config.errors import UserError
 
 BOM = b"\xef\xbb\xbf"
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+# Compressed text files, read as `datasets` reads them (.jsonl.gz, .json.zst, .csv.bz2, ...): decompressed as a
+# stream, never written out. zstandard is the package datasets uses for .zst.
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+COMPRESSIBLE = (".jsonl", ".json", ".csv")
+
+
+def data_suffix(path: Path) -> str | None:
+    """The data type of a file name (".jsonl" for x.jsonl and x.jsonl.gz), or None for other files."""
+    if path.suffix in COMPRESSED:
+        inner = Path(path.stem).suffix
+        return inner if inner in COMPRESSIBLE else None
+    return path.suffix if path.suffix in SUFFIXES else None
+
+
+def _open_binary(f: Path):
+    """The file's bytes, decompressed by its compression suffix."""
+    if f.suffix == ".gz":
+        import gzip
+
+        return gzip.open(f, "rb")
+    if f.suffix == ".bz2":
+        import bz2
+
+        return bz2.open(f, "rb")
+    if f.suffix == ".xz":
+        import lzma
+
+        return lzma.open(f, "rb")
+    if f.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"{f}: reading .zst files needs the zstandard package (pip install zstandard)") from None
+        import io
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), closefd=True))
+    return open(f, "rb")
 
 
 class InvalidRow:
@@ -45,14 +82,17 @@ def _is_saved_dataset(path: Path) -> bool:
 def local_files(data) -> list[Path]:
     path = _local_path(data)
     if path.is_file():
-        if path.suffix not in SUFFIXES:
-            raise UserError(f"data.path {path}: unsupported file type {path.suffix!r} (use {', '.join(SUFFIXES)})")
+        if data_suffix(path) is None:
+            raise UserError(f"data.path {path}: unsupported file type {''.join(path.suffixes[-2:])!r} (use "
+                            f"{', '.join(SUFFIXES)}; .jsonl, .json and .csv also as {', '.join(COMPRESSED)})")
         return [path]
     if _is_saved_dataset(path):
         return sorted(p for p in path.rglob("*") if p.is_file())
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith("."))
+    files = sorted(p for p in path.rglob("*")
+                   if p.is_file() and data_suffix(p) is not None and not p.name.startswith("."))
     if not files:
-        raise UserError(f"data.path {path}: no {', '.join(SUFFIXES)} files in this directory")
+        raise UserError(f"data.path {path}: no {', '.join(SUFFIXES)} files (or compressed .jsonl/.json/.csv) "
+                        "in this directory")
     return files
 
 
@@ -97,10 +137,18 @@ def _take(rows, limit):
 def _hub_rows(data):
     import datasets
 
+    from ftcli import hub
+
+    offline = hub.offline_for(data.path)
+    if offline and not hub.offline_flag():  # datasets reads its cache only when told
+        raise UserError(hub.no_connection(f"hub dataset {data.path!r}", offline)
+                        + " (or set HF_HUB_OFFLINE=1 to read what the HF cache holds)")
     try:
         ds = datasets.load_dataset(data.path, revision=data.revision, split=data.split, streaming=data.streaming)
     except Exception as e:  # noqa: BLE001 - network / hub / split errors become one line
         first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        if offline:
+            raise UserError(hub.no_connection(f"hub dataset {data.path!r} (split {data.split!r})", offline)) from None
         raise UserError(f"cannot load hub dataset {data.path!r} (split {data.split!r}): {first}") from None
     total = None if data.streaming else len(ds)
     return enumerate(ds), total
@@ -124,7 +172,7 @@ def _file_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
             for row in _read_file(f):
                 yield index, row
                 index += 1
-        except (OSError, UnicodeDecodeError, ValueError) as e:  # pyarrow's errors are ValueErrors / OSErrors
+        except (OSError, UnicodeDecodeError, ValueError, EOFError) as e:  # pyarrow's: ValueErrors / OSErrors
             if isinstance(e, UserError):
                 raise
             first = (str(e).strip() or type(e).__name__).splitlines()[0]
@@ -132,10 +180,11 @@ def _file_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
 
 
 def _read_file(f: Path) -> Iterator[Any]:
-    if f.suffix in (".jsonl", ".json"):
-        with open(f, "rb") as fh:
+    kind = data_suffix(f)
+    if kind in (".jsonl", ".json"):
+        with _open_binary(f) as fh:
             head = fh.read(4096).removeprefix(BOM).lstrip()
-            fh.seek(0)
+        with _open_binary(f) as fh:
             if head.startswith(b"["):  # a JSON array file: one document, read whole
                 try:
                     rows = json.loads(fh.read().removeprefix(BOM).decode("utf-8"))
@@ -164,10 +213,11 @@ def _read_file(f: Path) -> Iterator[Any]:
                 except RecursionError:  # e.g. 200,000 nested brackets: one bad row, not a crashed run
                     row = InvalidRow("invalid JSON", f"{f.name} line {lineno}: nested deeper than the parser allows")
                 yield row
-    elif f.suffix == ".csv":
+    elif kind == ".csv":
         import csv
+        import io
 
-        with open(f, encoding="utf-8-sig", errors="replace", newline="") as fh:
+        with io.TextIOWrapper(_open_binary(f), encoding="utf-8-sig", errors="replace", newline="") as fh:
             for row in csv.DictReader(fh):
                 if any("\ufffd" in (v or "") for v in row.values()):
                     yield InvalidRow("undecodable line", f"{f.name}: a row that is not UTF-8")

@@ -29,6 +29,8 @@ class DataStats:
     blocks: int = 0
     padding_tokens: int = 0
     seconds: float = 0.0  # tokenize + mask + pack wall time
+    format: str = ""  # a source's row format (data.format; auto: the detected one, ftcli.data.formats)
+    format_why: str = ""  # auto: why that format ("auto: 32 of the first 32 rows have ...")
     # Per source (label -> the same counts for its rows; tokens/trained_tokens counted per example, as the
     # loss sees an unsplit example: its first label unused). One entry for a single-source recipe.
     sources: dict[str, DataStats] = field(default_factory=dict)

@@ -32,6 +32,8 @@ class SourceSummary:
     trained_tokens_lost: int  # to truncation and overlong drops
     dropped_turns: dict[str, int]
     special_tokens_in_text: int
+    format: str = ""  # the row format read (auto: the detected one)
+    format_why: str = ""  # auto: why
 
 
 @dataclass
@@ -72,6 +74,9 @@ class DataSummary:
             ("truncated / split", f"{ex['truncated']} / {ex['split']}"),
             ("trained tokens lost", f"{lost['truncation']} to truncation, {lost['overlong']} to overlong drops"),
         ]
+        if len(self.sources) == 1:
+            s = next(iter(self.sources.values()))
+            out.append(("format", f"{s.format} ({s.format_why})" if s.format_why else s.format))
         for reason, r in self.skipped_by_reason.items():
             out.append((f"  skipped: {reason}", f"{r['count']} (first rows {', '.join(map(str, r['first_rows']))})"))
         for reason, n in self.dropped_turns.items():
@@ -84,7 +89,8 @@ class DataSummary:
             for label, s in self.sources.items():
                 out.append((
                     f"  source {label}",
-                    f"rows {s.rows_read}, kept {s.kept}, skipped {s.skipped}, tokens {s.tokens}, "
+                    f"format {s.format}{f' ({s.format_why})' if s.format_why else ''}, rows {s.rows_read}, "
+                    f"kept {s.kept}, skipped {s.skipped}, tokens {s.tokens}, "
                     f"trained {s.trained_tokens}, lost {s.trained_tokens_lost}",
                 ))
         cached = " (cached result; this run only read it)" if self.from_cache else ""
@@ -118,6 +124,7 @@ def _source_summary(st: DataStats) -> SourceSummary:
         skipped_by_reason=dict(sorted(st.skipped.items())), truncated=st.truncated, tokens=st.tokens,
         trained_tokens=st.trained_tokens, trained_tokens_lost=st.trained_tokens_lost,
         dropped_turns=dict(st.dropped_turns), special_tokens_in_text=st.special_tokens_in_text,
+        format=st.format, format_why=st.format_why,
     )
 
 

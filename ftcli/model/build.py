@@ -44,11 +44,17 @@ def load_config(cfg: ModelConfig):
         model_type = data.pop("model_type", cfg.model_type)
         config = AutoConfig.for_model(model_type, **data)
     else:
+        from ftcli import hub
+
+        offline = hub.offline_for(resolve_path(cfg.id))  # no Hub: the local HF cache only, no retries
         try:
             config = AutoConfig.from_pretrained(
-                resolve_path(cfg.id), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+                resolve_path(cfg.id), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                local_files_only=bool(offline),
             )
         except OSError as e:
+            if offline:
+                raise UserError(hub.no_connection(f"model.id {cfg.id!r}", offline)) from None
             raise UserError(f"model.id {cfg.id!r}: cannot load its config ({str(e).splitlines()[0]})") from None
     for key, value in cfg.config_overrides.items():
         _set_config_value(config, key, value)
@@ -108,9 +114,14 @@ def load_model(
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if device is not None:
         kwargs["device_map"] = str(device)
+    from ftcli import hub
+
+    offline = hub.offline_for(resolve_path(cfg.id))
     try:
-        return cls.from_pretrained(resolve_path(cfg.id), **kwargs)
+        return cls.from_pretrained(resolve_path(cfg.id), local_files_only=bool(offline), **kwargs)
     except OSError as e:
+        if offline:
+            raise UserError(hub.no_connection(f"the weights of model.id {cfg.id!r}", offline)) from None
         raise UserError(f"model.id {cfg.id!r}: cannot load weights ({str(e).splitlines()[0]})") from None
 
 

@@ -44,7 +44,7 @@ import torch
 
 from ftcli import data
 from ftcli.data.evalsplit import eval_recipes
-from ftcli.config.errors import UserError
+from ftcli.config.errors import TrainingStopped
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
 
 
@@ -55,7 +55,7 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
     for label, r in eval_recipes(recipe).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
     if out and not sum(int(p.block_trained.sum()) for p in out.values()):
-        raise UserError("the eval data has no trained token; check eval.holdout / eval.path")
+        raise TrainingStopped("the eval data has no trained token; check eval.holdout / eval.path")  # every rank
     return out
 
 

@@ -443,7 +443,7 @@ class FullRun:
         the data summary, the eval data and schedule, and the number of optimizer steps."""
         recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
         self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        packed = rank0_first(lambda: data.prepare_blocks(recipe, self.tokenizer),
+        packed = rank0_first(lambda: data.check_sources(recipe, data.prepare_blocks(recipe, self.tokenizer)),
                              then=lambda: data.open_prepared(recipe, self.tokenizer))
         self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
         self.data_summary = data.data_summary(recipe, packed)
@@ -465,7 +465,7 @@ class FullRun:
         windows = math.ceil(len(self.stream) / tcfg.grad_accum)
         self.total_steps = min(windows, tcfg.max_steps) if tcfg.max_steps else windows
         if self.total_steps == 0:
-            raise UserError("the data gave no packed block; check data.path / data.max_examples")
+            raise TrainingStopped("the data gave no packed block; check data.path / data.max_examples")
 
     def prepare_model(self, loss_fn: Callable) -> tuple[int, int]:
         """The packed kernels, the sharded model with its loss, the fp8 line and the step meter; returns the

@@ -92,8 +92,10 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
                   file=sys.stderr)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
+    from ftcli.data.checks import quick_check
     from ftcli.model.checks import check_model_config
 
+    quick_check(recipe)  # a source whose rows are all unreadable in its format: refused before torch is imported
     check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
     try:
         _preflight(recipe)  # before anything in the run dir is cleared or written
@@ -204,7 +206,21 @@ def _preflight(recipe) -> None:
         check_fused_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), recipe.training.fused_ops)
         load_kernels(recipe.training.fused_ops)
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
-    data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
+    packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
+    _say_data(recipe, packed)
+
+
+def _say_data(recipe, packed) -> None:
+    """Each source's format (auto: which and why), then refuse a source that keeps no row (one line: the rows
+    read, the top skip reasons, the likely fix) or, with data.allow_empty_sources, warn about it."""
+    from ftcli.data.checks import check_sources, source_problems
+
+    for label, st in packed.stats.sources.items():
+        if st.format_why:
+            print(f"data {label}: format {st.format} ({st.format_why})", file=sys.stderr)
+    check_sources(recipe, packed)
+    for problem in source_problems(recipe, packed.stats):
+        print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
 
 
 # -------------------------------------------------------------------------------------------- worker

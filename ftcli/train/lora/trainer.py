@@ -50,9 +50,9 @@ def training_rows(recipe: Recipe, tokenizer):
     """
     import datasets
 
-    from ftcli.data import prepare_blocks
+    from ftcli.data import check_sources, prepare_blocks
 
-    packed = prepare_blocks(recipe, tokenizer)
+    packed = check_sources(recipe, prepare_blocks(recipe, tokenizer))
     blocks = [packed[i] for i in range(len(packed))]
     if not blocks:
         raise UserError(f"data: no example with trained tokens in {recipe.data.path}")

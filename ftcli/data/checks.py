@@ -1,0 +1,107 @@
+"""Is there anything to train on? A source that keeps no row (or under `MIN_KEPT_FRACTION` of the rows
+read) is refused in one line, before any worker starts: the rows read, the top skip reasons with a row
+number, and the likely fix (a ShareGPT-shaped row under `data.format: messages` says "looks like ShareGPT:
+set data.format=sharegpt"). `data.allow_empty_sources: true` turns the refusal into a warning.
+
+    quick_check(recipe)                                    # launcher, first: rows only, before torch loads
+    packed = check_sources(recipe, prepare_blocks(recipe, tokenizer))      # launcher preflight, trainers
+
+Pure data code: no torch.distributed, MLflow or CLI imports.
+"""
+
+from __future__ import annotations
+
+from ftcli.config.errors import UserError
+from ftcli.data import formats, sources
+from ftcli.data.stats import DataStats
+from ftcli.data.validate import BadRow
+
+MIN_KEPT_FRACTION = 0.01  # a source keeping fewer of the rows it read is almost surely read wrong
+TOP_REASONS = 2
+QUICK_ROWS = 1000  # rows `quick_check` reads per source
+
+
+def _reasons(st: DataStats) -> str:
+    top = sorted(st.skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_REASONS]
+    out = []
+    for reason, n in top:
+        first = st.first_skipped.get(reason) or []
+        detail = st.first_detail.get(reason, "")
+        where = f", row {first[0]}" + (f": {detail}" if detail else "") if first else ""
+        out.append(f"{reason} {n}{where}")
+    return "; ".join(out)
+
+
+def _hint(src, key: str) -> str:
+    """The likely fix for a source whose rows were read in the wrong format ('' when none is known)."""
+    try:
+        rows, _ = sources.open_rows(src, limit=formats.DETECT_ROWS)
+        found = formats.detect((r for _, r in rows if not isinstance(r, sources.InvalidRow)), src.messages_field)
+    except UserError:
+        return ""
+    if not found.matched:
+        return (f"no row matches a known format ({', '.join(formats.FORMATS[1:])}); see README "
+                "'Bring your own data'")
+    fix = []
+    if src.format not in ("auto", found.format):
+        fix.append(f"{key}.format={found.format}")
+    if found.format == "messages" and found.messages_field != src.messages_field and src.format != "auto":
+        fix.append(f"{key}.messages_field={found.messages_field}")
+    return f"looks like {formats.NAMES[found.format]}: set {' '.join(fix)}" if fix else ""
+
+
+def _problem(data, k: int, src, st: DataStats) -> str | None:
+    kept, read = st.examples_kept, st.examples_read
+    if src.source == "synthetic" or (kept and kept >= MIN_KEPT_FRACTION * read):
+        return None
+    key = "data" if data.sources is None else f"data.sources[{k}]"
+    reasons = _reasons(st)
+    line = (f"data source {src.label!r} keeps {kept} of the {read} rows read"
+            + (f" ({reasons})" if reasons else "") + (f" [format {st.format}]" if st.format else ""))
+    hint = _hint(src, key)
+    return line + (f"; {hint}" if hint else "")
+
+
+def source_problems(recipe, stats: DataStats) -> list[str]:
+    """One line per source that keeps no row, or under MIN_KEPT_FRACTION of the rows it read."""
+    data = recipe.data
+    found = [_problem(data, k, src, stats.sources[src.label])
+             for k, src in enumerate(data.source_list()) if src.label in stats.sources]
+    return [p for p in found if p]
+
+
+def _refuse(recipe, problems: list[str]) -> None:
+    if problems and not recipe.data.allow_empty_sources:
+        more = f" (and {len(problems) - 1} more source(s))" if len(problems) > 1 else ""
+        raise UserError(f"{problems[0]}{more}; data.allow_empty_sources=true trains without it")
+
+
+def quick_check(recipe) -> None:
+    """The refusal of `check_sources` from the rows alone (no tokenizer, no torch: a second or two): a source
+    none of whose first QUICK_ROWS rows is a valid conversation in its format."""
+    data = recipe.data
+    problems = []
+    for k, src in enumerate(data.source_list()):
+        if src.source == "synthetic":
+            continue
+        resolved, _ = formats.resolve(src)
+        st = DataStats(format=resolved.format)
+        rows, _ = sources.open_rows(src, limit=QUICK_ROWS)
+        for index, row in rows:
+            st.examples_read += 1
+            try:
+                if isinstance(row, sources.InvalidRow):
+                    raise BadRow(row.reason, row.detail)
+                formats.conversation(row, resolved.format, resolved.messages_field, resolved.tools_field)
+            except BadRow as e:
+                st.skip(index, e.reason, e.detail)
+        if st.examples_kept == 0:
+            problems.append(_problem(data, k, src, st))
+    _refuse(recipe, problems)
+
+
+def check_sources(recipe, packed):
+    """`packed` (a PackedDataset) when every source keeps rows, else UserError naming the first one that
+    does not (data.allow_empty_sources: returned as is; `source_problems` gives the warnings)."""
+    _refuse(recipe, source_problems(recipe, packed.stats))
+    return packed

@@ -1,0 +1,118 @@
+"""A source that keeps no row (or under 1% of its rows) is refused before anything launches, in one line
+with the rows read, the top skip reasons and the likely fix (ftcli.data.checks)."""
+
+from __future__ import annotations
+
+import pytest
+from _data_common import recipe, tokenizer, write_jsonl
+
+from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.data import check_sources, prepare_blocks
+from ftcli.data.checks import quick_check, source_problems
+
+MESSAGES = {"messages": [{"role": "user", "content": "What is 7 plus 6?"}, {"role": "assistant", "content": "13"}]}
+SHAREGPT = {"conversations": [{"from": "human", "value": "What is 7 plus 6?"}, {"from": "gpt", "value": "13"}]}
+
+
+def test_sharegpt_rows_read_as_messages_are_refused_with_the_fix(tmp_path):
+    path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 198)
+    r = recipe(tmp_path, data__path=path, data__format="messages")
+    want = (f"data source '{path}' keeps 0 of the 198 rows read (messages missing 198, row 0: no 'messages' field "
+            "(fields: conversations)) [format messages]; looks like ShareGPT: set data.format=sharegpt; "
+            "data.allow_empty_sources=true trains without it")
+    with pytest.raises(UserError) as quick:
+        quick_check(r)
+    with pytest.raises(UserError) as full:
+        check_sources(r, prepare_blocks(r, tokenizer("qwen")))
+    assert str(quick.value) == str(full.value) == want
+
+
+def test_under_auto_there_is_nothing_to_set_and_unknown_rows_say_so(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}] * 5)
+    r = recipe(tmp_path, data__path=path, data__format="auto")
+    with pytest.raises(UserError) as e:
+        quick_check(r)
+    assert str(e.value) == (
+        f"data source '{path}' keeps 0 of the 5 rows read (messages missing 5, row 0: no 'messages' field (fields: "
+        "question, answer)) [format messages]; no row matches a known format (messages, sharegpt, alpaca, "
+        "prompt_completion, text); see README 'Bring your own data'; data.allow_empty_sources=true trains without it")
+    quick_check(recipe(tmp_path, data__path=write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 5), data__format="auto"))
+
+
+def test_a_source_keeping_under_one_percent_is_refused_after_tokenizing(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [MESSAGES] + [{"messages": []}] * 199)
+    r = recipe(tmp_path, data__path=path)
+    quick_check(r)  # one row is valid: the rows alone do not decide it
+    with pytest.raises(UserError, match=r"keeps 1 of the 200 rows read \(no messages 199, row 1\) \[format messages\]"
+                                        r"; data\.allow_empty_sources=true"):
+        check_sources(r, prepare_blocks(r, tokenizer("qwen")))
+
+
+def test_a_dead_source_in_a_mix_is_refused_unless_allowed(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [MESSAGES] * 4)
+    dead = write_jsonl(tmp_path / "dead.jsonl", [SHAREGPT] * 4)
+    sources = (f"[{{source: local, path: {good}, format: messages}}, "
+               f"{{source: local, path: {dead}, name: dead, format: messages}}]")
+    r = recipe(tmp_path, data__sources=sources)
+    with pytest.raises(UserError, match=r"^data source 'dead' keeps 0 of the 4 rows read .*; looks like ShareGPT: set "
+                                        r"data\.sources\[1\]\.format=sharegpt; data\.allow_empty_sources=true"):
+        quick_check(r)
+    allowed = recipe(tmp_path, data__sources=sources, data__allow_empty_sources="true")
+    quick_check(allowed)
+    packed = check_sources(allowed, prepare_blocks(allowed, tokenizer("qwen")))
+    assert packed.stats.examples_kept == 4
+    assert [p.split(" (")[0] for p in source_problems(allowed, packed.stats)] == [
+        "data source 'dead' keeps 0 of the 4 rows read"]
+
+
+def test_eval_data_without_trained_tokens_stops_every_rank_and_only_rank_0_reports(tmp_path):
+    """TrainingStopped: the workers' other ranks exit quietly (ftcli.train.launch._worker), so it prints once."""
+    from ftcli.train.evaluate import prepare_eval
+
+    train = write_jsonl(tmp_path / "train.jsonl", [MESSAGES] * 4)
+    bad = write_jsonl(tmp_path / "eval.jsonl", [{"messages": []}] * 3)
+    from ftcli.config.recipe import load_recipe
+
+    r = load_recipe("tiny-qwen-cpu", [f"data.cache_dir={tmp_path / 'cache'}", f"data.path={train}",
+                                      f"eval={{path: {bad}, source: local, split: train}}"])
+    with pytest.raises(TrainingStopped, match="the eval data has no trained token"):
+        prepare_eval(r, tokenizer("qwen"))
+
+
+def test_a_zero_row_train_stops_before_launch_and_writes_nothing(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import ftcli.model.checks
+    from ftcli.cli import app
+
+    def no_model_check(recipe):
+        raise AssertionError("the model check (torch) ran: the data was not refused first")
+
+    monkeypatch.setattr(ftcli.model.checks, "check_model_config", no_model_check)
+    path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 198)
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny-qwen-cpu", "--set", f"data.path={path}",
+                                      "--set", f"output.dir={run_dir}", "--set", f"data.cache_dir={tmp_path / 'c'}"])
+    assert result.exit_code == 2, result.output
+    assert "keeps 0 of the 198 rows read" in result.output and "set data.format=sharegpt" in result.output
+    assert not run_dir.exists() and not (tmp_path / "c").exists()
+
+
+def test_under_a_bare_torchrun_the_refusal_prints_once(tmp_path):
+    """torchrun started by hand (a Databricks workload): rank 0 refuses the source, rank 1 stops quietly."""
+    import subprocess
+    import sys
+
+    from _run_common import recipe_file, subprocess_env
+
+    path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 50)
+    r = recipe_file(tmp_path / "r.yaml", f"data.path={path}", "tracking.enabled=false", f"output.dir={tmp_path / 'run'}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ftcli", "train", "--recipe", str(r)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path / "cache"), capture_output=True, text=True,
+                         timeout=240)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith(f"error: data source '{path}' keeps 0 of the 50 rows read (messages missing 50")
+    assert "looks like ShareGPT: set data.format=sharegpt" in errors[0]
+    assert "[rank1]" not in res.stderr and "gloo" not in res.stderr  # (the traceback left is torchrun's agent's)
