@@ -82,3 +82,14 @@ def test_no_import_circles():
 def test_walker_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_estimates_and_trainers_import_no_command():
+    """`plan`, `doctor` and the LoRA trainer share the estimates (ftcli.estimate), never a command module."""
+    modules = _modules()
+    below = [n for n in modules if n.startswith(("ftcli.estimate", "ftcli.train.lora", "ftcli.model", "ftcli.data",
+                                                 "ftcli.config"))]
+    assert "ftcli.estimate.fit" in below and "ftcli.train.lora.trainer" in below
+    upward = {n: sorted(m for m in _imports(n, modules[n], set(modules)) if m.startswith("ftcli.commands"))
+              for n in below}
+    assert {n: up for n, up in upward.items() if up} == {}

@@ -38,7 +38,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
     transformers 5 has no `warmup_ratio`: `warmup_steps` < 1 is read as a fraction of the total steps,
     which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
 
-    `sharding` is `training.sharding` resolved (`ftcli.commands.plan.resolved_sharding`): "fsdp" hands the model to
+    `sharding` is `training.sharding` resolved (`ftcli.estimate.fit.resolved_sharding`): "fsdp" hands the model to
     accelerate's FSDP2 (`fsdp_config` version 2): every decoder layer (the model's `_no_split_modules`) one
     unit and the root the rest, parameters resharded after forward, so the frozen base lives sharded and is
     gathered one layer at a time; the LoRA weights shard with their layers. Activation checkpointing is
