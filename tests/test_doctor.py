@@ -201,7 +201,10 @@ def _imported_by(args: list[str]) -> tuple[int, str, set[str]]:
 def test_json_paths_import_neither_torch_nor_transformers(args, code):
     returncode, out, modules = _imported_by(args)
     assert returncode == code and json.loads(out)
-    assert not {"torch", "transformers"} & modules
+    # plan samples the tiny recipes' local data through data/chat's template sandbox (transformers' chat template
+    # utilities): no torch, no model code
+    samples = args[0] == "plan" and args[-1].startswith("tiny-")
+    assert not ({"torch", "transformers.modeling_utils"} if samples else {"torch", "transformers"}) & modules
 
 
 @pytest.mark.skipif(compat.gpu_probe()[0], reason="a GPU driver is here")
