@@ -141,7 +141,8 @@ def test_lora_adapter_size_equals_peft(name):
     from ftcli.model.build import load_model
     from ftcli.train.lora.trainer import lora_config
 
-    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0"])
+    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0",
+                                                                           "training.precision={}"])
     model = load_model(recipe.model, dtype=torch.float32)
     peft_model = get_peft_model(model, lora_config(recipe, model))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -410,9 +411,10 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
     assert fitting_settings(shape, chunked, "A10", 8)[0].overrides == ("data.packing.block_len=8192",)
 
 
-def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
+def test_kept_layers_go_with_every_suggestion_and_lora_has_none():
     """A recipe that keeps layers' activations: every suggestion but "keep fewer" also drops them (the last
-    resort included: it was once computed without them but did not say so); LoRA has no kept layers."""
+    resort included: it was once computed without them but did not say so); LoRA has no kept layers (a LoRA
+    recipe that asks for some is refused)."""
     from ftcli.estimate import memory
     from ftcli.estimate.fit import fitting_settings
 
@@ -425,8 +427,10 @@ def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
     one_change = fitting_settings(shape, memory.Setting(**{**vars(kept), "world": 64}), "A10", 8)
     assert [s.overrides for s in one_change] == [("training.activation_checkpointing_keep=0",
                                                   "data.packing.block_len=8192")]
-    lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full",
-                                        "training.activation_checkpointing_keep=4"])
+    with pytest.raises(UserError, match=r"^invalid recipe 'gpt-oss-h100': training.activation_checkpointing_keep "
+                                        r"belongs to training.method=full \(this recipe's is lora\): leave it out$"):
+        load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full", "training.activation_checkpointing_keep=4"])
+    lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full"])
     assert setting_of(lora, model_shape(lora)).keep == 0
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe
+from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.shape import adapter_params, model_shape
 
@@ -62,19 +62,17 @@ def resolved_sharding(recipe: Recipe) -> tuple[str, str]:
 def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = None, *, card: str | None = None,
                sharding: str | None = None) -> memory.Setting:
     t = recipe.training
-    lora = t.method == "lora"
-    if lora and sharding is None:
-        sharding = lora_sharding(recipe, shape, card, world)
-    dtype = recipe.model.dtype if lora else t.precision.param_dtype
     block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
-    return memory.Setting(
-        method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
-        master="fp32" if t.precision.master_dtype == "float32" else "bf16",
-        compute_bytes=4 if dtype == "float32" else 2, checkpointing=t.activation_checkpointing,
-        keep=0 if lora else t.activation_checkpointing_keep,  # LoRA ignores it (lora_recipe.ignored_settings)
-        loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
-        adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp",
-        speed=() if lora else speed_settings(t))
+    common = dict(method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
+                  checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
+                  adapter_params=adapter_params(recipe, shape))
+    if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
+        return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
+                              keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world))
+    return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
+                          compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
+                          keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
+                          speed=speed_settings(t))
 
 
 def speed_settings(t) -> tuple[str, ...]:
