@@ -47,6 +47,30 @@ def test_qwen_b300_plan_on_every_card():
     assert "no setting tried fits 20.6 GiB" in c["GPU_1xA10"].why
 
 
+TINY_CHAT = "{source: local, path: pkg://assets/tiny_chat.jsonl}"
+NO_SHORTHAND = ["data.path=null", "data.revision=null", "data.split=train", "data.streaming=false"]
+
+
+def test_plan_sizes_the_mix_not_the_one_source_keys():
+    """qwen-b300 with `--set data.sources=...` once sized the recipe's ultrachat path (260,833,280 published
+    tokens) instead of the mix: both forms at once are now one line, and the mix is what plan sizes, source by
+    source under its weight."""
+    with pytest.raises(UserError, match=r"^invalid recipe 'qwen-b300': data: data.sources and data.path, data.revision, "
+                                        r"data.split, data.streaming are both set; .*: keep one form \(--set data.path=null "
+                                        r"--set data.revision=null --set data.split=train --set data.streaming=false drops"):
+        load_recipe("qwen-b300", [f"data.sources=[{TINY_CHAT}]"])
+    one = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, f"data.sources=[{TINY_CHAT}]"])).data
+    shorthand = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, "data.source=local",
+                                                         "data.path=pkg://assets/tiny_chat.jsonl"])).data
+    assert one == shorthand and one.source.startswith("estimate: first 300 of 3000 rows")
+    assert one.tokens != 995 * 8 * 32768 and one.blocks == -(-one.tokens // 32768)
+    twice = TINY_CHAT.replace("}", ", weight: 2}")
+    mix = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, f"data.sources=[{twice}, {{name: b, "
+                                                                  f"{TINY_CHAT[1:]}]"])).data
+    assert mix.tokens == 3 * one.tokens and mix.blocks == -(-mix.tokens // 32768)
+    assert mix.source.startswith("mix of 2 sources, x weight (pkg://assets/tiny_chat.jsonl: estimate: first 300")
+
+
 def test_qwen_b300_time_from_the_published_token_count():
     p = plan.make_plan(load_recipe("qwen-b300"))
     assert p.data.tokens == 995 * 8 * 32768 and p.data.blocks == 7960 and p.steps == 995

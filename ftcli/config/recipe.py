@@ -256,7 +256,8 @@ class DataConfig(_Section):
         "tools", description="Row field with function schemas, passed to the template as tools=."
     )
     sources: list[SourceConfig] | None = Field(
-        None, description="A mix of datasets, each with its own fields and weight; replaces source/path/... above."
+        None, description="The datasets read, each with its own fields and weight (a mix); source/path/revision/split/"
+        "streaming/synthetic above are the shorthand for one entry (give one form, not both)."
     )
     mix_seed: int = Field(0, description="Seed of the fractional part of data.sources weights.")
     chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template.")
@@ -277,37 +278,66 @@ class DataConfig(_Section):
     num_workers: int = Field(0, ge=0)
     cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
 
-    @model_validator(mode="after")
-    def _path(self) -> DataConfig:
-        if self.sources is not None:
-            if not self.sources:
-                raise ValueError("data.sources is empty; list at least one source (or use data.path)")
-            labels = [s.label for s in self.sources]
-            if len(set(labels)) != len(labels):
-                raise ValueError("data.sources: two sources have the same name/path; give them distinct names")
-        elif self.source != "synthetic" and not self.path:
-            raise ValueError(f"data.source={self.source} needs data.path")
-        return self
+    # The one-source shorthand: these keys describe the single entry of `sources` (`shorthand_source`).
+    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "synthetic")
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _normal_form(cls, data: Any, handler) -> DataConfig:
+        """`sources` is the one form every reader sees: the shorthand becomes its single entry; a shorthand key
+        that differs from its default next to `sources` is refused (the two forms would disagree)."""
+        out = handler(data)  # every key checked where it is written
+        if out.sources is None:
+            if out.source != "synthetic" and not out.path:
+                raise ValueError(f"data.source={out.source} needs data.path")
+            return out.model_copy(update={"sources": [out.shorthand_source()]})
+        if out.one_source:  # the shorthand already in its normal form (an assignment validates the section again)
+            return out
+        given = [k for k in cls.SHORTHAND if getattr(out, k) != cls.model_fields[k].get_default(call_default_factory=True)
+                 and not (k == "source" and out.path is None and out.source != "synthetic")]  # a kind alone names no data
+        if given:
+            # what drops the shorthand (a kind alone, without a path, is none)
+            defaults = {k: cls.model_fields[k].default for k in given
+                        if k != "synthetic" and (k != "source" or out.source == "synthetic")}
+            unset = " ".join(f"--set data.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in defaults.items())
+            raise ValueError(f"data.sources and {', '.join('data.' + k for k in given)} are both set; those keys are "
+                             "the shorthand for a single data.sources entry: keep one form"
+                             + (f" ({unset} drops the shorthand)" if unset else ""))
+        if not out.sources:
+            raise ValueError("data.sources is empty; list at least one source (or use data.path)")
+        labels = [s.label for s in out.sources]
+        if len(set(labels)) != len(labels):
+            raise ValueError("data.sources: two sources have the same name/path; give them distinct names")
+        return out
+
+    def shorthand_source(self) -> SourceConfig:
+        """The `sources` entry the one-source keys describe."""
+        return SourceConfig(source=self.source, path=self.path, revision=self.revision, split=self.split,
+                            streaming=self.streaming, synthetic=self.synthetic)
+
+    @property
+    def one_source(self) -> bool:
+        """Whether `sources` is what the one-source shorthand describes (dumps then write the shorthand, as given)."""
+        described = self.source == "synthetic" or bool(self.path)
+        return described and self.sources == [self.shorthand_source()]
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        if self.one_source:
+            out["sources"] = None
+        return self._without_quiet_defaults(out)
 
     def source_list(self) -> list[SourceConfig]:
-        """The sources to read: `data.sources`, or the single source the top-level keys describe. Unset
-        per-source fields are filled from `data`."""
-        if self.sources is None:
-            single = SourceConfig(
-                source=self.source, path=self.path, revision=self.revision, split=self.split,
-                streaming=self.streaming, synthetic=self.synthetic,
-            )
-            sources = [single]
-        else:
-            sources = self.sources
+        """The sources to read (`data.sources`, the shorthand's single entry included), with unset per-source fields
+        filled from `data`."""
         return [
             s.model_copy(update={
                 "format": s.format or self.format,
                 "messages_field": s.messages_field or self.messages_field,
                 "tools_field": s.tools_field if s.tools_field is not None else self.tools_field,
             })
-            for s in sources
+            for s in self.sources or [self.shorthand_source()]
         ]
 
 
@@ -346,7 +376,6 @@ class EvalConfig(_Section):
     samples_every: int = Field(1, ge=1, description="Generate the samples every N evals (and at the end).")
     samples_every_steps: int | None = Field(None, ge=1, description="Generate the samples every N steps instead.")
     samples_max_new_tokens: int = Field(32, ge=1)
-    _side: str = "train"  # not a key: ftcli.data.evalsplit marks the recipes of the eval split "eval"
 
     @model_validator(mode="after")
     def _one_source(self) -> EvalConfig:

@@ -29,23 +29,38 @@ class DataSize:
 
 
 def data_size(recipe: Recipe) -> DataSize:
-    """Tokens and blocks of one epoch: the pack cache when present, the synthetic config, a sample of a local
-    source, a published figure for a hub dataset; else unknown."""
+    """Tokens and blocks of one epoch: the pack cache when present; else, per source of `data.sources`, the
+    synthetic config, a sample of a local source, a published figure for a hub dataset, or unknown, summed over
+    a mix under each source's weight."""
     cached = _from_pack_cache(recipe)
     if cached:
         return cached
     d = recipe.data
     block = d.packing.block_len if d.packing.enabled else None
-    if d.source == "synthetic":
-        tokens = int(d.synthetic.num_examples * _clipped_lognormal_mean(d.synthetic.mean_tokens, d.synthetic.max_tokens))
-        return DataSize(tokens, _blocks(tokens, block, d.synthetic.num_examples),
+    sizes = [(src, _source_size(recipe, src, block)) for src in d.source_list()]
+    if len(sizes) == 1:
+        return sizes[0][1]
+    how = "; ".join(f"{src.label}: {size.source}" for src, size in sizes)
+    if any(size.tokens is None for _, size in sizes):
+        return DataSize(None, None, f"unknown: mix of {len(sizes)} sources ({how})")
+    tokens = sum(round(size.tokens * src.weight) for src, size in sizes)
+    examples = sum(round(size.blocks * src.weight) for src, size in sizes) if block is None else None
+    return DataSize(tokens, _blocks(tokens, block, examples), f"mix of {len(sizes)} sources, x weight ({how})")
+
+
+def _source_size(recipe: Recipe, src, block: int | None) -> DataSize:
+    """One source's tokens and blocks (as if it were the only one)."""
+    if src.source == "synthetic":
+        syn = src.synthetic
+        tokens = int(syn.num_examples * _clipped_lognormal_mean(syn.mean_tokens, syn.max_tokens))
+        return DataSize(tokens, _blocks(tokens, block, syn.num_examples),
                         "computed: expected length of the synthetic log-normal x num_examples")
-    if d.source == "local":
-        return _sample_local(recipe)
-    published = PUBLISHED_TOKENS.get((d.path, d.split))
+    if src.source == "local":
+        return _sample_local(recipe, src)
+    published = PUBLISHED_TOKENS.get((src.path, src.split))
     if published:
         return DataSize(published[0], _blocks(published[0], block, None), published[1])
-    return DataSize(None, None, f"unknown: no pack cache for {d.path} here and hub data is not read by plan "
+    return DataSize(None, None, f"unknown: no pack cache for {src.path} here and hub data is not read by plan "
                                 f"(`ftcli pack-preview --recipe {recipe.name}` builds the cache)")
 
 
@@ -86,14 +101,15 @@ def _from_pack_cache(recipe: Recipe) -> DataSize | None:
     return None
 
 
-def _sample_local(recipe: Recipe) -> DataSize:
-    """Tokens of the first SAMPLE_ROWS rows (rendered with the chat template and tokenized when the tokenizer is
-    a local directory; else characters / 4 + CHAT_TEMPLATE_TOKENS per message), scaled to all rows."""
+def _sample_local(recipe: Recipe, src) -> DataSize:
+    """Tokens of the first SAMPLE_ROWS rows of a local source (rendered with the chat template and tokenized when
+    the tokenizer is a local directory; else characters / 4 + CHAT_TEMPLATE_TOKENS per message), scaled to all
+    rows."""
     from ftcli.data import sources
 
     d = recipe.data
     try:
-        rows, total = sources.open_rows(d)
+        rows, total = sources.open_rows(src)
     except (UserError, OSError) as e:
         return DataSize(None, None, f"unknown: {e}")
     count, how = _local_counter(recipe)
@@ -104,8 +120,8 @@ def _sample_local(recipe: Recipe) -> DataSize:
         sampled += 1
         if not isinstance(row, dict):
             continue
-        if d.format == "messages":
-            messages = row.get(d.messages_field) or []
+        if src.format == "messages":
+            messages = row.get(src.messages_field) or []
         else:
             messages = [{"role": "user", "content": row.get("prompt", "")},
                         {"role": "assistant", "content": row.get("completion", "")}]
@@ -117,8 +133,8 @@ def _sample_local(recipe: Recipe) -> DataSize:
     if not sampled:
         return DataSize(0, 0, "the source has no rows")
     rows_total = total if total is not None and total >= sampled else sampled
-    if d.max_examples:
-        rows_total = min(rows_total, d.max_examples)
+    for limit in (src.max_examples, d.max_examples):
+        rows_total = min(rows_total, limit) if limit else rows_total
     est = round(tokens * rows_total / sampled)
     block = d.packing.block_len if d.packing.enabled else None
     return DataSize(est, _blocks(est, block, rows_total), f"estimate: first {sampled} of {rows_total} rows, {how}")

@@ -55,7 +55,7 @@ def training_rows(recipe: Recipe, tokenizer):
     packed = prepare_blocks(recipe, tokenizer)
     blocks = [packed[i] for i in range(len(packed))]
     if not blocks:
-        raise UserError(f"data: no example with trained tokens in {recipe.data.path}")
+        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
     columns = {key: [getattr(b, key).astype(np.int64) for b in blocks] for key in ("input_ids", "labels", "position_ids")}
     return datasets.Dataset.from_dict(columns).with_format("numpy")
 
