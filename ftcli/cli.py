@@ -9,7 +9,7 @@ Each subcommand's work lives in one module, imported only when that command runs
     train            ftcli.train.launch       (torchrun) -> ftcli.train.full (FSDP2) | ftcli.train.lora.trainer (TRL)
     merge-lora       ftcli.commands.merge
     register         ftcli.commands.register
-    plan             ftcli.commands.plan         (over ftcli.estimate.memory)
+    plan             ftcli.commands.plan         (over ftcli.estimate: shape, memory, fit, step time, data size)
     doctor           ftcli.commands.doctor       (over ftcli.model.kernels)
     generate, chat   ftcli.commands.generate     (+ ftcli.commands.chat: the interactive loop)
 """

@@ -139,3 +139,14 @@ def test_every_family_has_every_field_filled():
         assert f.setup_note or f.no_pins_note  # the workload's setup comment has something to say
         assert f.stored_layer_bytes > 0 and f.stored_layer_bytes_source in ("fit", *FAMILIES)
         assert callable(f.layer_shapes)
+
+
+def test_estimates_and_trainers_import_no_command():
+    """`plan`, `doctor` and the LoRA trainer share the estimates (ftcli.estimate), never a command module."""
+    modules = _modules()
+    below = [n for n in modules if n.startswith(("ftcli.estimate", "ftcli.train.lora", "ftcli.model", "ftcli.data",
+                                                 "ftcli.config"))]
+    assert "ftcli.estimate.fit" in below and "ftcli.train.lora.trainer" in below
+    upward = {n: sorted(m for m in _imports(n, modules[n], set(modules)) if m.startswith("ftcli.commands"))
+              for n in below}
+    assert {n: up for n, up in upward.items() if up} == {}

@@ -182,10 +182,8 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
     with pytest.raises(UserError, match=r"training.fused_ops covers Qwen3.5's modules \(model_type qwen3_5, "
                                         r"qwen3_5_text\); this recipe's model_type is gpt_oss: set training.fused_ops=\[\]"):
         load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
-    lora = load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: warned, not refused
-    from ftcli.train.launch import _preflight
-
-    _preflight(lora)  # no CUDA check for a path that ignores them
+    with pytest.raises(UserError, match=r"training.fused_ops belongs to training.method=full \(this recipe's is lora\)"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: refused at load
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny-qwen-cpu", "--set", "training.fused_ops=[swiglu]",
                                       "--set", f"output.dir={tmp_path / 'run'}"])
     assert result.exit_code == 2  # a UserError: one red line

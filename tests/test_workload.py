@@ -185,7 +185,8 @@ def test_gpu_wheels_follow_model_and_hardware():
                                                "and fused RMSNorm / SwiGLU (training.fused_ops)")
     assert [r for r, _ in fused] == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5"]
     assert reqs("gpt-oss-h100") == []
-    assert reqs("gpt-oss-h100", "training.loss.impl=liger") == ["liger-kernel==0.8.5"]
+    with pytest.raises(UserError, match="training.loss: impl=liger belongs to training.method=full"):
+        reqs("gpt-oss-h100", "training.loss.impl=liger")  # LoRA's loss is TRL's: nothing to install for it
 
 
 def test_no_source_builds_in_setup():

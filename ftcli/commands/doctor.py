@@ -2,7 +2,7 @@
 
 With a recipe it answers "can this recipe run here?" in two parts, said separately: "kernels correct here"
 (every packed op has a correct backend, no known-bad version combination applies: `doctor_checks` and
-ftcli.model.compat) and "fits here" (ftcli.commands.plan's memory per GPU, or per CPU process, against this machine). It
+ftcli.model.compat) and "fits here" (ftcli.estimate.fit's memory per GPU, or per CPU process, against this machine). It
 returns exit code 1 with a one-line reason when either fails. The report is plain data (`doctor_report`), so
 it can be tested against any machine description; `run_doctor` only renders it (tables or `--json`).
 

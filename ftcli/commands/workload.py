@@ -435,7 +435,7 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
             "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"
         )
     if fit_check:
-        from ftcli.commands.plan import fit_check as plan_fit_check
+        from ftcli.estimate.plan import fit_check as plan_fit_check
 
         fit = plan_fit_check(recipe)
         if fit.card is None:
@@ -453,10 +453,10 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
 
 def render_workload(recipe: Recipe, *, fit_check: bool = True) -> str:
     """The workload YAML for `databricks air run -f`, validated against `WorkloadFile` before it is returned.
-    With `fit_check`, a recipe whose plan (ftcli.commands.plan) does not fit its accelerator is refused with the reason
+    With `fit_check`, a recipe whose plan (ftcli.estimate.plan) does not fit its accelerator is refused with the reason
     and the nearest setting that fits."""
     if fit_check:
-        from ftcli.commands.plan import fit_check as plan_fit_check
+        from ftcli.estimate.plan import fit_check as plan_fit_check
 
         fit = plan_fit_check(recipe)
         if not fit.fits:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 
 
@@ -128,16 +129,17 @@ def _source_summary(st: DataStats) -> SourceSummary:
     )
 
 
-def data_summary(recipe, packed) -> DataSummary:
-    """The summary of a prepared dataset (`PackedDataset`) for this recipe."""
+def data_summary(spec, packed) -> DataSummary:
+    """The summary of a prepared dataset (`PackedDataset`) for this data spec (or a recipe's training data)."""
+    spec = data_spec(spec)
     stats = packed.stats
     n = len(packed)
     segs = np.asarray([len(packed.segments(i)) for i in range(n)], dtype=np.int64)
     capacity = n * packed.block_len if packed.block_len else stats.tokens
     trained = int(packed.block_trained.sum()) if n else 0
-    data = recipe.data
+    data = spec.data
     return DataSummary(
-        recipe=recipe.name,
+        recipe=spec.name,
         cache=str(packed.path),
         from_cache=packed.from_cache,
         strategy=data.packing.strategy if data.packing.enabled else "none",

@@ -5,7 +5,7 @@ Everything is a pure function of a `Here` (what the machine has) and a recipe, s
 faked versions and machines (tests/test_compat.py); `detect_here` reads the real machine (torch is imported
 there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine without a GPU never
 imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.model.kernels and the
-known-bad rules) and "fits here" (ftcli.commands.plan's memory model against this machine) separately.
+known-bad rules) and "fits here" (ftcli.estimate.fit's memory model against this machine) separately.
 
 Known-bad combinations:
 
@@ -210,14 +210,14 @@ def matrix_check(here: Here, directory: Path | None = None) -> Problem:
 # ---------------------------------------------------------------------------------------- can it run
 def fit_here(recipe, here: Here) -> tuple[bool, str]:
     """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits this machine, and the figures."""
-    from ftcli.commands import plan
+    from ftcli.estimate.fit import memory_on
     from ftcli.config.errors import UserError
 
     compute = recipe.compute
     wanted_card = compute.accelerator_type.split("x", 1)[1]
     world = len(here.gpus) or recipe.training.cpu_processes
     try:
-        per_rank = plan.memory_on(recipe, world).total
+        per_rank = memory_on(recipe, world).total
     except UserError as e:
         return True, f"not checked: {e}"
     if not here.gpus:

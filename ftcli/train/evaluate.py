@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 
 from ftcli import data
-from ftcli.data.evalsplit import eval_recipes
-from ftcli.config.errors import TrainingStopped
+from ftcli.data.evalsplit import eval_specs
+from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
 
 
@@ -52,7 +52,7 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
     """source label -> the packed eval blocks of that source (empty without eval data). `first` is
     `ftcli.train.distributed.rank0_first` under torchrun (rank 0 fills the cache, the others read it)."""
     out = {}
-    for label, r in eval_recipes(recipe).items():
+    for label, r in eval_specs(recipe).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
     if out and not sum(int(p.block_trained.sum()) for p in out.values()):
         raise TrainingStopped("the eval data has no trained token; check eval.holdout / eval.path")  # every rank
@@ -61,8 +61,8 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
 
 def eval_summaries(recipe, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
     """The data summary of each source's eval split (pack-preview, the train log)."""
-    recipes = eval_recipes(recipe)
-    return {label: data.data_summary(recipes[label], p) for label, p in packed.items()}
+    specs = eval_specs(recipe)
+    return {label: data.data_summary(specs[label], p) for label, p in packed.items()}
 
 
 def metric_key(label: str) -> str:

@@ -194,7 +194,7 @@ def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
     from ftcli import data
 
-    if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
+    if recipe.training.loss.impl == "liger":  # full SFT only (LoRA's loss is TRL's)
         from ftcli.train.loss import liger_loss
 
         liger_loss()
