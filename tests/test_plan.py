@@ -4,6 +4,7 @@ token counts (pack cache, synthetic, sampled), the JSON output, and render-workl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from ftcli.estimate import datasize, plan, steptime
 from ftcli.estimate.fit import CARDS, resolved_sharding, setting_of
 from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import load_recipe
+from ftcli.config.recipe import load_recipe, resolve_path
 
 
 @pytest.fixture(autouse=True)
@@ -195,6 +196,24 @@ def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     assert cached.tokens == packed.meta["num_tokens"]
     assert abs(sampled.tokens / cached.tokens - 1) < 0.10
     assert plan.make_plan(recipe).steps == 262
+
+
+def test_sampled_token_count_is_the_same_for_every_row_format(tmp_path):
+    """plan's sample reads rows through the data path's formats: the tiny chat data as messages (auto or named) and
+    as ShareGPT rows give one token count."""
+    src = Path(resolve_path("pkg://assets/tiny_chat.jsonl"))
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    with sharegpt.open("w") as f:
+        for line in src.read_text().splitlines()[:400]:
+            msgs = json.loads(line)["messages"]
+            f.write(json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in msgs]}) + "\n")
+    head = tmp_path / "messages.jsonl"
+    head.write_text("\n".join(src.read_text().splitlines()[:400]) + "\n")
+    sizes = {fmt_path: datasize.data_size(load_recipe("tiny-qwen-cpu", [f"data.path={fmt_path[1]}",
+                                                                         f"data.format={fmt_path[0]}"])).tokens
+             for fmt_path in (("messages", head), ("auto", head), ("sharegpt", sharegpt), ("auto", sharegpt))}
+    assert len(set(sizes.values())) == 1 and next(iter(sizes.values())) > 0, sizes
 
 
 def test_synthetic_token_count_is_the_expected_length():

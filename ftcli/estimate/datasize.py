@@ -105,10 +105,11 @@ def _sample_local(recipe: Recipe, src) -> DataSize:
     """Tokens of the first SAMPLE_ROWS rows of a local source (rendered with the chat template and tokenized when
     the tokenizer is a local directory; else characters / 4 + CHAT_TEMPLATE_TOKENS per message), scaled to all
     rows."""
-    from ftcli.data import sources
+    from ftcli.data import formats, sources
 
     d = recipe.data
     try:
+        src, _ = formats.resolve(src)  # format: auto -> the format of the first rows
         rows, total = sources.open_rows(src)
     except (UserError, OSError) as e:
         return DataSize(None, None, f"unknown: {e}")
@@ -118,13 +119,9 @@ def _sample_local(recipe: Recipe, src) -> DataSize:
         if sampled >= SAMPLE_ROWS:
             break
         sampled += 1
-        if not isinstance(row, dict):
+        messages = formats.messages_of(row, src.format, src.messages_field)  # any row format -> its turns
+        if messages is None:
             continue
-        if src.format == "messages":
-            messages = row.get(src.messages_field) or []
-        else:
-            messages = [{"role": "user", "content": row.get("prompt", "")},
-                        {"role": "assistant", "content": row.get("completion", "")}]
         try:
             n = count([m for m in messages if isinstance(m, dict)])
         except Exception:  # noqa: BLE001 - a row the template refuses is skipped (train counts it as invalid)
