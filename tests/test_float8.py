@@ -58,9 +58,11 @@ def test_fp8_is_full_sfts_and_lora_warns_about_it():
     assert not [m for m in ignored_settings(load_recipe("tiny-gpt-oss-cpu")) if "fp8" in m or "fused" in m]
     assert load_recipe("qwen-b300", ["training.method=lora"]).training.precision.fp8 is True  # loads; warned at start
     assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
+    from ftcli import features
+
     with pytest.raises(UserError, match=r"training.precision.fp8 needs packed blocks whose tokens per micro-batch "
                                         r"\(block_len x per_device_batch = 1000\) are a multiple of 16"):
-        load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
+        features.load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
 
 
 def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):

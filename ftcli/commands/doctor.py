@@ -21,11 +21,14 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, replace
 
+from ftcli import features
+
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 
-# distribution names, in the order shown
-PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang", "triton",
-            "causal-conv1d", "flash-attn", "liger-kernel", "torchao", "mlflow")
+# distribution names, in the order shown: the kernels', then the training features' (ftcli.features), then mlflow
+_KERNEL_PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang",
+                    "triton", "causal-conv1d", "flash-attn")
+PACKAGES = (*_KERNEL_PACKAGES, *(p for p in features.packages() if p not in _KERNEL_PACKAGES), "mlflow")
 
 
 @dataclass(frozen=True)
@@ -180,35 +183,22 @@ def check_lora_vision(recipe, m, tf: Transformers) -> list[Check]:
 
 
 def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
-    """A full-SFT recipe's fp8 and fused ops where they run: fp8 needs torchao and a GPU of compute capability
-    >= 8.9, each fused op its package (liger-kernel, flash-linear-attention) and a GPU."""
-    from ftcli.config.recipe import FP8_MIN_CAPABILITY, FUSED_OP_PACKAGES
+    """A full-SFT recipe's training features where they run (ftcli.features: each checks machine `m` torch-free)."""
+    from ftcli import features
 
-    name = "fp8 and fused ops"
-    t = recipe.training if recipe is not None else None
-    if t is None or t.method != "full" or not (t.precision.fp8 or t.fused_ops):
-        return [Check(name, NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops")]
+    checked = features.checked()
+    name = " and ".join(f.label for f in checked)
+    on = [f for f in checked if recipe is not None and f.applies(recipe)]
+    if not on:
+        return [Check(name, NA, f"the recipe uses neither {' nor '.join(f.setting for f in checked)}")]
     if m.device_type != "cuda":
-        return [Check(name, NA, "no GPU here (both run on the training machine's GPUs)")]
-    problems, found = [], []
-    if t.precision.fp8:
-        cap = ".".join(map(str, m.capability or (0, 0)))
-        if (m.capability or (0, 0)) < FP8_MIN_CAPABILITY:
-            problems.append(f"training.precision.fp8 needs compute capability >= "
-                            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}, this GPU is {cap}: set "
-                            "training.precision.fp8=false")
-        if not m.versions.get("torchao"):
-            problems.append("training.precision.fp8 needs torchao: pip install torchao")
-        found.append(f"fp8: torchao {m.versions.get('torchao')} on capability {cap}")
-    for package in dict.fromkeys(FUSED_OP_PACKAGES[op] for op in t.fused_ops):
-        # fla's kernels ship in fla-core too (flash-linear-attention is its wrapper)
-        have = m.versions.get(package) or (m.versions.get("fla-core") if package == "flash-linear-attention" else None)
-        if not have:
-            problems.append(f"training.fused_ops needs {package}: pip install {package}")
-        found.append(f"{package} {have}")
+        return [Check(name, NA, f"no GPU here ({'both' if len(checked) == 2 else 'they'} run on the training "
+                                "machine's GPUs)")]
+    seen = [f.check(recipe, m) for f in on]
+    problems = [p for found in seen for p in found.problems]
     if problems:
         return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
-    return [Check(name, OK, ", ".join(found))]
+    return [Check(name, OK, ", ".join(x for found in seen for x in found.found))]
 
 
 CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, check_lora_vision,
@@ -284,12 +274,12 @@ def read_machine(deep: bool = False) -> ThisMachine:
 
     ask_torch, found = compat.gpu_probe()
     if not (ask_torch or deep):
-        m = kernels.machine("cpu")
+        m = kernels.machine("cpu", tuple(features.packages()))
         return ThisMachine(m, compat.detect_here(m), "none", f"{found}; torch not imported", compat.torch_cuda_build())
     import torch
 
     cuda = torch.cuda.is_available()
-    m = kernels.machine("cuda" if cuda else "cpu")
+    m = kernels.machine("cuda" if cuda else "cpu", tuple(features.packages()))
     gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if cuda else "none"
     source = f"torch.cuda: {torch.cuda.device_count()} GPU(s)" if cuda else "torch.cuda.is_available() is False"
     return ThisMachine(m, compat.detect_here(m), gpu, f"{source} ({found})", torch.version.cuda)

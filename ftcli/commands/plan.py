@@ -5,7 +5,7 @@ For the recipe's own accelerator and the other known cards, per GPU:
     state        params + grads + AdamW moments (sharded by FSDP2; LoRA: the whole base on every GPU with
                  `training.sharding: ddp`, the base sharded with fsdp; auto picks ddp where it fits)
     activations  for the recipe's checkpointing mode and block length
-    loss         the loss's transient (full logits, one chunk of the chunked loss, liger's chunk)
+    loss         the loss's transient (full logits, one chunk of the chunked or of a fused loss)
     other        the rest of the peak phase (the root unit's unsharded gradients, bf16 gradient copies)
     total        against 92% of the card (ftcli.estimate.memory.USABLE)
 
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.estimate import memory
+from ftcli.features.loss import FUSED_LINEAR_CE
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import ACCELERATOR_RE, Recipe, resolve_path
 
@@ -230,13 +231,10 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
 
 def speed_settings(t) -> tuple[str, ...]:
     """A full-SFT recipe's settings that change its step time but not its memory model, in the form of the
-    step-time rows' `speed` field: fp8, compile=layers|regions, fused=<ops joined by +, sorted>."""
-    out = ["fp8"] if t.precision.fp8 else []
-    if t.compile:
-        out.append(f"compile={'regions' if t.compile == 'regions' else 'layers'}")
-    if t.fused_ops:
-        out.append("fused=" + "+".join(sorted(t.fused_ops)))
-    return tuple(out)
+    step-time rows' `speed` field: each training feature's speed key (ftcli.features), in the registry's order."""
+    from ftcli import features
+
+    return features.speed_keys(t)
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -245,10 +243,6 @@ def _fits(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estima
     return e.total <= memory.usable_gib(card_gb), e
 
 
-# Full SFT, one H200, 27B width, 2026-12-01 (BENCHMARKS.md, "Levers measured alone"): at 8k-token blocks the
-# chunked loss's fixed cost per step is 0.160 s against liger's 0.286 (per layer the same); at 32k liger was 8%
-# faster. So a suggested block of 8k or less comes with the chunked loss (16k not measured: left as it is).
-CHUNKED_LOSS_UP_TO = 8192
 
 
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
@@ -280,8 +274,9 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
     if block == per_batch:
         block //= 2
     while block >= 512 * batch:
-        # full SFT at short blocks: the chunked loss is faster than liger's (CHUNKED_LOSS_UP_TO)
-        chunked = s.method == "full" and s.loss == "liger" and block <= CHUNKED_LOSS_UP_TO
+        # full SFT at short blocks: the chunked loss is faster than a fused one (features.loss.FUSED_LINEAR_CE)
+        fused = FUSED_LINEAR_CE.get(s.loss) if s.method == "full" else None
+        chunked = fused is not None and block <= fused.chunked_faster_up_to
         loss = (("training.loss.impl=chunked",), {"loss": "chunked"}) if chunked else ((), {})
         if attempt((*drop_keep, f"{length_key}={block // batch}", *loss[0]), tokens=block, **loss[1]):
             break

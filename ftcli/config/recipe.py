@@ -411,10 +411,7 @@ class LossConfig(_Section):
     chunk_tokens: int = Field(4096, ge=1)
 
 
-# training.fused_ops: op -> the package whose kernel it runs (ftcli/features/fused_ops.py; doctor checks them torch-free)
-FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
 FUSED_OP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # the dense Qwen3.5 text model and its VLM class
-FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
 
 
 class TrainingConfig(_Section):
@@ -651,26 +648,6 @@ class Recipe(_Section):
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
         return self
-
-    @model_validator(mode="after")
-    def _fused_ops_model(self) -> Recipe:
-        t = self.training
-        if t.method == "full" and t.fused_ops and self.model.model_type not in FUSED_OP_MODEL_TYPES:
-            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(FUSED_OP_MODEL_TYPES)}); "
-                             f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
-        return self
-
-    @model_validator(mode="after")
-    def _fp8_tokens(self) -> Recipe:
-        """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
-        the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
-        tokens = self.data.packing.block_len * self.training.per_device_batch
-        full_fp8 = self.training.precision.fp8 and self.training.method == "full"  # LoRA ignores fp8 (warned)
-        if full_fp8 and (not self.data.packing.enabled or tokens % 16):
-            raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
-                             f"per_device_batch = {tokens}) are a multiple of 16")
-        return self
-
 
     @model_validator(mode="after")
     def _keep_best(self) -> Recipe:
@@ -957,8 +934,10 @@ def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
             entry["path"] = resolve_path(path, base)
 
 
-def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None,
+                rules: typing.Callable[[Recipe], list[str]] | None = None) -> Recipe:
+    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate. `rules`: the
+    rooms above that know more (the training features: `ftcli.features.load_recipe`), one line per problem."""
     path = Path(name_or_path).expanduser()
     base: Path | None = None
     if _is_file(path):
@@ -979,9 +958,13 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(_problems_message(not_finite, source))
     _resolve_paths(data, base)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(format_validation_error(e, source)) from None
+    problems = rules(recipe) if rules is not None else []
+    if problems:
+        raise RecipeError(_problems_message(problems, source))
+    return recipe
 
 
 class YamlDumper(yaml.SafeDumper):

@@ -37,11 +37,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftcli import features
+
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gpt_oss": "gpt_oss"}
 SINK_ATTENTION = ("flex_sinks", "eager_segments")  # ftcli.model.kernels backends that apply gpt-oss's sinks
-MATRIX_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
-                   "liger-kernel", "causal-conv1d", "flash-attn")
+# the packages compared with the tested matrix: the kernels', then the training features' (ftcli.features)
+_KERNEL_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
+                    "causal-conv1d", "flash-attn")
+MATRIX_PACKAGES = (*_KERNEL_PACKAGES, *(p for p in features.packages() if p not in _KERNEL_PACKAGES))
 BAD_TRANSFORMERS = ((5, 2, 0), (5, 8, 1))  # inclusive
 FLA_913 = "fla-org/flash-linear-attention#913"
 # a GPU driver is loaded (NVIDIA, ROCm) even when nvidia-smi does not list a GPU: then torch is asked

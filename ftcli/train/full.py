@@ -70,11 +70,10 @@ from ftcli.train.distributed import World, all_reduce, init_distributed, rank0_f
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, eval_summaries, evaluate_now,
                             prepare_eval, publish_eval, sample_now, samples_due)
-from ftcli.features.float8 import check_fp8_device, convert_to_fp8, fp8_linears, is_float8_linear
-from ftcli.features.fused_ops import FUSED_MODULES, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
-from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
+from ftcli import features
+from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
-from ftcli.model.build import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model, text_final_norm
+from ftcli.model.build import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model
 from ftcli.train.preempt import Stopped, stop_flag
 from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.artifacts.tracking import start_tracking
@@ -126,31 +125,6 @@ def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
     return flags
 
 
-REGION_RECOMPILE_LIMIT = 64
-
-
-def compile_regions(layer: nn.Module) -> list[str]:
-    """The parts of one decoder layer that `training.compile=regions` compiles, by name in the layer.
-
-    Compiling a whole layer does not pay on Qwen3.5: the gated-delta and attention kernels are graph
-    breaks, and under activation checkpointing a break inside the checkpointed layer sends all of it back
-    to eager. The parts around them have no break: the norms, the dense MLP (its activation and, with
-    fp8, its float8 casts fuse into the GEMMs' neighbours) and the other float8 linears (their amax and
-    scale-and-cast fuse). A module already fused by `training.fused_ops` stays as it is (a float8 linear
-    inside a fused MLP is still compiled); an MoE MLP (experts) is left alone.
-    """
-    fused = tuple(FUSED_MODULES.values())
-    chosen: list[str] = []
-    for name, m in layer.named_modules():
-        if not name or any(name.startswith(c + ".") for c in chosen) or isinstance(m, fused):
-            continue
-        dense_mlp = name.rpartition(".")[2] == "mlp" and not hasattr(m, "experts")
-        norm = type(m).__name__.endswith(("RMSNorm", "RMSNormGated", "LayerNorm"))
-        if dense_mlp or norm or is_float8_linear(m):
-            chosen.append(name)
-    return chosen
-
-
 def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
     """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
     tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
@@ -159,15 +133,10 @@ def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
     tcfg = recipe.training
     layers = decoder_layers(model)
     set_activation_checkpointing(model, tcfg)
-    if tcfg.compile == "regions":  # one graph per region shape (8 float8 weight shapes in a Qwen3.5 layer pair,
-        # norms on contiguous and strided inputs, eval blocks): dynamo's default of 8 would send the rest to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
+    per_layer = [f.per_layer for f in features.active(recipe) if f.per_layer is not None]  # compile
     for layer in layers:  # in place: parameter names (and so checkpoints) stay the same
-        if tcfg.compile == "regions":
-            for name in compile_regions(layer):
-                layer.get_submodule(name).compile()
-        elif tcfg.compile:
-            layer.compile()
+        for apply in per_layer:
+            apply(layer, recipe)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
     )
@@ -230,13 +199,10 @@ def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Mod
     master_dtype = DTYPES[tcfg.precision.master_dtype]
     model = build_empty_model(cfg, master_dtype, attn_implementation)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    if tcfg.fused_ops:  # the same parameter objects under the same names: sharding and checkpoints unchanged
-        check_fused_device(world.device, tcfg.fused_ops)
-        fuse_decoder_ops(model, decoder_layers(model), tcfg.fused_ops, load_kernels(tcfg.fused_ops),
-                         final_norm=text_final_norm(model))
-    if tcfg.precision.fp8:  # before sharding: FSDP2 then shards the swapped modules' same parameters
-        check_fp8_device(world.device)
-        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
+    features.preflight(recipe, world.device)  # a missing package fails now, not after the first forward
+    for feature in features.active(recipe):  # module swaps keeping parameter names: float8, fused ops
+        if feature.convert is not None:
+            feature.convert(model, recipe, world.device)
     shard_model(model, recipe, world)
     model.to_empty(device=world.device)
     with torch.no_grad():
@@ -468,7 +434,7 @@ class FullRun:
             raise UserError("the data gave no packed block; check data.path / data.max_examples")
 
     def prepare_model(self, loss_fn: Callable) -> tuple[int, int]:
-        """The packed kernels, the sharded model with its loss, the fp8 line and the step meter; returns the
+        """The packed kernels, the sharded model with its loss, the features' lines and the step meter; returns the
         trainable and non-embedding parameter counts."""
         recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
         attn = None
@@ -477,17 +443,9 @@ class FullRun:
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
         attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        if tcfg.loss.impl == "liger":
-            liger_loss()  # fail now, not after the first forward
-        if tcfg.precision.fp8:
-            fp8 = fp8_linears(self.model)
-            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
-                "decoder layers; the LM head, embeddings and small projections stay in "
-                f"{tcfg.precision.param_dtype}")
-        if tcfg.fused_ops:
-            say("fused ops (Triton): " + ", ".join(f"{op} x{n}" for op, n in fused_module_counts(self.model).items()))
-        if tcfg.compile == "regions":
-            say(f"compiled regions: {len(compile_regions(decoder_layers(self.model)[0]))} in the first decoder layer")
+        for feature in features.active(recipe):  # float8, compile, fused ops: what they did, one line each
+            if (line := feature.describe(self.model, recipe)) is not None:
+                say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)
         # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation

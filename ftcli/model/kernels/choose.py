@@ -104,8 +104,9 @@ def _has_nvcc() -> bool:
     return shutil.which("nvcc") is not None
 
 
-def machine(device: str | torch.device) -> Machine:
-    """The machine as the decision sees it; torch is imported only for a device other than the CPU."""
+def machine(device: str | torch.device, packages: tuple[str, ...] = ()) -> Machine:
+    """The machine as the decision sees it (and the versions of `packages` besides the kernels'); torch is
+    imported only for a device other than the CPU."""
     capability = None
     if str(device) != "cpu":
         import torch
@@ -116,7 +117,7 @@ def machine(device: str | torch.device) -> Machine:
             device = torch.device("cuda", index)
             capability = tuple(torch.cuda.get_device_capability(device))
     dists = ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "flash-attn",
-             "liger-kernel", "torchao")
+             *packages)
     return Machine(
         device=str(device),
         capability=capability,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
+from ftcli import features
 from ftcli.config.recipe import Recipe
 
 # Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
@@ -124,18 +125,9 @@ def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
     if sharding == "fsdp" and t.activation_checkpointing == "selective":
         out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
                    "(FSDP2 checkpoints whole units)")
-    if t.loss.impl != "chunked":
-        out.append(f"training.loss.impl={t.loss.impl} has no effect on LoRA: TRL's fused (chunked) LM head computes the loss")
     if t.activation_checkpointing_keep:
         out.append("training.activation_checkpointing_keep has no effect on LoRA: "
                    "the LoRA path checkpoints every layer or none")
     if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
         out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
-    if t.precision.fp8:
-        out.append("training.precision.fp8 has no effect on LoRA: the base's GEMMs stay in model.dtype")
-    if t.compile == "regions":
-        out.append("training.compile=regions has no effect on LoRA (full SFT's regional compile); "
-                   "training.compile=true compiles the model through TRL")
-    if t.fused_ops:
-        out.append("training.fused_ops has no effect on LoRA (full SFT's fused norms and SwiGLU)")
-    return out
+    return out + features.lora_warnings(t)  # the training features (ftcli.features), full SFT's
