@@ -8,7 +8,7 @@ import pytest
 from ftcli import features
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, load_recipe
-from ftcli.model.kernels import Machine
+from ftcli.hardware import Machine
 
 
 def test_every_record_is_its_modules_and_names_a_real_recipe_key():

@@ -92,7 +92,7 @@ class Transformers:
 
 
 # ----------------------------------------------------------------------------------- the named checks
-# Each takes (recipe or None, machine `m` (a `ftcli.model.kernels.Machine`), `tf` (Transformers)), returns its rows.
+# Each takes (recipe or None, machine `m` (a `ftcli.hardware.Machine`), `tf` (Transformers)), returns its rows.
 def _is_qwen(recipe) -> bool:
     from ftcli.model import kernels
 
@@ -206,7 +206,7 @@ CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, 
 
 
 def doctor_checks(recipe, m, tf: Transformers | None = None) -> list[Check]:
-    """Known-bad combinations on machine `m` (a `ftcli.model.kernels.Machine`), for `recipe` if one is given."""
+    """Known-bad combinations on machine `m` (a `ftcli.hardware.Machine`), for `recipe` if one is given."""
     tf = tf or Transformers()
     return [row for check in CHECKS for row in check(recipe, m, tf)]
 
@@ -255,62 +255,40 @@ class Report:
                 "fits_detail": self.fits_detail or None, "exit_code": self.exit_code, "verdict": self.verdict or None}
 
 
-@dataclass(frozen=True)
-class ThisMachine:
-    """This machine as doctor reads it: `read_machine`."""
+def read_machine(deep: bool = False):
+    """This machine (a ftcli.hardware.Machine) with the training features' package versions: torch is imported
+    only when a GPU driver is present or with `deep` (`hardware.read_here`)."""
+    from ftcli import hardware
 
-    m: object  # ftcli.model.kernels.Machine
-    here: object  # ftcli.model.compat.Here
-    gpu: str  # "NVIDIA H200 (capability 9.0)" or "none"
-    gpu_source: str
-    torch_cuda: str | None
+    return hardware.read_here(deep, tuple(features.packages()))
 
 
-def read_machine(deep: bool = False) -> ThisMachine:
-    """Versions from package metadata, GPUs from nvidia-smi: torch is imported only when a GPU driver is
-    present (the backends then depend on what torch sees) or with `deep`."""
+def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: Transformers | None = None,
+                  deep: bool = False) -> Report:
+    """The report for `recipe` (or None) on machine `m` (a ftcli.hardware.Machine); `deep`: every check imported
+    what it reads."""
     from ftcli.model import compat
     from ftcli.model import kernels
 
-    ask_torch, found = compat.gpu_probe()
-    if not (ask_torch or deep):
-        m = kernels.machine("cpu", tuple(features.packages()))
-        return ThisMachine(m, compat.detect_here(m), "none", f"{found}; torch not imported", compat.torch_cuda_build())
-    import torch
-
-    cuda = torch.cuda.is_available()
-    m = kernels.machine("cuda" if cuda else "cpu", tuple(features.packages()))
-    gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if cuda else "none"
-    source = f"torch.cuda: {torch.cuda.device_count()} GPU(s)" if cuda else "torch.cuda.is_available() is False"
-    return ThisMachine(m, compat.detect_here(m), gpu, f"{source} ({found})", torch.version.cuda)
-
-
-def doctor_report(recipe, m, here, versions: dict[str, str | None] | None = None, gpu: str = "none",
-                  tf: Transformers | None = None, **machine_notes) -> Report:
-    """The report for `recipe` (or None) on machine `m` (ftcli.model.kernels.Machine) / `here` (ftcli.model.compat.Here);
-    `machine_notes`: Report's gpu_source / torch_cuda / deep."""
-    from ftcli.model import compat
-    from ftcli.model import kernels
-
-    tf = tf or Transformers(deep=machine_notes.get("deep", False))
+    tf = tf or Transformers(deep=deep)
     backends = []
     for model_type in [recipe.model.model_type] if recipe else list(kernels.FAMILY_OPS):
         chosen = kernels.decide_backends(model_type, m)
         if not chosen:
             backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
         backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
-    problems = [*compat.known_bad(recipe, here), compat.matrix_check(here)]
+    problems = [*compat.known_bad(recipe, m), compat.matrix_check(m)]
     if recipe is not None:
-        problems += compat.gpu_notes(recipe, here)
+        problems += compat.gpu_notes(recipe, m)
     checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
     basis = (f"transformers {tf.version} is in the tested matrix ({tf.tested_in}): its recorded facts are used, "
              "ftcli doctor --deep imports it" if any(c.version_based for c in checks) else "")
-    report = Report(versions=versions or {}, gpu=gpu, backends=backends, checks=checks, transformers_basis=basis,
-                    **machine_notes)
+    report = Report(versions=versions or {}, gpu=m.gpu, backends=backends, checks=checks, transformers_basis=basis,
+                    gpu_source=m.gpu_source, torch_cuda=m.torch_cuda, deep=deep)
     if recipe is None:
         return report
     blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
-    fits, fits_detail = compat.fit_here(recipe, here)
+    fits, fits_detail = compat.fit_here(recipe, m)
     return replace(report, recipe=recipe.name, kernels_correct=not blocking,
                    kernels_detail=blocking[0].detail if blocking else
                    "every packed op has a correct backend and no known-bad combination applies",
@@ -324,8 +302,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     here = read_machine(deep)
     versions = {dist: version(dist) for dist in PACKAGES}
-    report = doctor_report(recipe, here.m, here.here, versions, here.gpu, gpu_source=here.gpu_source,
-                           torch_cuda=here.torch_cuda, deep=deep)
+    report = doctor_report(recipe, here, versions, deep=deep)
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
         return report.exit_code
@@ -346,7 +323,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
     table.add_row("GPU found by", report.gpu_source)
     console.print(table)
 
-    table = Table(title=f"Packed kernels on {here.m.device}", title_justify="left")
+    table = Table(title=f"Packed kernels on {here.device}", title_justify="left")
     for column in ("model_type", "op", "backend", "why"):
         table.add_column(column)
     for row in report.backends:

@@ -26,19 +26,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ftcli import hardware
 from ftcli.estimate import memory
 from ftcli.features.loss import FUSED_LINEAR_CE
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import ACCELERATOR_RE, Recipe, resolve_path
 
-# Card memory (GB, as sold) and peak dense bf16 FLOP/s (the same datasheet figures as ftcli.train.metrics).
-CARDS: dict[str, dict[str, float]] = {
-    "H100": {"memory_gb": 80, "bf16_flops": 989e12},
-    "H200": {"memory_gb": 141, "bf16_flops": 989e12},
-    "B300": {"memory_gb": 288, "bf16_flops": 2250e12},
-    "A10": {"memory_gb": 24, "bf16_flops": 125e12},
-}
-GPUS_PER_NODE = {"H100": 8, "H200": 8, "B300": 8, "A10": 1}
+# The cards plan sizes runs for: memory (GB, as sold) and peak dense bf16 FLOP/s (ftcli.hardware.CARDS)
+CARDS: dict[str, dict[str, float]] = {c.name: {"memory_gb": c.memory_gb, "bf16_flops": c.bf16_flops}
+                                      for c in hardware.CARDS.values() if c.memory_gb}
+GPUS_PER_NODE = {c.name: c.gpus_per_node for c in hardware.CARDS.values() if c.memory_gb}
 MEASURED_CARD = "H200"
 # Token counts of hub datasets this machine cannot read offline, with where the figure comes from.
 PUBLISHED_TOKENS = {
