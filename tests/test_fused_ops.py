@@ -244,7 +244,7 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
 
     from ftcli.config.recipe import load_recipe
     from ftcli.features.compile import compile_regions
-    from ftcli.train import full as train_full
+    from ftcli.model import parallelize
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
@@ -252,7 +252,7 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     world = types.SimpleNamespace(mesh=None)
     model = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's own patching: the old value comes back
-        train_full.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+        parallelize.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
         assert torch._dynamo.config.recompile_limit == 64
     names = {id(m): n for n, m in model.named_modules()}
     assert [names[id(m)] for m in compiled] == [f"model.layers.{i}.{r}" for i, layer in enumerate(model.model.layers)
@@ -261,5 +261,5 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     compiled.clear()
     whole = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):
-        train_full.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
+        parallelize.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
         assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8

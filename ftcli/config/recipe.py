@@ -434,7 +434,7 @@ class TrainingConfig(_Section):
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole; regions: compile only the parts of each "
         "layer around its packed kernels (norms, the dense MLP, float8 linears), which a graph break in the "
-        "gated-delta or attention kernel cannot push back to eager (ftcli/train_full.compile_regions)."
+        "gated-delta or attention kernel cannot push back to eager (ftcli/features/compile.py)."
     )
     fused_ops: list[Literal["rms_norm", "swiglu", "gated_norm"]] = Field(
         default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
