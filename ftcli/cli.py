@@ -91,7 +91,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _load(recipe: str | None, overrides: list[str] | None):
-    from ftcli.config.recipe import load_recipe
+    from ftcli.features import load_recipe
 
     if recipe is None:
         if overrides:
@@ -119,7 +119,8 @@ def recipes_list() -> None:
     """List the built-in recipes."""
     from rich.table import Table
 
-    from ftcli.config.recipe import builtin_recipe_names, load_recipe
+    from ftcli.config.recipe import builtin_recipe_names
+    from ftcli.features import load_recipe
 
     table = Table()
     table.add_column("name", no_wrap=True)

@@ -51,9 +51,11 @@ def test_fp8_is_full_sfts_and_a_lora_recipe_that_sets_it_is_refused():
     with pytest.raises(UserError, match=r"training.precision belongs to training.method=full"):
         load_recipe("qwen-b300", ["training.method=lora"])
     assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
+    from ftcli import features
+
     with pytest.raises(UserError, match=r"training.precision.fp8 needs packed blocks whose tokens per micro-batch "
                                         r"\(block_len x per_device_batch = 1000\) are a multiple of 16"):
-        load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
+        features.load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
 
 
 def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):

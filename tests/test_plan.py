@@ -445,9 +445,10 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
     """Full SFT with liger: a suggested block of 8k or less also switches to the chunked loss (measured faster
     there on an H200), a 16k one keeps liger (16k not measured)."""
     from ftcli.estimate import memory
-    from ftcli.estimate.fit import CHUNKED_LOSS_UP_TO, fitting_settings
+    from ftcli.estimate.fit import fitting_settings
+    from ftcli.features.loss import FUSED_LINEAR_CE
 
-    assert CHUNKED_LOSS_UP_TO == 8192
+    assert FUSED_LINEAR_CE["liger"].chunked_faster_up_to == 8192
     shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
     liger = memory.Setting(method="full", tokens=32768, loss="liger", checkpointing="full")
     on_h200 = fitting_settings(shape, memory.Setting(**{**vars(liger), "world": 8}), "H200", 8)

@@ -277,16 +277,9 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     family = find_family(recipe.model.model_type)  # a model ftcli has no family for trains unpacked, with no pins
     reqs = [(pin.requirement, pin.why) for pin in (family.pins if family else ())
             if not pin.hopper_only or model_name.upper() in _HOPPER]
-    liger_uses = [use for use, on in (("fused linear cross-entropy (loss.impl=liger)",
-                                       recipe.training.loss.impl == "liger"),
-                                      ("fused RMSNorm / SwiGLU (training.fused_ops)",
-                                       recipe.training.method == "full"
-                                       and bool({"rms_norm", "swiglu"} & set(recipe.training.fused_ops)))) if on]
-    if liger_uses:
-        reqs.append(("liger-kernel==0.8.5", "pure Python + Triton " + " and ".join(liger_uses)))
-    if recipe.training.method == "full" and recipe.training.precision.fp8:
-        reqs.append(("torchao==0.18.0", "float8 training (training.precision.fp8), its Python part; the float8 GEMMs "
-                                        "are torch's own"))
+    from ftcli import features
+
+    reqs += features.requirements(recipe)  # the training features' pins (ftcli.features)
     return reqs
 
 

@@ -452,9 +452,6 @@ class LossConfig(_Section):
     chunk_tokens: int = Field(4096, ge=1)
 
 
-# training.fused_ops: op -> the package whose kernel it runs (ftcli/features/fused_ops.py; doctor checks them torch-free)
-FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
-FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
 
 
 # The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`).
@@ -535,7 +532,7 @@ class FullTraining(_Training):
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole; regions: compile only the parts of each "
         "layer around its packed kernels (norms, the dense MLP, float8 linears), which a graph break in the "
-        "gated-delta or attention kernel cannot push back to eager (ftcli/train_full.compile_regions)."
+        "gated-delta or attention kernel cannot push back to eager (ftcli/features/compile.py)."
     )
     fused_ops: list[Literal["rms_norm", "swiglu", "gated_norm"]] = Field(
         default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
@@ -788,28 +785,6 @@ class Recipe(_Section):
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
         return self
-
-    @model_validator(mode="after")
-    def _fused_ops_model(self) -> Recipe:
-        t = self.training
-        from ftcli.families import fused_op_model_types  # the families' facts (pure Python, no upward state)
-
-        if isinstance(t, FullTraining) and t.fused_ops and self.model.model_type not in fused_op_model_types():
-            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(fused_op_model_types())}); "
-                             f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
-        return self
-
-    @model_validator(mode="after")
-    def _fp8_tokens(self) -> Recipe:
-        """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
-        the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
-        tokens = self.data.packing.block_len * self.training.per_device_batch
-        full_fp8 = isinstance(self.training, FullTraining) and self.training.precision.fp8
-        if full_fp8 and (not self.data.packing.enabled or tokens % 16):
-            raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
-                             f"per_device_batch = {tokens}) are a multiple of 16")
-        return self
-
 
     @model_validator(mode="after")
     def _keep_best(self) -> Recipe:
@@ -1131,8 +1106,10 @@ def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
             entry["path"] = resolve_path(path, base)
 
 
-def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None,
+                rules: typing.Callable[[Recipe], list[str]] | None = None) -> Recipe:
+    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate. `rules`: the
+    rooms above that know more (the training features: `ftcli.features.load_recipe`), one line per problem."""
     path = Path(name_or_path).expanduser()
     base: Path | None = None
     if _is_file(path):
@@ -1153,9 +1130,13 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(_problems_message(not_finite, source))
     _resolve_paths(data, base)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(format_validation_error(e, source)) from None
+    problems = rules(recipe) if rules is not None else []
+    if problems:
+        raise RecipeError(_problems_message(problems, source))
+    return recipe
 
 
 class YamlDumper(yaml.SafeDumper):

@@ -7,19 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ftcli import hardware
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.shape import adapter_params, model_shape
+from ftcli.features.loss import FUSED_LINEAR_CE
 
-# Card memory (GB, as sold) and peak dense bf16 FLOP/s (the same datasheet figures as ftcli.train.metrics).
-CARDS: dict[str, dict[str, float]] = {
-    "H100": {"memory_gb": 80, "bf16_flops": 989e12},
-    "H200": {"memory_gb": 141, "bf16_flops": 989e12},
-    "B300": {"memory_gb": 288, "bf16_flops": 2250e12},
-    "A10": {"memory_gb": 24, "bf16_flops": 125e12},
-}
-GPUS_PER_NODE = {"H100": 8, "H200": 8, "B300": 8, "A10": 1}
+# The cards plan sizes runs for: memory (GB, as sold) and peak dense bf16 FLOP/s (ftcli.hardware.CARDS)
+CARDS: dict[str, dict[str, float]] = {c.name: {"memory_gb": c.memory_gb, "bf16_flops": c.bf16_flops}
+                                      for c in hardware.CARDS.values() if c.memory_gb}
+GPUS_PER_NODE = {c.name: c.gpus_per_node for c in hardware.CARDS.values() if c.memory_gb}
 MEASURED_CARD = "H200"
 
 
@@ -77,24 +75,15 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
 
 def speed_settings(t) -> tuple[str, ...]:
     """A full-SFT recipe's settings that change its step time but not its memory model, in the form of the
-    step-time rows' `speed` field: fp8, compile=layers|regions, fused=<ops joined by +, sorted>."""
-    out = ["fp8"] if t.precision.fp8 else []
-    if t.compile:
-        out.append(f"compile={'regions' if t.compile == 'regions' else 'layers'}")
-    if t.fused_ops:
-        out.append("fused=" + "+".join(sorted(t.fused_ops)))
-    return tuple(out)
+    step-time rows' `speed` field: each training feature's speed key (ftcli.features), in the registry's order."""
+    from ftcli import features
+
+    return features.speed_keys(t)
 
 
 def fits_card(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estimate]:
     e = memory.estimate(shape, s)
     return e.total <= memory.usable_gib(card_gb), e
-
-
-# Full SFT, one H200, 27B width, 2026-12-01 (BENCHMARKS.md, "Levers measured alone"): at 8k-token blocks the
-# chunked loss's fixed cost per step is 0.160 s against liger's 0.286 (per layer the same); at 32k liger was 8%
-# faster. So a suggested block of 8k or less comes with the chunked loss (16k not measured: left as it is).
-CHUNKED_LOSS_UP_TO = 8192
 
 
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
@@ -126,8 +115,9 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
     if block == per_batch:
         block //= 2
     while block >= 512 * batch:
-        # full SFT at short blocks: the chunked loss is faster than liger's (CHUNKED_LOSS_UP_TO)
-        chunked = s.method == "full" and s.loss == "liger" and block <= CHUNKED_LOSS_UP_TO
+        # full SFT at short blocks: the chunked loss is faster than a fused one (features.loss.FUSED_LINEAR_CE)
+        fused = FUSED_LINEAR_CE.get(s.loss) if s.method == "full" else None
+        chunked = fused is not None and block <= fused.chunked_faster_up_to
         loss = (("training.loss.impl=chunked",), {"loss": "chunked"}) if chunked else ((), {})
         if attempt((*drop_keep, f"{length_key}={block // batch}", *loss[0]), tokens=block, **loss[1]):
             break

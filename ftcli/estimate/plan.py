@@ -5,7 +5,7 @@ For the recipe's own accelerator and the other known cards, per GPU:
     state        params + grads + AdamW moments (sharded by FSDP2; LoRA: the whole base on every GPU with
                  `training.sharding: ddp`, the base sharded with fsdp; auto picks ddp where it fits)
     activations  for the recipe's checkpointing mode and block length
-    loss         the loss's transient (full logits, one chunk of the chunked loss, liger's chunk)
+    loss         the loss's transient (full logits, one chunk of the chunked or of a fused loss)
     other        the rest of the peak phase (the root unit's unsharded gradients, bf16 gradient copies)
     total        against 92% of the card (ftcli.estimate.memory.USABLE)
 

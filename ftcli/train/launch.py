@@ -192,19 +192,12 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
 
 def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
-    from ftcli import data
+    from ftcli import data, features
 
-    if recipe.training.loss.impl == "liger":  # full SFT only (LoRA's loss is TRL's)
-        from ftcli.train.loss import liger_loss
-
-        liger_loss()
-    if recipe.training.method == "full" and recipe.training.fused_ops:  # LoRA ignores them (warned)
+    if any(f.preflight for f in features.active(recipe)):  # their packages and devices (LoRA: none, warned)
         import torch
 
-        from ftcli.features.fused_ops import check_fused_device, load_kernels
-
-        check_fused_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), recipe.training.fused_ops)
-        load_kernels(recipe.training.fused_ops)
+        features.preflight(recipe, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
