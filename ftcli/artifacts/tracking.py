@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from ftcli.artifacts.safe_files import write_atomic
 from ftcli.config.errors import UserError
 from ftcli.config.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
 
@@ -243,5 +244,5 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
     if run_dir is not None:
         tracker._call(mlflow.set_tag, "ftcli.run_dir", str(Path(run_dir).resolve()))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(tracker.info, indent=2) + "\n")
+        write_atomic(saved, json.dumps(tracker.info, indent=2) + "\n")
     return tracker

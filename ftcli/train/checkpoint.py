@@ -52,6 +52,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.config.errors import UserError
 from ftcli.artifacts.rundir import CHECKPOINTS
+from ftcli.artifacts.safe_files import write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
@@ -194,7 +195,7 @@ def save_checkpoint(
 
     if rank == 0:
         meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         if final.exists():  # re-saving a step (a resumed run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -301,7 +302,7 @@ def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(state, tensors)
     save_file(tensors, str(Path(ckpt_dir) / f"rank_{rank:05d}.safetensors"))
-    (Path(ckpt_dir) / f"rank_{rank:05d}.json").write_text(json.dumps(encoded) + "\n")
+    write_atomic(Path(ckpt_dir) / f"rank_{rank:05d}.json", json.dumps(encoded) + "\n")
 
 
 def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -35,8 +36,9 @@ from pathlib import Path
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
-                          read_run_record, recipe_differences, run_dir_of)
+                          read_run_record, recipe_differences, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
+from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
@@ -245,22 +247,32 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     second `ftcli train` on the same dir fails in one line naming the holder's PID. The kernel drops
     the lock when the launcher dies, however it dies; the workers die with it (`_die_with_launcher`),
     so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
-    refusal rule (check_run_dir, which writes nothing), and only then is the lock file created. On a
-    multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
+    refusal rule (check_run_dir, which writes nothing), and only then are the run dir (and its missing
+    parents: a failed start removes what it created) and the lock file created. The lock file is never
+    a link and never someone else's file (`ftcli.artifacts.safe_files.open_lock`: O_NOFOLLOW, a regular
+    file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
     (some network mounts) gets a warning, not a refusal."""
     import fcntl
 
     run_dir = run_dir_of(recipe)
     path = run_dir / LOCK_FILE
+    refuse_unsafe(path)  # a link planted as the lock file: never followed, never truncated
     if path.is_file():
         _refuse_if_locked(path)
     check_run_dir(recipe, force=force, resume=resume)
     if os.environ.get("NODE_RANK", "0") != "0":
         yield run_dir
         return
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the workers
+    created = make_dirs(run_dir)  # after the checks; a start that fails removes them again (below)
+    try:
+        fd, new_lock = open_lock(path)  # O_NOFOLLOW; not inherited by the workers
+        if not new_lock and not re.fullmatch(rb"\d*\n?", os.pread(fd, 64, 0)):
+            os.close(fd)
+            raise UserError(f"{path} is not an ftcli lock file (it holds other text); ftcli does not overwrite it: "
+                            "remove it or set output.dir elsewhere")
+    except BaseException:
+        remove_dirs(created)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -273,14 +285,14 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
         os.close(fd)
         yield run_dir
         return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.ftruncate(fd, 0)  # our own file: created here, or an earlier start's (it held a PID or nothing)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
         yield run_dir
     finally:
         if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
             path.unlink()
-            run_dir.rmdir()
+            remove_dirs(created)
         os.close(fd)
 
 
@@ -289,7 +301,7 @@ def _refuse_if_locked(path: Path) -> None:
     import fcntl
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return
     try:
