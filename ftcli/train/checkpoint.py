@@ -6,7 +6,8 @@ One checkpoint is one directory, committed by a rename:
       step_00000200/            committed: `latest_checkpoint` only ever returns one of these
         .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: model + optimizer, each rank writes its shards
         rank_00000.json, rank_00000.safetensors, ...   per-rank trainer state: data position, RNG, ...
-        meta.json                                      step, world size, token counts (written last)
+        meta.json                                      step, world size, token counts, each file's size
+                                                       and CRC32 (written last; checked before a resume)
       .tmp_step_00000250/       a save in progress, or one a crash interrupted: never resumed from
 
 Every rank writes into the .tmp dir; after a barrier rank 0 writes meta.json and renames the dir, so a
@@ -192,9 +193,14 @@ def save_checkpoint(
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     write_rank_state(tmp, rank, rank_state)
     dist.barrier()  # every rank's files are on disk
+    sums = file_checksums(tmp, files_hashed_by(tmp, rank, world_size))  # each rank its own files
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(sums, gathered, dst=0)
 
     if rank == 0:
-        meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
+        files = {name: entry for part in gathered for name, entry in part.items()}
+        meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
+                CHECKSUMS: {"algorithm": "crc32", "files": dict(sorted(files.items()))}}
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         if final.exists():  # re-saving a step (a resumed run): replace it
             shutil.rmtree(final)
@@ -205,6 +211,96 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+# ------------------------------------------------------------------------------------ checksums
+# meta.json's "checksums": {"algorithm": "crc32", "files": {name: [size in bytes, crc32]}} of every other file
+# of the checkpoint, taken right after the save (each rank hashes the files it wrote, while they are in its
+# page cache; rank 0 gathers them), and checked by the launcher before a resume (`verify_checkpoint`). CRC32
+# finds damage (a zeroed page, a truncated or swapped file), not tampering: whoever can rewrite a shard can
+# rewrite meta.json too.
+CHECKSUMS = "checksums"
+_CHUNK = 16 * 2**20
+_OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.\w+)$")  # DCP's shard files, ftcli's rank state
+
+
+def files_hashed_by(ckpt_dir: Path, rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint in progress that `rank` hashes: those it wrote (`__<rank>_*.distcp`,
+    `rank_<rank>.*`); rank 0 also every other one (DCP's .metadata)."""
+    names = []
+    for p in sorted(Path(ckpt_dir).iterdir()):
+        if not p.is_file() or p.name == "meta.json":
+            continue
+        match = _OWNER.match(p.name)
+        owner = int(match.group(1) or match.group(2)) if match else 0
+        if (owner if owner < world_size else 0) == rank:
+            names.append(p.name)
+    return names
+
+
+def _crc32(path: Path) -> int:
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL: `verify_checkpoint` hashes files in threads
+    return crc
+
+
+def file_checksums(ckpt_dir: Path, names: list[str]) -> dict[str, list[int]]:
+    return {name: [(Path(ckpt_dir) / name).stat().st_size, _crc32(Path(ckpt_dir) / name)] for name in names}
+
+
+def checkpoint_problem(ckpt_dir: Path, recorded: dict[str, list[int]], *, threads: int = 8) -> str | None:
+    """The first file of `ckpt_dir` that is missing, has another size or another CRC32 than `recorded`
+    (meta.json's), as a phrase; None when all match. Sizes first (no reading), then the CRCs in threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ckpt_dir = Path(ckpt_dir)
+    for name, (size, _) in recorded.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the save wrote {size} (truncated or replaced since)"
+    names = list(recorded)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
+        crcs = list(pool.map(lambda n: _crc32(ckpt_dir / n), names))
+    bad = [n for n, crc in zip(names, crcs) if crc != recorded[n][1]]
+    return f"{bad[0]} does not match the checksum taken at save (damaged since)" if bad else None
+
+
+def verify_checkpoint(path: Path, *, warn=None) -> None:
+    """Before resuming from `path`: every file as the save wrote it, else one UserError naming the file and
+    the newest earlier checkpoint that verifies. A checkpoint of an older ftcli (no checksums) loads with a
+    warning through `warn` (default: stderr)."""
+    import sys
+
+    path = Path(path)
+    recorded = read_meta(path).get(CHECKSUMS)
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: checkpoint {path} has no checksums (saved by an older ftcli); resuming from it unverified")
+        return
+    problem = checkpoint_problem(path, recorded["files"])
+    if problem is None:
+        return
+    step = checkpoint_step(path) if _STEP_DIR.match(path.name) else None
+    earlier = [p for p in reversed(list_checkpoints(path.parent)) if step is not None and checkpoint_step(p) < step]
+    intact = next((p for p in earlier if _intact(p)), None)
+    then = (f"the previous intact checkpoint is {intact} (resume from it with --resume {intact})" if intact is not None
+            else "no earlier checkpoint verifies; start again without --resume (--force)")
+    raise UserError(f"checkpoint {path}: {problem}; {then}")
+
+
+def _intact(path: Path) -> bool:
+    try:
+        recorded = read_meta(path).get(CHECKSUMS)
+    except UserError:
+        return False
+    return isinstance(recorded, dict) and isinstance(recorded.get("files"), dict) and \
+        checkpoint_problem(path, recorded["files"]) is None
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
-                          read_run_record, recipe_differences, run_dir_of, make_dirs, remove_dirs)
+                          read_run_record, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
 from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 
@@ -87,13 +87,9 @@ def _processes_per_node(recipe) -> tuple[int, str]:
 
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
-    if resume is not None and is_own_run(run_dir, recipe):
-        changed = recipe_differences(run_dir, recipe)
-        if changed:
-            print(f"warning: resuming with a recipe that differs from the run's at: {', '.join(changed)}",
-                  file=sys.stderr)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
+    check_resume(recipe, run_dir, resume)  # before anything is written: recipe.yaml stays the run's
     from ftcli.model.checks import check_model_config
 
     check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
@@ -190,6 +186,22 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
     raise SystemExit(exit_code(signum))
 
 
+def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
+    """A resume continues the run it names: the recipe may change only what `ftcli.train.resume` applies,
+    and the full path's checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s).
+    One UserError otherwise; writes nothing."""
+    if resume is None:
+        return
+    if is_own_run(run_dir, recipe):
+        from ftcli.train.resume import check_resume_recipe
+
+        check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
+    if recipe.training.method == "full":
+        from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
+
+        verify_checkpoint(resolve_resume(run_dir, resume, kind="dcp"))
+
+
 def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
     from ftcli import data
@@ -217,7 +229,9 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
-        prepare_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: same refusal rule
+        check_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: the launcher's checks
+        check_resume(recipe, run_dir, resume)
+        prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
     if recipe.training.method == "lora":
         from ftcli.train.lora.trainer import train
