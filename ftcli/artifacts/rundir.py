@@ -133,11 +133,12 @@ def recipe_differences(run_dir: Path, recipe) -> list[str]:
 
 
 def saved_recipe(recipe) -> dict[str, Any]:
-    """The recipe as <run>/recipe.yaml holds it: credentials in the tracking URI masked
-    (ftcli.config.redact.mask_recipe_uris; the launcher hands them to the workers in the environment)."""
-    from ftcli.config.redact import mask_recipe_uris
+    """The recipe as <run>/recipe.yaml (and run.json) holds it: credentials in the tracking URI masked
+    (ftcli.config.redact.mask_recipe_uris; the launcher hands them to the workers in the environment),
+    compute.env_variables by name only (their values are the job's, `render-workload` reads the recipe)."""
+    from ftcli.config.redact import mask_env_values, mask_recipe_uris
 
-    return mask_recipe_uris(recipe.to_dict())
+    return mask_env_values(mask_recipe_uris(recipe.to_dict()))
 
 
 def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
