@@ -139,17 +139,16 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
         _stopped(recipe, run_dir, int(e.sigval), started)
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        signals = {_STOP_EXIT_CODES[c] for c in codes if c in _STOP_EXIT_CODES}
-        if len(codes) == len(signals) == 1:  # the workers were signalled directly (not through the launcher)
-            _stopped(recipe, run_dir, signals.pop(), started)
-        ranks = sorted(e.failures)  # global ranks
+        from ftcli.train.failures import Failure, recorded_message, stop_signal, summary
+
+        failures = [Failure(rank, f.exitcode, recorded_message(f.error_file_data))
+                    for rank, f in e.failures.items()]  # global ranks; a message where a worker wrote its error file
+        signum = stop_signal(failures, _STOP_EXIT_CODES)
+        if signum is not None:  # the workers were signalled directly (not through the launcher)
+            _stopped(recipe, run_dir, signum, started)
         ckpts = run_dir / CHECKPOINTS
         hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
-        raise UserError(
-            f"training stopped: rank(s) {', '.join(map(str, ranks))} exited with code(s) "
-            f"{', '.join(map(str, codes))}; the reason is printed above{hint}"
-        ) from None
+        raise UserError(summary(failures, _STOP_EXIT_CODES, hint)) from None
 
 
 # a worker's exit code after a stop: its own (ftcli.train.preempt.EXIT_CODES) or killed by the signal (-signum)
@@ -247,6 +246,19 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
+    except Exception as e:
+        if not under_torchrun:
+            raise
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        from ftcli.train.failures import PEER_LOST_EXIT, peer_lost
+
+        get_error_handler().record_exception(e)  # torchrun's error file: the launcher tells causes from consequences
+        if not peer_lost(e):
+            raise  # printed as always: a UserError as one line, anything else with its traceback
+        from ftcli.train.distributed import exit_worker
+
+        exit_worker(PEER_LOST_EXIT)  # another rank went away first and printed why: print nothing
     if under_torchrun:
         from ftcli.train.distributed import exit_worker
 
