@@ -139,3 +139,20 @@ def test_stalled_logging_call_turns_tracking_off_within_its_budget(stalling, qui
     assert capsys.readouterr().err.strip() == (
         "warning: MLflow logging to http://127.0.0.1 failed (no answer within 1 s); tracking is off for the rest "
         "of this run (metrics.jsonl keeps the metrics)")
+
+
+def test_bounded_keeps_an_outer_alarm_running():
+    """pytest-timeout (and anyone else) may have SIGALRM armed: after a bounded call it is armed again."""
+    from ftcli.artifacts.tracking import bounded
+
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 100)
+    try:
+        with bounded(5):
+            time.sleep(0.05)
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert signal.getsignal(signal.SIGALRM) is not None and 99 < remaining < 100 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
