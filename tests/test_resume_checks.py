@@ -69,9 +69,21 @@ def test_save_records_size_and_crc32_of_every_file(run_dir):
     on_disk = sorted(p.name for p in ckpt.iterdir() if p.name != "meta.json")
     assert sorted(sums["files"]) == on_disk == [".metadata", "__0_0.distcp", "rank_00000.json",
                                                 "rank_00000.safetensors"]
-    for name, (size, crc) in sums["files"].items():
+    assert sums["chunk_bytes"] == 16 * 2**20
+    for name, (size, crcs) in sums["files"].items():
         data = (ckpt / name).read_bytes()
-        assert (size, crc) == (len(data), zlib.crc32(data))
+        assert (size, crcs) == (len(data), [zlib.crc32(data)])  # one chunk each at this size
+
+
+def test_chunked_crcs_cover_every_byte(tmp_path):
+    import zlib
+
+    from ftcli.train.checkpoint import file_checksums
+
+    (tmp_path / "f").write_bytes(bytes(range(256)) * 40)  # 10240 bytes: chunks of 4096, 4096, 2048
+    data = (tmp_path / "f").read_bytes()
+    assert file_checksums(tmp_path, ["f"], chunk_bytes=4096, threads=2) == {
+        "f": [10240, [zlib.crc32(data[:4096]), zlib.crc32(data[4096:8192]), zlib.crc32(data[8192:])]]}
 
 
 def test_zeroed_page_in_a_shard_refuses_resume_naming_the_previous_intact_checkpoint(run_dir):

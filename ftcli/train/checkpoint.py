@@ -200,7 +200,7 @@ def save_checkpoint(
     if rank == 0:
         files = {name: entry for part in gathered for name, entry in part.items()}
         meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
-                CHECKSUMS: {"algorithm": "crc32", "files": dict(sorted(files.items()))}}
+                CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
         if final.exists():  # re-saving a step (a resumed run): replace it
             shutil.rmtree(final)
@@ -214,13 +214,13 @@ def save_checkpoint(
 
 
 # ------------------------------------------------------------------------------------ checksums
-# meta.json's "checksums": {"algorithm": "crc32", "files": {name: [size in bytes, crc32]}} of every other file
-# of the checkpoint, taken right after the save (each rank hashes the files it wrote, while they are in its
-# page cache; rank 0 gathers them), and checked by the launcher before a resume (`verify_checkpoint`). CRC32
-# finds damage (a zeroed page, a truncated or swapped file), not tampering: whoever can rewrite a shard can
-# rewrite meta.json too.
+# meta.json's "checksums": {"algorithm": "crc32", "chunk_bytes": N, "files": {name: [size, [crc32 of each
+# N-byte chunk]]}} of every other file of the checkpoint, taken right after the save (each rank hashes the
+# files it wrote, while they are in its page cache, its chunks in threads: zlib releases the GIL; rank 0
+# gathers them), and checked by the launcher before a resume (`verify_checkpoint`). CRC32 finds damage (a
+# zeroed page, a truncated or swapped file), not tampering: whoever can rewrite a shard can rewrite meta.json.
 CHECKSUMS = "checksums"
-_CHUNK = 16 * 2**20
+CHUNK_BYTES = 16 * 2**20
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.\w+)$")  # DCP's shard files, ftcli's rank state
 
 
@@ -238,36 +238,42 @@ def files_hashed_by(ckpt_dir: Path, rank: int, world_size: int) -> list[str]:
     return names
 
 
-def _crc32(path: Path) -> int:
+def _chunk_crcs(path: Path, size: int, chunk_bytes: int, pool) -> list[int]:
     import zlib
 
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)  # releases the GIL: `verify_checkpoint` hashes files in threads
-    return crc
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return list(pool.map(lambda at: zlib.crc32(os.pread(fd, chunk_bytes, at)), range(0, size, chunk_bytes)))
+    finally:
+        os.close(fd)
 
 
-def file_checksums(ckpt_dir: Path, names: list[str]) -> dict[str, list[int]]:
-    return {name: [(Path(ckpt_dir) / name).stat().st_size, _crc32(Path(ckpt_dir) / name)] for name in names}
-
-
-def checkpoint_problem(ckpt_dir: Path, recorded: dict[str, list[int]], *, threads: int = 8) -> str | None:
-    """The first file of `ckpt_dir` that is missing, has another size or another CRC32 than `recorded`
-    (meta.json's), as a phrase; None when all match. Sizes first (no reading), then the CRCs in threads."""
+def file_checksums(ckpt_dir: Path, names: list[str], *, chunk_bytes: int = CHUNK_BYTES,
+                   threads: int = 8) -> dict[str, list]:
+    """{name: [size, [crc32 per chunk]]} of the files `names` in `ckpt_dir`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    ckpt_dir = Path(ckpt_dir)
-    for name, (size, _) in recorded.items():
+    out = {}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for name in names:
+            size = (Path(ckpt_dir) / name).stat().st_size
+            out[name] = [size, _chunk_crcs(Path(ckpt_dir) / name, size, chunk_bytes, pool)]
+    return out
+
+
+def checkpoint_problem(ckpt_dir: Path, recorded: dict, *, threads: int = 8) -> str | None:
+    """The first file of `ckpt_dir` that is missing, has another size or other CRC32s than `recorded`
+    (meta.json's "checksums"), as a phrase; None when all match. Sizes first (no reading), then the CRCs."""
+    ckpt_dir, files = Path(ckpt_dir), recorded["files"]
+    for name, (size, _) in files.items():
         path = ckpt_dir / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the save wrote {size} (truncated or replaced since)"
-    names = list(recorded)
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
-        crcs = list(pool.map(lambda n: _crc32(ckpt_dir / n), names))
-    bad = [n for n, crc in zip(names, crcs) if crc != recorded[n][1]]
+    now = file_checksums(ckpt_dir, list(files), chunk_bytes=int(recorded.get("chunk_bytes", CHUNK_BYTES)),
+                         threads=threads)
+    bad = [name for name in files if now[name][1] != list(files[name][1])]
     return f"{bad[0]} does not match the checksum taken at save (damaged since)" if bad else None
 
 
@@ -283,7 +289,7 @@ def verify_checkpoint(path: Path, *, warn=None) -> None:
         (warn or (lambda m: print(m, file=sys.stderr)))(
             f"warning: checkpoint {path} has no checksums (saved by an older ftcli); resuming from it unverified")
         return
-    problem = checkpoint_problem(path, recorded["files"])
+    problem = checkpoint_problem(path, recorded)
     if problem is None:
         return
     step = checkpoint_step(path) if _STEP_DIR.match(path.name) else None
@@ -300,7 +306,7 @@ def _intact(path: Path) -> bool:
     except UserError:
         return False
     return isinstance(recorded, dict) and isinstance(recorded.get("files"), dict) and \
-        checkpoint_problem(path, recorded["files"]) is None
+        checkpoint_problem(path, recorded) is None
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:

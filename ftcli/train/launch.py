@@ -276,8 +276,8 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     refusal rule (check_run_dir, which writes nothing), and only then are the run dir (and its missing
     parents: a failed start removes what it created) and the lock file created. The lock file is never
     a link and never someone else's file (`ftcli.artifacts.safe_files.open_lock`: O_NOFOLLOW, a regular
-    file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
-    (some network mounts) gets a warning, not a refusal."""
+    file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks
+    (the run dir is shared); a filesystem without flock (some network mounts) gets a warning, not a refusal."""
     import fcntl
 
     run_dir = run_dir_of(recipe)
