@@ -951,7 +951,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = raw
     if isinstance(value, str) and _FLOAT_RE.fullmatch(raw.strip()):
         value = float(raw)  # YAML 1.1 reads `1e-5` (no dot) as a string
-    return key.strip().split("."), value
+    keys = key.strip().split(".")
+    if len(keys) > MAX_YAML_DEPTH:
+        raise RecipeError(f"--set {key.strip()[:40]}...: {len(keys)} levels of keys; a recipe nests at most "
+                          f"{MAX_YAML_DEPTH}")
+    return keys, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -1124,6 +1128,8 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None,
         raise RecipeError(f"invalid recipe {source}: {e}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"invalid recipe {source}: expected a mapping of sections at the top level")
+    if not any(isinstance(k, str) and k in Recipe.model_fields for k in data):  # never echo a foreign file's lines
+        raise RecipeError(f"{source} is not a recipe (no name, model or data section at its top level)")
     data = apply_overrides(data, overrides or [])
     not_finite = [f"{key}: must be a finite number (got {value})" for key, value in _non_finite(data)]
     if not_finite:

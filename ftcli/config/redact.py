@@ -63,6 +63,16 @@ def mask_recipe_uris(recipe: dict | None) -> dict:
     return out
 
 
+def mask_env_values(recipe: dict | None) -> dict:
+    """A copy with the values of compute.env_variables replaced by '***' (names kept): what a run dir and
+    MLflow keep of them, since ftcli cannot know which innocently named variable holds a secret."""
+    out = json.loads(json.dumps(recipe or {}))
+    compute = out.get("compute")
+    if isinstance(compute, dict) and isinstance(compute.get("env_variables"), dict):
+        compute["env_variables"] = {k: SCRUBBED for k in compute["env_variables"]}
+    return out
+
+
 def scrub_recipe(recipe: dict | None) -> dict:
     """A copy of the recipe dict with secret values and env values replaced by '***', URIs masked."""
     out = mask_recipe_uris(recipe)

@@ -32,7 +32,8 @@ Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row i
 def row_unit(row: Any, seed: int) -> float:
     """A deterministic uniform [0, 1) from a row's content and a seed (the same on every machine)."""
     text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
-    digest = hashlib.blake2b(text.encode(), digest_size=8, key=str(seed).encode()[:64] or b"0").digest()
+    # surrogatepass: a row holding a lone surrogate gets a unit too (validation skips it later, counted)
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=str(seed).encode()[:64] or b"0").digest()
     return int.from_bytes(digest, "big") / 2.0**64
 
 

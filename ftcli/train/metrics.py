@@ -5,7 +5,6 @@ ftcli.train.lora.trainer)."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -120,7 +119,9 @@ def log_step(m: dict[str, Any], total_steps: int, *, say=print, metrics_path: Pa
     the tracker at `m["step"]`."""
     say(format_step(m, total_steps))
     if metrics_path is not None:
-        with open(metrics_path, "a") as f:
+        from ftcli.artifacts.safe_files import open_append
+
+        with open_append(metrics_path) as f:
             f.write(json.dumps(m) + "\n")
     if tracker is not None:
         tracker.log_metrics(numeric_metrics(m), step=m["step"])
@@ -145,7 +146,7 @@ def truncate_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".tmp_{path.name}")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        from ftcli.artifacts.safe_files import write_atomic
+
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped
