@@ -2,7 +2,8 @@
 
 What is logged depends on what training wrote:
 
-    full run    <run>/final: HF checkpoint      -> logged as is (files copied byte for byte)
+    full run    <run>/final: HF checkpoint      -> logged as is (its model files copied byte for byte;
+                                                   anything else in final/ is listed and left here)
     LoRA run    <run>/final: adapter, + a base  -> "merged" (default when the base is local or
                                                    random-init): ftcli.commands.merge.merge_lora writes
                                                    <run>/merged, logged like a full checkpoint
@@ -150,19 +151,27 @@ def _source_of_run(path: Path, run_dir: Path, recipe: dict | None, checkpoint: s
     if not path.is_dir():
         raise UserError(f"{path} is missing (run.json model_dir={run.model_dir!r}, status={run.status!r}); "
                         "did `ftcli train` finish?")
+    if not path.resolve().is_relative_to(run_dir):
+        raise UserError(f"{path} resolves to {path.resolve()}, outside the run dir {run_dir} (run.json "
+                        f"model_dir={run.model_dir!r}); register uploads only a model inside its run dir")
     if run.status != "completed":
         _warn(f"run.json status is {run.status!r}, not 'completed'; registering what {path} holds")
     kind = "adapter" if run.method == "lora" else "checkpoint"
     return Source(model_dir=path, kind=kind, run_dir=run_dir, run=run, recipe=recipe or run.recipe)
 
 
-def _check_model_files(source: Source) -> None:
-    """Every file log_model and a chat endpoint need, reported at once."""
+def _check_model_files(source: Source, warn: bool = True) -> list[str]:
+    """Every file log_model and a chat endpoint need, reported at once; returns the files to upload
+    (ftcli.artifacts.mlflow_model.select_model_files), listing the others on screen."""
     missing = mlflow_model.missing_files(source.model_dir, adapter=source.kind == "adapter")
     if missing:
         where = f" (run.json status: {source.run.status!r})" if source.run else ""
         raise UserError(f"{source.model_dir} is missing {', '.join(missing)}{where}; did training finish and save "
                         "the final model?")
+    files = mlflow_model.select_model_files(source.model_dir, source.run_dir or source.model_dir)
+    if files.skipped and warn:
+        _warn(f"not uploaded from {source.model_dir} (not model files): {', '.join(files.skipped)}")
+    return files.keep
 
 
 # ---------------------------------------------------------------------------------------- modes
@@ -330,17 +339,19 @@ def merge_adapter(source: Source) -> Path:
                            force=True))
 
 
-def _model_to_log(source: Source, mode: Mode) -> Path:
-    """The dir that is logged: the source's, or its merge; checked like a trained one."""
+def _model_to_log(source: Source, mode: Mode) -> tuple[Path, list[str]]:
+    """The dir that is logged (the source's, or its merge; checked like a trained one) and its files
+    to upload (resolve_source has listed the source's others)."""
     if mode != "merged":
         model_dir = source.model_dir
+        files = _check_model_files(source, warn=False)
     else:
         with err_console.status("merging the adapter into its base"):
             model_dir = merge_adapter(source)
-        _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
+        files = _check_model_files(Source(model_dir=model_dir, kind="checkpoint", run_dir=source.run_dir))
     if mode != "adapter":
         mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
-    return model_dir
+    return model_dir, files
 
 
 def log_and_register(
@@ -359,7 +370,7 @@ def log_and_register(
         raise UserError(f"alias '{alias}' of {name} already points at version {previous}; "
                         "pass --force to move it to the new version")
 
-    model_dir = _model_to_log(source, mode)
+    model_dir, files = _model_to_log(source, mode)
     probe = _probe(model_dir, mode, source)
     input_example, why = mlflow_model.chat_request_from_data(source.recipe)
     if input_example is None:
@@ -373,7 +384,7 @@ def log_and_register(
             info = mlflow_model.log_chat_model(
                 model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
                 metadata=metadata, dtype=source.dtype, model_class=source.model_class,
-                trust_remote_code=source.trust_remote_code, input_example=input_example,
+                trust_remote_code=source.trust_remote_code, input_example=input_example, files=files,
             )
         if uc:
             registry.require_uc_signature(info.signature)
