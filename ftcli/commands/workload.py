@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 from ftcli.config.redact import mask_uri
 from ftcli.config.recipe import (
     NAME_RE,
@@ -104,7 +105,7 @@ class WorkloadCompute(_Strict):
 
 class WorkloadEnvironment(_Strict):
     version: Any = None
-    dependencies: list[NonBlank] | None = None
+    dependencies: list[Annotated[NonBlank, AfterValidator(check_pip_spec)]] | None = None
     unity_catalog_image: NonBlank | None = None
 
     @field_validator("version")

@@ -50,6 +50,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 
 PKG_PREFIX = "pkg://"
 # Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
@@ -542,7 +543,8 @@ class ComputeConfig(_Section):
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
     experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
     environment_version: str = "databricks_ai_v6"
-    dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
+    dependencies: list[Annotated[str, AfterValidator(check_pip_spec)]] = Field(
+        default_factory=list, description="Extra pip requirements for the job (requirements or local paths).")
     env_variables: dict[str, str] = Field(default_factory=dict)
     secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
         default_factory=dict, description="NAME -> 'scope/key'.")
@@ -552,7 +554,8 @@ class ComputeConfig(_Section):
     priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
     mlflow_experiment_directory: str | None = None
     permissions: list[PermissionConfig] = Field(default_factory=list)
-    ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
+    ftcli_spec: Annotated[str, AfterValidator(check_pip_spec)] = Field(
+        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path).")
 
     @field_validator("env_variables")
     @classmethod
