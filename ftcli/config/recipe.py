@@ -560,9 +560,9 @@ class ComputeConfig(_Section):
     @field_validator("env_variables")
     @classmethod
     def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
-        from ftcli.config.redact import looks_secret
+        from ftcli.config.redact import holds_credentials, looks_secret
 
-        secret = sorted(k for k in env if looks_secret(k))
+        secret = sorted(k for k, v in env.items() if looks_secret(k) or holds_credentials(v))
         if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
             raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
                              f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")
