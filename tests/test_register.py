@@ -704,6 +704,17 @@ def test_data_that_cannot_give_a_chat_request_says_why():
         assert example is None and why.startswith("cannot read nobody/no-such-dataset (cannot load hub dataset")
 
 
+def test_input_example_skips_rows_over_max_row_chars(tmp_path):
+    huge = {"messages": [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]}
+    small = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(huge) + "\n" + json.dumps(small) + "\n")
+    data = {"source": "local", "path": str(path), "packing": {"block_len": 64}}  # default bound: 64 x 64
+    assert mlflow_model.chat_request_from_data({"data": data}) == ({"messages": [small["messages"][0]]}, None)
+    assert mlflow_model.chat_request_from_data({"data": {**data, "max_row_chars": 10_000}}) == (
+        {"messages": [huge["messages"][0]]}, None)
+
+
 def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):
     from ftcli.commands import generate
 

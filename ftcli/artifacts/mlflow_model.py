@@ -96,13 +96,15 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
         data = DataConfig.model_validate(recipe["data"])
     except ValueError as e:
         return None, f"the recipe's data section does not validate ({first_line(e)})"
+    from ftcli.data.pipeline import row_char_limit
+
     problems = []
     for src in data.source_list():
         if src.source == "synthetic":
             problems.append("synthetic data has no chat turns")
             continue
         try:
-            request = _first_chat_request(src)
+            request = _first_chat_request(src, row_char_limit(data))
         except Exception as e:  # noqa: BLE001 - unreadable data never blocks registering
             problems.append(f"cannot read {src.label} ({first_line(e)})")
             continue
@@ -112,9 +114,11 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
     return None, "; ".join(problems)
 
 
-def _first_chat_request(src) -> dict | None:
-    """The turns before the first assistant reply of `src`'s first row that has a user turn."""
+def _first_chat_request(src, max_row_chars: int) -> dict | None:
+    """The turns before the first assistant reply of `src`'s first row that has a user turn (and no
+    more than `max_row_chars` characters, as training reads rows: data.max_row_chars)."""
     from ftcli.data import sources
+    from ftcli.data.pipeline import row_chars
     from ftcli.data.validate import BadRow, conversation
 
     if src.source == "hub" and not src.streaming and not _hf_offline():
@@ -122,9 +126,12 @@ def _first_chat_request(src) -> dict | None:
     rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
     for _, row in rows:
         try:
-            messages = conversation(row, src.format, src.messages_field, src.tools_field).messages
+            conv = conversation(row, src.format, src.messages_field, src.tools_field)
         except BadRow:
             continue
+        if row_chars(conv) > max_row_chars:
+            continue
+        messages = conv.messages
         prompt = []
         for m in messages or []:
             if m["role"] == "assistant":

@@ -240,7 +240,7 @@ class SourceConfig(_Section):
 
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
-                                                "sources": None, "mix_seed": 0}
+                                                "sources": None, "mix_seed": 0, "max_row_chars": None}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
     revision: str | None = None
@@ -268,6 +268,9 @@ class DataConfig(_Section):
     )
     max_examples: int | None = Field(None, ge=1, description="Rows read (per source with data.sources).")
     max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
+    max_row_chars: int | None = Field(
+        None, ge=1, description="Skip (and count) rows with more characters, before tokenizing; default 64 x the "
+        "block length (data.max_length when packing is off and it is set).")
     packing: PackingConfig = Field(default_factory=PackingConfig)
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
     num_workers: int = Field(0, ge=0)
