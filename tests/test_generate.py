@@ -405,8 +405,9 @@ def test_chat_keeps_history_and_handles_commands():
 def test_chat_cli_streams_replies_with_history(model_dirs):
     res = runner.invoke(cli.app, ["chat", str(model_dirs["gpt-oss"]), "--greedy", "--max-new-tokens", "4",
                                   "--device", "cpu", "--reasoning-effort", "low"],
-                        input="What is 2 plus 4?\nHi\n/exit\n")
+                        input=b"\xff\xfe\nWhat is 2 plus 4?\nHi\n/exit\n")  # a first line that is not UTF-8
     assert res.exit_code == 0, res.output
+    assert "[skipped: this line is not UTF-8 text (byte 0xFF at character 1)]\n" in res.stdout
     loaded = _load(model_dirs["gpt-oss"])
     greedy = Sampling(max_new_tokens=4, greedy=True)
     kwargs = generate.template_kwargs("low")
