@@ -498,6 +498,22 @@ def test_chat_refuses_a_prompt_longer_than_the_context_before_tokenizing_it_whol
         "(max_position_embeddings); shorten it]"]
 
 
+def test_generate_prompt_over_the_context_or_not_text_is_one_line(model_dirs):
+    from ftcli.prompt_checks import CHUNK_CHARS, count_tokens
+
+    huge = "word " * 200_000
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", huge, "--device", "cpu"])
+    tokens, read = count_tokens(_tokenizer("qwen"), [{"content": huge}], 4096)
+    assert read < len(huge) and read % CHUNK_CHARS == 0 and "Traceback" not in res.output
+    assert res.exit_code == 2 and [line for line in res.output.splitlines() if line.startswith("error:")] == [
+        f"error: the prompt is longer than the model's context of 4,096 tokens (max_position_embeddings): {tokens:,} "
+        f"tokens in its first {read:,} of 1,000,000 characters; shorten it"]
+    with pytest.raises(UserError, match=r"^--prompt is not UTF-8 text \(byte 0xFF at character 3\)$"):
+        generate.run_generate(str(model_dirs["qwen"]), prompt="hi\udcff", system=None, input_path=None, output=None,
+                              force=False, sampling=Sampling(), reasoning_effort=None, reasoning_language=None,
+                              dtype="auto", device="cpu", revision=None, batch_size=1, as_json=False)
+
+
 def test_generate_output_must_be_a_file_in_an_existing_folder(model_dirs, tmp_path):
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")

@@ -655,8 +655,9 @@ def _prompt_row(number: int, row: Any) -> PromptRow:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} is not {{'role': one of {'/'.join(ROLES)}, 'content': a string}}")
-        if messages_problem(messages):
-            raise ValueError(messages_problem(messages))
+        problem = messages_problem(messages)
+        if problem:
+            raise ValueError(problem)
         reference = None
         if messages[-1]["role"] == "assistant":
             reference, messages = messages[-1]["content"], messages[:-1]
@@ -667,8 +668,9 @@ def _prompt_row(number: int, row: Any) -> PromptRow:
         system = row.get("system")
         if system is not None and not isinstance(system, str):
             raise ValueError("'system' is not a string")
-        if text_problem(row["prompt"]) or text_problem(system or ""):
-            raise ValueError(f"'prompt' or 'system' is {text_problem(row['prompt']) or text_problem(system)}")
+        problem = text_problem(row["prompt"]) or text_problem(system or "")
+        if problem:
+            raise ValueError(f"'prompt' or 'system' is {problem}")
         return PromptRow(number, conversation(row["prompt"], system))
     raise ValueError("no 'messages' list or 'prompt' string")
 
@@ -696,7 +698,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         raise UserError("--output goes with --input FILE.jsonl")
     if output is not None:
         check_output_path(output, force)
-    if prompt is not None and text_problem(prompt):
+    if prompt is not None and text_problem(prompt):  # e.g. bytes of the command line that are not UTF-8
         raise UserError(f"--prompt is {text_problem(prompt)}")
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
