@@ -169,7 +169,7 @@ def _check_model_files(source: Source, warn: bool = True) -> list[str]:
         raise UserError(f"{source.model_dir} is missing {', '.join(missing)}{where}; did training finish and save "
                         "the final model?")
     files = mlflow_model.select_model_files(source.model_dir, source.run_dir or source.model_dir)
-    if files.skipped and warn:
+    if files.skipped and warn and source.kind == "checkpoint":  # an adapter is saved by MLflow, not copied
         _warn(f"not uploaded from {source.model_dir} (not model files): {', '.join(files.skipped)}")
     return files.keep
 
