@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 from ftcli.families import find_family
 from ftcli.config.redact import mask_uri
 from ftcli.config.recipe import (
@@ -105,7 +106,7 @@ class WorkloadCompute(_Strict):
 
 class WorkloadEnvironment(_Strict):
     version: Any = None
-    dependencies: list[NonBlank] | None = None
+    dependencies: list[Annotated[NonBlank, AfterValidator(check_pip_spec)]] | None = None
     unity_catalog_image: NonBlank | None = None
 
     @field_validator("version")
@@ -422,10 +423,12 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
     out = []
     uri = recipe.tracking.tracking_uri
     if uri and mask_uri(uri) != uri:
+        where = ("the password in compute.secrets (MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME "
+                 "in compute.env_variables)" if "@" in mask_uri(uri).split("?")[0] else
+                 "the token in compute.secrets (MLFLOW_TRACKING_TOKEN: scope/key)")
         raise UserError(
             f"tracking.tracking_uri {mask_uri(uri)} carries credentials, which the workload file would hold in "
-            "clear; use the URI without them and put the password in compute.secrets "
-            "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"
+            f"clear; use the URI without them and put {where}"
         )
     if fit_check:
         from ftcli.estimate.plan import fit_check as plan_fit_check

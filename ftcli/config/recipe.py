@@ -52,6 +52,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 
 PKG_PREFIX = "pkg://"
 # Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
@@ -245,7 +246,8 @@ class SourceConfig(_Section):
 
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
-                                                "sources": None, "mix_seed": 0, "allow_empty_sources": False}
+                                                "sources": None, "mix_seed": 0, "allow_empty_sources": False,
+                                                "max_row_chars": None}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
     revision: str | None = None
@@ -280,6 +282,9 @@ class DataConfig(_Section):
     )
     max_examples: int | None = Field(None, ge=1, description="Rows read (per source with data.sources).")
     max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
+    max_row_chars: int | None = Field(
+        None, ge=1, description="Skip (and count) rows with more characters, before tokenizing; default 64 x the "
+        "block length (data.max_length when packing is off and it is set).")
     packing: PackingConfig = Field(default_factory=PackingConfig)
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
     num_workers: int = Field(0, ge=0)
@@ -676,7 +681,8 @@ class ComputeConfig(_Section):
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
     experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
     environment_version: str = "databricks_ai_v6"
-    dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
+    dependencies: list[Annotated[str, AfterValidator(check_pip_spec)]] = Field(
+        default_factory=list, description="Extra pip requirements for the job (requirements or local paths).")
     env_variables: dict[str, str] = Field(default_factory=dict)
     secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
         default_factory=dict, description="NAME -> 'scope/key'.")
@@ -686,14 +692,15 @@ class ComputeConfig(_Section):
     priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
     mlflow_experiment_directory: str | None = None
     permissions: list[PermissionConfig] = Field(default_factory=list)
-    ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
+    ftcli_spec: Annotated[str, AfterValidator(check_pip_spec)] = Field(
+        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path).")
 
     @field_validator("env_variables")
     @classmethod
     def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
-        from ftcli.config.redact import looks_secret
+        from ftcli.config.redact import holds_credentials, looks_secret
 
-        secret = sorted(k for k in env if looks_secret(k))
+        secret = sorted(k for k, v in env.items() if looks_secret(k) or holds_credentials(v))
         if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
             raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
                              f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")

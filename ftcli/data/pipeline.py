@@ -32,7 +32,7 @@ from ftcli.data import formats, sources
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
 from ftcli.data.evalsplit import split_rows
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
-from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
+from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_split
 from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
@@ -194,15 +194,49 @@ def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None):
     return encode(((k, i, row) for i, row in rows), data, tokenizer, sources_), total
 
 
+# A row's size bound (data.max_row_chars), checked before it is tokenized: a tokenizer holds several
+# bytes per character of a row at once, so one 100 MB row can take gigabytes, and a row of many blocks
+# of prompt only packs into blocks with nothing to train on. The default allows 64 characters per
+# token of the block length: ~16 blocks of ordinary text (~4 characters a token).
+ROW_CHARS_PER_BLOCK_TOKEN = 64
+TOO_LONG = "row too long"
+
+
+def row_char_limit(data) -> int:
+    """data.max_row_chars, else ROW_CHARS_PER_BLOCK_TOKEN x the block length (data.max_length when
+    packing is off and it is set)."""
+    if data.max_row_chars is not None:
+        return data.max_row_chars
+    tokens = data.max_length if (not data.packing.enabled and data.max_length) else data.packing.block_len
+    return ROW_CHARS_PER_BLOCK_TOKEN * tokens
+
+
+def row_chars(conv) -> int:
+    """The characters of a valid row's text: every string in its messages but the roles (contents,
+    reasoning, tool calls), prompt, completion and tool schemas."""
+    def chars(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            return sum(chars(v) for k, v in value.items() if k != "role")
+        if isinstance(value, (list, tuple)):
+            return sum(chars(v) for v in value)
+        return 0
+
+    return chars([conv.messages, conv.prompt, conv.completion, conv.tools])
+
+
 class RowEncoder:
     """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
     saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
-    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`)."""
+    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`).
+    A row over data.max_row_chars is a BadRow before anything tokenizes it."""
 
     def __init__(self, data, tokenizer, sources_=None):
         self.sources = sources_ if sources_ is not None else data.source_list()
         self.train_on, self.special = data.train_on, data.special_tokens_in_text
         self.tokenizer = tokenizer
+        self.max_row_chars = row_char_limit(data)
         self._chat: ChatEncoder | None = None
 
     def __call__(self, k: int, row: Any) -> tuple:
@@ -211,6 +245,8 @@ class RowEncoder:
             if isinstance(row, sources.InvalidRow):
                 raise BadRow(row.reason, row.detail)
             conv = formats.conversation(row, src.format, src.messages_field, src.tools_field)
+            if row_chars(conv) > self.max_row_chars:
+                raise BadRow(TOO_LONG, f"{row_chars(conv):,} characters > data.max_row_chars {self.max_row_chars:,}")
             if conv.messages is None:
                 ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
                 return ids, mask, {}, 0
@@ -328,6 +364,7 @@ def recipe_cache_parts(spec) -> dict[str, Any]:
         "train_on": data.train_on,
         "special_tokens_in_text": data.special_tokens_in_text,
         "max_length": data.max_length,
+        "max_row_chars": row_char_limit(data),
         "packing": packing,
         **({"holdout": vars(spec.holdout)} if spec.holdout else {}),
     }
@@ -367,6 +404,9 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
     max_len = 0
     try:
         for ids, mask, seg_lens in blocks:
+            if not num_trained(mask, seg_lens):  # e.g. the middle of a long prompt (split): nothing to step on
+                stats.blocks_without_trained += 1
+                continue
             stats.trained_tokens += writer.add(ids, mask, seg_lens)
             stats.tokens += len(ids)
             stats.blocks += 1

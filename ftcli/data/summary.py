@@ -59,6 +59,7 @@ class DataSummary:
     sources: dict[str, SourceSummary] = field(default_factory=dict)
     pipeline_seconds: float = 0.0
     tokens_per_second: float = 0.0
+    blocks_without_trained: int = 0  # packed, then dropped: no token of theirs gets loss
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +79,8 @@ class DataSummary:
         if len(self.sources) == 1:
             s = next(iter(self.sources.values()))
             out.append(("format", f"{s.format} ({s.format_why})" if s.format_why else s.format))
+        if self.blocks_without_trained:
+            out.append(("  dropped blocks", f"{self.blocks_without_trained} with no trained token (not in blocks)"))
         for reason, r in self.skipped_by_reason.items():
             out.append((f"  skipped: {reason}", f"{r['count']} (first rows {', '.join(map(str, r['first_rows']))})"))
         for reason, n in self.dropped_turns.items():
@@ -111,6 +114,7 @@ class DataSummary:
             "data/examples_skipped": self.examples["skipped"], "data/examples_truncated": self.examples["truncated"],
             "data/trained_tokens_lost": sum(self.trained_tokens_lost.values()),
             "data/special_tokens_in_text": self.special_tokens_in_text["strings"],
+            "data/blocks_without_trained": self.blocks_without_trained,
         }
         for label, s in self.sources.items():
             key = re.sub(r"[^A-Za-z0-9_.\- ]", "_", label)[-100:]
@@ -176,4 +180,5 @@ def data_summary(spec, packed) -> DataSummary:
         sources={label: _source_summary(st) for label, st in stats.sources.items()},
         pipeline_seconds=round(stats.seconds, 3),
         tokens_per_second=round(stats.tokens_per_second, 1),
+        blocks_without_trained=stats.blocks_without_trained,
     )

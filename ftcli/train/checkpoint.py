@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
-from ftcli.config.errors import UserError
-from ftcli.artifacts.rundir import CHECKPOINTS
+from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
 from ftcli.artifacts.safe_files import write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -190,26 +190,35 @@ def save_checkpoint(
     dist.barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    write_rank_state(tmp, rank, rank_state)
-    dist.barrier()  # every rank's files are on disk
+    problem = None
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        write_rank_state(tmp, rank, rank_state)
+    except (OSError, CheckpointException) as e:
+        problem = _os_error(e)
+        if problem is None:
+            raise
+    _raise_if_not_saved(root, step, tmp, _gathered(problem))  # a barrier: every rank's files are on disk
     sums = file_checksums(tmp, files_hashed_by(tmp, rank, world_size))  # each rank its own files
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(sums, gathered, dst=0)
 
     if rank == 0:
-        files = {name: entry for part in gathered for name, entry in part.items()}
-        meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
-                CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
-        write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-        if final.exists():  # re-saving a step (a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
+                    CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
+            write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+            if final.exists():  # re-saving a step (a resumed run): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            problem = e
         kept = {Path(p).resolve() for p in protect}
-        for old in list_checkpoints(root)[:-keep_last]:
+        for old in list_checkpoints(root)[:-keep_last] if problem is None else []:
             if old.resolve() not in kept:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    _raise_if_not_saved(root, step, tmp, _broadcast(problem))  # a barrier: committed, or not on every rank
     return final
 
 
@@ -307,6 +316,57 @@ def _intact(path: Path) -> bool:
         return False
     return isinstance(recorded, dict) and isinstance(recorded.get("files"), dict) and \
         checkpoint_problem(path, recorded) is None
+
+
+class CheckpointNotSaved(TrainingStopped):
+    """A save that an OSError (disk full, quota, permissions) stopped on any rank; every rank raises it
+    together, rank 0 reports it in one line."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save: `e` itself, or the first one a rank's DCP write raised
+    (DCP gathers every rank's failure into one CheckpointException, raised on every rank)."""
+    if isinstance(e, OSError):
+        return e
+    failures = e.failures.values() if isinstance(e, CheckpointException) else []
+    return next((exc for exc, _ in failures if isinstance(exc, OSError)), None)
+
+
+def _describe(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "") + f" [errno {e.errno}]"
+
+
+def _gathered(problem: OSError | None) -> str | None:
+    """The first rank's problem, as every rank sees it (collective)."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, _describe(problem) if problem is not None else None)
+    return next((p for p in problems if p), None)
+
+
+def _broadcast(problem: OSError | None) -> str | None:
+    """Rank 0's problem, as every rank sees it (collective)."""
+    shared = [_describe(problem) if problem is not None else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -> None:
+    """CheckpointNotSaved on every rank when any rank's `problem` is set: which step, that the last
+    committed checkpoint is intact (the half-written save is removed, it is never resumed from), and
+    how to go on. Nothing when there is no problem."""
+    if problem is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # gives back the space the partial save took
+    recipe = root.parent / RECIPE_FILE
+    fix = "free space" if re.search(r"\[errno (28|122)\]", problem) else "fix that"  # ENOSPC, EDQUOT
+    last = latest_checkpoint(root)
+    if last is not None:
+        then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
+                f"with `ftcli train --recipe {recipe} --resume`")
+    else:
+        then = f"there is no earlier checkpoint: {fix}, then start again with `ftcli train --recipe {recipe} --force`"
+    raise CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:
