@@ -32,7 +32,7 @@ from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text
 from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, conversation
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, chat_turns, conversation
 from ftcli.config.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -187,8 +187,9 @@ def _source_results(data, src, k: int, tokenizer, holdout=None):
 
 class RowEncoder:
     """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
-    saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
-    need a template)."""
+    saying why not. The chat encoder is built on first use. Plain-text prompt/completion rows are
+    rendered as a user turn + an assistant turn, the format `generate`/`chat` ask in; only a tokenizer
+    without a chat template trains them as plain text (prompt + completion + eos)."""
 
     def __init__(self, data, tokenizer):
         self.sources = data.source_list()
@@ -203,8 +204,10 @@ class RowEncoder:
                 raise BadRow(row.reason, row.detail)
             conv = conversation(row, src.format, src.messages_field, src.tools_field)
             if conv.messages is None:
-                ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
-                return ids, mask, {}, 0
+                if not getattr(self.tokenizer, "chat_template", None):  # no template to ask in: plain text
+                    ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
+                    return ids, mask, {}, 0
+                conv = chat_turns(conv)
             if self._chat is None:
                 self._chat = ChatEncoder(self.tokenizer, special_tokens_in_text=self.special)
             info: dict = {}
