@@ -435,3 +435,30 @@ def test_sample_greedy_under_fsdp2_equals_unsharded(model_dirs, tmp_path):
     for r in range(2):
         alone = generate.sample_greedy(loaded.model, loaded.tokenizer, [conversations[r]], max_new_tokens=3 + 5 * r)
         assert ranks[r]["uneven"] == alone and ranks[r]["training"] is True
+
+
+def test_cpu_kernel_fallback_advice_is_one_ftcli_line(model_dirs, capsys):
+    """On CPU, transformers' "install causal_conv1d / flash-linear-attention" records are dropped (GPU-only
+    packages, never installed on a CPU machine) and ftcli says one line instead, only for a model using them."""
+    import logging
+
+    from ftcli.model.fallbacks import FALLBACK_LOGGER
+
+    capsys.readouterr()
+    generate.load(generate.resolve_source(str(model_dirs["qwen"])), device="cpu")
+    err = capsys.readouterr().err
+    assert err.count("CPU: the fast kernels (flash-linear-attention, causal-conv1d) are GPU-only") == 1
+    generate.load(generate.resolve_source(str(model_dirs["gpt-oss"])), device="cpu")
+    assert "GPU-only" not in capsys.readouterr().err  # gpt-oss has no such kernel
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(FALLBACK_LOGGER)
+    logger.addHandler(handler)
+    try:
+        logger.warning("`causal_conv1d_fn` is falling back to its reference PyTorch implementation because "
+                       "`causal_conv1d` is not installed. This is correct but much slower; install `causal_conv1d`")
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]

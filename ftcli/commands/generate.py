@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,6 +180,7 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
     from transformers import AutoConfig
 
     from ftcli.model.build import load_model
+    from ftcli.model.fallbacks import quiet_kernel_fallbacks
     from ftcli.config.recipe import ModelConfig
 
     dev = pick_device(device)
@@ -197,6 +199,9 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
                       model_class=source.model_class or _model_class(config), dtype=dtype,
                       quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
                       trust_remote_code=source.trust_remote_code)
+    notice = quiet_kernel_fallbacks(config.model_type, dev.type)
+    if notice:
+        print(notice, file=sys.stderr)
     model = load_model(cfg, device=dev)
     if source.adapter is not None:
         from peft import PeftModel

@@ -192,6 +192,7 @@ def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
     from ftcli import data
 
+    refuse_gpu_recipe_on_cpu(recipe)
     if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
         from ftcli.train.loss import liger_loss
 
@@ -205,6 +206,28 @@ def _preflight(recipe) -> None:
         load_kernels(recipe.training.fused_ops)
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
+
+
+def refuse_gpu_recipe_on_cpu(recipe) -> None:
+    """On a machine without a GPU: a recipe that does not fit gets doctor's verdict (where to run it), and
+    GPU-only settings say to turn them off here, never to install GPU packages on a CPU machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from ftcli.model import compat, kernels
+
+    fits, detail = compat.fit_here(recipe, compat.detect_here(kernels.machine("cpu")))
+    if not fits:
+        raise UserError(f"recipe {recipe.name} cannot run here: {detail}")
+    training = recipe.training
+    full = training.method == "full"  # LoRA ignores these settings (warned); fused_ops: check_fused_device
+    off = {"training.loss.impl=chunked": full and training.loss.impl == "liger",
+           "training.precision.fp8=false": full and training.precision.fp8}
+    off = [setting for setting, on in off.items() if on]
+    if off:
+        raise UserError(f"recipe {recipe.name} asks for GPU kernels and this machine has no GPU: set "
+                        f"{', '.join(off)} here, or run it on a GPU (ftcli render-workload --recipe {recipe.name})")
 
 
 # -------------------------------------------------------------------------------------------- worker
