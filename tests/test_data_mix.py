@@ -109,3 +109,33 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
     args = ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"]
     text = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).stdout
     assert "sources" in text and "skipped by reason" in text and "no assistant turn 1" in text
+
+
+def test_source_labels_are_the_shortest_unique_path_tails():
+    from ftcli.data.summary import short_labels
+
+    assert short_labels(["/tmp/new/a.jsonl", "/tmp/new/b.jsonl", "mine"]) == {
+        "/tmp/new/a.jsonl": "a.jsonl", "/tmp/new/b.jsonl": "b.jsonl", "mine": "mine"}
+    assert short_labels(["/x/a/data.jsonl", "/y/b/data.jsonl", "pkg://assets/tiny_chat.jsonl"]) == {
+        "/x/a/data.jsonl": "a/data.jsonl", "/y/b/data.jsonl": "b/data.jsonl",
+        "pkg://assets/tiny_chat.jsonl": "tiny_chat.jsonl"}
+    assert short_labels(["/d/data.jsonl", "/e/d/data.jsonl"]) == {"/d/data.jsonl": "d/data.jsonl",
+                                                                  "/e/d/data.jsonl": "e/d/data.jsonl"}
+
+
+def test_pack_preview_names_unnamed_sources_apart_at_80_columns(tmp_path):
+    long_dir = tmp_path / "a-rather-long-directory-name-for-my-data"
+    long_dir.mkdir()
+    a = write_jsonl(long_dir / "alpha.jsonl", _rows(4, "alpha"))
+    b = write_jsonl(long_dir / "beta.jsonl", _rows(4, "beta"))
+    sources = [{"source": "local", "path": str(a)}, {"source": "local", "path": str(b)}]
+    sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"data.sources={json.dumps(sources)}",
+            "--set", "data.packing.strategy=bfd", "--set", "data.packing.block_len=256", "--set", "eval=null"]
+    res = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    summary, sources = res.stdout.split("\nsources")
+    assert "│   source alpha.jsonl │" in summary and "│   source beta.jsonl  │" in summary
+    body = [line.split("│")[1].strip() for line in sources.splitlines() if line.startswith("│")]
+    assert "".join(body) == "alpha.jsonlbeta.jsonl"  # the source column folds a label, never cuts it
+    assert "…" not in sources and str(long_dir) not in res.stdout

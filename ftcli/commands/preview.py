@@ -125,7 +125,10 @@ def _splits_table(train, evals: dict) -> Table:
     t = Table(title="splits", title_justify="left")
     for col in ("split", "rows", "tokens", "trained tokens", "blocks", "packing"):
         t.add_column(col, justify="left" if col in ("split", "packing") else "right")
-    named = [(f"eval {label}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
+    from ftcli.data.summary import short_labels
+
+    short = short_labels(evals)
+    named = [(f"eval {short[label]}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
     for name, s in [("train", train), *named]:
         t.add_row(name, str(s.examples["kept"]), str(s.tokens), str(s.trained_tokens), str(s.blocks),
                   f"{s.strategy} {s.block_len or ''}".strip())
@@ -133,12 +136,16 @@ def _splits_table(train, evals: dict) -> Table:
 
 
 def _sources_table(summary) -> Table:
+    from ftcli.data.summary import short_labels
+
+    short = short_labels(summary.sources)
     t = Table(title="sources", title_justify="left")
     for col in ("source", "rows", "kept", "skipped", "tokens", "trained tokens", "trained lost", "skipped by reason"):
-        t.add_column(col, justify="left" if col in ("source", "skipped by reason") else "right")
+        t.add_column(col, justify="left" if col in ("source", "skipped by reason") else "right",
+                     overflow="fold" if col == "source" else "ellipsis")  # a label folds, never cut
     for label, s in summary.sources.items():
         reasons = ", ".join(f"{r} {n}" for r, n in s.skipped_by_reason.items())
-        t.add_row(label, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
+        t.add_row(short[label], str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
                   str(s.trained_tokens_lost), reasons)
     return t
 
