@@ -35,7 +35,7 @@ from pathlib import Path
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
-                          read_run_record, recipe_differences, run_dir_of)
+                          read_run_record, recipe_differences, remove_failed_start, run_dir_of)
 from ftcli.artifacts.tracking import export_credentials
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
@@ -282,6 +282,7 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
         yield run_dir
         return
     created = not run_dir.exists()
+    before = None if created else {p.name for p in run_dir.iterdir()}
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the workers
     try:
@@ -300,10 +301,10 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     os.write(fd, f"{os.getpid()}\n".encode())
     try:
         yield run_dir
+    except BaseException:
+        remove_failed_start(run_dir, before)  # failed before step 1: leave nothing of this start
+        raise
     finally:
-        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
-            path.unlink()
-            run_dir.rmdir()
         os.close(fd)
 
 
