@@ -149,3 +149,42 @@ def test_vision_tower_excluded_on_vlm_classes():
     assert all(t.startswith("model.language_model.layers.") for t in excluded)
     included = _lora_targets(tiny_recipe(*base, "lora.exclude_vision=false"), Qwen3_5ForConditionalGeneration(config))
     assert any(t.startswith("model.visual.") for t in included)
+
+
+@pytest.mark.parametrize("schedule", [
+    "{name: cosine, warmup: 0.1, min_lr_ratio: 0.1}",  # the issue's case: TRL's cosine ignored min_lr_ratio
+    "{name: cosine_with_min_lr, warmup: 3, min_lr_ratio: 0.2}",
+    "{name: linear, warmup: 0, min_lr_ratio: 0.5}",
+])
+def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_path):
+    """The LoRA trainer's scheduler (what TRL steps) and the full path's (a LambdaLR over lr_factor, as
+    FullRun builds it) give the same lr at every step of a recipe, warmup and min_lr_ratio included."""
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer
+    from ftcli.train.full import lr_factor
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+
+    steps = 30
+    recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
+                         f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
+    tokenizer = load_tokenizer(recipe)
+    args = SFTConfig(**{**sft_config_kwargs(recipe, tmp_path / "run"), "disable_tqdm": True}, use_cpu=True)
+    trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_rows(recipe, tokenizer), args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+    peak = recipe.training.optimizer.lr
+    full = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak),
+                                             lambda s: lr_factor(s, steps, recipe.training.schedule))
+    lora_lrs, full_lrs = [], []
+    for _ in range(steps):
+        lora_lrs.append(trainer.lr_scheduler.get_last_lr()[0])
+        full_lrs.append(full.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        full.optimizer.step()
+        full.step()
+    assert lora_lrs == full_lrs
+    ratio = recipe.training.schedule.min_lr_ratio  # decays to it (transformers' cosine: to ~0)
+    assert peak * ratio * (1 - 1e-9) <= min(lora_lrs) == lora_lrs[-1] < peak * ratio * 1.05
+    warmup = [lr for lr in lora_lrs if lr < lora_lrs[-1]]
+    assert all(lr > 0 for lr in lora_lrs) and warmup == sorted(warmup)  # warmup starts above 0

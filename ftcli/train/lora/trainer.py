@@ -200,6 +200,23 @@ def random_init_gpu(recipe: Recipe) -> torch.device | None:
 
 
 # -------------------------------------------------------------------------------------------- train
+def use_ftcli_schedule(trainer, schedule) -> None:
+    """The full path's lr schedule (`ftcli.train.schedule.lr_factor`) instead of transformers' own, through
+    the Trainer's documented override point `create_scheduler`: the same lr at every step for the same
+    recipe (transformers' warmup starts at lr 0 and its cosine/linear decay ignore `min_lr_ratio`)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from ftcli.train.schedule import lr_factor
+
+    def create_scheduler(num_training_steps: int, optimizer=None):
+        if trainer.lr_scheduler is None:
+            trainer.lr_scheduler = LambdaLR(optimizer or trainer.optimizer,
+                                            lambda step: lr_factor(step, num_training_steps, schedule))
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = create_scheduler
+
+
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
                   evaluator=None, run_dir: Path | None = None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
@@ -214,6 +231,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
     normalize_loss_by_tokens(trainer)
+    use_ftcli_schedule(trainer, recipe.training.schedule)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
     evals = None if recipe.eval is None else EvalCallback(recipe, evaluator, tokenizer, run_dir=run_dir,
