@@ -50,9 +50,25 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
         raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
+    elif resume == "latest" and (step := finished_at(recipe)) is not None:
+        print(f"{run_dir_of(recipe)} already finished at step {step} (its run.json); nothing to resume "
+              "(--force starts over)", file=sys.stderr)
     else:
         with run_dir_lock(recipe, resume=resume, force=force):
             _launch(recipe, resume=resume, force=force)
+
+
+def finished_at(recipe) -> int | None:
+    """The step a completed run of this very recipe (its run.json, the same recipe.yaml) finished at;
+    None when there is none, so `--resume` goes on to the checkpoints."""
+    run_dir = run_dir_of(recipe)
+    if not (run_dir / RUN_JSON).is_file() or not is_own_run(run_dir, recipe) or recipe_differences(run_dir, recipe):
+        return None
+    try:
+        record = read_run_record(run_dir)
+    except UserError:
+        return None
+    return record.steps if record.status == "completed" else None
 
 
 # ------------------------------------------------------------------------------------------ launcher
