@@ -148,16 +148,16 @@ def recipes_show(
 
 @recipes_app.command("cp")
 def recipes_cp(
-    name: str = typer.Argument(..., help="Built-in recipe to start from."),
+    name: str = typer.Argument(..., help="Built-in recipe or recipe file to start from."),
     dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist)."),
     force: bool = ForceOpt,
 ) -> None:
-    """Copy a built-in recipe to DEST to start a custom one."""
-    from ftcli.config.recipe import builtin_recipe_text
+    """Copy a built-in recipe (or a recipe file) to DEST to start a custom one."""
+    from ftcli.config.recipe import recipe_text
 
     if dest.is_dir():
-        dest = dest / f"{name}.yaml"
-    text = builtin_recipe_text(name)
+        dest = dest / f"{Path(name).stem}.yaml"
+    text = recipe_text(name)
     _check_output(dest, force)
     _write(dest, text)
     console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")

@@ -65,6 +65,24 @@ def test_recipes_cp_into_a_folder(tmp_path):
     assert load_recipe(str(tmp_path / "qwen-b300.yaml")) == load_recipe("qwen-b300")
 
 
+def test_recipes_cp_accepts_a_recipe_file(tmp_path):
+    mine = tmp_path / "my-recipe.yaml"
+    mine.write_text(builtin_recipe_text("tiny-qwen-cpu").replace("  grad_accum: 1\n", "  grad_accum: 7\n"))
+    res = invoke("recipes", "cp", str(mine), str(tmp_path / "other.yaml"))
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "other.yaml").read_text() == mine.read_text()
+    assert load_recipe(str(tmp_path / "other.yaml")).training.grad_accum == 7
+    (tmp_path / "copies").mkdir()
+    assert invoke("recipes", "cp", str(mine), str(tmp_path / "copies")).exit_code == 0
+    assert (tmp_path / "copies" / "my-recipe.yaml").read_text() == mine.read_text()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("training: {lr: 1}\n")
+    res = invoke("recipes", "cp", str(broken), str(tmp_path / "x.yaml"))
+    assert res.exit_code == 2 and "unknown key" in res.output and not (tmp_path / "x.yaml").exists()
+    res = invoke("recipes", "cp", str(tmp_path / "nope.yaml"), str(tmp_path / "x.yaml"))
+    assert res.exit_code == 2 and "recipe file not found" in res.output
+
+
 def test_recipes_cp_unknown_recipe(tmp_path):
     res = invoke("recipes", "cp", "qwen-b30", str(tmp_path / "x.yaml"))
     assert res.exit_code == 2 and "did you mean 'qwen-b300'" in res.output
