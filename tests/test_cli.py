@@ -80,7 +80,7 @@ def test_recipes_cp_accepts_a_recipe_file(tmp_path):
     res = invoke("recipes", "cp", str(broken), str(tmp_path / "x.yaml"))
     assert res.exit_code == 2 and "unknown key" in res.output and not (tmp_path / "x.yaml").exists()
     res = invoke("recipes", "cp", str(tmp_path / "nope.yaml"), str(tmp_path / "x.yaml"))
-    assert res.exit_code == 2 and "recipe file not found" in res.output
+    assert res.exit_code == 2 and "no recipe file or built-in recipe named" in _flat(res.output)
 
 
 def test_recipes_cp_unknown_recipe(tmp_path):
@@ -143,3 +143,17 @@ def test_train_with_bad_recipe_fails_fast_without_heavy_imports():
     assert code == 2, stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert heavy == []
+
+
+def test_help_shows_flags_as_flags():
+    """Typer prints each option's type; a flag takes no value (`--force true` is refused), so its help row
+    must read `--force`, not `--force <bool>`."""
+    commands = [[], ["recipes"], ["recipes", "cp"], ["train"], ["render-workload"], ["pack-preview"], ["merge-lora"],
+                ["register"], ["generate"], ["chat"], ["doctor"], ["plan"]]
+    for command in commands:
+        res = runner.invoke(cli.app, [*command, "--help"], env={"COLUMNS": "120"})
+        assert res.exit_code == 0, (command, res.output)
+        assert "<bool>" not in res.output and "--help" in res.output, command
+        assert "<str>" in res.output or command in ([], ["recipes"], ["doctor"]), command  # other types still shown
+    train = runner.invoke(cli.app, ["train", "--help"], env={"COLUMNS": "120"}).output
+    assert any(line.split()[1:3] == ["--force", "Start"] for line in train.splitlines() if "--force" in line)

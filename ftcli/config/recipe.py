@@ -811,9 +811,7 @@ def recipe_text(name_or_path: str) -> str:
     if _is_file(path):
         load_recipe(path)  # a broken recipe is refused here, not copied
         return read_text_file(path, "recipe")
-    if str(name_or_path).endswith((".yaml", ".yml")) or "/" in str(name_or_path):
-        raise RecipeError(f"recipe file not found: {name_or_path}")
-    return builtin_recipe_text(str(name_or_path))
+    return builtin_recipe_text(str(name_or_path))  # "no recipe file or built-in recipe named ..."
 
 
 def _unknown_recipe_message(name: str) -> str:
