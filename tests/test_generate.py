@@ -462,3 +462,15 @@ def test_cpu_kernel_fallback_advice_is_one_ftcli_line(model_dirs, capsys):
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["another warning"]
+
+
+def test_reasoning_effort_is_checked_against_the_template(model_dirs):
+    assert generate.reasoning_efforts(_tokenizer("gpt-oss")) == ("low", "medium", "high")  # harmony's values
+    assert generate.reasoning_efforts(_tokenizer("qwen")) == ("xhigh", "medium", "low")  # what the template checks
+    for command in (["chat", str(model_dirs["gpt-oss"])], ["generate", str(model_dirs["gpt-oss"]), "-p", "hi"]):
+        res = runner.invoke(cli.app, [*command, "--reasoning-effort", "extreme"], input="")
+        assert res.exit_code == 2, res.output
+        assert " ".join(res.output.split()).endswith(
+            f"error: --reasoning-effort extreme: the chat template of {model_dirs['gpt-oss']} knows low | medium | high")
+    generate.check_reasoning_effort(_tokenizer("gpt-oss"), "high", "x")  # accepted
+    generate.check_reasoning_effort(_tokenizer("gpt-oss"), None, "x")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
-from ftcli.commands.generate import LoadedModel, Sampling, load, resolve_source, stream_reply, system_prompt, template_kwargs
+from ftcli.commands.generate import (LoadedModel, Sampling, check_reasoning_effort, load, resolve_source, stream_reply,
+                                     system_prompt, template_kwargs)
 
 HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
 
@@ -54,6 +55,7 @@ def run_chat_command(ref: str, *, system: str | None, sampling: Sampling, reason
     source = resolve_source(ref, revision)
     with Console(stderr=True).status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
+    check_reasoning_effort(loaded.tokenizer, reasoning_effort, source.describe())
     run_chat(loaded, sampling, system=system_prompt(system, reasoning_language),
              template_kwargs=template_kwargs(reasoning_effort))
 

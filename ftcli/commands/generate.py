@@ -320,6 +320,33 @@ def template_kwargs(reasoning_effort: str | None = None) -> dict:
     return {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
 
 
+HARMONY_EFFORTS = ("low", "medium", "high")  # harmony's values; gpt-oss's template writes any string it is given
+
+
+def reasoning_efforts(tokenizer) -> tuple[str, ...] | None:
+    """The `reasoning_effort` values the chat template knows: the ones it checks against (Qwen3.8:
+    `not in ('xhigh', 'medium', 'low')`), harmony's for gpt-oss; () where it reads none, None where it
+    reads one without saying which."""
+    template = tokenizer.chat_template or ""
+    if "reasoning_effort" not in template:
+        return ()
+    checked = re.search(r"reasoning_effort\s+not\s+in\s+[(\[]([^)\]]*)[)\]]", template)
+    if checked:
+        return tuple(re.findall(r"['\"]([^'\"]+)['\"]", checked[1]))
+    return HARMONY_EFFORTS if "<|channel|>" in template else None
+
+
+def check_reasoning_effort(tokenizer, effort: str | None, describe: str) -> None:
+    """--reasoning-effort: one of the template's values, else a one-line error (a warning where the
+    template reads no reasoning effort: the flag would do nothing)."""
+    known = reasoning_efforts(tokenizer) if effort is not None else None
+    if known == ():
+        print(f"warning: --reasoning-effort has no effect: the chat template of {describe} reads none",
+              file=sys.stderr)
+    elif known and effort not in known:
+        raise UserError(f"--reasoning-effort {effort}: the chat template of {describe} knows {' | '.join(known)}")
+
+
 def system_prompt(system: str | None, reasoning_language: str | None) -> str | None:
     if not reasoning_language:
         return system
@@ -704,6 +731,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
     kwargs = template_kwargs(reasoning_effort)
     with err.status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
+    check_reasoning_effort(loaded.tokenizer, reasoning_effort, source.describe())
     if input_path is None:
         _single(loaded, conversation(prompt, system_prompt(system, reasoning_language)), sampling, kwargs,
                 as_json=as_json, err=err)
