@@ -55,7 +55,7 @@ def test_gpt_oss_h100_sft_config_is_the_reference():
         "dataloader_num_workers": 0,
         "logging_steps": 1,  # (ref)
         "logging_first_step": True,
-        "disable_tqdm": False,  # (ref: progress bars on)
+        "disable_tqdm": True,  # (ref: progress bars on) ftcli's own bar and step line, as the full path
         "save_strategy": "steps",
         "save_steps": 500,
         "save_total_limit": 2,

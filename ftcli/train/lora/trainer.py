@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +226,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
-                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    with warnings.catch_warnings():  # TRL/PEFT read transformers' deprecated alias; nothing for a user to change
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
+                             processing_class=tokenizer, peft_config=lora_config(recipe, model))
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
@@ -276,6 +279,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
+    step_log = None
     try:
         attn = _attn_implementation(recipe, device)
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
@@ -326,6 +330,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                sharding=sharding)
         tracker.finish()
     except BaseException as e:
+        if step_log is not None:
+            step_log.close()  # the progress bar gives the terminal back
         tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
         raise
     if torch.distributed.is_initialized():
