@@ -445,7 +445,7 @@ def _complete(tokenizer, token_ids: list[int], stop_ids: list[int], kind: str) -
     body = token_ids[:-1] if stopped else token_ids
     raw = tokenizer.decode(body, skip_special_tokens=False)
     reasoning, text = split_reasoning(raw, kind, _special_strings(tokenizer))
-    return Completion(text=text, reasoning=reasoning, raw=raw, token_ids=list(token_ids),
+    return Completion(text=text, reasoning=reasoning or None, raw=raw, token_ids=list(token_ids),
                       finish_reason="stop" if stopped else "length")
 
 
@@ -530,10 +530,32 @@ def sample_greedy(model, tokenizer, conversations: list[list[dict]], max_new_tok
             for ids in _generate_ids(model, prompts[start:start + batch_size], config, pad_id,
                                      synced_gpus=synced_gpus):
                 body = ids[:-1] if ids and ids[-1] in stop_ids else ids
-                out.append(tokenizer.decode(body, skip_special_tokens=False))
+                out.append(without_empty_think(tokenizer.decode(body, skip_special_tokens=False)))
         return out
     finally:
         model.train(was_training)
+
+
+_EMPTY_THINK = re.compile(r"^\s*(?:<think>)?\s*</think>\s*")
+
+
+def without_empty_think(text: str) -> str:
+    """A reply without the empty think block it opens with (Qwen's `\n</think>\n\n` after the prompt's
+    `<think>\n`): the answer is what follows it."""
+    return _EMPTY_THINK.sub("", text, count=1)
+
+
+def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None) -> dict:
+    """An output row's reply: `completion` (the answer) and `reasoning`, and where the reply calls tools,
+    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.tool_calls`), taken out of both."""
+    from ftcli.tool_calls import openai_tool_calls, parse_tool_calls
+
+    calls, rest = parse_tool_calls(completion.raw)
+    if not calls:
+        return {"completion": completion.text, "reasoning": completion.reasoning}
+    kind = reply_kind(tokenizer, render_prompt(tokenizer, messages, template_kwargs))
+    reasoning, text = split_reasoning(rest, kind, _special_strings(tokenizer))
+    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, messages)}
 
 
 # ----------------------------------------------------------------------------------- streaming
@@ -551,6 +573,8 @@ class ReplyView:
         if reasoning is None:
             return answer
         answered = "<|channel|>final" in raw if self.kind == "harmony" else "</think>" in raw
+        if not reasoning:  # an empty think block (Qwen's `\n</think>\n\n`): no reasoning section
+            return answer if answered else ""
         return f"reasoning:\n{reasoning}" + (f"\n\nanswer:\n{answer}" if answered else "")
 
     def feed(self, chunk: str) -> str:
@@ -742,7 +766,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         raise UserError(refused[0][1])
     bad = sorted(bad + refused)
     completions = _batched(loaded, rows, sampling, kwargs, batch_size, err)
-    lines = [json.dumps({"line": r.line, "messages": r.messages, "completion": c.text, "reasoning": c.reasoning,
+    lines = [json.dumps({"line": r.line, "messages": r.messages, **reply_fields(loaded.tokenizer, r.messages, c, kwargs),
                          **({"reference": r.reference} if r.reference is not None else {}),
                          "finish_reason": c.finish_reason, "new_tokens": len(c.token_ids)}, ensure_ascii=False)
              for r, c in zip(rows, completions)]
