@@ -354,9 +354,8 @@ def test_reasoning_effort_the_template_refuses_is_one_line(model_dirs):
     res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", "hi", "--reasoning-effort", "high",
                                   "--device", "cpu"])
     assert res.exit_code == 2
-    assert res.output.strip().splitlines()[-1] == ("error: the chat template refused this conversation: Unexpected "
-                                                   "reasoning effort high. Supported types are xhigh (default), "
-                                                   "medium, and low.")
+    assert " ".join(res.output.split()).endswith(  # the template's own values, before anything is rendered
+        f"error: --reasoning-effort high: the chat template of {model_dirs['qwen']} knows xhigh | medium | low")
 
 
 @pytest.mark.parametrize("args,expected", [
