@@ -121,13 +121,25 @@ def test_gemma3_full_sft_trains_end_to_end_and_reloads(tmp_path, env):  # noqa: 
         assert torch.isfinite(model(ids).logits).all()
 
 
-def test_qwen3_moe_lora_trains_the_experts_end_to_end(tmp_path, env):  # noqa: F811
-    """LoRA on Qwen3-MoE's attention and its 3-D experts (PEFT target_parameters, gpt-oss's path) through TRL."""
+def test_qwen3_moe_lora_trains_the_experts_end_to_end_and_merge_folds_them(tmp_path, env):  # noqa: F811
+    """LoRA on Qwen3-MoE's attention and its 3-D experts (PEFT target_parameters, gpt-oss's path) through TRL, from a
+    saved base (transformers writes its experts one linear each, as the hub checkpoints are); merge-lora reads
+    them fused, folds the adapter and writes them back in the base's layout."""
+    import torch
+    from peft import PeftModel
+    from safetensors import safe_open
     from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    cfg = json.loads(Path(resolve_path("pkg://assets/tiny-qwen3-moe.json")).read_text())
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(base_dir)
+    AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-qwen3")).save_pretrained(base_dir)
     run_dir = tmp_path / "run"
     args = ["train", "--recipe", "tiny-qwen3-moe-cpu", "--set", f"output.dir={run_dir}", "--set", "training.max_steps=8",
-            "--set", "data.max_examples=400", "--set", "eval.every_steps=8"]
+            "--set", "data.max_examples=400", "--set", "eval.every_steps=8", "--set", "model.init=pretrained",
+            "--set", f"model.id={base_dir}", "--set", "model.config=null"]
     res = ftcli([*args, *(x for s in FAST for x in ("--set", s))], tmp_path, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     losses = [m["loss"] for m in _metrics(run_dir)]
@@ -143,6 +155,24 @@ def test_qwen3_moe_lora_trains_the_experts_end_to_end(tmp_path, env):  # noqa: F
     assert not any(".mlp.gate." in k for k in adapter)  # the router stays frozen
     config = json.loads((run_dir / "final" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+    merged_dir = tmp_path / "merged"
+    res = ftcli(["merge-lora", str(run_dir / "final"), "-o", str(merged_dir), "--dtype", "float32"], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with safe_open(str(merged_dir / "model.safetensors"), "pt") as f, \
+            safe_open(str(base_dir / "model.safetensors"), "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())  # the base's per-expert layout
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in f.keys()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                        run_dir / "final").eval()
+    ids = torch.randint(0, 600, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        folded, reference = merged(ids).logits, adapted(ids).logits
+        with adapted.disable_adapter():
+            before = adapted(ids).logits
+    assert (reference - before).abs().max().item() > 1e-2  # the adapter moves the logits ...
+    assert (folded - reference).abs().max().item() < 1e-4  # ... and the merged weights give the same
 
 
 def test_lora_mfu_counts_qwen3_moe_experts_at_top_k():

@@ -35,6 +35,7 @@ FAMILY = Family(
     no_pins_note="Nothing else: {model_type} needs no extra kernels (packed attention, sliding windows included, "
                  "is torch's varlen_attn).",
     mxfp4_experts=False,
+    per_expert_checkpoint={},
     chat_format="gemma",
     end_of_turn="<end_of_turn>",
     reasoning="none",

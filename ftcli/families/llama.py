@@ -31,6 +31,7 @@ FAMILY = Family(
     setup_note=None,
     no_pins_note="Nothing else: {model_type} needs no extra kernels (packed attention is torch's varlen_attn).",
     mxfp4_experts=False,
+    per_expert_checkpoint={},
     chat_format="llama3",
     end_of_turn="<|eot_id|>",
     reasoning="none",

@@ -45,6 +45,7 @@ FAMILY = Family(
     no_pins_note="Nothing else: {model_type} needs no extra kernels (packed attention is torch's varlen_attn; the "
                  "experts run transformers' own loop).",
     mxfp4_experts=False,
+    per_expert_checkpoint={"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), "mlp.experts.down_proj": ("down_proj",)},
     chat_format=qwen3.FAMILY.chat_format,
     end_of_turn=qwen3.FAMILY.end_of_turn,
     reasoning=qwen3.FAMILY.reasoning,
