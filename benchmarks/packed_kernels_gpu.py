@@ -5,6 +5,8 @@ For each model family, at the real width (the published models' configs) and one
     qwen3_5_text  27B width: 1 gated-delta layer + 1 full-attention layer, 32,768-token block
     gpt_oss       20b width: 1 sliding-window layer + 1 full layer (sinks, 32 experts, top-4), 16,384-token
                   block (its fp32 eager reference keeps every segment's H x L x L weights for backward)
+    llama, qwen3, qwen3_moe, gemma3_text   Llama-3.1-8B, Qwen3-8B, Qwen3-30B-A3B, Gemma-3-12B widths, 2 layers
+                  (Gemma: 1 sliding-window layer (1024) + 1 global), 16,384-token block (DENSE_WIDTHS)
 
 one packed block (--tokens overrides both) in --segments segments (one of length 1, one shorter than the conv
 width, the last one padding without loss) goes forward and backward through
@@ -75,6 +77,39 @@ def gpt_oss_config(small: bool):
              num_local_experts=32, num_experts_per_tok=4, sliding_window=128)
     return GptOssConfig(vocab_size=VOCAB, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                         attention_bias=True, tie_word_embeddings=False, use_cache=False, **width)
+
+
+# The dense families (ftcli/families/: llama, qwen3, qwen3_moe, gemma3): real widths, 2 layers (Gemma 3: one
+# sliding-window layer and one global one), one packed attention op each.
+DENSE_WIDTHS = {
+    "llama": ("Llama-3.1-8B width", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 8192})),
+    "qwen3": ("Qwen3-8B width", dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6)),
+    "qwen3_moe": ("Qwen3-30B-A3B width", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                              rms_norm_eps=1e-6)),
+    "gemma3_text": ("Gemma-3-12B width", dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                                              num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                                              sliding_window=1024, layer_types=["sliding_attention", "full_attention"],
+                                              rms_norm_eps=1e-6)),
+}
+SMALL_DENSE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16)
+
+
+def dense_config(model_type: str, small: bool):
+    from transformers import AutoConfig
+
+    width = dict(DENSE_WIDTHS[model_type][1])
+    if small:
+        width.update({k: v for k, v in SMALL_DENSE.items() if k in width})
+    return AutoConfig.for_model(model_type, vocab_size=VOCAB, num_hidden_layers=2, tie_word_embeddings=False,
+                                use_cache=False, **width)
 
 
 def segment_lengths(tokens: int, segments: int, seed: int) -> list[int]:
@@ -224,10 +259,11 @@ def op_checks(model_type, fast_fns: dict, ref_fns: dict, fast, batch, seed: int)
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             continue
-        kind = cfg.layer_types[i]
+        kind = (getattr(cfg, "layer_types", None) or ["full_attention"] * (i + 1))[i]
         q = randn(1, cfg.num_attention_heads, t, cfg.head_dim)
         k, v = randn(1, cfg.num_key_value_heads, t, cfg.head_dim), randn(1, cfg.num_key_value_heads, t, cfg.head_dim)
-        extra = {"s_aux": attn.sinks, "sliding_window": attn.sliding_window} if model_type == "gpt_oss" else {}
+        extra = {"s_aux": attn.sinks, "sliding_window": attn.sliding_window} if model_type == "gpt_oss" else \
+            {"sliding_window": attn.sliding_window} if getattr(attn, "sliding_window", None) else {}
         fns = {name: (lambda fn: lambda **kw: fn(attn, **kw))(AttentionInterface()[impl])
                for name, impl in (("fast", fast_fns["attention"]), ("ref", ref_fns["attention"]))}
         err = op_error(fns["fast"], fns["ref"], dict(query=q, key=k, value=v, attention_mask=None,
@@ -278,7 +314,7 @@ class RoutingTape:
                 # transformers 5.x returns (logits, top-k weights, indices), 4.5x (dense weights, indices)
                 indices = self.indices[i] if order is None else self.indices[i][order]
                 hidden = args[0].reshape(-1, module.weight.shape[1])
-                logits = F.linear(hidden, module.weight, module.bias)
+                logits = F.linear(hidden, module.weight, getattr(module, "bias", None))  # Qwen3-MoE: no bias
                 scores = torch.softmax(logits.gather(-1, indices), dim=-1, dtype=logits.dtype)
                 if len(out) == 3:
                     return logits, scores, indices
@@ -410,7 +446,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tol", type=float, default=2e-2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["qwen3_5", "gpt_oss"], default=None)
+    parser.add_argument("--only", nargs="+", choices=["qwen3_5", "gpt_oss", *DENSE_WIDTHS], default=None)
     parser.add_argument("--allow-reference", action="store_true", help="do not fail when CUDA falls back to references")
     args = parser.parse_args(argv)
     if args.small:
@@ -426,14 +462,20 @@ def main(argv=None) -> int:
     tokens = lambda default: args.tokens or (512 if args.small else default)  # noqa: E731
 
     rows = []
-    if args.only in (None, "qwen3_5"):
+    wanted = lambda name: args.only is None or name in args.only  # noqa: E731
+    if wanted("qwen3_5"):
         rows.append(check(f"qwen3_5_text {'tiny' if args.small else '27B width'}", "qwen3_5_text",
                           qwen_config(args.small), tokens(32768), args))
         print(f"ROW {table_row(rows[-1])}", flush=True)  # kept if the next model runs out of time
-    if args.only in (None, "gpt_oss"):
+    if wanted("gpt_oss"):
         rows.append(check(f"gpt_oss {'tiny' if args.small else '20b width'}", "gpt_oss",
                           gpt_oss_config(args.small), tokens(16384), args))
         print(f"ROW {table_row(rows[-1])}", flush=True)
+    for model_type, (width, _) in DENSE_WIDTHS.items():
+        if wanted(model_type):
+            rows.append(check(f"{model_type} {'tiny' if args.small else width}", model_type,
+                              dense_config(model_type, args.small), tokens(16384), args))
+            print(f"ROW {table_row(rows[-1])}", flush=True)
 
     print()
     print(f"Command: `python benchmarks/packed_kernels_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`"

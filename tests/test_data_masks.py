@@ -37,16 +37,20 @@ EXTRA_TOKENS = {
 FAMILY = {"qwen3_8": "chatml", "qwen2_5": "chatml", "qwen3_5_think": "chatml", "qwen3": "chatml",
           "gptoss": "harmony", "llama3": "llama3", "gemma3": "gemma",
           # a vocabulary that merges whitespace runs: tokens straddle template boundaries (`<think>\n|\n`)
-          "qwen3_8@merging": "chatml", "llama3@merging": "llama3"}
+          "qwen3_8@merging": "chatml", "llama3@merging": "llama3",
+          # the families' own shipped tiny tokenizers (ftcli/assets/tokenizer-<family>: their template, their specials)
+          "llama3@tiny": "llama3", "qwen3@tiny": "chatml", "gemma3@tiny": "gemma"}
 # Conversations each template renders (the rest it refuses with its own raise_exception, e.g. Qwen3.8
 # and developer messages, Gemma and tool or consecutive same-role turns).
 RENDERED = {"qwen3_8": 44, "gptoss": 46, "qwen2_5": 46, "qwen3_5_think": 44, "qwen3": 46, "llama3": 46, "gemma3": 26,
-            "qwen3_8@merging": 44, "llama3@merging": 46}
+            "qwen3_8@merging": 44, "llama3@merging": 46,
+            "llama3@tiny": 44, "qwen3@tiny": 46, "gemma3@tiny": 26}  # Llama 3.1's template refuses two tool-call shapes
 
 
 # Tokens the oracle marks as generated over the corpus (all of them checked one by one above).
 ORACLE_TRAINED = {"qwen3_8": 2877, "gptoss": 1851, "qwen2_5": 2454, "qwen3_5_think": 2818, "qwen3": 2806,
-                  "llama3": 953, "gemma3": 776, "qwen3_8@merging": 3275, "llama3@merging": 1070}
+                  "llama3": 953, "gemma3": 776, "qwen3_8@merging": 3275, "llama3@merging": 1070,
+                  "llama3@tiny": 1734, "qwen3@tiny": 2927, "gemma3@tiny": 844}
 
 
 def test_corpus_has_at_least_40_shapes():
@@ -57,6 +61,8 @@ def test_corpus_has_at_least_40_shapes():
 def _tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    if name.endswith("@tiny"):
+        return AutoTokenizer.from_pretrained(str(ASSETS / f"tokenizer-{name.split('@')[0]}"))
     if name.endswith("@merging"):
         tok = merging_tokenizer()
         tok.chat_template = template(name.split("@")[0])
@@ -197,7 +203,8 @@ def test_ids_equal_apply_chat_template_where_text_has_no_special_strings(name):
         assert ids.tolist() == list(hf), case
         compared += 1
     # the cases left out hold special-token strings of that tokenizer in their text (7 on most)
-    assert RENDERED[name] - compared == {"gemma3": 5, "qwen3_8@merging": 6, "llama3@merging": 8}.get(name, 7)
+    assert RENDERED[name] - compared == {"gemma3": 5, "qwen3_8@merging": 6, "llama3@merging": 8,
+                                          "llama3@tiny": 6, "qwen3@tiny": 6, "gemma3@tiny": 4}.get(name, 7)
 
 
 def test_special_token_strings_in_text_are_tokenized_as_text():
@@ -321,3 +328,29 @@ def test_string_prompt_completion_rows_are_trained_in_the_chat_format(name):
         assert (mask == oracle(name, tok, ids.tolist())).all() and dropped == {}
         assert completion.strip() in tok.decode(ids[mask].tolist())
         assert prompt.strip() not in tok.decode(ids[mask].tolist()) or not prompt.strip()
+
+
+@pytest.mark.parametrize("name,end", [("llama3@tiny", "<|eot_id|>"), ("qwen3@tiny", "<|im_end|>"),
+                                      ("gemma3@tiny", "<end_of_turn>")])
+def test_each_family_trains_its_templates_own_end_of_turn_token(name, end):
+    """Every assistant turn's trained span ends with the template's own end-of-turn token (the family's fact and the
+    shipped tokenizer's eos), followed by at most the newline before the next header."""
+    from ftcli.families import family_of
+
+    model_type = {"llama3@tiny": "llama", "qwen3@tiny": "qwen3", "gemma3@tiny": "gemma3_text"}[name]
+    tok = _tokenizer(name)
+    assert family_of(model_type).end_of_turn == tok.eos_token == end
+    end_id = tok.convert_tokens_to_ids(end)
+    enc = ChatEncoder(tok)
+    turns = 0
+    for _, messages, tools in CORPUS[:12]:
+        try:
+            ids, mask = enc.encode(messages, tools=tools)
+        except Exception:  # noqa: BLE001 - a shape the template refuses
+            continue
+        ids, edges = ids.tolist(), np.flatnonzero(np.diff(np.r_[mask.astype(int), 0]) == -1)  # last trained token
+        for last in edges:
+            k = last if ids[last] == end_id else last - 1  # Qwen's and Gemma's "\n" after the end token
+            assert ids[k] == end_id and tok.decode(ids[k + 1 : last + 1]).strip() == ""
+            turns += 1
+    assert turns >= 12

@@ -56,10 +56,14 @@ def test_doctor_reports_versions_and_cpu_backends(capsys):
         ("qwen3_5", "gated_delta_rule"): "torch_segments",
         ("qwen3_5", "causal_conv1d"): "torch_segments",
         ("gpt_oss", "attention"): "eager_segments",
+        ("llama", "attention"): "sdpa_segments",
+        ("qwen3", "attention"): "sdpa_segments",
+        ("qwen3_moe", "attention"): "sdpa_segments",
+        ("gemma3_text", "attention"): "sdpa_segments",
     }
     statuses = {c[0]: c[1] for c in cells if len(c) == 3}
-    assert statuses["packing keeps segments apart (qwen3_5)"] == OK
-    assert statuses["packing keeps segments apart (gpt_oss)"] == OK
+    for family in ("qwen3_5", "gpt_oss", "llama", "qwen3", "qwen3_moe", "gemma3"):
+        assert statuses[f"packing keeps segments apart ({family})"] == OK
     assert statuses["Hopper + Triton 3.4-3.7.0 (fla gradients)"] == NA
 
 
@@ -75,8 +79,8 @@ def test_doctor_recipe_with_named_attention_unpacked_exits_0():
 
 
 def test_doctor_recipe_packing_an_unsupported_model_exits_1(capsys):
-    assert run_doctor(load_recipe("tiny-qwen-cpu", ["model.model_type=llama"])) == 1
-    assert "packed training is not supported for model_type 'llama'" in capsys.readouterr().out.splitlines()[-1]
+    assert run_doctor(load_recipe("tiny-qwen-cpu", ["model.model_type=mistral"])) == 1
+    assert "packed training is not supported for model_type 'mistral'" in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_hopper_with_bad_triton_blocks_qwen_recipes_unless_tilelang():
@@ -278,6 +282,8 @@ def test_checks_run_in_order_one_function_each():
     assert [c.name for c in doctor_checks(None, kernels.Machine(device="cpu"), Transformers(installed="5.24.0"))] == [
         "fla on a CPU-only machine", "Hopper + Triton 3.4-3.7.0 (fla gradients)",
         "packing keeps segments apart (qwen3_5)", "packing keeps segments apart (gpt_oss)",
+        "packing keeps segments apart (llama)", "packing keeps segments apart (qwen3)",
+        "packing keeps segments apart (qwen3_moe)", "packing keeps segments apart (gemma3)",
         "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower", "fp8 and fused ops"]
 
 

@@ -453,9 +453,10 @@ def test_cpu_gets_exact_per_segment_references():
                 ("causal_conv1d", "torch_segments")]
     assert names("qwen3_5") == names("qwen3_5_text") == expected
     assert names("gpt_oss") == [("attention", "eager_segments")]
-    assert names("llama") == []
+    assert names("llama") == names("qwen3") == names("qwen3_moe") == names("gemma3_text") == [("attention", "sdpa_segments")]
+    assert names("mistral") == []
     assert kernels.check_packing_safe("qwen3_5", "cpu") == []
-    assert kernels.check_packing_safe("llama", "cpu")[0].startswith("packed training is not supported")
+    assert kernels.check_packing_safe("mistral", "cpu")[0].startswith("packed training is not supported")
 
 
 def _gpu(capability, triton, *, tilelang=False, flash_attn=False, causal_conv1d=False) -> kernels.Machine:
@@ -504,3 +505,72 @@ def test_every_decidable_backend_has_a_kernel():
     assert table - chosen == set()
     assert {op for op, _ in chosen} == set(kernels.KERNELS) == {op for ops in kernels.FAMILY_OPS.values() for op in ops}
     assert len({fn for by_name in kernels.KERNELS.values() for fn in by_name.values()}) == 9
+
+
+# ---------------------------------------------------------------- dense families (Llama 3, Qwen3, Qwen3-MoE, Gemma 3)
+def _dense(model_type: str):
+    """A tiny random model of each dense family, at the widths the other fixtures use."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.1)
+    extra = {
+        "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}),
+        "qwen3": {},
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        # the sliding window (8) is shorter than a segment (70): packed blocks must keep it per segment
+        "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                            query_pre_attn_scalar=16),
+    }[model_type]
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **common, **extra))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "gemma3_text"])
+def test_packed_logits_equal_separate_dense_families(model_type):
+    model, blk = _dense(model_type), block()
+    assert_same(run_packed(model, model_type, blk), run_separate(model, "sdpa", blk))
+
+
+def test_gemma3_sliding_window_is_kept_per_segment():
+    """The same block with the window dropped from the packed path differs past the window: the check above
+    would see a kernel that ignored it."""
+    model, blk = _dense("gemma3_text"), block()
+    separate, _ = run_separate(model, "sdpa", blk, backward=False)
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    with torch.no_grad():
+        packed, _ = run_packed(model, "gemma3_text", blk, backward=False)
+    first = bounds(blk)[0][1]
+    assert (packed[:, 8:first] - separate[:, 8:first]).abs().max().item() > LEAK
+    assert (packed[:, :8] - separate[:, :8]).abs().max().item() <= LOGITS_ATOL  # inside the window: the same
+
+
+def test_torch_varlen_keeps_the_sliding_window(monkeypatch):
+    """The CUDA torch varlen path hands varlen_attn the window as (window - 1, 0)."""
+    import torch.nn.attention.varlen as varlen
+
+    seen = []
+
+    def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        seen.append(window_size)
+        cu = cu_seq_q.tolist()
+        outs = []
+        for s, e in zip(cu[:-1], cu[1:]):
+            i = torch.arange(e - s)
+            left = window_size[0] if window_size[0] >= 0 else e - s
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] <= left)
+            outs.append(F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (query, key, value)),
+                                                       attn_mask=mask, scale=scale).transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    model, blk = _dense("gemma3_text"), block()
+    separate, _ = run_separate(model, "sdpa", blk, backward=False)
+    with torch.no_grad():
+        packed, _ = run_packed(model, "gemma3_text", blk, backward=False,
+                               backends=[kernels.Backend("attention", "torch_varlen", "faked on CPU")])
+    assert set(seen) == {(7, 0), (-1, 0)}  # the sliding layer and the global one
+    assert (packed - separate).abs().max().item() <= LOGITS_ATOL

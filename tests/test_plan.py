@@ -158,7 +158,7 @@ def test_lora_that_does_not_fit_suggests_checkpointing_and_blocks():
     assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1, 58.3]  # measured: 43.1 and 63.1, -
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt-oss-cpu", "tiny-qwen-cpu"])
+@pytest.mark.parametrize("name", ["tiny-gpt-oss-cpu", "tiny-qwen-cpu", "tiny-qwen3-moe-cpu", "tiny-gemma3-cpu"])
 def test_lora_adapter_size_equals_peft(name):
     import torch
     from peft import get_peft_model
@@ -166,8 +166,8 @@ def test_lora_adapter_size_equals_peft(name):
     from ftcli.model.build import load_model
     from ftcli.train.lora.trainer import lora_config
 
-    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0",
-                                                                           "training.precision={}"])
+    recipe = load_recipe(name, [] if name in ("tiny-gpt-oss-cpu", "tiny-qwen3-moe-cpu")
+                         else ["training.method=lora", "lora.dropout=0", "training.precision={}"])
     model = load_model(recipe.model, dtype=torch.float32)
     peft_model = get_peft_model(model, lora_config(recipe, model))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)

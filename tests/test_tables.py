@@ -70,7 +70,7 @@ def test_pack_preview_headers_whole(width, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", str(width))
     sharegpt = {"conversations": [{"from": "human", "value": "What is 7 plus 6?"}, {"from": "gpt", "value": "13"}]}
     path = write_jsonl(tmp_path / "a_rather_long_file_name_for_a_narrow_terminal.jsonl", [sharegpt] * 30)
-    r = load_recipe("tiny-qwen-cpu", [f"data.cache_dir={tmp_path / 'cache'}", "data.sources=[{source: local, path: "
+    r = load_recipe("tiny-qwen-cpu", [f"data.cache_dir={tmp_path / 'cache'}", "data.path=null", "data.sources=[{source: local, path: "
                                       f"{path}, format: sharegpt}}, {{source: local, path: pkg://assets/tiny_chat.jsonl, "
                                       "name: shipped, format: auto}]", "eval.holdout=0.2"])
     run_preview(r, blocks=1, examples=30, as_json=False, dump=None, strict=False)

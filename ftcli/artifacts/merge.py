@@ -266,10 +266,12 @@ def _umask() -> int:
 def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, fmt: str) -> dict[str, Any]:
     import torch
 
-    reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype))
+    family = find_family(cfg.model_type)
+    per_expert = family.per_expert_checkpoint if family else {}  # Qwen3-MoE: experts stored one linear each
+    reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype), per_expert)
     model, config = _meta_peft_model(cfg, adapter, resolved.ref)
     units = _units(model)
-    writer = _MergedShards(out, fmt)  # `out`: the caller's fresh temporary dir
+    writer = _MergedShards(out, fmt, per_expert)  # `out`: the caller's fresh temporary dir
     try:
         report, passes = _three_forwards(model, units, reader, dtype, writer.add, config.get_text_config().vocab_size)
     except UserError:
@@ -314,10 +316,11 @@ class _MergedShards:
     """The merged tensors into safetensors shards as they come (--format mxfp4: gpt-oss experts re-quantized,
     with the quantization's error measured)."""
 
-    def __init__(self, out: Path, fmt: str) -> None:
+    def __init__(self, out: Path, fmt: str, per_expert: dict[str, tuple[str, ...]] | None = None) -> None:
         from ftcli.model import mxfp4
 
         self.writer, self.fmt = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE)), fmt
+        self.per_expert = per_expert or {}  # fused expert parameters written back in the base's per-expert layout
         self.max_abs_error = self.sq_error = self.sq_weight = 0.0
 
     def add(self, name: str, tensor) -> None:
@@ -325,6 +328,12 @@ class _MergedShards:
 
         from ftcli.model import mxfp4
 
+        fused = next((k for k in self.per_expert if name.endswith(k)), None)
+        if fused is not None:
+            for e, per in enumerate(_per_expert_names(name, fused, self.per_expert[fused], tensor.shape[0])):
+                for piece, part in zip(per, tensor[e].chunk(len(per), dim=0)):  # back to the base's layout
+                    self.writer.add(piece, part.contiguous())
+            return
         if self.fmt != "mxfp4":
             self.writer.add(name, tensor)
             return
@@ -383,8 +392,9 @@ class CheckpointReader:
     or a sharded index); MXFP4 expert weights (`{name}_blocks` + `{name}_scales`) dequantized by
     `ftcli.model.mxfp4.dequantize_mxfp4` (checked against transformers' loader in tests/test_lora_mxfp4.py)."""
 
-    def __init__(self, folder: Path, dtype) -> None:
+    def __init__(self, folder: Path, dtype, per_expert: dict[str, tuple[str, ...]] | None = None) -> None:
         self.folder, self.dtype = Path(folder), dtype
+        self.per_expert = per_expert or {}  # ftcli.families: fused expert parameter -> its per-expert linears
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
@@ -409,7 +419,24 @@ class CheckpointReader:
             return self._raw(name).to(self.dtype)
         if f"{name}_blocks" in self.files:
             return dequantize_mxfp4(self._raw(f"{name}_blocks"), self._raw(f"{name}_scales"), dtype=self.dtype)
+        fused = next((k for k in self.per_expert if name.endswith(k)), None)
+        if fused is not None:  # [E, sum of the linears' outputs, in]: each expert's linears concatenated, stacked
+            import torch
+
+            experts = 0
+            while all(n in self.files for n in _per_expert_names(name, fused, self.per_expert[fused], experts + 1)[-1]):
+                experts += 1
+            if experts:
+                names = _per_expert_names(name, fused, self.per_expert[fused], experts)
+                return torch.stack([torch.cat([self._raw(n) for n in per]) for per in names]).to(self.dtype)
         raise UserError(f"base {self.folder}: no tensor {name} in its safetensors files")
+
+
+def _per_expert_names(name: str, fused: str, linears: tuple[str, ...], experts: int) -> list[list[str]]:
+    """Per expert, the checkpoint names of the linears behind the fused parameter `name`:
+    `...mlp.experts.gate_up_proj` <- `...mlp.experts.{e}.gate_proj.weight`, `...mlp.experts.{e}.up_proj.weight`."""
+    prefix = name[: len(name) - len(fused.rpartition(".")[2])]  # "...mlp.experts."
+    return [[f"{prefix}{e}.{linear}.weight" for linear in linears] for e in range(experts)]
 
 
 def _meta_peft_model(cfg, adapter: Path, base_ref: str):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from ftcli.config.errors import UserError
-from ftcli.families import gpt_oss, qwen3_5
+from ftcli.families import gemma3, gpt_oss, llama, qwen3, qwen3_5, qwen3_moe
 from ftcli.families.base import Family, Pin, registry_by_model_type
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_5.FAMILY, gpt_oss.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_5.FAMILY, gpt_oss.FAMILY, llama.FAMILY, qwen3.FAMILY,
+                                                   qwen3_moe.FAMILY, gemma3.FAMILY)}
 BY_MODEL_TYPE: dict[str, Family] = registry_by_model_type(FAMILIES)
 
 

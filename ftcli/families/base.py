@@ -71,6 +71,9 @@ class Family:
     no_pins_note: str  # in the setup comment when nothing at all is installed beyond ftcli ({model_type} filled in)
     # --- checkpoint format
     mxfp4_experts: bool  # the hub checkpoint stores its experts in MXFP4 (merge-lora can write them back)
+    # fused 3-D expert parameter (suffix) -> the per-expert linears its checkpoint stores instead, in the order they
+    # are concatenated (dim 1), e.g. Qwen3-MoE: mlp.experts.gate_up_proj <- experts.{e}.gate_proj, .up_proj
+    per_expert_checkpoint: dict[str, tuple[str, ...]]
     # --- chat format
     chat_format: str  # the marker family of its template (ftcli.data.chat.GRAMMARS): chatml | harmony | llama3 | gemma
     end_of_turn: str  # the token that ends an assistant turn in its template

@@ -40,6 +40,7 @@ FAMILY = Family(
     no_pins_note="Nothing else: {model_type} needs no extra kernels (its attention and the MXFP4 dequantization are "
                  "plain torch).",
     mxfp4_experts=True,
+    per_expert_checkpoint={},
     chat_format="harmony",
     end_of_turn="<|return|>",  # the last final answer; earlier ones are stored with <|end|>
     reasoning="analysis channel; the template drops earlier turns' analysis",

@@ -65,6 +65,7 @@ FAMILY = Family(
     setup_note="No flash-attn or causal-conv1d builds: packed attention uses torch's varlen_attn.",
     no_pins_note="",
     mxfp4_experts=False,
+    per_expert_checkpoint={},
     chat_format="chatml",
     end_of_turn="<|im_end|>",
     reasoning="<think> blocks; the template drops those of earlier turns (Qwen3.8 keeps them)",

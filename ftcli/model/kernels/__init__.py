@@ -24,7 +24,8 @@ Backends, chosen per machine by `decide_backends` (a pure decision) and installe
 `enable_packed_kernels`:
 
     op                 CUDA                                             CPU (exact references)
-    attention          flash-attn varlen, else torch varlen_attn;       sdpa per segment;
+    attention          flash-attn varlen, else torch varlen_attn        sdpa per segment
+                       (sliding windows, Gemma 3: window_size);         (and window, per segment);
                        gpt-oss: flex attention + sinks                  gpt-oss: eager + sinks per segment
     gated_delta_rule   fla (its tilelang kernels on Hopper + Triton     transformers' chunked torch rule,
                        3.4-3.7.0, else refused: wrong gradients)        run once per segment

@@ -210,14 +210,28 @@ def _segments_else(stock):
     return decorate
 
 
+def _dense_window(kwargs) -> int | None:
+    """The sliding window a dense layer asks for (Gemma 3's local layers: keys with q - k < window), or None;
+    refuses the attention soft-capping no sdpa / varlen kernel computes."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("packed attention has no logit soft-capping; set attn_logit_softcapping to null "
+                         "(Gemma 3 has none) or data.packing.enabled: false")
+    return kwargs.get("sliding_window") or None
+
+
 @_segments_else(_stock_sdpa)
 def sdpa_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
+    window = _dense_window(kwargs)
     q, k, v = (_tokens(x) for x in (query, key, value))
     outs = []
     for s, e in _bounds(cu):
+        mask = None
+        if window and e - s > window:  # causal and inside the window, per segment
+            i = torch.arange(e - s, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
-            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True,
+            attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=True,
         )
         outs.append(o[0].transpose(0, 1))
     return _rows(torch.cat(outs), query), None
@@ -236,8 +250,12 @@ def torch_varlen(module, query, key, value, cu, scaling=None, dropout=0.0, **kwa
         extra["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:  # torch 2.11: no GQA, repeat the kv heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    window = _dense_window(kwargs)
     if "window_size" in params:
-        extra["window_size"] = (-1, 0)  # causal
+        extra["window_size"] = (window - 1 if window else -1, 0)  # causal (within the sliding window)
+    elif window:
+        raise ValueError(f"torch {torch.__version__} varlen_attn has no window_size for sliding-window layers; "
+                         "use torch >= 2.11 or install flash-attn")
     else:
         extra["is_causal"] = True  # torch 2.10
     cu = cu.to(device=q.device, dtype=torch.int32)

@@ -59,7 +59,8 @@ def active_params(model) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     _, non_embedding = count_params(base)
     cfg = text_config(base.config)
-    experts, k = getattr(cfg, "num_local_experts", None), getattr(cfg, "num_experts_per_tok", None)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)  # gpt-oss | Qwen3-MoE
+    k = getattr(cfg, "num_experts_per_tok", None)
     if experts and k:
         expert_params = sum(p.numel() for n, p in base.named_parameters() if ".experts." in n and "lora_" not in n)
         non_embedding -= expert_params - expert_params * k // experts
