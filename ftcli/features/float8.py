@@ -49,11 +49,25 @@ def check_fp8_device(device) -> None:
                         f"Blackwell); this one is {torch.cuda.get_device_name(device)} ({'.'.join(map(str, capability))})")
 
 
-def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) -> list[str]:
-    """Swap the chosen linears of `layers` (modules of `model`) for torchao Float8Linear, in place;
-    returns their names."""
+def fp8_config(recipe: str = "tensorwise"):
+    """torchao's Float8LinearConfig for `training.precision.fp8_recipe`: tensorwise is torchao's default config
+    (dynamic per-tensor scales); rowwise is its "rowwise" recipe (per-row scales for the input, weight and
+    output gradient, power-of-2 scales)."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in FP8_RECIPES:
+        raise UserError(f"training.precision.fp8_recipe: {recipe!r}; use {' or '.join(FP8_RECIPES)}")
+    return Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int, recipe: str = "tensorwise") -> list[str]:
+    """Swap the chosen linears of `layers` (modules of `model`) for torchao Float8Linear (scaling `recipe`),
+    in place; returns their names."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
     except ImportError as e:
         raise UserError(f"training.precision.fp8 needs torchao (pip install 'ftcli[gpu]'): {e}") from None
     names = {id(m): n for n, m in model.named_modules()}
@@ -62,7 +76,7 @@ def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) 
     chosen = [n for n, m in model.named_modules() if keep(m, n)]
     # the weight-gradient GEMM's inner dimension is the tokens per micro-batch: the recipe makes it a multiple
     # of 16 (Recipe._fp8_tokens), so no operand is padded (a copy per GEMM)
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
+    convert_to_float8_training(model, config=fp8_config(recipe), module_filter_fn=keep)
     return chosen
 
 

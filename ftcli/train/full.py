@@ -236,7 +236,8 @@ def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Mod
                          final_norm=text_final_norm(model))
     if tcfg.precision.fp8:  # before sharding: FSDP2 then shards the swapped modules' same parameters
         check_fp8_device(world.device)
-        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
+        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size,
+                       tcfg.precision.fp8_recipe)
     shard_model(model, recipe, world)
     model.to_empty(device=world.device)
     with torch.no_grad():
@@ -481,7 +482,7 @@ class FullRun:
             liger_loss()  # fail now, not after the first forward
         if tcfg.precision.fp8:
             fp8 = fp8_linears(self.model)
-            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
+            say(f"fp8 GEMMs (torchao float8, {tcfg.precision.fp8_recipe}): {len(fp8)} linears of {len(decoder_layers(self.model))} "
                 "decoder layers; the LM head, embeddings and small projections stay in "
                 f"{tcfg.precision.param_dtype}")
         if tcfg.fused_ops:
