@@ -119,7 +119,7 @@ def gated_delta_torch(q, k, v, g, beta, state):
     """The gated delta rule token by token (transformers' reference recurrence, q/k L2-normalised):
     q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], state [B, HV, K, V] float32 ->
     (out [B, T, HV, V] in v's dtype, new state)."""
-    rep = v.shape[2] // q.shape[2]
+    rep, dtype = v.shape[2] // q.shape[2], v.dtype
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     q, k, v, beta, g = (x.transpose(1, 2).float() for x in (q, k, v, beta, g))
@@ -132,7 +132,7 @@ def gated_delta_torch(q, k, v, g, beta, state):
         delta = (v[:, :, t] - (state * k_t[..., None]).sum(-2)) * beta[:, :, t][..., None]
         state = state + k_t[..., None] * delta[..., None, :]
         outs.append((state * q[:, :, t][..., None]).sum(-2))
-    out = torch.stack(outs, dim=2).transpose(1, 2).to(v.dtype)
+    out = torch.stack(outs, dim=2).transpose(1, 2).to(dtype)
     return out, state
 
 
