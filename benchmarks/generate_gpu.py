@@ -156,7 +156,8 @@ def decode_suite(args) -> None:
                          "first_token_s": first_s, "tokens_per_s": batch / step_s, "per_stream": 1 / step_s,
                          "limit_steps_per_s": limit, "of_limit": (1 / step_s) / limit})
             r = rows[-1]
-            print(f"{name} batch {batch}: first token {first_s:.3f} s ({args.prompt_len}-token prompts), "
+            r["graphs"] = decoder.use_graphs
+            print(f"{name} batch {batch} (graphs {decoder.use_graphs}): first token {first_s:.3f} s ({args.prompt_len}-token prompts), "
                   f"{r['tokens_per_s']:.1f} tokens/s ({r['per_stream']:.1f} per stream; bandwidth limit "
                   f"{limit:.1f} steps/s, {100 * r['of_limit']:.0f}%)", flush=True)
         if cuda:

@@ -436,9 +436,16 @@ class Decoder:
                 s.pos.copy_(saved_pos)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step(s, pick)
-        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph):
+                self._step(s, pick)
+            torch.cuda.synchronize()
+        except RuntimeError as e:  # a kernel that cannot be captured: eager steps (correct, slower)
+            self.use_graphs = False
+            self.say(f"fast decode: no CUDA graph ({str(e).strip().splitlines()[0][:160]}); decoding step by step")
+            s.tok.copy_(saved_tok)
+            s.pos.copy_(saved_pos)
+            return None
         self._graphs[key] = graph
         self.say(f"fast decode: captured a CUDA graph of one {self.model_type} decoding step for batch {s.batch}, "
                  f"{s.positions} positions in {time.perf_counter() - start:.1f} s (once per process and shape)")
