@@ -59,7 +59,9 @@ def make_pretrained_like(model: nn.Module, channels: int = 6, scale: float = 100
     picked = torch.randperm(hidden, generator=gen)[:2 * channels]
     massive, gains = picked[:channels].tolist(), picked[channels:].tolist()
     layers = decoder_layers(model)
-    t = torch.distributions.StudentT(3.0)
+    device = _local(embed_weight := model.get_input_embeddings().weight).device
+    torch.manual_seed(seed)  # the t draws below run on the model's device: the same weights for every variant
+    t = torch.distributions.StudentT(torch.tensor(3.0, device=device))
     for layer in layers:
         for module in layer.modules():
             if isinstance(module, nn.Linear):
@@ -75,8 +77,9 @@ def make_pretrained_like(model: nn.Module, channels: int = 6, scale: float = 100
             zero_centred = bool((w == 0).all())  # Qwen3.5's norms scale by (1 + weight), init 0
             gain = torch.exp(0.3 * torch.randn(w.shape, generator=gen))
             gain[gains] = scale
+            gain = gain.to(w.device)
             w.copy_((gain - 1 if zero_centred else gain).to(w.dtype))
-    embed = _local(model.get_input_embeddings().weight)
+    embed = _local(embed_weight)
     embed[:, massive] *= scale
     return {"massive_channels": massive, "gain_channels": gains, "scale": scale}
 
