@@ -101,3 +101,26 @@ def test_gated_delta_reference_matches_transformers_chunked_rule():
                                                     use_qk_l2norm_in_kernel=True)
     out, state = decode.gated_delta_torch(q, k, v, g, beta, torch.zeros(1, 4, 8, 8))
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(state, ref_state, atol=1e-5)
+
+
+def test_streamed_reply_through_the_fast_path_equals_transformers(tiny, monkeypatch):
+    """stream_reply (what `generate --prompt` and `chat` run) streams the same completion either way."""
+    name, model = tiny
+    from ftcli.config.recipe import resolve_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_path(f"pkg://assets/tokenizer-{name}"))
+    loaded = generate.LoadedModel(model=model, tokenizer=tok, stop_ids=generate.stop_token_ids(tok, model),
+                                  source=generate.ModelSource(model="tiny"))
+    messages = generate.conversation("What is 2 plus 4?")
+    sampling = generate.Sampling(max_new_tokens=10, greedy=True)
+    replies = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("FTCLI_FAST_DECODE", setting)
+        shown = []
+        completion, stats = generate.stream_reply(loaded, messages, sampling, write=shown.append)
+        replies[setting] = (completion.token_ids, "".join(shown), stats.new_tokens, stats.first_token_s is not None)
+    assert replies["1"] == replies["0"]
+    assert replies["1"][0] and replies["1"][1] and replies["1"][3]  # tokens, streamed text, a first-token time
+    decode.release(model)
+    assert model not in decode._DECODERS

@@ -561,6 +561,11 @@ def decoder_for(model: nn.Module) -> Decoder | None:
     return _DECODERS[model]
 
 
+def release(model: nn.Module) -> None:
+    """Drop the model's decoder (its static caches and captured graphs), e.g. after samples during training."""
+    _DECODERS.pop(model, None)
+
+
 def generate_ids(model: nn.Module, prompts: list[list[int]], config, *, streamer=None) -> list[list[int]] | None:
     """`_generate_ids` through the fast path: each prompt's new ids cut after its first stop token, or None
     where this path does not apply (the caller runs transformers' generate)."""
