@@ -371,6 +371,12 @@ def _generate_ids(model, prompts: list[list[int]], config, pad_id: int, *, strea
     """Left-padded batch -> each row's new token ids, cut after its first stop token."""
     import torch
 
+    if not synced_gpus:  # static-state decoding with a CUDA graph per step (ftcli.model.decode), where it applies
+        from ftcli.model.decode import generate_ids
+
+        fast = generate_ids(model, prompts, config, streamer=streamer)
+        if fast is not None:
+            return fast
     device = next(model.parameters()).device
     input_ids, attention_mask = _left_pad(prompts, pad_id, device)
     with torch.no_grad():

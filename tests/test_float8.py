@@ -68,3 +68,22 @@ def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):
     assert str(err.value) == ("training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
                               "Blackwell); this one is NVIDIA A100-SXM4-80GB (8.0)")
     check_fp8_device(torch.device("cpu"))  # emulated on CPU: allowed (tests)
+
+
+def test_fp8_recipe_picks_torchaos_scaling_granularity():
+    """training.precision.fp8_recipe: tensorwise (the default) is torchao's default config, rowwise its rowwise
+    recipe (axiswise scales on every operand); anything else is refused by the schema in one line."""
+    from torchao.float8.config import ScalingGranularity
+
+    from ftcli.config.recipe import load_recipe
+    from ftcli.features.float8 import fp8_config
+
+    assert load_recipe("tiny-qwen-cpu").training.precision.fp8_recipe == "tensorwise"
+    rowwise = load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "training.precision.fp8_recipe=rowwise"])
+    assert rowwise.training.precision.fp8_recipe == "rowwise"
+    granularity = lambda c: {c.cast_config_input.scaling_granularity, c.cast_config_weight.scaling_granularity,  # noqa: E731
+                             c.cast_config_grad_output.scaling_granularity}
+    assert granularity(fp8_config("tensorwise")) == {ScalingGranularity.TENSORWISE}
+    assert granularity(fp8_config("rowwise")) == {ScalingGranularity.AXISWISE}
+    with pytest.raises(Exception, match="fp8_recipe"):
+        load_recipe("tiny-qwen-cpu", ["training.precision.fp8_recipe=blockwise"])

@@ -425,7 +425,7 @@ class ScheduleConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    quiet_defaults: ClassVar[dict[str, Any]] = {"fp8": False}
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fp8": False, "fp8_recipe": "tensorwise"}
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     reduce_dtype: Literal["bfloat16", "float32"] = "float32"
     master_dtype: Literal["float32", "bfloat16"] = Field(
@@ -435,6 +435,10 @@ class PrecisionConfig(_Section):
         False, description="Full SFT: the decoder layers' large linears run their GEMMs in float8 (torchao float8 "
         "training, dynamic tensorwise scales; needs torchao and a GPU of compute capability >= 8.9). The LM "
         "head, small projections and the master weights stay as they are (ftcli/features/float8.py)."
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="torchao's float8 scaling with fp8: tensorwise (one scale per tensor, fastest) or "
+        "rowwise (one scale per row: robust to outlier channels, slower; BENCHMARKS.md 'fp8 on pretrained-like weights')."
     )
 
 

@@ -28,6 +28,7 @@ SINK_ATTENTION = "sink_attention"  # packed attention must apply the learned sin
 
 # Packed attention kinds (ftcli.model.kernels.choose picks a backend per kind)
 DENSE = "dense"  # causal attention per segment: flash-attn varlen / torch varlen_attn / sdpa per segment
+HYBRID, SINK_MOE = "hybrid", "sink_moe"  # Family.decoder
 SINKS = "sinks"  # sliding window + learned sinks per head: flex attention / eager per segment
 
 # (layer kind or "*", name, in, out) of each nn.Linear, (name, experts, in, out) of each 3-D expert
@@ -81,6 +82,9 @@ class Family:
     tool_calls: str  # how tool calls are written: "<tool_call> JSON" | "commentary channel" | ...
     system_role: bool = True  # the template renders a system message (Gemma folds it into the first user turn)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # which static-state decoder of ftcli.model.decode generates for it on a GPU: HYBRID (gated-delta + full
+    # attention layers) or SINK_MOE (sliding window + sinks, routed experts); None: transformers' generate
+    decoder: str | None = None
 
     @property
     def model_type(self) -> str:

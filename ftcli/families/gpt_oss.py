@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftcli.families.base import SINK_ATTENTION, SINKS, Family, LayerShapes
+from ftcli.families.base import SINK_ATTENTION, SINK_MOE, SINKS, Family, LayerShapes
 
 
 def layer_shapes(cfg: dict[str, Any]) -> LayerShapes:
@@ -45,4 +45,5 @@ FAMILY = Family(
     end_of_turn="<|return|>",  # the last final answer; earlier ones are stored with <|end|>
     reasoning="analysis channel; the template drops earlier turns' analysis",
     tool_calls="commentary channel to=functions.NAME, ended by <|call|>; results as a tool message",
+    decoder=SINK_MOE,
 )

@@ -10,6 +10,7 @@ from ftcli.families.base import (
     BLACKWELL_GATED_DELTA,
     DENSE,
     FLA_ON_GPU,
+    HYBRID,
     TRANSFORMERS_PACKING_ARGS,
     Family,
     LayerShapes,
@@ -70,4 +71,5 @@ FAMILY = Family(
     end_of_turn="<|im_end|>",
     reasoning="<think> blocks; the template drops those of earlier turns (Qwen3.8 keeps them)",
     tool_calls="<tool_call> JSON </tool_call> inside the assistant turn; results as <tool_response> in a user turn",
+    decoder=HYBRID,
 )
