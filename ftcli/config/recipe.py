@@ -158,7 +158,9 @@ class ModelConfig(_Section):
     attn_implementation: str = Field(
         "auto", description="auto: ftcli's packed-kernel module picks per machine; or a transformers name."
     )
-    quantization: Literal["none", "mxfp4_dequantize"] = "none"
+    quantization: Literal["none", "mxfp4_dequantize", "mxfp4"] = Field(
+        "none", description="mxfp4_dequantize: MXFP4 experts loaded as model.dtype; mxfp4 (LoRA, gpt-oss): kept in "
+        "MXFP4 and dequantized one expert at a time in the expert GEMMs (ftcli.model.mxfp4_lora).")
     trust_remote_code: bool = False
 
     @field_validator("config_overrides")
@@ -679,6 +681,13 @@ class Recipe(_Section):
                              f"per_device_batch = {tokens}) are a multiple of 16")
         return self
 
+
+    @model_validator(mode="after")
+    def _kept_mxfp4(self) -> Recipe:
+        if self.model.quantization == "mxfp4" and (self.training.method != "lora" or self.model.init != "pretrained"):
+            raise ValueError("model.quantization=mxfp4 keeps a pretrained MXFP4 base frozen for LoRA; it needs "
+                             "training.method=lora and model.init=pretrained (else use mxfp4_dequantize)")
+        return self
 
     @model_validator(mode="after")
     def _keep_best(self) -> Recipe:

@@ -210,6 +210,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                          processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    if recipe.model.quantization == "mxfp4":  # experts kept in MXFP4: PEFT's adapter, ftcli's expert GEMMs
+        from ftcli.model.mxfp4_lora import install_mxfp4_experts
+
+        install_mxfp4_experts(trainer.model)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
@@ -245,6 +249,9 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
     sharding, why = resolved_sharding(recipe)
+    if sharding == "fsdp" and recipe.model.quantization == "mxfp4":
+        raise UserError("model.quantization=mxfp4 runs with training.sharding=ddp (a kept-MXFP4 base per GPU); "
+                        "FSDP2 sharding of its non-expert parameters is not built yet")
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
