@@ -18,7 +18,7 @@ from ftcli.config.recipe import (
     resolve_path,
 )
 
-BUILTINS = ["gpt-oss-120b-h100", "gpt-oss-h100", "qwen-b300", "tiny-gpt-oss-cpu", "tiny-qwen-cpu"]
+BUILTINS = ["gpt-oss-120b-1gpu", "gpt-oss-120b-h100", "gpt-oss-h100", "qwen-b300", "tiny-gpt-oss-cpu", "tiny-qwen-cpu"]
 
 
 def _error(name_or_path, overrides=()) -> str:

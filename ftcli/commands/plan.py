@@ -29,6 +29,7 @@ from typing import Any
 from ftcli.estimate import memory
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import ACCELERATOR_RE, Recipe, resolve_path
+from ftcli.families import FAMILIES
 
 # Card memory (GB, as sold) and peak dense bf16 FLOP/s (the same datasheet figures as ftcli.train.metrics).
 CARDS: dict[str, dict[str, float]] = {
@@ -190,6 +191,8 @@ def lora_sharding(recipe: Recipe, shape: memory.ModelShape, card: str | None = N
     chosen = recipe.training.sharding
     if chosen != "auto":
         return chosen
+    if recipe.model.quantization == "mxfp4":  # a kept-MXFP4 base runs with DDP only (ftcli.model.mxfp4_lora)
+        return "ddp"
     card = card or recipe.compute.accelerator_type.split("x", 1)[1]
     if card not in CARDS:
         return "ddp"
@@ -225,6 +228,7 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         keep=0 if lora else t.activation_checkpointing_keep,  # LoRA ignores it (lora_recipe.ignored_settings)
         loss="trl" if lora else t.loss.impl, chunk_tokens=t.loss.chunk_tokens,
         adapter_params=adapter_params(recipe, shape), sharding=sharding if lora else "fsdp",
+        expert_quant="mxfp4" if lora and recipe.model.quantization == "mxfp4" else "none",
         speed=() if lora else speed_settings(t))
 
 
@@ -252,7 +256,7 @@ CHUNKED_LOSS_UP_TO = 8192
 
 
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
-                     length_key: str = "data.packing.block_len", batch: int = 1) -> list[Suggestion]:
+                     length_key: str = "data.packing.block_len", batch: int = 1, lora_r: int = 1) -> list[Suggestion]:
     """Single changes that make `s` fit `card`, nearest first: checkpointing, fewer kept layers (the others then
     drop them all: they are speed, not need), the largest block (`length_key`,
     tokens per micro-batch / `batch`), bf16 master weights, a sharded LoRA base, more GPUs (not for DDP LoRA: it
@@ -288,7 +292,19 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
         block //= 2
     if s.method == "full" and s.master == "fp32":
         attempt((*drop_keep, "training.precision.master_dtype=bfloat16"), master="bf16")
-    if s.method == "lora" and s.sharding == "ddp":
+    if s.method == "lora" and shape.expert_shapes and FAMILIES[shape.family].mxfp4_experts:
+        # the frozen experts kept at 4.25 bits (ftcli.model.mxfp4_lora); then the adapter's state (linear in
+        # lora.r, 16 bytes per parameter) is what is left to cut: a smaller rank next to the kept base
+        sharding = ("training.sharding=ddp",) if s.sharding == "fsdp" else ()  # a kept-MXFP4 base runs with DDP
+        kept = () if s.expert_quant == "mxfp4" else ("model.quantization=mxfp4", *sharding)
+        rank = lora_r
+        while rank >= 1:
+            changes = dict(expert_quant="mxfp4", sharding="ddp", adapter_params=s.adapter_params * rank // lora_r)
+            if (kept or rank < lora_r) and attempt((*kept, *([f"lora.r={rank}"] if rank < lora_r else [])),
+                                                   **changes):
+                break
+            rank //= 2
+    if s.method == "lora" and s.sharding == "ddp" and s.expert_quant == "none":
         attempt(("training.sharding=fsdp",), sharding="fsdp")
     if s.method == "full" or s.sharding == "fsdp":
         for nodes in range(max(1, s.world // per_node) + 1, 65):
@@ -643,7 +659,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
         keep = memory.layers_to_keep(shape, s, gb)
     length_key = "data.packing.block_len" if recipe.data.packing.enabled else "data.max_length"
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
-                                                         recipe.training.per_device_batch))
+                                                         recipe.training.per_device_batch, recipe.lora.r))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
     st = step_time(recipe, shape, s, card, world)
     run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe, data, world)

@@ -34,8 +34,6 @@ from torch import nn
 from ftcli.config.errors import UserError
 from ftcli.model.mxfp4 import E2M1_VALUES, EXPERT_PARAMS, GROUP, SCALE_BIAS
 
-MXFP4_BITS_PER_PARAM = 4.25  # 4-bit e2m1 values + one 8-bit scale per group of 32
-
 
 # ------------------------------------------------------------------------------------------ dequantize
 def dequantize_expert(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
