@@ -181,6 +181,12 @@ def _factors(wrappers: dict[str, nn.Module], name: str):
     return wrapper.get_delta_factors(adapters[0])
 
 
+def _swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over interleaved gate/up columns (GptOssExperts' gate, as transformers 5.x has it)."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def mxfp4_experts_forward(wrapper, hidden_states, router_indices=None, routing_weights=None):
     """GptOssExperts.forward (transformers 5.x: loop over the experts hit, gate/up interleaved, clamped SwiGLU,
     routing-weighted index_add) with each projection through `Mxfp4LoraMatmul`."""
@@ -199,7 +205,7 @@ def mxfp4_experts_forward(wrapper, hidden_states, router_indices=None, routing_w
         gate_up = Mxfp4LoraMatmul.apply(x, experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e],
                                         None if gu_lhs is None else gu_lhs[e], None if gu_rhs is None else gu_rhs[e],
                                         gu_s) + experts.gate_up_proj_bias[e]
-        gated = experts._apply_gate(gate_up)  # gpt-oss's own clamped SwiGLU (a method of the module, no state)
+        gated = _swiglu(gate_up, experts.alpha, experts.limit)
         out = Mxfp4LoraMatmul.apply(gated, experts.down_proj_blocks[e], experts.down_proj_scales[e],
                                     None if dn_lhs is None else dn_lhs[e], None if dn_rhs is None else dn_rhs[e],
                                     dn_s) + experts.down_proj_bias[e]
