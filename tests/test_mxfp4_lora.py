@@ -172,3 +172,40 @@ def test_kept_mxfp4_needs_lora_and_a_pretrained_base():
 
     with pytest.raises(RecipeError, match="model.quantization=mxfp4 keeps a pretrained MXFP4 base frozen for LoRA"):
         tiny_recipe("model.quantization=mxfp4")  # the tiny recipe draws a random base
+
+
+def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_the_dequantized_base(mxfp4_base, tmp_path):
+    """ftcli's LoRA trainer (TRL SFTTrainer + PEFT, build_trainer) with model.quantization=mxfp4 routes the experts
+    through the kept-MXFP4 forward and logs, step for step, the losses of model.quantization=mxfp4_dequantize
+    (float32 on CPU: to 1e-5 relative)."""
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer
+    from ftcli.model.build import load_model
+    from ftcli.model.mxfp4_lora import Mxfp4LoraMatmul
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+
+    losses, calls = {}, []
+    forward = Mxfp4LoraMatmul.forward
+    for quantization in ("mxfp4_dequantize", "mxfp4"):
+        recipe = tiny_recipe("model.init=pretrained", f"model.id={mxfp4_base}", f"model.quantization={quantization}",
+                             "training.max_steps=3", "training.log_every=1", "training.checkpoint.enabled=false",
+                             "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false",
+                             "eval=null")
+        run_dir = tmp_path / quantization
+        tokenizer = load_tokenizer(recipe)
+        trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_rows(recipe, tokenizer),
+                                   SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
+                                             use_cpu=True), metrics_path=run_dir / "metrics.jsonl")
+        Mxfp4LoraMatmul.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
+        try:
+            trainer.train()
+        finally:
+            Mxfp4LoraMatmul.forward = staticmethod(forward)
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        losses[quantization] = [json.loads(line)["loss"] for line in lines]
+        if quantization == "mxfp4_dequantize":
+            assert not calls  # the dequantized base never goes through the kept path
+    assert calls and len(losses["mxfp4"]) == 3
+    torch.testing.assert_close(torch.tensor(losses["mxfp4"]), torch.tensor(losses["mxfp4_dequantize"]),
+                               rtol=1e-5, atol=0)

@@ -142,7 +142,7 @@ def _local_snapshot(cfg: ModelConfig) -> Path:
     offline = hub.offline_for(source)
     try:
         return Path(snapshot_download(source, revision=cfg.revision, local_files_only=bool(offline),
-                                      allow_patterns=["*.json", "*.safetensors"]))
+                                      allow_patterns=["*.json", "model*.safetensors"]))
     except OSError as e:
         if offline:
             raise UserError(hub.no_connection(f"the weights of model.id {cfg.id!r}", offline)) from None
