@@ -36,14 +36,21 @@ from ftcli.model.mxfp4 import E2M1_VALUES, EXPERT_PARAMS, GROUP, SCALE_BIAS
 
 
 # ------------------------------------------------------------------------------------------ dequantize
+@functools.cache
+def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[256, 2]`: the two e2m1 values of every byte (low nibble first), so one lookup decodes a block."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype)
+    codes = torch.arange(256)
+    return torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1).to(device)
+
+
 def dequantize_expert(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One expert: blocks `[out, G, 16]`, scales `[out, G]` -> its weight as rows of output features, `[out, in]`
     in `dtype`, on the blocks' device (the transpose of the parameter's `[in, out]`; exact: an e2m1 value times
     a power of two is representable in bf16)."""
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    lo, hi = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
-    values = torch.stack((lo, hi), dim=-1).flatten(-2)  # [out, G, 32]: element 2j (low nibble), then 2j+1
-    values = values * torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(dtype).unsqueeze(-1)
+    values = _byte_table(dtype, blocks.device)[blocks.int()]  # [out, G, 16, 2]: element 2j, then 2j+1
+    scale = torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(dtype)  # 2**(s - 127): exact in bf16 and fp32
+    values = values.reshape(*scales.shape, GROUP) * scale[..., None]
     return values.reshape(blocks.shape[0], -1)
 
 
