@@ -470,9 +470,9 @@ def inproc(args, out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- fit
 def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least-squares s/step = intercept + slope * layers (ftcli.commands.plan.depth_fit, what `plan` extrapolates
+    """Least-squares s/step = intercept + slope * layers (ftcli.estimate.steptime.depth_fit, what `plan` extrapolates
     with); None with fewer than two depths."""
-    from ftcli.commands.plan import depth_fit
+    from ftcli.estimate.steptime import depth_fit
 
     return depth_fit(points) if len({n for n, _ in points}) >= 2 else None
 

@@ -89,7 +89,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--stand-ins", action="store_true", help="CPU: the tests' torch stand-ins, tiny width")
     args = parser.parse_args()
-    from ftcli.features.fused_ops import FUSED_MODULES, FUSED_OPS, load_kernels
+    from ftcli.features.fused_modules import FUSED_MODULES
+    from ftcli.features.fused_ops import FUSED_OPS, load_kernels
 
     if args.stand_ins:
         sys.path.insert(0, str(HERE.parent / "tests"))

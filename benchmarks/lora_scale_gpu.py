@@ -9,7 +9,7 @@ point checks the memory model's terms (base, adapter, optimizer, activations, lo
 the world size; the recipe's 8xH100 figure is the same model at 36 layers over 8 shards.
 
 Reported per depth: median s/step and tokens/s (steps after --warmup, from metrics.jsonl), peak GPU
-memory allocated / reserved (torch), and `ftcli.commands.plan.memory_on` for the same recipe on 1 GPU; then the
+memory allocated / reserved (torch), and `ftcli.estimate.fit.memory_on` for the same recipe on 1 GPU; then the
 per-layer slope and the 36-layer extrapolation of s/step (one GPU's compute for one 4k block; the 8-GPU
 run adds FSDP's all-gathers), and the memory model's 8xH100 prediction for the real recipe.
 
@@ -65,7 +65,7 @@ def overrides(args, layers: int, out: Path) -> list[str]:
 
 
 def predicted(sets: list[str], world: int) -> dict:
-    from ftcli.commands.plan import memory_on
+    from ftcli.estimate.fit import memory_on
     from ftcli.config.recipe import load_recipe
 
     return memory_on(load_recipe(RECIPE, sets), world).to_dict()
@@ -120,7 +120,7 @@ def table(rows: list[dict]) -> str:
                      f"{r['predicted_1gpu']['total']:.1f} | {ratio:.2f} | {r['losses']} |")
     done = [r for r in rows if "s_per_step" in r]
     if len({r["layers"] for r in done}) >= 2:
-        from ftcli.commands.plan import depth_fit
+        from ftcli.estimate.steptime import depth_fit
 
         slope, intercept = depth_fit([(r["layers"], r["s_per_step"]) for r in done])
         lines.append(f"\nper layer {slope:.4f} s, fixed part {intercept:.3f} s; 36 layers extrapolated "

@@ -9,7 +9,7 @@ Each subcommand's work lives in one module, imported only when that command runs
     train            ftcli.train.launch       (torchrun) -> ftcli.train.full (FSDP2) | ftcli.train.lora.trainer (TRL)
     merge-lora       ftcli.commands.merge
     register         ftcli.commands.register
-    plan             ftcli.commands.plan         (over ftcli.estimate.memory)
+    plan             ftcli.commands.plan         (over ftcli.estimate: shape, memory, fit, step time, data size)
     doctor           ftcli.commands.doctor       (over ftcli.model.kernels)
     generate, chat   ftcli.commands.generate     (+ ftcli.commands.chat: the interactive loop)
 """
@@ -91,7 +91,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _load(recipe: str | None, overrides: list[str] | None):
-    from ftcli.config.recipe import load_recipe
+    from ftcli.features import load_recipe
 
     if recipe is None:
         if overrides:
@@ -119,7 +119,8 @@ def recipes_list() -> None:
     """List the built-in recipes."""
     from rich.table import Table
 
-    from ftcli.config.recipe import builtin_recipe_names, load_recipe
+    from ftcli.config.recipe import builtin_recipe_names
+    from ftcli.features import load_recipe
 
     table = Table()
     table.add_column("name", no_wrap=True)

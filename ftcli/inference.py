@@ -73,12 +73,17 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
     from ftcli.model.build import load_model
     from ftcli.config.recipe import ModelConfig
 
+    from ftcli import hub
+
     dev = pick_device(device)
     dtype = pick_dtype(dtype, dev)
+    offline = hub.offline_for(source.model)  # no Hub: the local HF cache only, no retries
     try:
         config = AutoConfig.from_pretrained(source.model, revision=source.revision,
-                                            trust_remote_code=source.trust_remote_code)
+                                            trust_remote_code=source.trust_remote_code, local_files_only=bool(offline))
     except (OSError, ValueError) as e:
+        if offline:
+            raise UserError(hub.no_connection(f"model {source.model!r}", offline)) from None
         raise UserError(f"{source.model}: cannot load its config ({_first_line(e)})") from None
     quant = getattr(config, "quantization_config", None) or {}
     quant_method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
@@ -114,15 +119,18 @@ def _load_tokenizer(source: ModelSource):
     """The tokenizer saved with the trained model (final/ or the adapter dir), else the base's."""
     from transformers import AutoTokenizer
 
+    from ftcli import hub
+
     candidates = [(str(source.adapter), None)] if source.adapter is not None else []
     candidates.append((source.model, source.revision))
     problem = None
     for name, revision in candidates:
+        offline = hub.offline_for(name)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision,
+            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, local_files_only=bool(offline),
                                                       trust_remote_code=source.trust_remote_code)
         except (OSError, ValueError) as e:
-            problem = _first_line(e)
+            problem = hub.no_connection(f"the tokenizer of {name!r}", offline) if offline else _first_line(e)
             continue
         if not getattr(tokenizer, "chat_template", None):
             problem = f"the tokenizer in {name} has no chat template"

@@ -25,7 +25,7 @@ def main(out: Path, cache: str, model_dir: str) -> None:
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.loss import attach_loss
     from ftcli.config.recipe import load_recipe
-    from ftcli.train.full import build_model
+    from ftcli.model.parallelize import build_model
 
     torch.set_num_threads(1)
     base = ["eval.holdout=40", "data.max_examples=600", f"data.cache_dir={cache}", "model.init=pretrained",

@@ -86,7 +86,9 @@ def grads(out: Path) -> None:
     from ftcli.config.recipe import load_recipe
     from ftcli.train.distributed import init_distributed
     from ftcli.train.loss import attach_loss, count_trained_tokens
-    from ftcli.train.full import build_empty_model, build_model, forward_backward, init_random_weights
+    from ftcli.model.build import build_empty_model
+    from ftcli.model.parallelize import build_model, init_random_weights
+    from ftcli.train.full import forward_backward
 
     recipe = load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=selective"])
     world = init_distributed()

@@ -74,3 +74,93 @@ def test_checkpoint_schedule_every_steps_and_every_minutes():
     assert not CheckpointSchedule(False, 3, 0.5).due(3, time_due=True)  # checkpoints off: never
     steps_only = CheckpointSchedule(True, None, None)
     assert not steps_only.time_due() and not steps_only.due(3, time_due=False)
+
+
+# --------------------------------------------------------------------- a save that cannot be written
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-process gloo group (save_checkpoint is a collective)."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if started:
+        dist.destroy_process_group()
+
+
+def _save(root, step):
+    import torch
+
+    from ftcli.train.checkpoint import rng_state, save_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = {"scheduler": {}, "data": {"consumed": step}, "rng": rng_state()}
+    return save_checkpoint(root, step, model, optimizer, state, {"result": {}}, keep_last=3)
+
+
+def _disk_full(monkeypatch, errno_=28):
+    """Every file DCP opens for writing fails as a full disk does (no real disk is filled)."""
+    import contextlib
+    import errno
+    import os
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" in mode:
+            raise OSError(errno_, os.strerror(errno_), str(path))
+        with real(self, path, mode) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    return errno.errorcode[errno_]
+
+
+def test_disk_full_during_a_save_is_one_line_and_the_last_checkpoint_survives(tmp_path, one_rank, monkeypatch, capsys):
+    from ftcli.train.checkpoint import CheckpointNotSaved, latest_checkpoint, list_checkpoints
+
+    root = tmp_path / "checkpoints"
+    good = _save(root, 1)
+    good_files = sorted(p.name for p in good.iterdir())
+    _disk_full(monkeypatch)
+    with pytest.raises(CheckpointNotSaved) as err:
+        _save(root, 2)
+    message = str(err.value)
+    assert message.startswith("the checkpoint of step 2 could not be saved: No space left on device "
+                              f"({root}/.tmp_step_00000002/")
+    assert message.endswith(
+        f"[errno 28]; the last good checkpoint, step 1 ({good}), is intact: free space, then resume with "
+        f"`ftcli train --recipe {tmp_path}/recipe.yaml --resume`")
+    assert "\n" not in message and isinstance(err.value, UserError)
+    assert list_checkpoints(root) == [good] and latest_checkpoint(root) == good
+    assert sorted(p.name for p in good.iterdir()) == good_files
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # the half-written save is gone
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path, one_rank, monkeypatch):
+    """The per-rank files (no collective of their own) fail together with DCP's: every rank agrees."""
+    import errno
+
+    import ftcli.train.checkpoint as ckpt
+
+    def write_rank_state(*args, **kwargs):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded", "rank_00000.json")
+
+    monkeypatch.setattr(ckpt, "write_rank_state", write_rank_state)
+    with pytest.raises(ckpt.CheckpointNotSaved) as err:
+        _save(tmp_path / "checkpoints", 3)
+    assert str(err.value) == (
+        "the checkpoint of step 3 could not be saved: Disk quota exceeded (rank_00000.json) [errno 122]; there is no "
+        f"earlier checkpoint: free space, then start again with `ftcli train --recipe {tmp_path}/recipe.yaml --force`")
+    assert list((tmp_path / "checkpoints").iterdir()) == []

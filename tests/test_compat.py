@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from ftcli.model import compat
-from ftcli.model.compat import FAIL, NA, OK, WARN, Here
+from ftcli import hardware
+from ftcli.hardware import Machine
+from ftcli.model.compat import FAIL, NA, OK, WARN
 from ftcli.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,14 +21,13 @@ GOOD = {"torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.24.0", "t
         "flash-linear-attention": "0.6.0", "tilelang": "0.1.15", "liger-kernel": "0.8.5"}
 
 
-def gpu(card=H200, n=8, capability=(9, 0), fla=True, attention="flex_sinks", **versions) -> Here:
-    return Here(versions={**GOOD, **versions}, gpus=(card,) * n, capability=capability, ram_bytes=2 * 10**12,
-                fla_importable=fla, gpt_oss_attention=attention)
+def gpu(card=H200, n=8, capability=(9, 0), fla=True, flex=True, **versions) -> Machine:
+    return Machine(device="cuda:0", versions={**GOOD, **versions}, gpus=(card,) * n, capability=capability,
+                   ram_bytes=2 * 10**12, importable=frozenset({"fla"} if fla else ()), flex=flex)
 
 
-def cpu(ram_gib=24) -> Here:
-    return Here(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30,
-                gpt_oss_attention="eager_segments")
+def cpu(ram_gib=24) -> Machine:
+    return Machine(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30)
 
 
 def check(recipe, here, name_start) -> compat.Problem:
@@ -69,10 +70,20 @@ def test_fla_missing_on_a_gpu_machine_for_qwen():
 
 @pytest.mark.parametrize("attention, status", [("flex_sinks", OK), ("eager_segments", OK), ("sdpa_segments", FAIL),
                                                ("flash_attn_varlen", FAIL), (None, FAIL)])
-def test_gpt_oss_packed_needs_an_attention_path_with_sinks(attention, status):
-    p = check(load_recipe("gpt-oss-h100"), gpu(attention=attention), "gpt-oss packed attention")
+def test_gpt_oss_packed_needs_an_attention_path_with_sinks(attention, status, monkeypatch):
+    monkeypatch.setattr(compat, "sink_model_attention", lambda here: attention)  # what kernels would pick
+    p = check(load_recipe("gpt-oss-h100"), gpu(), "gpt-oss packed attention")
     assert p.status == status and p.blocks_recipe == (status == FAIL)
-    assert check(load_recipe("qwen-b300"), gpu(attention=attention), "gpt-oss packed attention").status == NA
+    assert check(load_recipe("qwen-b300"), gpu(), "gpt-oss packed attention").status == NA
+
+
+def test_the_sink_attention_follows_the_machines_attention_capabilities():
+    """flex attention on CUDA applies the sinks through the log-sum-exp; without it, and on CPU, eager attention
+    per segment does: both keep gpt-oss the model it is."""
+    assert compat.sink_model_attention(gpu(flex=True)) == "flex_sinks"
+    assert compat.sink_model_attention(gpu(flex=False)) == "eager_segments"
+    assert compat.sink_model_attention(cpu()) == "eager_segments"
+    assert check(load_recipe("gpt-oss-h100"), gpu(flex=False), "gpt-oss packed attention").status == OK
 
 
 def test_versions_outside_the_tested_matrix():
@@ -90,7 +101,7 @@ def test_versions_outside_the_tested_matrix():
     older = compat.matrix_check(gpu(**{"flash-attn": "2.7.4.post1", "causal-conv1d": "1.5.2"}), directory)
     assert older.detail == ("outside constraints/gpu-h200.txt: causal-conv1d 1.5.2 (tested 1.7.0), "
                             "flash-attn 2.7.4.post1 (tested 2.8.3.post2)")
-    bad_cpu = Here(versions={"torch": "2.12.1"})
+    bad_cpu = Machine(versions={"torch": "2.12.1"})
     assert compat.matrix_check(bad_cpu, directory).detail == "outside constraints/cpu.txt: torch 2.12.1 (tested 2.13.0)"
 
 
@@ -127,29 +138,29 @@ def _fake_nvidia_smi(tmp_path, monkeypatch, output: str | None, code: int = 0):
                           f"|| exit 9\nprintf '{output}'\nexit {code}\n")
         script.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
-    monkeypatch.setattr(compat, "GPU_DRIVER_SIGNS", (tmp_path / "proc-driver-nvidia-gpus", tmp_path / "kfd"))
+    monkeypatch.setattr(hardware, "GPU_DRIVER_SIGNS", (tmp_path / "proc-driver-nvidia-gpus", tmp_path / "kfd"))
 
 
 def test_gpus_come_from_nvidia_smi(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA H200, 143771\\nNVIDIA H200, 143771\\n")
-    assert compat.nvidia_smi_gpus() == (("NVIDIA H200", 143771 * 2**20),) * 2
-    assert compat.gpu_probe() == (True, "nvidia-smi: 2 x NVIDIA H200")
+    assert hardware.nvidia_smi_gpus() == (("NVIDIA H200", 143771 * 2**20),) * 2
+    assert hardware.gpu_probe() == (True, "nvidia-smi: 2 x NVIDIA H200")
 
 
 def test_no_nvidia_smi_means_no_gpu_unless_a_driver_is_loaded(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, None)
-    assert compat.nvidia_smi_gpus() is None
-    assert compat.gpu_probe() == (False, "no nvidia-smi (no NVIDIA driver): no GPU")
+    assert hardware.nvidia_smi_gpus() is None
+    assert hardware.gpu_probe() == (False, "no nvidia-smi (no NVIDIA driver): no GPU")
     (tmp_path / "kfd").touch()
-    assert compat.gpu_probe() == (True, f"{tmp_path / 'kfd'} exists but nvidia-smi lists no GPU")
+    assert hardware.gpu_probe() == (True, f"{tmp_path / 'kfd'} exists but nvidia-smi lists no GPU")
 
 
 def test_nvidia_smi_listing_nothing_or_failing(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, "")
-    assert compat.nvidia_smi_gpus() == () and compat.gpu_probe() == (False, "nvidia-smi lists no GPU")
+    assert hardware.nvidia_smi_gpus() == () and hardware.gpu_probe() == (False, "nvidia-smi lists no GPU")
     monkeypatch.undo()
     _fake_nvidia_smi(tmp_path / "failing", monkeypatch, "No devices were found\\n", code=6)
-    assert compat.nvidia_smi_gpus() is None
+    assert hardware.nvidia_smi_gpus() is None
 
 
 def test_torch_cuda_build_is_read_without_importing_torch():
@@ -158,7 +169,7 @@ def test_torch_cuda_build_is_read_without_importing_torch():
 
     import torch
 
-    code = "import json, sys; from ftcli.model import compat; print(json.dumps([compat.torch_cuda_build(), 'torch' in sys.modules]))"
+    code = "import json, sys; from ftcli import hardware; print(json.dumps([hardware.torch_cuda_build(), 'torch' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [torch.version.cuda, False]
 

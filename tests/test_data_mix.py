@@ -23,7 +23,7 @@ def _rows(n: int, word: str, field: str = "messages") -> list[dict]:
 
 
 def _mix(tmp_path, sources: list[dict], **overrides):
-    return recipe(tmp_path, data__sources=json.dumps(sources), data__packing__strategy="bfd",
+    return recipe(tmp_path, data__path="null", data__sources=json.dumps(sources), data__packing__strategy="bfd",
                   data__packing__block_len=256, **overrides)
 
 
@@ -35,7 +35,7 @@ def test_single_source_form_equals_a_one_entry_mix(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", _rows(30, "alpha"))
     tok = tokenizer("qwen")
     single = prepare_blocks(recipe(tmp_path, data__path=path, data__packing__block_len=256), tok)
-    mixed = prepare_blocks(recipe(tmp_path, data__sources=json.dumps([{"source": "local", "path": str(path)}]),
+    mixed = prepare_blocks(recipe(tmp_path, data__path="null", data__sources=json.dumps([{"source": "local", "path": str(path)}]),
                                   data__packing__block_len=256), tok)
     assert _blocks(single) == _blocks(mixed) and len(single) == 8
 
@@ -91,7 +91,7 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", _rows(12, "alpha"))
     b = write_jsonl(tmp_path / "b.jsonl", _rows(6, "beta") + [{"messages": [U]}])
     sources = [{"name": "a", "source": "local", "path": str(a)}, {"name": "b", "source": "local", "path": str(b)}]
-    sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"data.sources={json.dumps(sources)}",
+    sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.path=null", "--set", f"data.sources={json.dumps(sources)}",
             "--set", "data.packing.strategy=bfd", "--set", "data.packing.block_len=256", "--set", "eval=null"]
     res = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--json"])
     assert res.exit_code == 0, res.output
@@ -109,3 +109,23 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
     args = ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"]
     text = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).stdout
     assert "sources" in text and "skipped by reason" in text and "no assistant turn 1" in text
+
+
+def test_the_one_source_keys_are_the_shorthand_for_one_sources_entry():
+    """data.sources is the one form every reader sees; the one-source keys become its single entry and are what a
+    dump writes back; both forms at once are one line that says how to drop the shorthand."""
+    from ftcli.config.recipe import Recipe, SourceConfig, dump_recipe, load_recipe, parse_yaml
+
+    short = load_recipe("tiny-qwen-cpu")
+    assert short.data.sources == [SourceConfig(source="local", path="pkg://assets/tiny_chat.jsonl", split="train")]
+    assert short.data.one_source and "sources" not in short.to_dict()["data"]
+    mix = load_recipe("tiny-qwen-cpu", ["data.path=null", "data.sources=[{source: local, path: pkg://assets/tiny_chat.jsonl}]"])
+    assert not mix.data.one_source and mix.data.source_list() == short.data.source_list()
+    assert mix.to_dict()["data"]["path"] is None and len(mix.to_dict()["data"]["sources"]) == 1
+    for r in (short, mix):
+        assert Recipe.model_validate(parse_yaml(dump_recipe(r))) == r
+    with pytest.raises(RecipeError) as e:
+        load_recipe("tiny-qwen-cpu", ["data.sources=[{source: synthetic}]"])
+    assert str(e.value) == ("invalid recipe 'tiny-qwen-cpu': data: data.sources and data.source, data.path are both set; those keys "
+                            "are the shorthand for a single data.sources entry: keep one form (--set data.path=null "
+                            "drops the shorthand)")

@@ -80,6 +80,56 @@ def test_zero_trained_examples_are_counted_not_trained(tmp_path):
     assert stats.trained_lost_truncation == 8  # "\n</think>\n\n13<|im_end|>\n" of the cut example
 
 
+def test_rows_over_max_row_chars_are_skipped_and_counted_before_tokenizing(tmp_path, monkeypatch):
+    """A 3 MB row (generated here, never committed) is skipped under its reason before the chat encoder
+    sees it: the encoder is only ever handed rows within the bound."""
+    huge = {"messages": [{"role": "user", "content": "word " * 600_000}, A]}
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [U, A]}, huge, {"messages": [S, U, A]}])
+    assert path.stat().st_size > 3_000_000
+    encoded = []
+    real = pipeline.ChatEncoder.encode
+
+    def encode(self, messages, *args, **kwargs):
+        encoded.append(sum(len(m.get("content") or "") for m in messages))
+        return real(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.ChatEncoder, "encode", encode)
+    r = recipe(tmp_path, data__path=path, data__packing__block_len=64)
+    assert pipeline.row_char_limit(r.data) == 64 * 64  # the default: 64 characters per block token
+    stats = prepare_blocks(r, tokenizer("qwen")).stats
+    assert (stats.examples_read, stats.examples_kept) == (3, 2)
+    assert stats.skipped == {"row too long": 1} and stats.first_skipped == {"row too long": [1]}
+    assert stats.first_detail["row too long"] == "3,000,002 characters > data.max_row_chars 4,096"  # 3,000,000 + "13"
+    assert encoded == [19, 28]  # the two small rows only
+    encoded.clear()
+    r = recipe(tmp_path, data__path=path, data__packing__block_len=64, data__max_row_chars=20)
+    stats = prepare_blocks(r, tokenizer("qwen")).stats  # a setting of its own: a new cache entry
+    assert stats.skipped == {"row too long": 2} and stats.first_skipped == {"row too long": [1, 2]}
+    assert encoded == [19]
+    assert pipeline.row_char_limit(recipe(tmp_path, data__packing__enabled="false", data__max_length=100).data) == 6400
+
+
+def test_packed_blocks_without_a_trained_token_are_dropped_and_counted(tmp_path):
+    """split packing cuts a long prompt into blocks that hold only prompt tokens: those are not written."""
+    from ftcli.data import data_summary
+
+    long_prompt = {"messages": [{"role": "user", "content": "count " * 250}, A]}
+    path = write_jsonl(tmp_path / "d.jsonl", [long_prompt])
+    tok = tokenizer("qwen")
+    (example,) = iter_examples(recipe(tmp_path, data__path=path, data__packing__enabled="false"), tok)
+    trained = np.asarray(example.labels) != -100
+    starts = range(0, len(trained), 64)
+    per_block = [int(trained[k + 1 : k + 64].sum()) for k in starts]  # label[0] of a block is unused
+    assert len(per_block) >= 4 and per_block.count(0) >= 3
+    r = recipe(tmp_path, data__path=path, data__packing__block_len=64, data__packing__strategy="split")
+    packed = prepare_blocks(r, tok)
+    assert packed.stats.blocks_without_trained == per_block.count(0)
+    assert packed.stats.blocks == len(packed) == len(per_block) - per_block.count(0)
+    assert [int(n) for n in packed.block_trained] == [n for n in per_block if n]
+    assert ("  dropped blocks", f"{per_block.count(0)} with no trained token (not in blocks)") in (
+        data_summary(r, packed).rows())
+
+
 def test_iter_examples_labels_are_unshifted_masked_ids(tmp_path):
     r = recipe(tmp_path, data__max_examples=5, data__packing__enabled="false")
     tok = tokenizer("qwen")

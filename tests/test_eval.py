@@ -56,7 +56,7 @@ def test_holdout_disjoint_from_training_and_stable(tmp_path):
     """Share and row-count holdouts: train + eval rows partition the rows read, the same on every call, and
     the held-out rows are chosen by content (the file's rows reversed: the same rows held out)."""
     from ftcli.data import load_tokenizer
-    from ftcli.data.evalsplit import eval_recipes
+    from ftcli.data.evalsplit import eval_specs
     from ftcli.config.recipe import load_recipe, resolve_path
 
     rows = open(resolve_path(SOURCE)).read().splitlines()[:300]
@@ -68,7 +68,7 @@ def test_holdout_disjoint_from_training_and_stable(tmp_path):
         held = {}
         for path in (forward, backward):
             recipe = load_recipe("tiny-qwen-cpu", [f"data.path={path}", f"eval.holdout={holdout}", "eval.holdout_seed=7"])
-            (ev,) = eval_recipes(recipe).values()
+            (ev,) = eval_specs(recipe).values()
             train_ix, eval_ix = _indices(recipe, tokenizer), _indices(ev, tokenizer)
             assert sorted(train_ix + eval_ix) == list(range(300))  # disjoint, and nothing lost
             assert eval_ix == _indices(ev, tokenizer)  # stable
@@ -226,7 +226,7 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
 
     from ftcli.model import kernels
     from ftcli.data import iter_examples, load_tokenizer
-    from ftcli.data.evalsplit import eval_recipes
+    from ftcli.data.evalsplit import eval_specs
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.loss import attach_loss
     from ftcli.model.build import load_model
@@ -236,7 +236,7 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     (tmp_path / "a.jsonl").write_text("\n".join(rows[:150]) + "\n")
     (tmp_path / "b.jsonl").write_text("\n".join(rows[150:300]) + "\n")
     sources = f'[{{name: a, source: local, path: {tmp_path / "a.jsonl"}}}, {{name: b, source: local, path: {tmp_path / "b.jsonl"}}}]'
-    recipe = load_recipe("tiny-qwen-cpu", [f"data.sources={sources}", "eval.holdout=12", f"data.cache_dir={tmp_path / 'c'}"])
+    recipe = load_recipe("tiny-qwen-cpu", ["data.path=null", f"data.sources={sources}", "eval.holdout=12", f"data.cache_dir={tmp_path / 'c'}"])
     tokenizer = load_tokenizer(recipe)
     torch.manual_seed(0)
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, torch.device("cpu"))
@@ -249,7 +249,7 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     plain = load_model(recipe.model.model_copy(), dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.eval()
-    for label, ev in eval_recipes(recipe).items():
+    for label, ev in eval_specs(recipe).items():
         summed, count = 0.0, 0
         for ex in iter_examples(ev, tokenizer):
             with torch.no_grad():

@@ -40,27 +40,22 @@ def test_fp8_takes_the_27b_layers_big_linears_only():
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
-def test_fp8_is_full_sfts_and_lora_warns_about_it():
-    """fp8, compile=regions and fused ops are full SFT's: a LoRA run (qwen-b300 switched to LoRA, say) starts
-    and names each one it ignores; compile=regions does not turn on TRL's whole-model compile."""
-    from ftcli.train.lora.config import ignored_settings, sft_config_kwargs
+def test_fp8_is_full_sfts_and_a_lora_recipe_that_sets_it_is_refused():
+    """fp8 is full SFT's: a LoRA recipe that sets it (qwen-b300 switched to LoRA, say) is a one-line error naming
+    the method it belongs to (tests/test_lora_config.py has the other full-SFT keys)."""
     from ftcli.config.recipe import load_recipe
 
-    lora = load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true", "training.compile=regions",
-                                            "training.fused_ops=[rms_norm]"])
-    assert [m for m in ignored_settings(lora) if "fp8" in m or "compile" in m or "fused" in m] == [
-        "training.precision.fp8 has no effect on LoRA: the base's GEMMs stay in model.dtype",
-        "training.compile=regions has no effect on LoRA (full SFT's regional compile); training.compile=true "
-        "compiles the model through TRL",
-        "training.fused_ops has no effect on LoRA (full SFT's fused norms and SwiGLU)"]
-    assert sft_config_kwargs(lora, "/tmp/run")["torch_compile"] is False
-    assert sft_config_kwargs(load_recipe("tiny-gpt-oss-cpu", ["training.compile=true"]), "/tmp/run")["torch_compile"]
-    assert not [m for m in ignored_settings(load_recipe("tiny-gpt-oss-cpu")) if "fp8" in m or "fused" in m]
-    assert load_recipe("qwen-b300", ["training.method=lora"]).training.precision.fp8 is True  # loads; warned at start
+    with pytest.raises(UserError, match=r"^invalid recipe 'tiny-gpt-oss-cpu': training.precision belongs to "
+                                        r"training.method=full \(this recipe's is lora\): leave it out$"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])
+    with pytest.raises(UserError, match=r"training.precision belongs to training.method=full"):
+        load_recipe("qwen-b300", ["training.method=lora"])
     assert load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true"]).training.precision.fp8 is True
+    from ftcli import features
+
     with pytest.raises(UserError, match=r"training.precision.fp8 needs packed blocks whose tokens per micro-batch "
                                         r"\(block_len x per_device_batch = 1000\) are a multiple of 16"):
-        load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
+        features.load_recipe("tiny-qwen-cpu", ["training.precision.fp8=true", "data.packing.block_len=1000"])
 
 
 def test_fp8_refuses_a_gpu_older_than_ada(monkeypatch):

@@ -179,13 +179,13 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
     assert "fused_ops" not in load_recipe("tiny-qwen-cpu").model_dump()["training"]  # dumps stay as they were
     with pytest.raises(UserError, match=r"fused_ops"):
         load_recipe("tiny-qwen-cpu", ["training.fused_ops=[layer_norm]"])
+    from ftcli import features
+
     with pytest.raises(UserError, match=r"training.fused_ops covers Qwen3.5's modules \(model_type qwen3_5, "
                                         r"qwen3_5_text\); this recipe's model_type is gpt_oss: set training.fused_ops=\[\]"):
-        load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
-    lora = load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: warned, not refused
-    from ftcli.train.launch import _preflight
-
-    _preflight(lora)  # no CUDA check for a path that ignores them
+        features.load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
+    with pytest.raises(UserError, match=r"training.fused_ops belongs to training.method=full \(this recipe's is lora\)"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: refused at load
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny-qwen-cpu", "--set", "training.fused_ops=[swiglu]",
                                       "--set", f"output.dir={tmp_path / 'run'}"])
     assert result.exit_code == 2  # a UserError: one red line
@@ -196,7 +196,7 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
 
 
 def test_compile_regions_are_the_parts_around_the_packed_kernels():
-    from ftcli.train.full import compile_regions
+    from ftcli.features.compile import compile_regions
 
     model = tiny_qwen()
     layers = model.model.layers
@@ -213,7 +213,7 @@ def test_compile_regions_take_the_float8_linears_outside_the_mlp():
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from ftcli.features.float8 import convert_to_fp8
-    from ftcli.train.full import compile_regions
+    from ftcli.features.compile import compile_regions
 
     raw = json.loads((REPO / "benchmarks" / "configs" / "qwen3_8-27b-text.json").read_text())
     raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
@@ -240,8 +240,9 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
 
     import torch.distributed.fsdp as fsdp
 
-    from ftcli.train import full as train_full
     from ftcli.config.recipe import load_recipe
+    from ftcli.features.compile import compile_regions
+    from ftcli.model import parallelize
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
@@ -249,14 +250,14 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     world = types.SimpleNamespace(mesh=None)
     model = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's own patching: the old value comes back
-        train_full.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+        parallelize.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
         assert torch._dynamo.config.recompile_limit == 64
     names = {id(m): n for n, m in model.named_modules()}
     assert [names[id(m)] for m in compiled] == [f"model.layers.{i}.{r}" for i, layer in enumerate(model.model.layers)
-                                                for r in train_full.compile_regions(layer)]
+                                                for r in compile_regions(layer)]
     assert len(compiled) == 3 * 4 + 5
     compiled.clear()
     whole = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):
-        train_full.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
+        parallelize.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
         assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8

@@ -17,10 +17,12 @@ from typer.testing import CliRunner
 from ftcli import cli
 
 from ftcli import inference as generate
+from ftcli.commands import generate as generate_cmd
 from ftcli.artifacts.resolve import model_source
 from ftcli.commands.chat import Chat, run_chat
 from ftcli.inference import Sampling
 from ftcli.artifacts.rundir import BaseModelRecord, RunRecord, write_run_record
+from ftcli.config.errors import UserError
 
 runner = CliRunner()
 CONFIGS = {"qwen": ("tiny-qwen3_5.json", "qwen3_5_text"), "gpt-oss": ("tiny-gpt-oss.json", "gpt_oss")}
@@ -348,7 +350,9 @@ def test_hub_id_resolves_with_its_revision_and_fails_offline_in_one_line(tmp_pat
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: no-such-org/no-such-model: cannot load its config (")
+    assert len(errors) == 1 and errors[0] == ("error: no connection to the Hub (HF_HUB_OFFLINE is set) and model 'no-such-org/no-such-model' "
+                                          "is not in the local HF cache; point model.id/tokenizer/data.path at a local "
+                                          "copy or UC volume")
 
 
 def test_reasoning_effort_the_template_refuses_is_one_line(model_dirs):
@@ -405,8 +409,9 @@ def test_chat_keeps_history_and_handles_commands():
 def test_chat_cli_streams_replies_with_history(model_dirs):
     res = runner.invoke(cli.app, ["chat", str(model_dirs["gpt-oss"]), "--greedy", "--max-new-tokens", "4",
                                   "--device", "cpu", "--reasoning-effort", "low"],
-                        input="What is 2 plus 4?\nHi\n/exit\n")
+                        input=b"\xff\xfe\nWhat is 2 plus 4?\nHi\n/exit\n")  # a first line that is not UTF-8
     assert res.exit_code == 0, res.output
+    assert "[skipped: this line is not UTF-8 text (byte 0xFF at character 1)]\n" in res.stdout
     loaded = _load(model_dirs["gpt-oss"])
     greedy = Sampling(max_new_tokens=4, greedy=True)
     kwargs = generate.template_kwargs("low")
@@ -416,6 +421,147 @@ def test_chat_cli_streams_replies_with_history(model_dirs):
     for completion in (first, second):
         view = generate.ReplyView(loaded.tokenizer, "harmony").render(completion.raw)
         assert f"assistant> {view}\n[4 tokens in " in res.stdout
+
+
+def _recording_reply(sent):
+    def reply(loaded, messages, sampling, *, write, template_kwargs):
+        sent.append([dict(m) for m in messages])
+        return generate.Completion(text="ok", reasoning=None, raw=""), generate.StreamStats(1, 1.0, None)
+    return reply
+
+
+def test_chat_skips_lines_that_are_not_utf8_text():
+    """Bytes that are not UTF-8 (read as lone surrogates, as `ftcli chat` reads stdin) and a lone
+    surrogate are one skipped line each; the conversation goes on."""
+    loaded = generate.LoadedModel(model=None, tokenizer=None, stop_ids=[], source=generate.ModelSource(model="m"))
+    raw = b"\xff\xfehi\n" + "\ud800 x".encode("utf-8", "surrogatepass") + b"\nhello\n"
+    stdin = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors="surrogateescape")
+    sent, out = [], []
+    run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=stdin, write=out.append,
+             reply=_recording_reply(sent))
+    assert sent == [[{"role": "user", "content": "hello"}]]
+    skipped = [line for line in "".join(out).splitlines() if line.startswith("[skipped")]
+    assert skipped == ["[skipped: this line is not UTF-8 text (byte 0xFF at character 1)]",
+                       "[skipped: this line is not UTF-8 text (byte 0xED at character 1)]"]
+    out.clear()
+    run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=io.StringIO("a\ud800\n"), write=out.append,
+             reply=_recording_reply(sent))
+    assert "[skipped: this line is not UTF-8 text (a lone surrogate U+D800 at character 2)]\n" in out
+    strict = io.TextIOWrapper(io.BytesIO(b"\xff\n"), encoding="utf-8")
+    with pytest.raises(UserError, match=r"^the input is not UTF-8 text \(invalid start byte at byte 0\); chat reads UTF-8$"):
+        run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=strict, write=out.append,
+                 reply=_recording_reply(sent))
+
+
+class _CountingTokenizer:
+    """The real tokenizer, recording how many characters each call tokenizes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars, self.renders = tokenizer, [], 0
+
+    def __call__(self, text, **kwargs):
+        self.chars.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_chat_refuses_a_prompt_longer_than_the_context_before_tokenizing_it_whole():
+    from types import SimpleNamespace
+
+    from ftcli.prompt_checks import CHUNK_CHARS
+
+    tokenizer = _CountingTokenizer(_tokenizer("qwen"))
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    loaded = generate.LoadedModel(model=model, tokenizer=tokenizer, stop_ids=[], source=generate.ModelSource(model="m"))
+    huge = "word " * 200_000  # 1M characters on one line
+    def rendered_len(text):
+        return len(generate.render_prompt(tokenizer.tokenizer, [{"role": "user", "content": text}]))
+
+    medium = next(" ".join(["seven"] * n) for n in range(1, 64) if rendered_len(" ".join(["seven"] * n)) >= 64)
+    rendered = rendered_len(medium)  # over 64 tokens with the template, under it without
+    assert rendered >= 64 > len(tokenizer.tokenizer(medium, add_special_tokens=False)["input_ids"])
+    sent, out = [], []
+    stdin = io.StringIO(huge + "\n" + medium + "\nhi\n")
+    run_chat(loaded, Sampling(), system=None, template_kwargs={}, stdin=stdin, write=out.append,
+             reply=_recording_reply(sent))
+    assert sent == [[{"role": "user", "content": "hi"}]]
+    assert sum(tokenizer.chars[:1]) == CHUNK_CHARS and max(tokenizer.chars) <= CHUNK_CHARS
+    assert tokenizer.renders == 2  # the medium line and "hi": the huge one is never rendered
+    first = len(tokenizer.tokenizer(huge[:CHUNK_CHARS], add_special_tokens=False)["input_ids"])
+    skipped = [line for line in "".join(out).splitlines() if line.startswith("[skipped")]
+    assert skipped == [
+        f"[skipped: the prompt is longer than the model's context of 64 tokens (max_position_embeddings): {first:,} "
+        f"tokens in its first {CHUNK_CHARS:,} of 999,999 characters; shorten it]",
+        f"[skipped: the prompt is {rendered} tokens with its chat template, the model's context is 64 "
+        "(max_position_embeddings); shorten it]"]
+
+
+def test_generate_prompt_over_the_context_or_not_text_is_one_line(model_dirs):
+    from ftcli.prompt_checks import CHUNK_CHARS, count_tokens
+
+    huge = "word " * 200_000
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", huge, "--device", "cpu"])
+    tokens, read = count_tokens(_tokenizer("qwen"), [{"content": huge}], 4096)
+    assert read < len(huge) and read % CHUNK_CHARS == 0 and "Traceback" not in res.output
+    assert res.exit_code == 2 and [line for line in res.output.splitlines() if line.startswith("error:")] == [
+        f"error: the prompt is longer than the model's context of 4,096 tokens (max_position_embeddings): {tokens:,} "
+        f"tokens in its first {read:,} of 1,000,000 characters; shorten it"]
+    with pytest.raises(UserError, match=r"^--prompt is not UTF-8 text \(byte 0xFF at character 3\)$"):
+        generate_cmd.run_generate(str(model_dirs["qwen"]), prompt="hi\udcff", system=None, input_path=None, output=None,
+                              force=False, sampling=Sampling(), reasoning_effort=None, reasoning_language=None,
+                              dtype="auto", device="cpu", revision=None, batch_size=1, as_json=False)
+
+
+def test_generate_output_must_be_a_file_in_an_existing_folder(model_dirs, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (tmp_path / "a-file").write_text("x")
+    cases = [
+        (tmp_path / "missing" / "out.jsonl", f"--output {tmp_path}/missing/out.jsonl: the folder {tmp_path}/missing "
+                                              "does not exist; create it first"),
+        (tmp_path, f"--output {tmp_path} is a folder; pass a file path, e.g. {tmp_path}/completions.jsonl"),
+        (tmp_path / "a-file" / "out.jsonl", f"--output {tmp_path}/a-file/out.jsonl: the folder {tmp_path}/a-file is "
+                                            "not a folder; create it first"),
+    ]
+    for out, expected in cases:
+        for force in ([], ["--force"]):
+            res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out),
+                                          *force])
+            assert res.exit_code == 2 and " ".join(res.output.split()) == "error: " + expected
+
+
+def test_generate_output_through_a_symlink_is_refused_and_force_replaces_the_link(model_dirs, tmp_path):
+    """Dangling or not, a link at --output is a file ftcli did not write: refused; --force replaces the
+    link with the output and leaves its target alone. Rows that are not UTF-8 text are counted skips."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "a\ud800"}) + "\n"
+                   + json.dumps({"messages": [{"role": "user", "content": "\udcff"}]}) + "\n")
+    dangling, linked, target = tmp_path / "dangling.jsonl", tmp_path / "linked.jsonl", tmp_path / "target.txt"
+    dangling.symlink_to(tmp_path / "nowhere.txt")
+    target.write_text("keep me")
+    linked.symlink_to(target)
+    for out, to in ((dangling, tmp_path / "nowhere.txt"), (linked, target)):
+        res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out)])
+        assert res.exit_code == 2 and " ".join(res.output.split()) == (
+            f"error: {out} is a symbolic link (to {to}); pass --force to replace the link with the output (its "
+            "target is left alone)")
+    assert not (tmp_path / "nowhere.txt").exists() and target.read_text() == "keep me"
+    for out in (dangling, linked):
+        res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out),
+                                      "--force", "--greedy", "--max-new-tokens", "2"])
+        assert res.exit_code == 2 and "Traceback" not in res.output
+        errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+        assert " ".join(" ".join(errors).split()) == (
+            f"error: {src}: 2 of 3 rows skipped (line 2: 'prompt' or 'system' is not UTF-8 text (a lone surrogate "
+            "U+D800 at character 2); line 3: message 0 is not UTF-8 text (byte 0xFF at character 1))")
+        assert not out.is_symlink() and [json.loads(x)["line"] for x in out.read_text().splitlines()] == [1]
+    assert not (tmp_path / "nowhere.txt").exists() and target.read_text() == "keep me"
 
 
 # ------------------------------------------------------------------------------------------ FSDP2

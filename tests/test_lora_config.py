@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _lora_common import tiny_model, tiny_recipe
+from ftcli.config.recipe import load_recipe
 
 RUN = Path("/runs/x")
 
@@ -149,3 +150,51 @@ def test_vision_tower_excluded_on_vlm_classes():
     assert all(t.startswith("model.language_model.layers.") for t in excluded)
     included = _lora_targets(tiny_recipe(*base, "lora.exclude_vision=false"), Qwen3_5ForConditionalGeneration(config))
     assert any(t.startswith("model.visual.") for t in included)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("training.precision.master_dtype=bfloat16", "training.precision belongs to training.method=full (this recipe's is "
+                                                 "lora): leave it out"),
+    ("training.activation_checkpointing_keep=2", "training.activation_checkpointing_keep belongs to training.method=full "
+                                                 "(this recipe's is lora): leave it out"),
+    ("training.fused_ops=[rms_norm]", "training.fused_ops belongs to training.method=full (this recipe's is lora): "
+                                      "leave it out"),
+    ("training.compile=regions", "training.compile: regions belongs to training.method=full; LoRA takes true (TRL "
+                                 "compiles the model) or false (got 'regions')"),
+    ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is TRL's (a "
+                                 "chunked LM head): leave training.loss.impl out"),
+])
+def test_a_full_sft_setting_in_a_lora_recipe_is_one_line_naming_its_method(override, line):
+    from ftcli.config.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        load_recipe("tiny-gpt-oss-cpu", [override])
+    assert str(e.value) == f"invalid recipe 'tiny-gpt-oss-cpu': {line}"
+
+
+def test_training_is_typed_by_method_and_dumps_load_back():
+    """`training` is FullTraining or LoraTraining by `method`; each refuses the other's keys except at their defaults,
+    which dumps write (recipe.yaml and rendered workloads list every key), so a dump loads back unchanged."""
+    from ftcli.config.errors import UserError
+    from ftcli.config.recipe import FullTraining, LoraTraining, Recipe, dump_recipe, parse_yaml
+
+    lora, full = load_recipe("tiny-gpt-oss-cpu"), load_recipe("tiny-qwen-cpu")
+    assert type(lora.training) is LoraTraining and type(full.training) is FullTraining
+    assert not hasattr(lora.training, "precision") and not hasattr(full.training, "sharding")
+    dumped = lora.to_dict()["training"]
+    assert (dumped["precision"], dumped["activation_checkpointing_keep"], dumped["sharding"]) == (
+        {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_dtype": "float32"}, 0, "auto")
+    assert full.to_dict()["training"]["sharding"] == "auto" and "fused_ops" not in dumped
+    for recipe in (lora, full):
+        assert Recipe.model_validate(parse_yaml(dump_recipe(recipe))) == recipe
+    assert type(load_recipe("tiny-qwen-cpu", ["training.method=lora", "training.precision={}"]).training) is LoraTraining
+    assert load_recipe("tiny-qwen-cpu", ["training.sharding=auto"]).training == full.training
+    with pytest.raises(UserError, match=r"^invalid recipe 'tiny-qwen-cpu': training.sharding belongs to "
+                                        r"training.method=lora \(this recipe's is full\): leave it out$"):
+        load_recipe("tiny-qwen-cpu", ["training.sharding=ddp"])
+    with pytest.raises(UserError, match=r"unknown key 'training.shardin'; did you mean 'training.sharding'\?$"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.shardin=ddp"])
+    with pytest.raises(UserError, match=r"unknown key 'training.lr'; did you mean 'training.optimizer.lr'\?$"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.lr=1"])
+    with pytest.raises(UserError, match=r"training.method: Input should be 'full' or 'lora' \(got 'qlora'\)$"):
+        load_recipe("tiny-gpt-oss-cpu", ["training.method=qlora"])

@@ -49,7 +49,8 @@ def test_all_masked_block_loss_is_zero_with_zero_grads():
 
 def test_liger_without_liger_kernel_is_a_one_line_error():
     from ftcli.config.errors import UserError
-    from ftcli.train.loss import liger_loss, token_loss_sum
+    from ftcli.features.loss import liger_loss
+    from ftcli.train.loss import token_loss_sum
 
     try:
         import liger_kernel  # noqa: F401

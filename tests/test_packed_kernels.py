@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ftcli import hardware
 from ftcli.model import kernels
 from ftcli.config.errors import UserError
 
@@ -493,7 +494,7 @@ def test_cuda_prefers_flash_attn_then_torch_varlen_and_fla():
 def test_every_decidable_backend_has_a_kernel():
     """What `decide_backends` can pick on any machine is in the table `install` and doctor read (or is
     transformers' own flash_attention_2), and the table holds nothing that cannot be picked."""
-    machines = [kernels.machine("cpu"), _gpu((9, 0), "3.6.0", tilelang=True), _gpu((9, 0), "3.3.1"),
+    machines = [hardware.read("cpu"), _gpu((9, 0), "3.6.0", tilelang=True), _gpu((9, 0), "3.3.1"),
                 _gpu((10, 0), "3.6.0", flash_attn=True, causal_conv1d=True),
                 kernels.Machine(device="cuda:0", capability=(9, 0)), kernels.Machine(device="cuda:0", flex=True)]
     chosen = {(b.op, b.name) for model_type in kernels.MODEL_FAMILIES for m in machines

@@ -4,6 +4,7 @@ token counts (pack cache, synthetic, sampled), the JSON output, and render-workl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -11,9 +12,12 @@ import pytest
 
 from ftcli.estimate import memory
 
-from ftcli.commands import plan
+from ftcli.commands import plan as plan_command
+from ftcli.estimate import datasize, plan, steptime
+from ftcli.estimate.fit import CARDS, resolved_sharding, setting_of
+from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import load_recipe
+from ftcli.config.recipe import load_recipe, resolve_path
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +46,30 @@ def test_qwen_b300_plan_on_every_card():
     assert [round(s.total_gib, 1) for s in c["GPU_8xH100"].suggestions] == [65.8, 61.2, 56.4]
     assert not c["GPU_1xA10"].fits and c["GPU_1xA10"].gpus == 8 and not c["GPU_1xA10"].suggestions
     assert "no setting tried fits 20.6 GiB" in c["GPU_1xA10"].why
+
+
+TINY_CHAT = "{source: local, path: pkg://assets/tiny_chat.jsonl}"
+NO_SHORTHAND = ["data.path=null", "data.revision=null", "data.split=train", "data.streaming=false"]
+
+
+def test_plan_sizes_the_mix_not_the_one_source_keys():
+    """qwen-b300 with `--set data.sources=...` once sized the recipe's ultrachat path (260,833,280 published
+    tokens) instead of the mix: both forms at once are now one line, and the mix is what plan sizes, source by
+    source under its weight."""
+    with pytest.raises(UserError, match=r"^invalid recipe 'qwen-b300': data: data.sources and data.path, data.revision, "
+                                        r"data.split, data.streaming are both set; .*: keep one form \(--set data.path=null "
+                                        r"--set data.revision=null --set data.split=train --set data.streaming=false drops"):
+        load_recipe("qwen-b300", [f"data.sources=[{TINY_CHAT}]"])
+    one = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, f"data.sources=[{TINY_CHAT}]"])).data
+    shorthand = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, "data.source=local",
+                                                         "data.path=pkg://assets/tiny_chat.jsonl"])).data
+    assert one == shorthand and one.source.startswith("estimate: first 300 of 3000 rows")
+    assert one.tokens != 995 * 8 * 32768 and one.blocks == -(-one.tokens // 32768)
+    twice = TINY_CHAT.replace("}", ", weight: 2}")
+    mix = plan.make_plan(load_recipe("qwen-b300", [*NO_SHORTHAND, f"data.sources=[{twice}, {{name: b, "
+                                                                  f"{TINY_CHAT[1:]}]"])).data
+    assert mix.tokens == 3 * one.tokens and mix.blocks == -(-mix.tokens // 32768)
+    assert mix.source.startswith("mix of 2 sources, x weight (pkg://assets/tiny_chat.jsonl: estimate: first 300")
 
 
 def test_qwen_b300_time_from_the_published_token_count():
@@ -140,11 +168,12 @@ def test_lora_adapter_size_equals_peft(name):
     from ftcli.model.build import load_model
     from ftcli.train.lora.trainer import lora_config
 
-    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0"])
+    recipe = load_recipe(name, [] if name == "tiny-gpt-oss-cpu" else ["training.method=lora", "lora.dropout=0",
+                                                                           "training.precision={}"])
     model = load_model(recipe.model, dtype=torch.float32)
     peft_model = get_peft_model(model, lora_config(recipe, model))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert plan.adapter_params(recipe, plan.model_shape(recipe)) == trainable
+    assert adapter_params(recipe, model_shape(recipe)) == trainable
 
 
 def test_tiny_recipes_fit_everywhere_and_have_no_step_measurement():
@@ -161,21 +190,39 @@ def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     from ftcli.config.recipe import resolve_path
 
     recipe = load_recipe("tiny-qwen-cpu")
-    sampled = plan.data_size(recipe)
+    sampled = datasize.data_size(recipe)
     assert sampled.source.startswith("estimate: first 300 of 3000 rows, chat template rendered")
     packed = prepare_blocks(recipe, AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer)))
-    cached = plan.data_size(recipe)
+    cached = datasize.data_size(recipe)
     assert cached.source.startswith("pack cache") and cached.blocks == len(packed) == 262  # eval holds out 2%
     assert cached.tokens == packed.meta["num_tokens"]
     assert abs(sampled.tokens / cached.tokens - 1) < 0.10
     assert plan.make_plan(recipe).steps == 262
 
 
+def test_sampled_token_count_is_the_same_for_every_row_format(tmp_path):
+    """plan's sample reads rows through the data path's formats: the tiny chat data as messages (auto or named) and
+    as ShareGPT rows give one token count."""
+    src = Path(resolve_path("pkg://assets/tiny_chat.jsonl"))
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    with sharegpt.open("w") as f:
+        for line in src.read_text().splitlines()[:400]:
+            msgs = json.loads(line)["messages"]
+            f.write(json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in msgs]}) + "\n")
+    head = tmp_path / "messages.jsonl"
+    head.write_text("\n".join(src.read_text().splitlines()[:400]) + "\n")
+    sizes = {fmt_path: datasize.data_size(load_recipe("tiny-qwen-cpu", [f"data.path={fmt_path[1]}",
+                                                                         f"data.format={fmt_path[0]}"])).tokens
+             for fmt_path in (("messages", head), ("auto", head), ("sharegpt", sharegpt), ("auto", sharegpt))}
+    assert len(set(sizes.values())) == 1 and next(iter(sizes.values())) > 0, sizes
+
+
 def test_synthetic_token_count_is_the_expected_length():
     from ftcli.data.synthetic import synthetic_examples
 
     recipe = load_recipe("tiny-qwen-cpu", ["data.source=synthetic", "data.synthetic.num_examples=4000"])
-    size = plan.data_size(recipe)
+    size = datasize.data_size(recipe)
     drawn = sum(len(ids) for _, ids, _ in synthetic_examples(recipe.data.synthetic, 1024))
     assert size.source.startswith("computed") and abs(size.tokens / drawn - 1) < 0.03
     assert size.blocks == -(-size.tokens // 1024)
@@ -246,12 +293,12 @@ def test_a_recipe_on_an_unknown_card_is_planned_on_the_known_ones():
 def test_a_model_without_a_config_here_is_a_one_line_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError, match=r"^plan needs org/not-here's config.json: .*hf download org/not-here"):
-        plan.model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]))
+        model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]))
 
 
 def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text((memory.shipped_shape_path("openai/gpt-oss-20b")).read_text())
-    shape = plan.model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
+    shape = model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
     assert shape.total_params == 20_914_757_184
 
 
@@ -270,7 +317,7 @@ def test_gpt_oss_120b_recipe_fits_8xh100_only_sharded():
     r = load_recipe("gpt-oss-120b-h100")
     assert (r.training.sharding, r.compute.accelerator_type) == ("fsdp", "GPU_8xH100")
     assert r.lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    shape = plan.model_shape(r)
+    shape = model_shape(r)
     assert (shape.layers, shape.total_params, shape.expert_shapes[0][1]) == (36, 116_829_156_672, 128)
     p = plan.make_plan(r)
     h100 = cards(p)["GPU_8xH100"]
@@ -288,11 +335,11 @@ def test_gpt_oss_120b_recipe_fits_8xh100_only_sharded():
 
 
 def test_auto_sharding_is_what_fits():
-    assert plan.resolved_sharding(load_recipe("gpt-oss-h100"))[0] == "ddp"
-    chosen, why = plan.resolved_sharding(load_recipe("gpt-oss-120b-h100", ["training.sharding=auto"]))
+    assert resolved_sharding(load_recipe("gpt-oss-h100"))[0] == "ddp"
+    chosen, why = resolved_sharding(load_recipe("gpt-oss-120b-h100", ["training.sharding=auto"]))
     assert (chosen, why) == ("fsdp", "training.sharding=auto: a whole base per GPU does not fit GPU_8xH100")
-    assert plan.resolved_sharding(load_recipe("tiny-gpt-oss-cpu"))[0] == "ddp"
-    assert plan.resolved_sharding(load_recipe("tiny-gpt-oss-cpu", ["training.sharding=fsdp"])) == (
+    assert resolved_sharding(load_recipe("tiny-gpt-oss-cpu"))[0] == "ddp"
+    assert resolved_sharding(load_recipe("tiny-gpt-oss-cpu", ["training.sharding=fsdp"])) == (
         "fsdp", "training.sharding")
 
 
@@ -328,7 +375,7 @@ RECIPES = ("qwen-b300", "gpt-oss-h100", "gpt-oss-120b-h100", "tiny-qwen-cpu", "t
 
 def test_every_measured_step_time_names_card_gpus_block_date_and_command():
     for row in memory.measured()["step_time"]:
-        assert row["card"] in plan.CARDS and row["gpus"] >= 1 and row["block_len"] >= 512
+        assert row["card"] in CARDS and row["gpus"] >= 1 and row["block_len"] >= 512
         assert len(row["date"]) == 10 and row["command"].startswith("python benchmarks/")
 
 
@@ -351,7 +398,7 @@ def test_every_step_time_says_where_it_came_from(name):
 
 
 def test_step_time_table_exact(capsys):
-    plan.print_plan(plan.make_plan(load_recipe("gpt-oss-h100")))
+    plan_command.print_plan(plan.make_plan(load_recipe("gpt-oss-h100")))
     out = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     table = out[out.index("Time (* estimate)"):]
     point = "H200, 1 GPU, openai/gpt-oss-20b at 24 layers, block 4096, 2026-12-01"
@@ -400,9 +447,10 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
     """Full SFT with liger: a suggested block of 8k or less also switches to the chunked loss (measured faster
     there on an H200), a 16k one keeps liger (16k not measured)."""
     from ftcli.estimate import memory
-    from ftcli.commands.plan import CHUNKED_LOSS_UP_TO, fitting_settings
+    from ftcli.estimate.fit import fitting_settings
+    from ftcli.features.loss import FUSED_LINEAR_CE
 
-    assert CHUNKED_LOSS_UP_TO == 8192
+    assert FUSED_LINEAR_CE["liger"].chunked_faster_up_to == 8192
     shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
     liger = memory.Setting(method="full", tokens=32768, loss="liger", checkpointing="full")
     on_h200 = fitting_settings(shape, memory.Setting(**{**vars(liger), "world": 8}), "H200", 8)
@@ -413,11 +461,12 @@ def test_a_suggested_short_block_comes_with_the_faster_loss():
     assert fitting_settings(shape, chunked, "A10", 8)[0].overrides == ("data.packing.block_len=8192",)
 
 
-def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
+def test_kept_layers_go_with_every_suggestion_and_lora_has_none():
     """A recipe that keeps layers' activations: every suggestion but "keep fewer" also drops them (the last
-    resort included: it was once computed without them but did not say so); LoRA has no kept layers."""
+    resort included: it was once computed without them but did not say so); LoRA has no kept layers (a LoRA
+    recipe that asks for some is refused)."""
     from ftcli.estimate import memory
-    from ftcli.commands.plan import fitting_settings, setting_of
+    from ftcli.estimate.fit import fitting_settings
 
     shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
     kept = memory.Setting(method="full", tokens=32768, loss="chunked", checkpointing="full", keep=14, world=8)
@@ -428,25 +477,27 @@ def test_kept_layers_go_with_every_suggestion_and_lora_ignores_them():
     one_change = fitting_settings(shape, memory.Setting(**{**vars(kept), "world": 64}), "A10", 8)
     assert [s.overrides for s in one_change] == [("training.activation_checkpointing_keep=0",
                                                   "data.packing.block_len=8192")]
-    lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full",
-                                        "training.activation_checkpointing_keep=4"])
-    assert setting_of(lora, plan.model_shape(lora)).keep == 0
+    with pytest.raises(UserError, match=r"^invalid recipe 'gpt-oss-h100': training.activation_checkpointing_keep "
+                                        r"belongs to training.method=full \(this recipe's is lora\): leave it out$"):
+        load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full", "training.activation_checkpointing_keep=4"])
+    lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full"])
+    assert setting_of(lora, model_shape(lora)).keep == 0
 
 
 # ------------------------------------------------------------------------------------------ kept layers
 def test_layer_fit_counts_kept_layers_from_rows_that_differ_only_in_keep():
     """(layers, kept, s/step): keep 2 at 4 and 8 layers gives the recomputed slope, keep 2 and 4 at 4 layers a kept
     layer's cost; without rows that differ only in keep it is the plain depth fit, without two depths none."""
-    fit = plan.layer_fit([(4, 2, 1.165), (8, 2, 1.989), (4, 4, 1.078)])
+    fit = steptime.layer_fit([(4, 2, 1.165), (8, 2, 1.989), (4, 4, 1.078)])
     assert (fit.fixed, fit.recomputed, fit.kept_layer) == pytest.approx((0.428, 0.206, 0.1625))
     assert (fit.depths, fit.depth_keep, fit.keeps, fit.keep_depth) == ((4, 8), 2, (2, 4), 4)
     assert fit.seconds(64, 14) == pytest.approx(0.428 + 50 * 0.206 + 14 * 0.1625)  # 13.003
     assert fit.seconds(4, 4) == pytest.approx(1.078) and fit.seconds(8, 2) == pytest.approx(1.989)
-    plain = plan.layer_fit([(4, 0, 1.242), (8, 0, 2.071)])
+    plain = steptime.layer_fit([(4, 0, 1.242), (8, 0, 2.071)])
     assert plain.kept_layer is None and (plain.fixed, plain.recomputed) == pytest.approx((0.413, 0.20725))
     assert plain.seconds(64, 14) == pytest.approx(0.413 + 64 * 0.20725)  # kept layers not counted
     assert plain.text(64, 14) == "4 and 8 -> 64 layers by the per-layer fit (0.413 s + 0.2073 s x layers)"
-    assert plan.layer_fit([(4, 2, 1.165), (4, 4, 1.078)]) is None
+    assert steptime.layer_fit([(4, 2, 1.165), (4, 4, 1.078)]) is None
 
 
 def test_no_kept_layers_is_the_same_rows_fit_with_every_layer_recomputed():
@@ -464,9 +515,9 @@ def test_a_measured_depth_and_keep_is_the_row_itself():
     from dataclasses import replace
 
     r = load_recipe("qwen-b300", BF16)
-    shape = plan.model_shape(r).cut(4)
+    shape = model_shape(r).cut(4)
     for keep, seconds, command in ((14, 1.078, "--parts 32768:4:base"), (2, 1.165, "--parts 32768:4:keep2 ")):
-        st = plan.step_time(r, shape, replace(plan.setting_of(r, shape), keep=keep), "H200", 1)
+        st = steptime.step_time(r, shape, replace(setting_of(r, shape), keep=keep), "H200", 1)
         assert st.measured and st.s_per_step == seconds and command in st.command
         assert st.source == ("measured: H200, 1 GPU, Qwen/Qwen3.8-27B at 4 layers, block 32768, 2026-12-01 "
                              "13:48-13:52 UTC, kernels flash-attn 2.8.3.post2 varlen attention, causal-conv1d 1.7.0, "

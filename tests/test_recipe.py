@@ -272,6 +272,7 @@ def test_relative_eval_and_source_paths_resolve_against_recipe_folder(tmp_path, 
     data = load_recipe("tiny-qwen-cpu").to_dict()
     data["eval"] = {"path": "held.jsonl", "every_steps": 25}
     (folder / "eval.yaml").write_text(yaml.safe_dump(data))
+    del data["data"]["path"]  # data.sources replaces the one-source shorthand
     data["data"]["sources"] = [{"source": "local", "path": "train.jsonl"}, {"source": "hub", "path": "org"},
                                {"source": "local", "path": "absent.jsonl"}]
     data["eval"] = {"sources": [{"source": "local", "path": "more.jsonl"}, {"path": "org", "name": "hub"},

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftcli.config.recipe import load_recipe
-from ftcli.config.redact import mask_uri, scrub_recipe
+from ftcli.config.redact import has_masked_credentials, holds_credentials, mask_uri, scrub_recipe, split_credentials
 from ftcli.artifacts.tracking import flatten
 
 SECRET = "s3cr3t-value-never-logged"
@@ -27,6 +27,31 @@ SECRET = "s3cr3t-value-never-logged"
 ])
 def test_mask_uri_hides_user_info_and_nothing_else(text, masked):
     assert mask_uri(text) == masked
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("https://mlflow.example.com/?token=abc", "https://mlflow.example.com/?token=***"),
+    ("https://h/x?y=1&access_token=abc#f", "https://h/x?y=1&access_token=***#f"),
+    ("https://h/x?api_key=a&key=b&secret=c&password=d", "https://h/x?api_key=***&key=***&secret=***&password=***"),
+    ("https://acct.blob.core.windows.net/c/f?sv=2024-01-01&se=2030&sig=AbC%3D",
+     "https://acct.blob.core.windows.net/c/f?sv=2024-01-01&se=2030&sig=***"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA&X-Amz-Signature=ff&X-Amz-Security-Token=t",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***"),
+    ("https://u:p@h/x?auth=z", "https://***@h/x?auth=***"),
+    ("failed (see https://h/x?code=abc): retry", "failed (see https://h/x?code=***): retry"),
+    ("https://h/x?tokenizer=qwen&page=2&keyboard=us", "https://h/x?tokenizer=qwen&page=2&keyboard=us"),
+    ("https://h/x?token=", "https://h/x?token="),  # nothing to hide
+])
+def test_mask_uri_hides_token_like_query_parameters(text, masked):
+    assert mask_uri(text) == masked
+    assert holds_credentials(text) == (masked != text)
+    assert has_masked_credentials(masked) == (masked != text)
+
+
+def test_split_credentials_drops_user_info_and_token_parameters():
+    assert split_credentials("https://u:p@h/x?token=t&y=1") == ("https://h/x?y=1", "u", "p")
+    assert split_credentials("https://h/x?sig=s") == ("https://h/x", None, None)
+    assert split_credentials("https://h/x?y=1") == ("https://h/x?y=1", None, None)
 
 
 def test_scrub_recipe_hides_secret_and_env_values():

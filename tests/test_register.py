@@ -410,6 +410,72 @@ def test_missing_run_json_and_model_files_are_one_line_errors(tmp_path, tiny_ful
         reg.resolve_source(run_dir)
 
 
+def test_register_uploads_only_model_files_and_lists_the_rest(tmp_path, tiny_full_final, sqlite_uri, capsys):
+    """A key, a notes dir and a link planted in final/ stay here: the logged model dir holds exactly
+    the checkpoint's files."""
+    import mlflow
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    model_files = sorted(p.name for p in (run_dir / "final").iterdir())
+    (run_dir / "final" / "id_rsa").write_text(f"-----BEGIN OPENSSH PRIVATE KEY-----{SECRET_VALUE}")
+    (run_dir / "final" / "notes").mkdir()
+    (run_dir / "final" / "notes" / "todo.txt").write_text(SECRET_VALUE)
+    (tmp_path / "outside.txt").write_text(SECRET_VALUE)
+    (run_dir / "final" / "link.txt").symlink_to(tmp_path / "outside.txt")
+    result = reg.run_register(run_dir, name="q", tracking_uri=sqlite_uri)
+    assert f"not uploaded from {run_dir / 'final'} (not model files): id_rsa, link.txt, notes/\n" in capsys.readouterr().err
+    mlflow.set_tracking_uri(sqlite_uri)
+    mlflow.set_registry_uri(sqlite_uri)
+    local = Path(mlflow.artifacts.download_artifacts(result.model_uri))
+    assert sorted(p.name for p in (local / "model").iterdir()) == model_files
+    assert model_files == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                           "tokenizer.json", "tokenizer_config.json"]
+    logged = [p for p in local.rglob("*") if p.is_file()]
+    assert not [p for p in logged if p.name in ("id_rsa", "todo.txt", "link.txt")]
+    assert not [p for p in logged if SECRET_VALUE.encode() in p.read_bytes()]
+
+
+def test_select_model_files_keeps_the_allow_list_and_names_the_rest(tmp_path):
+    (tmp_path / "additional_chat_templates").mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "merge.json",
+                 "tokenizer.json", "chat_template.jinja", "additional_chat_templates/tool.jinja", "id_rsa",
+                 "modeling_custom.py", "additional_chat_templates/x.sh", ".env"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "checkpoints").mkdir()
+    files = mlflow_model.select_model_files(tmp_path, tmp_path)
+    assert files.keep == ["additional_chat_templates/tool.jinja", "chat_template.jinja", "config.json", "merge.json",
+                          "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    assert files.skipped == [".env", "additional_chat_templates/x.sh", "checkpoints/", "id_rsa", "modeling_custom.py"]
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_custom.MyLM"}}))
+    assert "modeling_custom.py" in mlflow_model.select_model_files(tmp_path, tmp_path).keep  # custom code: needed
+
+
+def test_model_dir_or_model_file_resolving_outside_the_run_dir_is_refused(tmp_path, tiny_full_final):
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run_dir / "final", elsewhere)
+    (elsewhere / "id_rsa").write_text(SECRET_VALUE)
+    run = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**run, "model_dir": "../elsewhere"}))
+    with pytest.raises(UserError, match=r"outside the run dir .*model_dir='../elsewhere'"):
+        reg.resolve_source(run_dir)
+    (run_dir / "run.json").write_text(json.dumps({**run, "model_dir": str(elsewhere)}))
+    with pytest.raises(UserError, match=r"outside the run dir"):
+        reg.resolve_source(run_dir)
+    (run_dir / "run.json").write_text(json.dumps(run))
+    shutil.rmtree(run_dir / "final")
+    (run_dir / "final").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError, match=r"final resolves to .*elsewhere, outside the run dir"):
+        reg.resolve_source(run_dir)
+    (run_dir / "final").unlink()
+    shutil.copytree(elsewhere, run_dir / "final")
+    (run_dir / "final" / "model.safetensors").unlink()
+    (run_dir / "final" / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    with pytest.raises(UserError, match=r"model.safetensors links outside .* \(to .*elsewhere/model.safetensors\)") as err:
+        reg.resolve_source(run_dir)
+    assert "\n" not in str(err.value)
+
+
 def test_checkpoint_needing_remote_code_is_refused_unless_recipe_trusts_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyCustomLM"], "auto_map": {"x": "y"}}))
     with pytest.raises(UserError, match="trust_remote_code: true"):
@@ -637,6 +703,17 @@ def test_data_that_cannot_give_a_chat_request_says_why():
         example, why = mlflow_model.chat_request_from_data({"data": {"source": "hub", "path": "nobody/no-such-dataset"}})
         assert example is None and why.startswith("cannot read nobody/no-such-dataset (no connection to the Hub "
                                                   "(HF_HUB_OFFLINE is set) and hub dataset 'nobody/no-such-dataset'")
+
+
+def test_input_example_skips_rows_over_max_row_chars(tmp_path):
+    huge = {"messages": [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]}
+    small = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(huge) + "\n" + json.dumps(small) + "\n")
+    data = {"source": "local", "path": str(path), "packing": {"block_len": 64}}  # default bound: 64 x 64
+    assert mlflow_model.chat_request_from_data({"data": data}) == ({"messages": [small["messages"][0]]}, None)
+    assert mlflow_model.chat_request_from_data({"data": {**data, "max_row_chars": 10_000}}) == (
+        {"messages": [huge["messages"][0]]}, None)
 
 
 def test_probe_skipped_with_a_warning_when_the_model_does_not_fit_here(tmp_path, monkeypatch, capsys):

@@ -25,7 +25,11 @@ SECRET = "S3cr3t-never-written"
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "WANDB_API_KEY",
                                   "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD", "PGPASSWORD",
-                                  "GOOGLE_APPLICATION_CREDENTIALS", "my_db_password", "GITHUB_PAT"])
+                                  "GOOGLE_APPLICATION_CREDENTIALS", "my_db_password", "GITHUB_PAT",
+                                  # issue 32: *_AUTH, *PROXY*, *_CREDENTIALS, *_SECRET*, *_PASS*, *_KEY
+                                  "REGISTRY_AUTH", "BASICAUTH", "HTTPS_PROXY", "http_proxy", "ALL_PROXY",
+                                  "PROXY_URL", "DOCKER_CREDENTIALS", "CLIENT_SECRET_VALUE", "MY_SECRETS",
+                                  "SMTP_PASS", "SMTP_PASSPHRASE", "SSH_KEY", "ENCRYPTION_KEY"])
 def test_env_variable_that_looks_secret_is_refused_with_the_way_to_secrets(name):
     from ftcli.config.recipe import RecipeError, load_recipe
 
@@ -40,9 +44,21 @@ def test_env_variable_that_looks_secret_is_refused_with_the_way_to_secrets(name)
 def test_ordinary_env_variables_are_accepted():
     from ftcli.config.recipe import load_recipe
 
-    names = ["TOKENIZERS_PARALLELISM", "HF_HOME", "NCCL_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "KEYBOARD_LAYOUT", "PATH"]
+    names = ["TOKENIZERS_PARALLELISM", "HF_HOME", "NCCL_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "KEYBOARD_LAYOUT", "PATH",
+             "NO_PROXY", "no_proxy", "AUTHOR", "BYPASS_CACHE"]
     recipe = load_recipe("tiny-qwen-cpu", [f"compute.env_variables.{n}=x" for n in names])
     assert sorted(recipe.compute.env_variables) == sorted(names)
+
+
+@pytest.mark.parametrize("value", [f"http://user:{SECRET}@proxy.example.com:3128",
+                                   f"https://mlflow.example.com/?token={SECRET}",
+                                   f"https://acct.blob.core.windows.net/c/x?sv=2024&sig={SECRET}"])
+def test_env_variable_whose_value_holds_credentials_is_refused(value):
+    from ftcli.config.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"compute.env_variables: UPSTREAM looks like a secret") as err:
+        load_recipe("tiny-qwen-cpu", [f"compute.env_variables.UPSTREAM={value}"])
+    assert SECRET not in str(err.value)
 
 
 def test_masked_uri_stands_for_the_one_in_the_environment(monkeypatch):
@@ -185,3 +201,34 @@ def test_render_workload_refuses_a_tracking_uri_with_credentials(tmp_path):
         "error: tracking.tracking_uri https://***@mlflow.example.com carries credentials, which the workload file "
         "would hold in clear; use the URI without them and put the password in compute.secrets "
         "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"]
+
+
+def test_render_workload_refuses_a_tracking_uri_with_a_token_parameter(tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli import cli
+
+    out = tmp_path / "w.yaml"
+    res = CliRunner().invoke(cli.app, ["render-workload", "--recipe", "tiny-qwen-cpu", "--no-fit-check", "-o", str(out),
+                                       "--set", f"tracking.tracking_uri=https://mlflow.example.com/?x=1&token={SECRET}"])
+    assert res.exit_code == 2
+    assert SECRET not in res.output and not out.exists()
+    assert res.output.strip().splitlines() == [
+        "error: tracking.tracking_uri https://mlflow.example.com/?x=1&token=*** carries credentials, which the workload "
+        "file would hold in clear; use the URI without them and put the token in compute.secrets "
+        "(MLFLOW_TRACKING_TOKEN: scope/key)"]
+
+
+def test_masked_token_uri_stands_for_the_one_in_the_environment(monkeypatch):
+    from ftcli.config.recipe import load_recipe
+    from ftcli.config.redact import mask_recipe_uris
+    from ftcli.artifacts.tracking import export_credentials, resolve_tracking_uri
+
+    real = f"https://mlflow.example.com/prefix?token={SECRET}&team=a"
+    masked = "https://mlflow.example.com/prefix?token=***&team=a"
+    recipe = load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={real}"])
+    assert mask_recipe_uris(recipe.to_dict())["tracking"]["tracking_uri"] == masked  # recipe.yaml, run.json
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(masked) == "https://mlflow.example.com/prefix?team=a"
+    export_credentials(recipe)
+    assert resolve_tracking_uri(masked) == real

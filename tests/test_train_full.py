@@ -67,7 +67,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients():
     from ftcli.model import kernels
     from ftcli.model.build import load_model
     from ftcli.config.recipe import load_recipe
-    from ftcli.train.full import set_activation_checkpointing
+    from ftcli.model.parallelize import set_activation_checkpointing
     from _full_worker import hand_made_blocks
 
     recipe = load_recipe("tiny-qwen-cpu")
@@ -146,7 +146,7 @@ def test_bf16_models_keep_fp32_rotary_frequencies():
     from_config and from_pretrained with dtype=bfloat16 do not."""
     from ftcli.model.build import load_model
     from ftcli.config.recipe import load_recipe
-    from ftcli.train.full import build_empty_model
+    from ftcli.model.build import build_empty_model
 
     full = build_empty_model(load_recipe("tiny-qwen-cpu").model, torch.bfloat16)  # the FSDP2 loop's build
     lora = load_model(load_recipe("tiny-gpt-oss-cpu").model, dtype=torch.bfloat16)  # the LoRA path's load
@@ -389,7 +389,8 @@ def test_vlm_class_trains_text_only_with_frozen_vision_tower(tmp_path, env):
     from transformers import AutoModelForImageTextToText
 
     from ftcli.config.recipe import load_recipe
-    from ftcli.train.full import build_empty_model, init_random_weights
+    from ftcli.model.build import build_empty_model
+    from ftcli.model.parallelize import init_random_weights
 
     text = json.loads((REPO / "ftcli" / "assets" / "tiny-qwen3_5.json").read_text())
     text.pop("architectures")

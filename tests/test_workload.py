@@ -20,6 +20,7 @@ import yaml
 from ftcli.commands import workload
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, builtin_recipe_names, load_recipe
+from ftcli.config.pipspec import check_pip_spec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FTCLI_UPDATE_GOLDEN") == "1"
@@ -185,7 +186,8 @@ def test_gpu_wheels_follow_model_and_hardware():
                                                "and fused RMSNorm / SwiGLU (training.fused_ops)")
     assert [r for r, _ in fused] == ["flash-linear-attention==0.6.0", "liger-kernel==0.8.5"]
     assert reqs("gpt-oss-h100") == []
-    assert reqs("gpt-oss-h100", "training.loss.impl=liger") == ["liger-kernel==0.8.5"]
+    with pytest.raises(UserError, match="training.loss: impl=liger belongs to training.method=full"):
+        reqs("gpt-oss-h100", "training.loss.impl=liger")  # LoRA's loss is TRL's: nothing to install for it
 
 
 def test_no_source_builds_in_setup():
@@ -253,17 +255,18 @@ def test_torchrun_takes_ai_runtime_multinode_variables(tmp_path):
     ]
 
 
-INJECT = "; touch {canary} #"
+INJECT = ";touch${{IFS}}{canary};#"  # one word: a local path to pip (compute.ftcli_spec), a command to a shell
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
 def test_recipe_values_cannot_inject_shell_commands(tmp_path):
     canary = tmp_path / "pwned"
-    evil_dep = "numpy" + INJECT.format(canary=canary)
+    evil_dep = f'numpy; sys_platform != "$(touch {canary})" or os_name == "`touch {canary}`;"'  # a valid requirement
     evil_spec = "$CODE_SOURCE_PATH[gpu]" + INJECT.format(canary=canary)
     evil_env = f"$(touch {canary}) `touch {canary}` ' \" ; rm -rf /"
+    marker_dep = 'a>=1 ; python_version > "3"'
     recipe = load_recipe("qwen-b300", [
-        f"compute.dependencies={json.dumps([evil_dep, 'a b', 'rm -rf /'])}",
+        f"compute.dependencies={json.dumps([evil_dep, marker_dep])}",
         f"compute.ftcli_spec={json.dumps(evil_spec)}",
         f"compute.env_variables.EVIL={json.dumps(evil_env)}",
         f"description={json.dumps(evil_env)}",
@@ -281,18 +284,56 @@ def test_recipe_values_cannot_inject_shell_commands(tmp_path):
         "liger-kernel==0.8.5",
         "torchao==0.18.0",
         evil_dep,
-        "a b",
-        "rm -rf /",
+        marker_dep,
     ]
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
 def test_non_snapshot_ftcli_spec_is_one_quoted_argument(tmp_path):
-    recipe = load_recipe("gpt-oss-h100", ["compute.ftcli_spec=ftcli==0.1.0; echo hi"])
+    recipe = load_recipe("gpt-oss-h100", ['compute.ftcli_spec=ftcli==0.1.0; python_version >= "3.10"'])
     command = yaml.safe_load(workload.render_workload(recipe))["command"]
     assert "cp -R" not in command
     pip, _ = _run_command(command, tmp_path)
-    assert pip == ["install", "--progress-bar", "off", "ftcli==0.1.0; echo hi"]
+    assert pip == ["install", "--progress-bar", "off", 'ftcli==0.1.0; python_version >= "3.10"']
+
+
+PIP_OPTIONS = ["--index-url=http://evil.example/simple", "-r/etc/shadow", "-egit+https://evil.example/x.git",
+               "--extra-index-url", " -i http://evil.example/simple", "--trusted-host=evil.example"]
+NOT_REQUIREMENTS = ["numpy; touch /tmp/x #", "a b", "rm -rf /", "https://evil.example/x.whl",
+                    "git+https://evil.example/x.git", ""]
+
+
+@pytest.mark.parametrize("key", ["compute.dependencies", "compute.ftcli_spec"])
+@pytest.mark.parametrize("value", PIP_OPTIONS + NOT_REQUIREMENTS)
+def test_pip_options_and_non_requirements_are_refused_at_recipe_validation(key, value):
+    from ftcli.config.recipe import RecipeError
+
+    override = json.dumps([value] if key == "compute.dependencies" else value)
+    with pytest.raises(RecipeError) as err:
+        load_recipe("qwen-b300", [f"{key}={override}"])
+    message = str(err.value)
+    where = f"{key}.0: " if key == "compute.dependencies" else f"{key}: "
+    expected = "a pip option, not a requirement" if value in PIP_OPTIONS else "neither a requirement"
+    assert f"{where}{expected}" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("value", [
+    "torch==2.9.1", "flash-attn[build]>=2.6,<3", 'numpy; python_version >= "3.10"',
+    "ftcli @ https://example.com/ftcli-0.1.0-py3-none-any.whl", "$CODE_SOURCE_PATH", "${CODE_SOURCE_PATH}[gpu]",
+    "$CODE_SOURCE_PATH/sub", "/Workspace/Users/me/ftcli-0.1.0-py3-none-any.whl", "./dist/ftcli-0.1.0.tar.gz",
+    "../ftcli", "~/src/ftcli", "dist/ftcli-0.1.0-py3-none-any.whl",
+])
+def test_requirements_and_local_paths_are_accepted(value):
+    assert check_pip_spec(value) == value
+    recipe = load_recipe("qwen-b300", [f"compute.dependencies={json.dumps([value])}",
+                                       f"compute.ftcli_spec={json.dumps(value)}"])
+    assert recipe.compute.dependencies == [value] and recipe.compute.ftcli_spec == value
+
+
+def test_workload_file_dependencies_refuse_pip_options(tmp_path):
+    data = _set(_valid(), "environment.dependencies", ["numpy", "--index-url=http://evil.example/simple"])
+    problems = _check(tmp_path, data)
+    assert len(problems) == 1 and "environment.dependencies.1: a pip option, not a requirement" in problems[0], problems
 
 
 # ------------------------------------------------------------------------------- heavy imports

@@ -96,9 +96,15 @@ def _model_config(base: str, revision: str | None, dtype: str, run: RunRecord | 
         raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32")
     settings = ModelSettings.of(recipe)
     trust = settings.trust_remote_code
+    from ftcli import hub
+
+    offline = hub.offline_for(base)  # no Hub: the local HF cache only, no retries
     try:
-        config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust)
+        config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=trust,
+                                            local_files_only=bool(offline))
     except (OSError, ValueError) as e:
+        if offline:
+            raise UserError(hub.no_connection(f"base {base!r}", offline)) from None
         raise UserError(f"base {base!r}: cannot load its config ({first_line(e)}); pass --base ID_OR_DIR") from None
     recorded = run.base_model if run is not None else None
     expected = (recorded and recorded.model_type) or settings.model_type

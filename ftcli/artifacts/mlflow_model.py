@@ -1,6 +1,6 @@
 """Log a Hugging Face checkpoint or a LoRA adapter to MLflow as a chat model (`ftcli register`'s logging).
 
-    log_chat_model(model_dir, base=None, run=..., ...)     a full checkpoint: files copied as is
+    log_chat_model(model_dir, base=None, run=..., ...)     a full checkpoint: its model files copied as is
     log_chat_model(adapter_dir, base=BaseRef, run=..., ...) a LoRA adapter: PEFT model, base referenced
 
 Both go through MLflow's transformers flavor with `task="llm/v1/chat"` (`Model.log(flavor=
@@ -26,9 +26,12 @@ Two workarounds for the installed MLflow (3.17, tested up to transformers 5.17) 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib
 import json
 import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -40,14 +43,16 @@ from ftcli.artifacts.tracking import first_line
 
 def log_chat_model(model_dir: Path, *, base: BaseRef | None, run, tracking_uri: str, metadata: dict, dtype: str,
                    model_class: str = "causal_lm", trust_remote_code: bool = False,
-                   input_example: dict | None = None):
-    """Log `model_dir` into `run`: with base=None a full HF checkpoint (files copied as is, `dtype`
-    the fallback when config.json names none); else a LoRA adapter over `base`, which is referenced
-    (a local dir, or a hub id at its pinned revision), never copied. `input_example`: an
-    llm/v1/chat request ({"messages": [...]}) saved with the model."""
+                   input_example: dict | None = None, files: list[str] | None = None):
+    """Log `model_dir` into `run`: with base=None a full HF checkpoint (`files` copied as is, by
+    default select_model_files' choice; `dtype` the fallback when config.json names none); else a
+    LoRA adapter over `base`, which is referenced (a local dir, or a hub id at its pinned revision),
+    never copied. `input_example`: an llm/v1/chat request ({"messages": [...]}) saved with the model."""
     if base is None:
-        return _log(str(model_dir), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
-                    metadata=metadata, adapter=False, input_example=input_example)
+        files = select_model_files(model_dir, model_dir).keep if files is None else files
+        with _staged(Path(model_dir), files) as stage:
+            return _log(str(stage), _checkpoint_dtype(model_dir, dtype), run=run, tracking_uri=tracking_uri,
+                        metadata=metadata, adapter=False, input_example=input_example)
     from transformers import AutoTokenizer
 
     model = _adapter_model(model_dir, base, dtype=dtype, model_class=model_class, trust_remote_code=trust_remote_code)
@@ -91,13 +96,15 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
         data = DataConfig.model_validate(recipe["data"])
     except ValueError as e:
         return None, f"the recipe's data section does not validate ({first_line(e)})"
+    from ftcli.data.pipeline import row_char_limit
+
     problems = []
     for src in data.source_list():
         if src.source == "synthetic":
             problems.append("synthetic data has no chat turns")
             continue
         try:
-            request = _first_chat_request(src)
+            request = _first_chat_request(src, row_char_limit(data))
         except Exception as e:  # noqa: BLE001 - unreadable data never blocks registering
             problems.append(f"cannot read {src.label} ({first_line(e)})")
             continue
@@ -107,10 +114,12 @@ def chat_request_from_data(recipe: dict | None) -> tuple[dict | None, str | None
     return None, "; ".join(problems)
 
 
-def _first_chat_request(src) -> dict | None:
-    """The turns before the first assistant reply of `src`'s first row that has a user turn."""
+def _first_chat_request(src, max_row_chars: int) -> dict | None:
+    """The turns before the first assistant reply of `src`'s first row that has a user turn (and no
+    more than `max_row_chars` characters, as training reads rows: data.max_row_chars)."""
     from ftcli.data import sources
     from ftcli.data.formats import conversation
+    from ftcli.data.pipeline import row_chars
     from ftcli.data.validate import BadRow
 
     if src.source == "hub" and not src.streaming and not _hf_offline():
@@ -118,9 +127,12 @@ def _first_chat_request(src) -> dict | None:
     rows, _ = sources.open_rows(src, limit=EXAMPLE_SCAN_ROWS)
     for _, row in rows:
         try:
-            messages = conversation(row, src.format, src.messages_field, src.tools_field).messages
+            conv = conversation(row, src.format, src.messages_field, src.tools_field)
         except BadRow:
             continue
+        if row_chars(conv) > max_row_chars:
+            continue
+        messages = conv.messages
         prompt = []
         for m in messages or []:
             if m["role"] == "assistant":
@@ -135,6 +147,78 @@ def _hf_offline() -> bool:
     import datasets
 
     return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+# ------------------------------------------------------------------------------ what is uploaded
+# The files a model needs, by name: MLflow copies a checkpoint dir as a whole, so register hands it
+# a dir holding only these (anything else in final/ - notes, keys, logs - stays on this machine).
+MODEL_FILE_PATTERNS = (
+    "config.json", "generation_config.json",  # the model
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",  # weights
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",  # the tokenizer
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "*.tiktoken",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",  # chat templates
+    "preprocessor_config.json", "processor_config.json",  # a vision-language model's processor
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",  # a LoRA adapter
+    "merge.json",  # ftcli's own metadata (merge-lora's report)
+)
+
+
+@dataclass
+class ModelFiles:
+    """What `select_model_files` found in a model dir: names relative to it."""
+
+    keep: list[str]
+    skipped: list[str]
+
+
+def select_model_files(model_dir: Path, root: Path) -> ModelFiles:
+    """The files of `model_dir` that a model needs (MODEL_FILE_PATTERNS; `*.py` too when config.json
+    names custom code in `auto_map`), and the rest, skipped. A needed file that is a link resolving
+    outside `root` (the run dir, or the model dir itself) is a UserError: what leaves this machine is
+    what the run dir holds, not what a link in it points at."""
+    model_dir, root = Path(model_dir), Path(root).resolve()
+    patterns = MODEL_FILE_PATTERNS + (("*.py",) if _has_custom_code(model_dir) else ())
+    keep, skipped = [], []
+    for path in _entries(model_dir):
+        name = path.relative_to(model_dir).as_posix()
+        if not (path.is_file() and any(fnmatch.fnmatchcase(name, p) for p in patterns)):
+            skipped.append(name + ("/" if path.is_dir() else ""))
+            continue
+        target = path.resolve()
+        if not target.is_relative_to(root):
+            raise UserError(f"{path} links outside {root} (to {target}); register uploads only files inside "
+                            "the run dir: copy the file in (cp -L) or remove the link")
+        keep.append(name)
+    return ModelFiles(keep=keep, skipped=skipped)
+
+
+def _entries(model_dir: Path) -> Iterator[Path]:
+    """The entries of `model_dir`, and of its additional_chat_templates/ (the one subdir a model has)."""
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "additional_chat_templates" and path.is_dir() and not path.is_symlink():
+            yield from sorted(path.iterdir())
+        else:
+            yield path
+
+
+def _has_custom_code(model_dir: Path) -> bool:
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _staged(model_dir: Path, files: list[str]) -> Iterator[Path]:
+    """A temporary dir named like `model_dir` holding links to `files` only; MLflow copies what
+    the links point at (shutil.copytree follows them), so nothing else of `model_dir` is read."""
+    with tempfile.TemporaryDirectory(prefix="ftcli-register-") as tmp:
+        stage = Path(tmp) / model_dir.name
+        for name in files:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            (stage / name).symlink_to((model_dir / name).resolve())
+        yield stage
 
 
 # ------------------------------------------------------------------------------------- checks

@@ -140,6 +140,9 @@ def _target_of_run(path: Path, run_dir: Path, run: RunRecord, checkpoint: str) -
     if not path.is_dir():
         raise UserError(f"{path} is missing (run.json best_model_dir={run.best_model_dir!r}, status={run.status!r}); "
                         "did `ftcli train` finish?")
+    if not path.resolve().is_relative_to(run_dir):
+        raise UserError(f"{path} resolves to {path.resolve()}, outside the run dir {run_dir} (run.json "
+                        f"model_dir={run.model_dir!r}); a run's model is read only from inside its run dir")
     return Target(model_dir=path, kind="adapter" if run.method == "lora" else "checkpoint", run_dir=run_dir, run=run)
 
 

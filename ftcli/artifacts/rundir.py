@@ -35,6 +35,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ftcli.artifacts.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
 from ftcli.config.errors import UserError
 
 RECIPE_FILE = "recipe.yaml"
@@ -87,8 +88,12 @@ def is_own_run(run_dir: Path, recipe) -> bool:
 
 
 def _contents(run_dir: Path) -> list[str]:
-    """What the dir holds, ftcli's lock file left out (a failed start may leave just that)."""
-    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    """What the dir holds, ftcli's lock file left out (a failed start may leave just that) when it is a
+    regular file: a link or anything else planted under that name is content like any other."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir()
+                  if p.name != LOCK_FILE or p.is_symlink() or not p.is_file())
 
 
 def _checkpoint_entries(run_dir: Path) -> list[Path]:
@@ -128,16 +133,21 @@ def recipe_differences(run_dir: Path, recipe) -> list[str]:
 
 
 def saved_recipe(recipe) -> dict[str, Any]:
-    """The recipe as <run>/recipe.yaml holds it: credentials in the tracking URI masked
-    (ftcli.config.redact.mask_recipe_uris; the launcher hands them to the workers in the environment)."""
-    from ftcli.config.redact import mask_recipe_uris
+    """The recipe as <run>/recipe.yaml (and run.json) holds it: credentials in the tracking URI masked
+    (ftcli.config.redact.mask_recipe_uris; the launcher hands them to the workers in the environment),
+    compute.env_variables by name only (their values are the job's, `render-workload` reads the recipe)."""
+    from ftcli.config.redact import mask_env_values, mask_recipe_uris
 
-    return mask_recipe_uris(recipe.to_dict())
+    return mask_env_values(mask_recipe_uris(recipe.to_dict()))
 
 
 def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
     """The refusal rule (module doc). Writes nothing; returns the run dir."""
     run_dir = run_dir_of(recipe)
+    link = dangling_link_in(recipe.output_dir)
+    if link is not None:
+        raise UserError(f"output dir {recipe.output_dir}: {link} is a symlink to {os.readlink(link)}, which does not "
+                        "exist; ftcli does not create directories through it: set output.dir elsewhere")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output dir {run_dir} is a file; set output.dir to a directory")
     contents = _contents(run_dir)
@@ -181,10 +191,29 @@ def prepare_run_dir(recipe, *, force: bool = False, resume: str | None = None) -
     return run_dir
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def dangling_link_in(path: Path) -> Path | None:
+    """The first component of `path` (as given, made absolute) that is a symlink to nothing: creating the
+    run dir through it would create directories wherever it points."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    return next((p for p in [*reversed(path.parents), path] if p.is_symlink() and not p.exists()), None)
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """`mkdir -p path`; returns the directories this call created, outermost first (`remove_dirs` undoes it)."""
+    path = Path(path)
+    missing = [p for p in [*reversed(path.parents), path] if not p.exists() and not p.is_symlink()]
+    path.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_dirs(created: list[Path]) -> None:
+    """Remove what `make_dirs` created, innermost first, as long as each is still an empty directory."""
+    for p in reversed(created):
+        try:
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+        except OSError:  # something else was written there meanwhile: leave it
+            return
 
 
 class _Record(BaseModel):

@@ -18,7 +18,15 @@ flattened, with secret and env values replaced by "***" (ftcli.config.redact.scr
 Failure policy (chosen): a tracking server that cannot be reached when the run starts is a
 `UserError` naming the URI, before any compute is spent (a run you believe is tracked but is not is
 the worse surprise). Once training runs, a failed logging call prints one warning and turns tracking
-off for the rest of the run: hours of training are worth more than the metrics.
+off for the rest of the run: hours of training are worth more than the metrics (metrics.jsonl has them).
+
+Every call is bounded, so a server that accepts connections and then never answers cannot hold a run:
+MLflow's own per-request timeout and retries are lowered (REQUEST_TIMEOUT_S, REQUEST_RETRIES, unless
+$MLFLOW_HTTP_REQUEST_TIMEOUT / $MLFLOW_HTTP_REQUEST_MAX_RETRIES are set), and each call as a whole gets a
+budget (START_BUDGET_S for the probe + run start + params, CALL_BUDGET_S per logging call; `bounded`). A
+server answering 5xx is unreachable, like one that refuses the connection. SIGTERM / SIGINT during a call
+end the call at once (the trainer's stop flag still records the signal): at the start, tracking is then
+skipped with a warning and the run stops at its first step boundary as usual.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,11 +45,65 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from ftcli.artifacts.safe_files import write_atomic
 from ftcli.config.errors import UserError
 from ftcli.config.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
 
 TRACKING_FILE = "tracking.json"
 PROBE_TIMEOUT_S = 10
+START_BUDGET_S = 60
+CALL_BUDGET_S = 30
+REQUEST_TIMEOUT_S = 10
+REQUEST_RETRIES = 2
+
+
+class TrackingTimeout(BaseException):
+    """Raised inside a tracking call by `bounded`: its budget is spent, or a stop signal came. A
+    BaseException, so that no `except Exception` (MLflow's retry and wrapping code) swallows it."""
+
+    def __init__(self, why: str, signum: int = 0):
+        super().__init__(why)
+        self.why, self.signum = why, signum
+
+
+@contextlib.contextmanager
+def bounded(budget_s: float) -> Iterator[None]:
+    """The block runs for at most `budget_s` (SIGALRM), and a SIGTERM / SIGINT ends it at once; both raise
+    TrackingTimeout inside it. The stop handler that was installed (the trainer's StopFlag) still gets the
+    signal first; a default SIGTERM action is carried out after the block. Outside the main thread
+    (where signals cannot be handled) only MLflow's request timeouts bound it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    stops = (signal.SIGTERM, signal.SIGINT)
+
+    def on_alarm(signum, frame):
+        raise TrackingTimeout(f"no answer within {budget_s:g} s")
+
+    def on_stop(signum, frame):
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)  # records it (StopFlag), or raises KeyboardInterrupt (default SIGINT)
+        raise TrackingTimeout(f"{signal.Signals(signum).name} received", int(signum))
+
+    previous = {sig: signal.signal(sig, on_stop) for sig in stops}
+    old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+    pending, started = 0, time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, budget_s)  # an outer alarm (pytest-timeout) waits for ours
+    try:
+        yield
+    except TrackingTimeout as e:
+        pending = e.signum if e.signum and not callable(previous[e.signum]) else 0
+        raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_alarm)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pending:
+            signal.raise_signal(pending)  # a SIGTERM with no handler: its default action, as without us
 
 
 def resolve_tracking_uri(uri: str | None = None, *, recorded: str | None = None) -> str:
@@ -83,8 +147,10 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
     health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
     try:
         urllib.request.urlopen(health, timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        return  # it answered: reachable (auth or routing is MLflow's to report)
+    except urllib.error.HTTPError as e:
+        if e.code < 500:
+            return  # it answered: reachable (auth or routing is MLflow's to report)
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} (it answers HTTP {e.code}); {fix}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)  # URLError wraps the socket's error
         if isinstance(reason, ConnectionRefusedError):
@@ -180,11 +246,13 @@ class MlflowTracking(NoTracking):
         if not self._live:
             return
         try:
-            fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
+            with bounded(CALL_BUDGET_S):
+                fn(*args, **kwargs)
+        except (Exception, TrackingTimeout) as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._live = False
-            print(f"warning: MLflow logging to {self.info['tracking_uri']} failed ({first_line(e)}); "
-                  "tracking is off for the rest of this run", file=sys.stderr)
+            why = e.why if isinstance(e, TrackingTimeout) else first_line(e)
+            print(f"warning: MLflow logging to {self.info['tracking_uri']} failed ({why}); "
+                  "tracking is off for the rest of this run (metrics.jsonl keeps the metrics)", file=sys.stderr)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._call(self._mlflow.log_metrics, {k: float(v) for k, v in metrics.items()}, step=step)
@@ -206,6 +274,24 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
     if rank != 0 or not recipe.tracking.enabled:
         return NoTracking()
     uri = resolve_tracking_uri(recipe.tracking.tracking_uri)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))  # MLflow's: connect + read
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(REQUEST_RETRIES))
+    import mlflow  # noqa: F401 - imported outside the budget: an import cut short would stay half-done
+    import mlflow.entities  # noqa: F401
+
+    try:
+        with bounded(START_BUDGET_S):
+            return _start(recipe, uri, run_dir=run_dir, resume=resume)
+    except TrackingTimeout as e:
+        if e.signum:
+            print(f"warning: MLflow tracking not started ({e.why}); the run stops at its first step boundary",
+                  file=sys.stderr)
+            return NoTracking()
+        raise UserError(f"cannot start an MLflow run at {mask_uri(uri)}: {e.why}; "
+                        "set tracking.enabled=false to train without tracking") from None
+
+
+def _start(recipe, uri: str, *, run_dir: Path | None, resume: bool) -> NoTracking:
     fix = "start it, fix tracking.tracking_uri / $MLFLOW_TRACKING_URI, or set tracking.enabled=false"
     check_reachable(uri, fix=fix)
     import logging
@@ -243,5 +329,5 @@ def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume
     if run_dir is not None:
         tracker._call(mlflow.set_tag, "ftcli.run_dir", str(Path(run_dir).resolve()))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(tracker.info, indent=2) + "\n")
+        write_atomic(saved, json.dumps(tracker.info, indent=2) + "\n")
     return tracker

@@ -18,7 +18,9 @@ import sys
 from typing import Callable, TextIO
 
 from ftcli.artifacts.resolve import model_source
-from ftcli.inference import LoadedModel, Sampling, load, stream_reply, system_prompt, template_kwargs
+from ftcli.config.errors import UserError
+from ftcli.inference import LoadedModel, Sampling, load, render_prompt, stream_reply, system_prompt, template_kwargs
+from ftcli.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
 
 HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
 
@@ -55,6 +57,8 @@ def run_chat_command(ref: str, *, system: str | None, sampling: Sampling, reason
     source = model_source(ref, revision)
     with Console(stderr=True).status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the loop as lone surrogates: skipped there
+        sys.stdin.reconfigure(errors="surrogateescape")
     run_chat(loaded, sampling, system=system_prompt(system, reasoning_language),
              template_kwargs=template_kwargs(reasoning_effort))
 
@@ -70,11 +74,14 @@ def run_chat(loaded: LoadedModel, sampling: Sampling, *, system: str | None, tem
     if interactive:
         import readline  # noqa: F401 - line editing and history for input()
     write(f"chatting with {loaded.source.describe()}; {HELP}\n")
+    context = context_of(loaded.model, loaded.source.run_dir)
     while True:
         try:
             line = input("you> ") if interactive else stdin.readline()
         except (EOFError, KeyboardInterrupt):
             line = ""
+        except UnicodeDecodeError as e:
+            raise UserError(f"the input is not UTF-8 text ({e.reason} at byte {e.start}); chat reads UTF-8") from None
         if not line:  # end of input
             write("\n" if interactive else "")
             return
@@ -87,8 +94,19 @@ def run_chat(loaded: LoadedModel, sampling: Sampling, *, system: str | None, tem
                 return
             write(said + "\n")
             continue
-        write("assistant> ")
         messages = chat.messages() + [{"role": "user", "content": line}]
+        problem = text_problem(line)
+        try:
+            if problem:
+                raise UserError(f"this line is {problem}")
+            fix = "shorten it" + (" or /reset the conversation" if chat.turns else "")
+            check_prompt_length(loaded.tokenizer, messages, context, fix)
+            if context is not None and loaded.tokenizer is not None:
+                check_rendered_length(len(render_prompt(loaded.tokenizer, messages, template_kwargs)), context, fix)
+        except UserError as e:  # this turn is left out; the conversation goes on
+            write(f"[skipped: {e}]\n")
+            continue
+        write("assistant> ")
         try:
             completion, stats = reply(loaded, messages, sampling, write=write, template_kwargs=template_kwargs)
         except KeyboardInterrupt:  # Ctrl-C stops this reply; the turn is left out of the history

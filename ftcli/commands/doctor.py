@@ -2,7 +2,7 @@
 
 With a recipe it answers "can this recipe run here?" in two parts, said separately: "kernels correct here"
 (every packed op has a correct backend, no known-bad version combination applies: `doctor_checks` and
-ftcli.model.compat) and "fits here" (ftcli.commands.plan's memory per GPU, or per CPU process, against this machine). It
+ftcli.model.compat) and "fits here" (ftcli.estimate.fit's memory per GPU, or per CPU process, against this machine). It
 returns exit code 1 with a one-line reason when either fails. The report is plain data (`doctor_report`), so
 it can be tested against any machine description; `run_doctor` only renders it (tables or `--json`).
 
@@ -22,12 +22,14 @@ import importlib.metadata
 from dataclasses import dataclass, replace
 
 from ftcli.families import FAMILIES, find_family
+from ftcli import features
 
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 
-# distribution names, in the order shown
-PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang", "triton",
-            "causal-conv1d", "flash-attn", "liger-kernel", "torchao", "mlflow")
+# distribution names, in the order shown: the kernels', then the training features' (ftcli.features), then mlflow
+_KERNEL_PACKAGES = ("torch", "transformers", "trl", "peft", "flash-linear-attention", "fla-core", "tilelang",
+                    "triton", "causal-conv1d", "flash-attn")
+PACKAGES = (*_KERNEL_PACKAGES, *(p for p in features.packages() if p not in _KERNEL_PACKAGES), "mlflow")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class Transformers:
 
 
 # ----------------------------------------------------------------------------------- the named checks
-# Each takes (recipe or None, machine `m` (a `ftcli.model.kernels.Machine`), `tf` (Transformers)), returns its rows.
+# Each takes (recipe or None, machine `m` (a `ftcli.hardware.Machine`), `tf` (Transformers)), returns its rows.
 def _is_qwen(recipe) -> bool:
     """Whether the recipe (any, without one) has gated-delta layers (Qwen3.5's: ftcli.families)."""
     family = find_family(recipe.model.model_type) if recipe is not None else None
@@ -185,35 +187,22 @@ def check_lora_vision(recipe, m, tf: Transformers) -> list[Check]:
 
 
 def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
-    """A full-SFT recipe's fp8 and fused ops where they run: fp8 needs torchao and a GPU of compute capability
-    >= 8.9, each fused op its package (liger-kernel, flash-linear-attention) and a GPU."""
-    from ftcli.config.recipe import FP8_MIN_CAPABILITY, FUSED_OP_PACKAGES
+    """A full-SFT recipe's training features where they run (ftcli.features: each checks machine `m` torch-free)."""
+    from ftcli import features
 
-    name = "fp8 and fused ops"
-    t = recipe.training if recipe is not None else None
-    if t is None or t.method != "full" or not (t.precision.fp8 or t.fused_ops):
-        return [Check(name, NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops")]
+    checked = features.checked()
+    name = " and ".join(f.label for f in checked)
+    on = [f for f in checked if recipe is not None and f.applies(recipe)]
+    if not on:
+        return [Check(name, NA, f"the recipe uses neither {' nor '.join(f.setting for f in checked)}")]
     if m.device_type != "cuda":
-        return [Check(name, NA, "no GPU here (both run on the training machine's GPUs)")]
-    problems, found = [], []
-    if t.precision.fp8:
-        cap = ".".join(map(str, m.capability or (0, 0)))
-        if (m.capability or (0, 0)) < FP8_MIN_CAPABILITY:
-            problems.append(f"training.precision.fp8 needs compute capability >= "
-                            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}, this GPU is {cap}: set "
-                            "training.precision.fp8=false")
-        if not m.versions.get("torchao"):
-            problems.append("training.precision.fp8 needs torchao: pip install torchao")
-        found.append(f"fp8: torchao {m.versions.get('torchao')} on capability {cap}")
-    for package in dict.fromkeys(FUSED_OP_PACKAGES[op] for op in t.fused_ops):
-        # fla's kernels ship in fla-core too (flash-linear-attention is its wrapper)
-        have = m.versions.get(package) or (m.versions.get("fla-core") if package == "flash-linear-attention" else None)
-        if not have:
-            problems.append(f"training.fused_ops needs {package}: pip install {package}")
-        found.append(f"{package} {have}")
+        return [Check(name, NA, f"no GPU here ({'both' if len(checked) == 2 else 'they'} run on the training "
+                                "machine's GPUs)")]
+    seen = [f.check(recipe, m) for f in on]
+    problems = [p for found in seen for p in found.problems]
     if problems:
         return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
-    return [Check(name, OK, ", ".join(found))]
+    return [Check(name, OK, ", ".join(x for found in seen for x in found.found))]
 
 
 CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, check_lora_vision,
@@ -221,7 +210,7 @@ CHECKS = (check_fla_on_cpu, check_hopper_triton, check_packing, check_vlm_loss, 
 
 
 def doctor_checks(recipe, m, tf: Transformers | None = None) -> list[Check]:
-    """Known-bad combinations on machine `m` (a `ftcli.model.kernels.Machine`), for `recipe` if one is given."""
+    """Known-bad combinations on machine `m` (a `ftcli.hardware.Machine`), for `recipe` if one is given."""
     tf = tf or Transformers()
     return [row for check in CHECKS for row in check(recipe, m, tf)]
 
@@ -270,62 +259,40 @@ class Report:
                 "fits_detail": self.fits_detail or None, "exit_code": self.exit_code, "verdict": self.verdict or None}
 
 
-@dataclass(frozen=True)
-class ThisMachine:
-    """This machine as doctor reads it: `read_machine`."""
+def read_machine(deep: bool = False):
+    """This machine (a ftcli.hardware.Machine) with the training features' package versions: torch is imported
+    only when a GPU driver is present or with `deep` (`hardware.read_here`)."""
+    from ftcli import hardware
 
-    m: object  # ftcli.model.kernels.Machine
-    here: object  # ftcli.model.compat.Here
-    gpu: str  # "NVIDIA H200 (capability 9.0)" or "none"
-    gpu_source: str
-    torch_cuda: str | None
+    return hardware.read_here(deep, tuple(features.packages()))
 
 
-def read_machine(deep: bool = False) -> ThisMachine:
-    """Versions from package metadata, GPUs from nvidia-smi: torch is imported only when a GPU driver is
-    present (the backends then depend on what torch sees) or with `deep`."""
+def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: Transformers | None = None,
+                  deep: bool = False) -> Report:
+    """The report for `recipe` (or None) on machine `m` (a ftcli.hardware.Machine); `deep`: every check imported
+    what it reads."""
     from ftcli.model import compat
     from ftcli.model import kernels
 
-    ask_torch, found = compat.gpu_probe()
-    if not (ask_torch or deep):
-        m = kernels.machine("cpu")
-        return ThisMachine(m, compat.detect_here(m), "none", f"{found}; torch not imported", compat.torch_cuda_build())
-    import torch
-
-    cuda = torch.cuda.is_available()
-    m = kernels.machine("cuda" if cuda else "cpu")
-    gpu = f"{torch.cuda.get_device_name(m.device)} (capability {m.capability[0]}.{m.capability[1]})" if cuda else "none"
-    source = f"torch.cuda: {torch.cuda.device_count()} GPU(s)" if cuda else "torch.cuda.is_available() is False"
-    return ThisMachine(m, compat.detect_here(m), gpu, f"{source} ({found})", torch.version.cuda)
-
-
-def doctor_report(recipe, m, here, versions: dict[str, str | None] | None = None, gpu: str = "none",
-                  tf: Transformers | None = None, **machine_notes) -> Report:
-    """The report for `recipe` (or None) on machine `m` (ftcli.model.kernels.Machine) / `here` (ftcli.model.compat.Here);
-    `machine_notes`: Report's gpu_source / torch_cuda / deep."""
-    from ftcli.model import compat
-    from ftcli.model import kernels
-
-    tf = tf or Transformers(deep=machine_notes.get("deep", False))
+    tf = tf or Transformers(deep=deep)
     backends = []
     for model_type in [recipe.model.model_type] if recipe else [f.model_type for f in FAMILIES.values()]:
         chosen = kernels.decide_backends(model_type, m)
         if not chosen:
             backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
         backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
-    problems = [*compat.known_bad(recipe, here), compat.matrix_check(here)]
+    problems = [*compat.known_bad(recipe, m), compat.matrix_check(m)]
     if recipe is not None:
-        problems += compat.gpu_notes(recipe, here)
+        problems += compat.gpu_notes(recipe, m)
     checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
     basis = (f"transformers {tf.version} is in the tested matrix ({tf.tested_in}): its recorded facts are used, "
              "ftcli doctor --deep imports it" if any(c.version_based for c in checks) else "")
-    report = Report(versions=versions or {}, gpu=gpu, backends=backends, checks=checks, transformers_basis=basis,
-                    **machine_notes)
+    report = Report(versions=versions or {}, gpu=m.gpu, backends=backends, checks=checks, transformers_basis=basis,
+                    gpu_source=m.gpu_source, torch_cuda=m.torch_cuda, deep=deep)
     if recipe is None:
         return report
     blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
-    fits, fits_detail = compat.fit_here(recipe, here)
+    fits, fits_detail = compat.fit_here(recipe, m)
     return replace(report, recipe=recipe.name, kernels_correct=not blocking,
                    kernels_detail=blocking[0].detail if blocking else
                    "every packed op has a correct backend and no known-bad combination applies",
@@ -339,8 +306,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     here = read_machine(deep)
     versions = {dist: version(dist) for dist in PACKAGES}
-    report = doctor_report(recipe, here.m, here.here, versions, here.gpu, gpu_source=here.gpu_source,
-                           torch_cuda=here.torch_cuda, deep=deep)
+    report = doctor_report(recipe, here, versions, deep=deep)
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
         return report.exit_code
@@ -361,7 +327,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
     table.add_row("GPU found by", report.gpu_source)
     console.print(table)
 
-    table = Table(title=f"Packed kernels on {here.m.device}", title_justify="left")
+    table = Table(title=f"Packed kernels on {here.device}", title_justify="left")
     for column in ("model_type", "op", "backend", "why"):
         table.add_column(column, overflow="fold")
     for row in report.backends:

@@ -12,6 +12,8 @@ Multi-turn chat (`ftcli chat`) is ftcli.commands.chat, over `ftcli.inference.str
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from ftcli.inference import (
     system_prompt,
     template_kwargs,
 )
+from ftcli.prompt_checks import check_prompt_length, check_rendered_length, context_of, messages_problem, text_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -75,6 +78,9 @@ def _prompt_row(number: int, row: Any) -> PromptRow:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} is not {{'role': one of {'/'.join(ROLES)}, 'content': a string}}")
+        problem = messages_problem(messages)
+        if problem:
+            raise ValueError(problem)
         reference = None
         if messages[-1]["role"] == "assistant":
             reference, messages = messages[-1]["content"], messages[:-1]
@@ -85,6 +91,9 @@ def _prompt_row(number: int, row: Any) -> PromptRow:
         system = row.get("system")
         if system is not None and not isinstance(system, str):
             raise ValueError("'system' is not a string")
+        problem = text_problem(row["prompt"]) or text_problem(system or "")
+        if problem:
+            raise ValueError(f"'prompt' or 'system' is {problem}")
         return PromptRow(number, conversation(row["prompt"], system))
     raise ValueError("no 'messages' list or 'prompt' string")
 
@@ -110,8 +119,10 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         raise UserError("--system/--reasoning-language apply to --prompt; put system messages into the --input rows")
     if output is not None and input_path is None:
         raise UserError("--output goes with --input FILE.jsonl")
-    if output is not None and output.exists() and not force:
-        raise UserError(f"{output} exists; pass --force to overwrite it")
+    if output is not None:
+        check_output_path(output, force)
+    if prompt is not None and text_problem(prompt):  # e.g. bytes of the command line that are not UTF-8
+        raise UserError(f"--prompt is {text_problem(prompt)}")
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
     rows, bad = read_prompt_file(input_path) if input_path is not None else ([], [])
@@ -121,12 +132,15 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
     kwargs = template_kwargs(reasoning_effort)
     with err.status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
+    context = context_of(loaded.model, loaded.source.run_dir)
     if input_path is None:
-        _single(loaded, conversation(prompt, system_prompt(system, reasoning_language)), sampling, kwargs,
-                as_json=as_json, err=err)
+        messages = conversation(prompt, system_prompt(system, reasoning_language))
+        check_prompt_length(loaded.tokenizer, messages, context)
+        check_rendered_length(len(render_prompt(loaded.tokenizer, messages, kwargs)), context)
+        _single(loaded, messages, sampling, kwargs, as_json=as_json, err=err)
         return
     total = len(rows) + len(bad)
-    rows, refused = _renderable(loaded.tokenizer, rows, kwargs)
+    rows, refused = _renderable(loaded.tokenizer, rows, kwargs, context)
     if not rows:  # e.g. a --reasoning-effort the template does not know: the same error for every row
         raise UserError(refused[0][1])
     bad = sorted(bad + refused)
@@ -139,18 +153,49 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
     if output is None:
         print(text, end="")
     else:
-        output.write_text(text, encoding="utf-8")
+        write_output(output, text)
         err.print(f"wrote {len(lines)} completions to {output}")
     if bad:
         raise UserError(_bad_rows_summary(input_path, bad, total))
 
 
-def _renderable(tokenizer, rows: list[PromptRow], kwargs: dict) -> tuple[list[PromptRow], list[tuple[int, str]]]:
-    """The rows the chat template renders, and (line, reason) for those it refuses."""
+def check_output_path(output: Path, force: bool) -> None:
+    """--output before anything runs: a file in an existing folder; an existing file or a symbolic link
+    (dangling or not: ftcli did not write it) only with --force, which replaces the link, not its target."""
+    if output.is_symlink():
+        if not force:
+            raise UserError(f"{output} is a symbolic link (to {os.readlink(output)}); pass --force to replace the "
+                            "link with the output (its target is left alone)")
+        return
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder; pass a file path, e.g. {output / 'completions.jsonl'}")
+    if not output.parent.is_dir():
+        what = "is not a folder" if output.parent.exists() else "does not exist"
+        raise UserError(f"--output {output}: the folder {output.parent} {what}; create it first")
+    if output.exists() and not force:
+        raise UserError(f"{output} exists; pass --force to overwrite it")
+
+
+def write_output(output: Path, text: str) -> None:
+    """`text` into `output` (checked by check_output_path): a link there is replaced, never followed."""
+    try:
+        if output.is_symlink():
+            output.unlink()
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"--output {output}: cannot write it ({e.strerror or e})") from None
+
+
+def _renderable(tokenizer, rows: list[PromptRow], kwargs: dict,
+                context: tuple[int, str] | None = None) -> tuple[list[PromptRow], list[tuple[int, str]]]:
+    """The rows the chat template renders within the model's context, and (line, reason) for the others."""
     good, refused = [], []
     for row in rows:
         try:
-            render_prompt(tokenizer, row.messages, kwargs)
+            check_prompt_length(tokenizer, row.messages, context)
+            check_rendered_length(len(render_prompt(tokenizer, row.messages, kwargs)), context)
             good.append(row)
         except UserError as e:
             refused.append((row.line, str(e)))

@@ -69,9 +69,9 @@ def run_preview(
     from ftcli.data.summary import data_summary
 
     table = data_summary(recipe, packed)
-    from ftcli.data.evalsplit import eval_recipes
+    from ftcli.data.evalsplit import eval_specs
 
-    evals = {label: data_summary(r, data.prepare_blocks(r, tokenizer)) for label, r in eval_recipes(recipe).items()}
+    evals = {label: data_summary(r, data.prepare_blocks(r, tokenizer)) for label, r in eval_specs(recipe).items()}
     summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
     if evals:
         summary["eval"] = {label: s.to_dict() for label, s in evals.items()}

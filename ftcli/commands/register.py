@@ -2,7 +2,8 @@
 
 What is logged depends on what training wrote:
 
-    full run    <run>/final: HF checkpoint      -> logged as is (files copied byte for byte)
+    full run    <run>/final: HF checkpoint      -> logged as is (its model files copied byte for byte;
+                                                   anything else in final/ is listed and left here)
     LoRA run    <run>/final: adapter, + a base  -> "merged" (default when the base is local or
                                                    random-init): ftcli.artifacts.merge.merge_lora writes
                                                    <run>/merged, logged like a full checkpoint
@@ -127,13 +128,18 @@ def resolve_source(path: Path, recipe: dict | None = None, checkpoint: str = "la
     return source
 
 
-def _check_model_files(source: Source) -> None:
-    """Every file log_model and a chat endpoint need, reported at once."""
+def _check_model_files(source: Source, warn: bool = True) -> list[str]:
+    """Every file log_model and a chat endpoint need, reported at once; returns the files to upload
+    (ftcli.artifacts.mlflow_model.select_model_files), listing the others on screen."""
     missing = mlflow_model.missing_files(source.model_dir, adapter=source.kind == "adapter")
     if missing:
         where = f" (run.json status: {source.run.status!r})" if source.run else ""
         raise UserError(f"{source.model_dir} is missing {', '.join(missing)}{where}; did training finish and save "
                         "the final model?")
+    files = mlflow_model.select_model_files(source.model_dir, source.run_dir or source.model_dir)
+    if files.skipped and warn and source.kind == "checkpoint":  # an adapter is saved by MLflow, not copied
+        _warn(f"not uploaded from {source.model_dir} (not model files): {', '.join(files.skipped)}")
+    return files.keep
 
 
 # ---------------------------------------------------------------------------------------- modes
@@ -302,17 +308,19 @@ def merge_adapter(source: Source) -> Path:
                            force=True))
 
 
-def _model_to_log(source: Source, mode: Mode) -> Path:
-    """The dir that is logged: the source's, or its merge; checked like a trained one."""
+def _model_to_log(source: Source, mode: Mode) -> tuple[Path, list[str]]:
+    """The dir that is logged (the source's, or its merge; checked like a trained one) and its files
+    to upload (resolve_source has listed the source's others)."""
     if mode != "merged":
         model_dir = source.model_dir
+        files = _check_model_files(source, warn=False)
     else:
         with err_console.status("merging the adapter into its base"):
             model_dir = merge_adapter(source)
-        _check_model_files(Source(model_dir=model_dir, kind="checkpoint"))
+        files = _check_model_files(Source(model_dir=model_dir, kind="checkpoint", run_dir=source.run_dir))
     if mode != "adapter":
         mlflow_model.check_remote_code(model_dir, source.trust_remote_code)
-    return model_dir
+    return model_dir, files
 
 
 def log_and_register(
@@ -331,7 +339,7 @@ def log_and_register(
         raise UserError(f"alias '{alias}' of {name} already points at version {previous}; "
                         "pass --force to move it to the new version")
 
-    model_dir = _model_to_log(source, mode)
+    model_dir, files = _model_to_log(source, mode)
     probe = _probe(model_dir, mode, source)
     input_example, why = mlflow_model.chat_request_from_data(source.recipe)
     if input_example is None:
@@ -345,7 +353,7 @@ def log_and_register(
             info = mlflow_model.log_chat_model(
                 model_dir, base=base if mode == "adapter" else None, run=run, tracking_uri=tracking_uri,
                 metadata=metadata, dtype=source.dtype, model_class=source.model_class,
-                trust_remote_code=source.trust_remote_code, input_example=input_example,
+                trust_remote_code=source.trust_remote_code, input_example=input_example, files=files,
             )
         if uc:
             registry.require_uc_signature(info.signature)

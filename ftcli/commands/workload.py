@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 from ftcli.families import find_family
 from ftcli.config.redact import mask_uri
 from ftcli.config.recipe import (
@@ -105,7 +106,7 @@ class WorkloadCompute(_Strict):
 
 class WorkloadEnvironment(_Strict):
     version: Any = None
-    dependencies: list[NonBlank] | None = None
+    dependencies: list[Annotated[NonBlank, AfterValidator(check_pip_spec)]] | None = None
     unity_catalog_image: NonBlank | None = None
 
     @field_validator("version")
@@ -277,16 +278,9 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     family = find_family(recipe.model.model_type)  # a model ftcli has no family for trains unpacked, with no pins
     reqs = [(pin.requirement, pin.why) for pin in (family.pins if family else ())
             if not pin.hopper_only or model_name.upper() in _HOPPER]
-    liger_uses = [use for use, on in (("fused linear cross-entropy (loss.impl=liger)",
-                                       recipe.training.loss.impl == "liger"),
-                                      ("fused RMSNorm / SwiGLU (training.fused_ops)",
-                                       recipe.training.method == "full"
-                                       and bool({"rms_norm", "swiglu"} & set(recipe.training.fused_ops)))) if on]
-    if liger_uses:
-        reqs.append(("liger-kernel==0.8.5", "pure Python + Triton " + " and ".join(liger_uses)))
-    if recipe.training.method == "full" and recipe.training.precision.fp8:
-        reqs.append(("torchao==0.18.0", "float8 training (training.precision.fp8), its Python part; the float8 GEMMs "
-                                        "are torch's own"))
+    from ftcli import features
+
+    reqs += features.requirements(recipe)  # the training features' pins (ftcli.features)
     return reqs
 
 
@@ -429,13 +423,15 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
     out = []
     uri = recipe.tracking.tracking_uri
     if uri and mask_uri(uri) != uri:
+        where = ("the password in compute.secrets (MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME "
+                 "in compute.env_variables)" if "@" in mask_uri(uri).split("?")[0] else
+                 "the token in compute.secrets (MLFLOW_TRACKING_TOKEN: scope/key)")
         raise UserError(
             f"tracking.tracking_uri {mask_uri(uri)} carries credentials, which the workload file would hold in "
-            "clear; use the URI without them and put the password in compute.secrets "
-            "(MLFLOW_TRACKING_PASSWORD: scope/key, and MLFLOW_TRACKING_USERNAME in compute.env_variables)"
+            f"clear; use the URI without them and put {where}"
         )
     if fit_check:
-        from ftcli.commands.plan import fit_check as plan_fit_check
+        from ftcli.estimate.plan import fit_check as plan_fit_check
 
         fit = plan_fit_check(recipe)
         if fit.card is None:
@@ -453,10 +449,10 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
 
 def render_workload(recipe: Recipe, *, fit_check: bool = True) -> str:
     """The workload YAML for `databricks air run -f`, validated against `WorkloadFile` before it is returned.
-    With `fit_check`, a recipe whose plan (ftcli.commands.plan) does not fit its accelerator is refused with the reason
+    With `fit_check`, a recipe whose plan (ftcli.estimate.plan) does not fit its accelerator is refused with the reason
     and the nearest setting that fits."""
     if fit_check:
-        from ftcli.commands.plan import fit_check as plan_fit_check
+        from ftcli.estimate.plan import fit_check as plan_fit_check
 
         fit = plan_fit_check(recipe)
         if not fit.fits:

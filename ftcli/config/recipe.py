@@ -41,8 +41,10 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     ValidationError,
+    Tag,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -50,6 +52,7 @@ from pydantic import (
 )
 
 from ftcli.config.errors import UserError
+from ftcli.config.pipspec import check_pip_spec
 
 PKG_PREFIX = "pkg://"
 # Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
@@ -101,8 +104,11 @@ class _Section(BaseModel):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        out = handler(self)
-        for key, default in self.quiet_defaults.items():
+        return self._without_quiet_defaults(handler(self))
+
+    @classmethod
+    def _without_quiet_defaults(cls, out: dict[str, Any]) -> dict[str, Any]:
+        for key, default in cls.quiet_defaults.items():
             if key in out and out[key] == default:
                 del out[key]
         return out
@@ -242,7 +248,8 @@ class SourceConfig(_Section):
 
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
-                                                "sources": None, "mix_seed": 0, "allow_empty_sources": False}
+                                                "sources": None, "mix_seed": 0, "allow_empty_sources": False,
+                                                "max_row_chars": None}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
     revision: str | None = None
@@ -257,7 +264,8 @@ class DataConfig(_Section):
         "tools", description="Row field with function schemas, passed to the template as tools=."
     )
     sources: list[SourceConfig] | None = Field(
-        None, description="A mix of datasets, each with its own fields and weight; replaces source/path/... above."
+        None, description="The datasets read, each with its own fields and weight (a mix); source/path/revision/split/"
+        "streaming/synthetic above are the shorthand for one entry (give one form, not both)."
     )
     mix_seed: int = Field(0, description="Seed of the fractional part of data.sources weights.")
     chat_template: str | None = Field(None, description="Jinja file overriding the tokenizer's template.")
@@ -276,42 +284,74 @@ class DataConfig(_Section):
     )
     max_examples: int | None = Field(None, ge=1, description="Rows read (per source with data.sources).")
     max_length: int | None = Field(None, ge=2, description="Truncate each example to this many tokens (counted as truncated).")
+    max_row_chars: int | None = Field(
+        None, ge=1, description="Skip (and count) rows with more characters, before tokenizing; default 64 x the "
+        "block length (data.max_length when packing is off and it is set).")
     packing: PackingConfig = Field(default_factory=PackingConfig)
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
     num_workers: int = Field(0, ge=0)
     cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
 
-    @model_validator(mode="after")
-    def _path(self) -> DataConfig:
-        if self.sources is not None:
-            if not self.sources:
-                raise ValueError("data.sources is empty; list at least one source (or use data.path)")
-            labels = [s.label for s in self.sources]
-            if len(set(labels)) != len(labels):
-                raise ValueError("data.sources: two sources have the same name/path; give them distinct names")
-        elif self.source != "synthetic" and not self.path:
-            raise ValueError(f"data.source={self.source} needs data.path")
-        return self
+    # The one-source shorthand: these keys describe the single entry of `sources` (`shorthand_source`).
+    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "synthetic")
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _normal_form(cls, data: Any, handler) -> DataConfig:
+        """`sources` is the one form every reader sees: the shorthand becomes its single entry; a shorthand key
+        that differs from its default next to `sources` is refused (the two forms would disagree)."""
+        out = handler(data)  # every key checked where it is written
+        if out.sources is None:
+            if out.source != "synthetic" and not out.path:
+                raise ValueError(f"data.source={out.source} needs data.path")
+            return out.model_copy(update={"sources": [out.shorthand_source()]})
+        if out.one_source:  # the shorthand already in its normal form (an assignment validates the section again)
+            return out
+        given = [k for k in cls.SHORTHAND if getattr(out, k) != cls.model_fields[k].get_default(call_default_factory=True)
+                 and not (k == "source" and out.path is None and out.source != "synthetic")]  # a kind alone names no data
+        if given:
+            # what drops the shorthand (a kind alone, without a path, is none)
+            defaults = {k: cls.model_fields[k].default for k in given
+                        if k != "synthetic" and (k != "source" or out.source == "synthetic")}
+            unset = " ".join(f"--set data.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in defaults.items())
+            raise ValueError(f"data.sources and {', '.join('data.' + k for k in given)} are both set; those keys are "
+                             "the shorthand for a single data.sources entry: keep one form"
+                             + (f" ({unset} drops the shorthand)" if unset else ""))
+        if not out.sources:
+            raise ValueError("data.sources is empty; list at least one source (or use data.path)")
+        labels = [s.label for s in out.sources]
+        if len(set(labels)) != len(labels):
+            raise ValueError("data.sources: two sources have the same name/path; give them distinct names")
+        return out
+
+    def shorthand_source(self) -> SourceConfig:
+        """The `sources` entry the one-source keys describe."""
+        return SourceConfig(source=self.source, path=self.path, revision=self.revision, split=self.split,
+                            streaming=self.streaming, synthetic=self.synthetic)
+
+    @property
+    def one_source(self) -> bool:
+        """Whether `sources` is what the one-source shorthand describes (dumps then write the shorthand, as given)."""
+        described = self.source == "synthetic" or bool(self.path)
+        return described and self.sources == [self.shorthand_source()]
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        if self.one_source:
+            out["sources"] = None
+        return self._without_quiet_defaults(out)
 
     def source_list(self) -> list[SourceConfig]:
-        """The sources to read: `data.sources`, or the single source the top-level keys describe. Unset
-        per-source fields are filled from `data`."""
-        if self.sources is None:
-            single = SourceConfig(
-                source=self.source, path=self.path, revision=self.revision, split=self.split,
-                streaming=self.streaming, synthetic=self.synthetic,
-            )
-            sources = [single]
-        else:
-            sources = self.sources
+        """The sources to read (`data.sources`, the shorthand's single entry included), with unset per-source fields
+        filled from `data`."""
         return [
             s.model_copy(update={
                 "format": s.format or self.format,
                 "messages_field": s.messages_field or self.messages_field,
                 "tools_field": s.tools_field if s.tools_field is not None else self.tools_field,
             })
-            for s in sources
+            for s in self.sources or [self.shorthand_source()]
         ]
 
 
@@ -350,7 +390,6 @@ class EvalConfig(_Section):
     samples_every: int = Field(1, ge=1, description="Generate the samples every N evals (and at the end).")
     samples_every_steps: int | None = Field(None, ge=1, description="Generate the samples every N steps instead.")
     samples_max_new_tokens: int = Field(32, ge=1)
-    _side: str = "train"  # not a key: ftcli.data.evalsplit marks the recipes of the eval split "eval"
 
     @model_validator(mode="after")
     def _one_source(self) -> EvalConfig:
@@ -420,23 +459,78 @@ class LossConfig(_Section):
     chunk_tokens: int = Field(4096, ge=1)
 
 
-# training.fused_ops: op -> the package whose kernel it runs (ftcli/features/fused_ops.py; doctor checks them torch-free)
-FUSED_OP_PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
-FP8_MIN_CAPABILITY = (8, 9)  # training.precision.fp8: float8 GEMMs need Ada, Hopper or Blackwell
 
 
-class TrainingConfig(_Section):
-    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
-    method: Literal["full", "lora"] = "full"
+# The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`).
+TRAINING_KEYS = ("method", "epochs", "max_steps", "grad_accum", "per_device_batch", "optimizer", "schedule", "precision",
+                 "grad_clip", "activation_checkpointing", "activation_checkpointing_keep", "compile", "fused_ops",
+                 "sharding", "loss", "seed", "log_every", "checkpoint", "max_bad_steps", "cpu_processes")
+
+
+class _Training(_Section):
+    """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
+    method's section is refused with one line naming the method it belongs to (`format_validation_error`), except
+    at its default: dumps write every key of both (so recipe.yaml and rendered workloads stay as they were, and a
+    dump loads again), and loading drops them there."""
+
+    other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
+    other_keys: ClassVar[tuple[str, ...]] = ()
+
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
     per_device_batch: int = Field(1, ge=1)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     grad_clip: float | None = Field(1.0, gt=0, description="Max grad norm; null disables clipping.")
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    loss: LossConfig = Field(default_factory=LossConfig)
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    max_bad_steps: int = Field(3, ge=1, description="Consecutive non-finite steps before the run stops.")
+    cpu_processes: int = Field(2, ge=1, description="torchrun processes on a machine without GPUs.")
+
+    @classmethod
+    def _other(cls) -> type[_Training]:
+        return TRAINING_BY_METHOD[cls.other_method]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_keys_at_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if k not in cls.other_keys or not cls._other().holds_default(k, v)}
+
+    @classmethod
+    def holds_default(cls, key: str, value: Any) -> bool:
+        """Whether `value` given for this section's `key` is what leaving the key out gives."""
+        default = cls.model_fields[key].get_default(call_default_factory=True)
+        try:
+            given = cls.model_validate({"method": cls.model_fields["method"].default, key: value})
+        except ValidationError:
+            return False
+        return getattr(given, key) == default
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        out = self._without_quiet_defaults(handler(self))
+        other = self._other()
+        for key in self.other_keys:
+            default = other.model_fields[key].get_default(call_default_factory=True)
+            out[key] = default.model_dump(mode=info.mode) if isinstance(default, BaseModel) else default
+        out = other._without_quiet_defaults(out)
+        return {k: out[k] for k in TRAINING_KEYS if k in out}
+
+
+class FullTraining(_Training):
+    """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
+
+    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
+    other_method: ClassVar[str] = "lora"
+    other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
+    method: Literal["full"] = "full"
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     activation_checkpointing_keep: int = Field(
         0, ge=0, description="With full checkpointing: keep the activations of this many decoder layers (the "
         "last ones) instead of recomputing them; spare memory for speed (benchmarks/memory_model.py says how "
@@ -445,29 +539,68 @@ class TrainingConfig(_Section):
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole; regions: compile only the parts of each "
         "layer around its packed kernels (norms, the dense MLP, float8 linears), which a graph break in the "
-        "gated-delta or attention kernel cannot push back to eager (ftcli/train_full.compile_regions)."
+        "gated-delta or attention kernel cannot push back to eager (ftcli/features/compile.py)."
     )
     fused_ops: list[Literal["rms_norm", "swiglu", "gated_norm"]] = Field(
         default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
         "(rms_norm, liger-kernel), MLP activation (swiglu, liger-kernel) and gated-delta output norm "
         "(gated_norm, fla); same parameters and checkpoints (ftcli/features/fused_ops.py)."
     )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known_method(cls, value: Any) -> Any:
+        if value not in ("full", "lora"):
+            raise ValueError("Input should be 'full' or 'lora'")
+        return value
+
+    @model_validator(mode="after")
+    def _keep_needs_full(self) -> FullTraining:
+        if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
+            raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
+        return self
+
+
+class LoraTraining(_Training):
+    """LoRA through TRL + PEFT (ftcli.train.lora.trainer): the base frozen in model.dtype, adapters in float32."""
+
+    other_method: ClassVar[str] = "full"
+    other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops")
+    method: Literal["lora"] = "lora"
+    compile: bool = Field(False, description="true: TRL compiles the model (torch_compile).")
     sharding: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="LoRA: ddp keeps the whole frozen base on every GPU, fsdp shards it (FSDP2); auto: "
         "ddp where `ftcli plan` says it fits the recipe's accelerator, else fsdp. Full SFT always shards."
     )
-    loss: LossConfig = Field(default_factory=LossConfig)
-    seed: int = 0
-    log_every: int = Field(1, ge=1)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    max_bad_steps: int = Field(3, ge=1, description="Consecutive non-finite steps before the run stops.")
-    cpu_processes: int = Field(2, ge=1, description="torchrun processes on a machine without GPUs.")
 
-    @model_validator(mode="after")
-    def _keep_needs_full(self) -> TrainingConfig:
-        if self.activation_checkpointing_keep and self.activation_checkpointing != "full":
-            raise ValueError("activation_checkpointing_keep applies to activation_checkpointing=full only")
-        return self
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _no_regions(cls, value: Any) -> Any:
+        if value == "regions":
+            raise ValueError("regions belongs to training.method=full; LoRA takes true (TRL compiles the model) or "
+                             "false")
+        return value
+
+    @field_validator("loss")
+    @classmethod
+    def _trl_loss(cls, value: LossConfig) -> LossConfig:
+        if value.impl != "chunked":
+            raise ValueError(f"impl={value.impl} belongs to training.method=full; LoRA's loss is TRL's (a chunked "
+                             "LM head): leave training.loss.impl out")
+        return value
+
+
+TRAINING_BY_METHOD: dict[str, type[_Training]] = {"full": FullTraining, "lora": LoraTraining}
+
+
+def _training_method(value: Any) -> str:
+    method = value.get("method", "full") if isinstance(value, dict) else getattr(value, "method", "full")
+    return "lora" if method == "lora" else "full"  # an unknown method: FullTraining says which are known
+
+
+TrainingConfig = Annotated[
+    Annotated[FullTraining, Tag("full")] | Annotated[LoraTraining, Tag("lora")], Discriminator(_training_method)
+]
 
 
 # ------------------------------------------------------------------------------------------ lora
@@ -550,7 +683,8 @@ class ComputeConfig(_Section):
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
     experiment_name: str | None = Field(None, description="AI Runtime experiment; default: the recipe name.")
     environment_version: str = "databricks_ai_v6"
-    dependencies: list[str] = Field(default_factory=list, description="Extra pip requirements for the job.")
+    dependencies: list[Annotated[str, AfterValidator(check_pip_spec)]] = Field(
+        default_factory=list, description="Extra pip requirements for the job (requirements or local paths).")
     env_variables: dict[str, str] = Field(default_factory=dict)
     secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
         default_factory=dict, description="NAME -> 'scope/key'.")
@@ -560,14 +694,15 @@ class ComputeConfig(_Section):
     priority_class: Literal["BEST_EFFORT", "NORMAL", "CRITICAL"] | None = None
     mlflow_experiment_directory: str | None = None
     permissions: list[PermissionConfig] = Field(default_factory=list)
-    ftcli_spec: str = Field("$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job.")
+    ftcli_spec: Annotated[str, AfterValidator(check_pip_spec)] = Field(
+        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path).")
 
     @field_validator("env_variables")
     @classmethod
     def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
-        from ftcli.config.redact import looks_secret
+        from ftcli.config.redact import holds_credentials, looks_secret
 
-        secret = sorted(k for k in env if looks_secret(k))
+        secret = sorted(k for k, v in env.items() if looks_secret(k) or holds_credentials(v))
         if secret:  # a value here would land in recipe.yaml, run.json and the workload in clear
             raise ValueError(f"{', '.join(secret)} looks like a secret; env_variables values are written in clear, "
                              f"so set it in compute.secrets as {secret[0]}: <scope>/<key> (a Databricks secret)")
@@ -621,7 +756,7 @@ class Recipe(_Section):
     description: str = ""
     model: ModelConfig
     data: DataConfig
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    training: TrainingConfig = Field(default_factory=FullTraining)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     eval: EvalConfig | None = None
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -659,28 +794,6 @@ class Recipe(_Section):
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
         return self
-
-    @model_validator(mode="after")
-    def _fused_ops_model(self) -> Recipe:
-        t = self.training
-        from ftcli.families import fused_op_model_types  # the families' facts (pure Python, no upward state)
-
-        if t.method == "full" and t.fused_ops and self.model.model_type not in fused_op_model_types():
-            raise ValueError(f"training.fused_ops covers Qwen3.5's modules (model_type {', '.join(fused_op_model_types())}); "
-                             f"this recipe's model_type is {self.model.model_type}: set training.fused_ops=[]")
-        return self
-
-    @model_validator(mode="after")
-    def _fp8_tokens(self) -> Recipe:
-        """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
-        the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
-        tokens = self.data.packing.block_len * self.training.per_device_batch
-        full_fp8 = self.training.precision.fp8 and self.training.method == "full"  # LoRA ignores fp8 (warned)
-        if full_fp8 and (not self.data.packing.enabled or tokens % 16):
-            raise ValueError("training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x "
-                             f"per_device_batch = {tokens}) are a multiple of 16")
-        return self
-
 
     @model_validator(mode="after")
     def _kept_mxfp4(self) -> Recipe:
@@ -854,7 +967,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = raw
     if isinstance(value, str) and _FLOAT_RE.fullmatch(raw.strip()):
         value = float(raw)  # YAML 1.1 reads `1e-5` (no dot) as a string
-    return key.strip().split("."), value
+    keys = key.strip().split(".")
+    if len(keys) > MAX_YAML_DEPTH:
+        raise RecipeError(f"--set {key.strip()[:40]}...: {len(keys)} levels of keys; a recipe nests at most "
+                          f"{MAX_YAML_DEPTH}")
+    return keys, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -882,18 +999,40 @@ def _sections_in(annotation: Any) -> list[type[BaseModel]]:
     return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
 
 
-def schema_section(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
-    """Walk the schema from `root` along a pydantic error location to the section it names (None: not one)."""
-    model = root
-    for part in path:
-        if isinstance(part, int):  # an item of a list of sections
+def _tagged_sections(annotation: Any) -> dict[str, type[BaseModel]]:
+    """tag -> section of a discriminated union (`training`: full -> FullTraining, lora -> LoraTraining)."""
+    out: dict[str, type[BaseModel]] = {}
+    for member in typing.get_args(annotation):
+        if typing.get_origin(member) is Annotated:
+            inner, *meta = typing.get_args(member)
+            out.update({m.tag: inner for m in meta if isinstance(m, Tag)})
+        out.update(_tagged_sections(member))
+    return out
+
+
+def _walk(root: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
+    """(`loc` without the tags pydantic puts in it after a discriminated union, the section it ends at: None
+    where it is not one)."""
+    model: type[BaseModel] | None = root
+    clean: list = []
+    tags: dict[str, type[BaseModel]] = {}
+    for part in loc:
+        if part in tags:
+            model, tags = tags[part], {}
+            continue
+        clean.append(part)
+        if isinstance(part, int) or model is None:  # an item of a list of sections
             continue
         field = model.model_fields.get(part)
         sections = _sections_in(field.annotation) if field else []
-        if not sections:
-            return None
-        model = sections[0]
-    return model
+        tags = _tagged_sections(field.annotation) if field else {}
+        model = sections[0] if sections else None
+    return tuple(clean), model
+
+
+def schema_section(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """Walk the schema from `root` along a pydantic error location to the section it names (None: not one)."""
+    return _walk(root, path)[1]
 
 
 def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | None:
@@ -911,21 +1050,34 @@ def _nested_key(model: type[BaseModel], key: str, prefix: str = "") -> str | Non
 def did_you_mean(root: type[BaseModel], loc: tuple) -> str:
     """"; did you mean 'a.b'?" for the unknown key at `loc` under the schema `root`: the closest key of its
     section, else the same key one section further down; "" when there is neither."""
-    owner = schema_section(root, loc[:-1])
+    where, owner = _walk(root, loc[:-1])
     if owner is None:
         return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.5)
+    keys = [*owner.model_fields, *getattr(owner, "other_keys", ())]  # training: the other method's keys too
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.5)
     found = _nested_key(owner, str(loc[-1])) or (close[0] if close else None)  # an exact key deeper beats a near one
-    return f"; did you mean '{'.'.join([*map(str, loc[:-1]), found])}'?" if found else ""
+    return f"; did you mean '{'.'.join([*map(str, where), found])}'?" if found else ""
+
+
+def _other_method_key(root: type[BaseModel], loc: tuple) -> str | None:
+    """For a key of the other training method's section (`training.precision` in a LoRA recipe): one line naming
+    the method it belongs to; None for any other unknown key."""
+    where, owner = _walk(root, loc[:-1])
+    if owner is None or loc[-1] not in getattr(owner, "other_keys", ()):
+        return None
+    path = ".".join(map(str, [*where, loc[-1]]))
+    this = owner.model_fields["method"].default
+    return f"{path} belongs to training.method={owner.other_method} (this recipe's is {this}): leave it out"
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+        tagged = tuple(p for p in e["loc"] if not str(p).startswith("function-"))
+        loc = _walk(Recipe, tagged)[0]
         path = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{path}'{did_you_mean(Recipe, loc)}")
+            lines.append(_other_method_key(Recipe, tagged) or f"unknown key '{path}'{did_you_mean(Recipe, tagged)}")
         elif e["type"] == "missing":
             lines.append(f"missing required key '{path}'")
         else:
@@ -974,8 +1126,10 @@ def _resolve_paths(data: dict[str, Any], base: Path | None) -> None:
             entry["path"] = resolve_path(path, base)
 
 
-def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate."""
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None,
+                rules: typing.Callable[[Recipe], list[str]] | None = None) -> Recipe:
+    """Load a built-in recipe by name or a YAML file by path, apply `--set` overrides, validate. `rules`: the
+    rooms above that know more (the training features: `ftcli.features.load_recipe`), one line per problem."""
     path = Path(name_or_path).expanduser()
     base: Path | None = None
     if _is_file(path):
@@ -990,15 +1144,21 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(f"invalid recipe {source}: {e}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"invalid recipe {source}: expected a mapping of sections at the top level")
+    if not any(isinstance(k, str) and k in Recipe.model_fields for k in data):  # never echo a foreign file's lines
+        raise RecipeError(f"{source} is not a recipe (no name, model or data section at its top level)")
     data = apply_overrides(data, overrides or [])
     not_finite = [f"{key}: must be a finite number (got {value})" for key, value in _non_finite(data)]
     if not_finite:
         raise RecipeError(_problems_message(not_finite, source))
     _resolve_paths(data, base)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(format_validation_error(e, source)) from None
+    problems = rules(recipe) if rules is not None else []
+    if problems:
+        raise RecipeError(_problems_message(problems, source))
+    return recipe
 
 
 class YamlDumper(yaml.SafeDumper):

@@ -1,7 +1,8 @@
 """ftcli.data: the one data path both trainers and `pack-preview` use.
 
     load_tokenizer(recipe)                   the recipe's tokenizer (+ data.chat_template override)
-    prepare_blocks(recipe, tokenizer)        tokenize + mask + pack, or load from the cache -> PackedDataset
+    DataSpec / data_spec(recipe)             what the data path reads (a recipe stands for its training data)
+    prepare_blocks(spec, tokenizer)          tokenize + mask + pack, or load from the cache -> PackedDataset
     prepare(...) / open_prepared(...)        the same split for distributed runs: rank 0, barrier, others
     BlockStream(packed, rank, world_size)    each rank's equal, disjoint, resumable share of the blocks
     block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
@@ -17,6 +18,7 @@ from ftcli.data.chat import ChatEncoder, load_tokenizer, reference_encode
 from ftcli.data.checks import check_sources
 from ftcli.data.packing import IGNORE_INDEX, Block, make_block, padding_block
 from ftcli.data.pipeline import Example, iter_examples, open_prepared, prepare, prepare_blocks
+from ftcli.data.spec import DataSpec, data_spec
 from ftcli.data.stats import DataStats
 from ftcli.data.stream import BlockStream
 from ftcli.data.summary import DataSummary, data_summary
@@ -34,12 +36,14 @@ __all__ = [
     "Block",
     "BlockStream",
     "ChatEncoder",
+    "DataSpec",
     "DataStats",
     "DataSummary",
     "Example",
     "PackedDataset",
     "block_to_model_inputs",
     "check_sources",
+    "data_spec",
     "data_summary",
     "iter_examples",
     "load_tokenizer",

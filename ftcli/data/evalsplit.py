@@ -1,6 +1,6 @@
-"""The eval split: which training rows are held out (`eval.holdout`), and the recipes that describe the
-eval data, one per source, for the one data path (`prepare_blocks` encodes, masks, packs and caches
-them exactly like training rows).
+"""The eval split: which training rows are held out (`eval.holdout`), and the data specs of the eval data, one
+per source, for the one data path (`prepare_blocks` encodes, masks, packs and caches them exactly like training
+rows).
 
 Held-out rows are picked by a hash of the row's content and `eval.holdout_seed`, never by position or
 by rank: the same rows on every run, under any world size, before any weighting or shuffling (a row
@@ -19,34 +19,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from ftcli.data.sources import InvalidRow
+from ftcli.data.spec import DataSpec, Holdout, holdout_rule
 from ftcli.config.errors import UserError
 
 Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row index, row)
 
 
-@dataclass(frozen=True)
-class Holdout:
-    share: float  # < 1: a share of the rows; >= 1: a row count per source
-    seed: int
-    keep: str  # "train": the rows that are not held out; "eval": the held-out rows
-
-
-def holdout_rule(recipe) -> Holdout | None:
-    """The holdout that applies to this recipe's data (None: every row is used)."""
-    ev = getattr(recipe, "eval", None)
-    if ev is None or ev.holdout is None:
-        return None
-    return Holdout(float(ev.holdout), int(ev.holdout_seed), getattr(ev, "_side", "train"))
-
-
 def row_unit(row: Any, seed: int) -> float:
     """A deterministic uniform [0, 1) from a row's content and a seed (the same on every machine)."""
     text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
-    digest = hashlib.blake2b(text.encode(), digest_size=8, key=str(seed).encode()[:64] or b"0").digest()
+    # surrogatepass: a row holding a lone surrogate gets a unit too (validation skips it later, counted)
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=str(seed).encode()[:64] or b"0").digest()
     return int.from_bytes(digest, "big") / 2.0**64
 
 
@@ -70,9 +57,9 @@ def split_rows(rule: Holdout | None, rows: Rows) -> Rows:
     return kept
 
 
-def eval_recipes(recipe) -> dict[str, Any]:
-    """source label -> a recipe whose data is that source's eval rows, packed the eval way
-    (`eval.strategy`, `eval.block_len`; default the training block length). Empty without eval data."""
+def eval_specs(recipe) -> dict[str, DataSpec]:
+    """source label -> the data spec of that source's eval rows, packed the eval way (`eval.strategy`,
+    `eval.block_len`; default the training block length). Empty without eval data."""
     from ftcli.config.recipe import PackingConfig, SourceConfig
 
     ev, data = recipe.eval, recipe.data
@@ -86,18 +73,15 @@ def eval_recipes(recipe) -> dict[str, Any]:
     )
     out = {}
     if ev.holdout is not None:
-        side = ev.model_copy()
-        side._side = "eval"
-        sources = data.source_list()
-        if any(s.source == "synthetic" for s in sources):
+        held_out = replace(holdout_rule(recipe), keep="eval")
+        if any(s.source == "synthetic" for s in data.sources):
             raise UserError("eval.holdout cannot hold out synthetic rows; give eval.path or eval.sources instead")
-        for src in sources:  # each held-out row once (weight 1), each source its own loss
-            one = data.model_copy(update={"packing": packing}) if data.sources is None else \
-                data.model_copy(update={"sources": [src.model_copy(update={"weight": 1.0})], "packing": packing})
-            out[src.label] = recipe.model_copy(update={"data": one, "eval": side})
+        for src in data.sources:  # each held-out row once (weight 1), each source its own loss
+            one = data.model_copy(update={"sources": [src.model_copy(update={"weight": 1.0})], "packing": packing})
+            out[src.label] = DataSpec(recipe.name, one, held_out)
         return out
     given = ev.sources or [SourceConfig(source=ev.source, path=ev.path, revision=ev.revision, split=ev.split)]
     for src in given:
         one = data.model_copy(update={"sources": [src], "packing": packing, "max_examples": ev.max_examples})
-        out[src.label] = recipe.model_copy(update={"data": one, "eval": None})
+        out[src.label] = DataSpec(recipe.name, one)
     return out

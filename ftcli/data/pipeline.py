@@ -1,6 +1,6 @@
 """The one data path: rows -> validate -> render + mask -> (truncate) -> pack -> cache -> blocks.
 
-    for each source of data.source_list() (one, or data.sources), under its weight (`weighted`):
+    for each source of data.source_list() (data.sources: one, or a mix), under its weight (`weighted`):
         formats.resolve (auto: the format of the first rows)
         sources.open_rows -> formats.conversation (any format -> messages) -> chat.ChatEncoder.encode
     -> truncate (data.max_length; bfd: the block) -> packing.pack_*
@@ -11,6 +11,8 @@ skipped under one reason; turns dropped from kept rows and special-token strings
 trained tokens cut off by truncation or an overlong drop are summed. `ftcli.data.summary` turns those
 counts into the summary pack-preview shows and train prints.
 
+Every entry point takes a `DataSpec` (ftcli.data.spec: the data section and the holdout side; the eval
+split's come from `ftcli.data.evalsplit.eval_specs`) or a recipe, which stands for its training data.
 `prepare` does the work (rank 0 before a barrier, or any command) and is a no-op when the cache already
 has the result; `open_prepared` is what the other ranks call after the barrier; `prepare_blocks` is both
 in one call. `iter_examples` is the same path without packing (unpacked, as the published gpt-oss
@@ -28,9 +30,10 @@ import numpy as np
 
 from ftcli.data import formats, sources
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
-from ftcli.data.evalsplit import holdout_rule, split_rows
+from ftcli.data.evalsplit import split_rows
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
-from ftcli.data.packing import IGNORE_INDEX, pack_bfd, pack_none, pack_split
+from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_split
+from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
 from ftcli.data.validate import CALL_NOT_RENDERED, BadRow
@@ -101,26 +104,27 @@ def _limit(data, src) -> int | None:
 
 # ------------------------------------------------------------------------------------------ encode
 def encoded_examples(
-    recipe, tokenizer, stats: DataStats, progress: Progress | None = None
+    spec, tokenizer, stats: DataStats, progress: Progress | None = None
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(row index, input_ids int32, loss mask bool) of every valid example of every source, in source
     order, each source under its weight; truncated to data.max_length (and, for bfd, to the block or
     dropped per `packing.overlong`). Every row is counted once in `stats` and its source's row: kept
     (perhaps truncated) or skipped under one reason (strict: the first bad row raises UserError)."""
-    data = recipe.data
+    spec = data_spec(spec)
+    data = spec.data
     resolved = [formats.resolve(s) for s in data.source_list()]  # format: auto -> the format of the first rows
     sources_ = [src for src, _ in resolved]
     for src, found in resolved:
         stats.source(src.label).format = src.format if src.source != "synthetic" else "synthetic"
         stats.source(src.label).format_why = found.why if found else ""
-    multi = data.sources is not None
+    multi = not data.one_source  # a mix (or one source given as data.sources): errors name the source
     limit = data.max_length
     packing = data.packing
     block_cut = packing.enabled and packing.strategy == "bfd"
     if any(s.source != "synthetic" and s.format in formats.TEMPLATED for s in sources_):
         ChatEncoder(tokenizer)  # fail now, with one line, if the tokenizer has no chat template
     streams, totals = [], []
-    holdout = holdout_rule(recipe)  # eval.holdout: training leaves those rows out, the eval split keeps only them
+    holdout = spec.holdout  # eval.holdout: training leaves those rows out, the eval split keeps only them
     for k, src in enumerate(sources_):
         results, total = _source_results(data, src, k, tokenizer, holdout, sources_)
         streams.append(results)
@@ -190,15 +194,49 @@ def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None):
     return encode(((k, i, row) for i, row in rows), data, tokenizer, sources_), total
 
 
+# A row's size bound (data.max_row_chars), checked before it is tokenized: a tokenizer holds several
+# bytes per character of a row at once, so one 100 MB row can take gigabytes, and a row of many blocks
+# of prompt only packs into blocks with nothing to train on. The default allows 64 characters per
+# token of the block length: ~16 blocks of ordinary text (~4 characters a token).
+ROW_CHARS_PER_BLOCK_TOKEN = 64
+TOO_LONG = "row too long"
+
+
+def row_char_limit(data) -> int:
+    """data.max_row_chars, else ROW_CHARS_PER_BLOCK_TOKEN x the block length (data.max_length when
+    packing is off and it is set)."""
+    if data.max_row_chars is not None:
+        return data.max_row_chars
+    tokens = data.max_length if (not data.packing.enabled and data.max_length) else data.packing.block_len
+    return ROW_CHARS_PER_BLOCK_TOKEN * tokens
+
+
+def row_chars(conv) -> int:
+    """The characters of a valid row's text: every string in its messages but the roles (contents,
+    reasoning, tool calls), prompt, completion and tool schemas."""
+    def chars(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            return sum(chars(v) for k, v in value.items() if k != "role")
+        if isinstance(value, (list, tuple)):
+            return sum(chars(v) for v in value)
+        return 0
+
+    return chars([conv.messages, conv.prompt, conv.completion, conv.tools])
+
+
 class RowEncoder:
     """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
     saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
-    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`)."""
+    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`).
+    A row over data.max_row_chars is a BadRow before anything tokenizes it."""
 
     def __init__(self, data, tokenizer, sources_=None):
         self.sources = sources_ if sources_ is not None else data.source_list()
         self.train_on, self.special = data.train_on, data.special_tokens_in_text
         self.tokenizer = tokenizer
+        self.max_row_chars = row_char_limit(data)
         self._chat: ChatEncoder | None = None
 
     def __call__(self, k: int, row: Any) -> tuple:
@@ -207,6 +245,8 @@ class RowEncoder:
             if isinstance(row, sources.InvalidRow):
                 raise BadRow(row.reason, row.detail)
             conv = formats.conversation(row, src.format, src.messages_field, src.tools_field)
+            if row_chars(conv) > self.max_row_chars:
+                raise BadRow(TOO_LONG, f"{row_chars(conv):,} characters > data.max_row_chars {self.max_row_chars:,}")
             if conv.messages is None:
                 ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
                 return ids, mask, {}, 0
@@ -271,10 +311,10 @@ def _parallel_encode(rows, data, tokenizer, sources_=None):
             yield from chunk
 
 
-def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator[Example]:
+def iter_examples(spec, tokenizer, stats: DataStats | None = None) -> Iterator[Example]:
     """Tokenized, masked, validated, unpacked examples (input_ids and labels lists), in source order."""
     stats = DataStats() if stats is None else stats
-    for index, ids, mask in encoded_examples(recipe, tokenizer, stats):
+    for index, ids, mask in encoded_examples(spec, tokenizer, stats):
         labels = np.where(mask, ids, IGNORE_INDEX)
         yield Example(index=index, input_ids=ids.tolist(), labels=labels.tolist())
 
@@ -284,7 +324,7 @@ def iter_examples(recipe, tokenizer, stats: DataStats | None = None) -> Iterator
 # the cache key, so any change to the masking (or validation, truncation, packing, counting) code
 # invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
 ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
-                   "evalsplit.py", "formats.py")
+                   "evalsplit.py", "formats.py", "spec.py")
 
 
 def encoder_fingerprint() -> dict[str, Any]:
@@ -299,10 +339,11 @@ def encoder_fingerprint() -> dict[str, Any]:
     return {"version": chat.ENCODER_VERSION, "code_sha256": h.hexdigest()}
 
 
-def recipe_cache_parts(recipe) -> dict[str, Any]:
-    """The recipe's share of the cache key: everything but the tokenizer (`ftcli plan` matches a cache entry's
+def recipe_cache_parts(spec) -> dict[str, Any]:
+    """The data spec's share of the cache key: everything but the tokenizer (`ftcli plan` matches a cache entry's
     meta.json key_parts against it without loading a tokenizer)."""
-    data = recipe.data
+    spec = data_spec(spec)
+    data = spec.data
     packing = data.packing.model_dump() if data.packing.enabled else {"enabled": False}
     return {
         "format_version": DATA_FORMAT_VERSION,
@@ -323,33 +364,35 @@ def recipe_cache_parts(recipe) -> dict[str, Any]:
         "train_on": data.train_on,
         "special_tokens_in_text": data.special_tokens_in_text,
         "max_length": data.max_length,
+        "max_row_chars": row_char_limit(data),
         "packing": packing,
-        **({"holdout": vars(holdout_rule(recipe))} if holdout_rule(recipe) else {}),
+        **({"holdout": vars(spec.holdout)} if spec.holdout else {}),
     }
 
 
-def cache_parts(recipe, tokenizer) -> dict[str, Any]:
+def cache_parts(spec, tokenizer) -> dict[str, Any]:
     """Everything that changes the packed bytes (the cache key is its hash)."""
-    return {**recipe_cache_parts(recipe), "tokenizer": describe(tokenizer), "vocab_size": len(tokenizer)}
+    return {**recipe_cache_parts(spec), "tokenizer": describe(tokenizer), "vocab_size": len(tokenizer)}
 
 
-def entry_path(recipe, tokenizer) -> Path:
-    parts = cache_parts(recipe, tokenizer)
-    return cache_root(recipe.data) / "packed" / cache_key(parts)
+def entry_path(spec, tokenizer) -> Path:
+    parts = cache_parts(spec, tokenizer)
+    return cache_root(data_spec(spec).data) / "packed" / cache_key(parts)
 
 
-def prepare(recipe, tokenizer, progress: Progress | None = None) -> Path:
-    """Tokenize, mask and pack the recipe's data into the cache, unless it is already there. Returns the
+def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
+    """Tokenize, mask and pack the spec's data into the cache, unless it is already there. Returns the
     entry's directory. Call it on rank 0 before a barrier; other ranks then call `open_prepared`."""
-    parts = cache_parts(recipe, tokenizer)
-    final = cache_root(recipe.data) / "packed" / cache_key(parts)
+    spec = data_spec(spec)
+    parts = cache_parts(spec, tokenizer)
+    final = cache_root(spec.data) / "packed" / cache_key(parts)
     if (final / "meta.json").exists():
         return final
-    data = recipe.data
+    data = spec.data
     stats = DataStats()
     start = time.perf_counter()
     BUILDS["count"] += 1
-    examples = encoded_examples(recipe, tokenizer, stats, progress)
+    examples = encoded_examples(spec, tokenizer, stats, progress)
     packing = data.packing
     if not packing.enabled:
         blocks = pack_none(examples)
@@ -361,6 +404,9 @@ def prepare(recipe, tokenizer, progress: Progress | None = None) -> Path:
     max_len = 0
     try:
         for ids, mask, seg_lens in blocks:
+            if not num_trained(mask, seg_lens):  # e.g. the middle of a long prompt (split): nothing to step on
+                stats.blocks_without_trained += 1
+                continue
             stats.trained_tokens += writer.add(ids, mask, seg_lens)
             stats.tokens += len(ids)
             stats.blocks += 1
@@ -383,24 +429,24 @@ def prepare(recipe, tokenizer, progress: Progress | None = None) -> Path:
     return writer.commit(meta)
 
 
-def open_prepared(recipe, tokenizer) -> PackedDataset:
-    """The reader for ranks that did not prepare: the entry `prepare` wrote for this recipe + tokenizer."""
-    path = entry_path(recipe, tokenizer)
+def open_prepared(spec, tokenizer) -> PackedDataset:
+    """The reader for ranks that did not prepare: the entry `prepare` wrote for this spec + tokenizer."""
+    path = entry_path(spec, tokenizer)
     if not (path / "meta.json").exists():
         raise UserError(f"no prepared data at {path}; call prepare() on rank 0 first")
-    return _open(recipe, path, from_cache=True)
+    return _open(spec, path, from_cache=True)
 
 
-def prepare_blocks(recipe, tokenizer, progress: Progress | None = None) -> PackedDataset:
+def prepare_blocks(spec, tokenizer, progress: Progress | None = None) -> PackedDataset:
     """Tokenize + mask + pack (or load from the cache) and return the memory-mapped PackedDataset."""
     before = BUILDS["count"]
-    path = prepare(recipe, tokenizer, progress)
-    return _open(recipe, path, from_cache=BUILDS["count"] == before)
+    path = prepare(spec, tokenizer, progress)
+    return _open(spec, path, from_cache=BUILDS["count"] == before)
 
 
-def _open(recipe, path: Path, from_cache: bool) -> PackedDataset:
+def _open(spec, path: Path, from_cache: bool) -> PackedDataset:
     packed = PackedDataset(path, from_cache=from_cache)
-    if recipe.data.strict:  # a cache written by a lenient run still fails a strict one at its first bad row
+    if data_spec(spec).data.strict:  # a cache written by a lenient run still fails a strict one at its first bad row
         first = packed.stats.first_bad_row()
         if first is not None:
             raise _strict_error(*first)

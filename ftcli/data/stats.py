@@ -27,6 +27,7 @@ class DataStats:
     tokens: int = 0  # tokens of the kept examples, as packed
     trained_tokens: int = 0  # loss tokens in the blocks (labels[1:] != -100, summed over blocks)
     blocks: int = 0
+    blocks_without_trained: int = 0  # packed blocks dropped: no token of theirs gets loss (not in `blocks`)
     padding_tokens: int = 0
     seconds: float = 0.0  # tokenize + mask + pack wall time
     format: str = ""  # a source's row format (data.format; auto: the detected one, ftcli.data.formats)

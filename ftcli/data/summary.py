@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 
 
@@ -58,6 +59,7 @@ class DataSummary:
     sources: dict[str, SourceSummary] = field(default_factory=dict)
     pipeline_seconds: float = 0.0
     tokens_per_second: float = 0.0
+    blocks_without_trained: int = 0  # packed, then dropped: no token of theirs gets loss
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +79,8 @@ class DataSummary:
         if len(self.sources) == 1:
             s = next(iter(self.sources.values()))
             out.append(("format", f"{s.format} ({s.format_why})" if s.format_why else s.format))
+        if self.blocks_without_trained:
+            out.append(("  dropped blocks", f"{self.blocks_without_trained} with no trained token (not in blocks)"))
         for reason, r in self.skipped_by_reason.items():
             out.append((f"  skipped: {reason}", f"{r['count']} (first rows {', '.join(map(str, r['first_rows']))})"))
         for reason, n in self.dropped_turns.items():
@@ -110,6 +114,7 @@ class DataSummary:
             "data/examples_skipped": self.examples["skipped"], "data/examples_truncated": self.examples["truncated"],
             "data/trained_tokens_lost": sum(self.trained_tokens_lost.values()),
             "data/special_tokens_in_text": self.special_tokens_in_text["strings"],
+            "data/blocks_without_trained": self.blocks_without_trained,
         }
         for label, s in self.sources.items():
             key = re.sub(r"[^A-Za-z0-9_.\- ]", "_", label)[-100:]
@@ -128,16 +133,17 @@ def _source_summary(st: DataStats) -> SourceSummary:
     )
 
 
-def data_summary(recipe, packed) -> DataSummary:
-    """The summary of a prepared dataset (`PackedDataset`) for this recipe."""
+def data_summary(spec, packed) -> DataSummary:
+    """The summary of a prepared dataset (`PackedDataset`) for this data spec (or a recipe's training data)."""
+    spec = data_spec(spec)
     stats = packed.stats
     n = len(packed)
     segs = np.asarray([len(packed.segments(i)) for i in range(n)], dtype=np.int64)
     capacity = n * packed.block_len if packed.block_len else stats.tokens
     trained = int(packed.block_trained.sum()) if n else 0
-    data = recipe.data
+    data = spec.data
     return DataSummary(
-        recipe=recipe.name,
+        recipe=spec.name,
         cache=str(packed.path),
         from_cache=packed.from_cache,
         strategy=data.packing.strategy if data.packing.enabled else "none",
@@ -174,4 +180,5 @@ def data_summary(recipe, packed) -> DataSummary:
         sources={label: _source_summary(st) for label, st in stats.sources.items()},
         pipeline_seconds=round(stats.seconds, 3),
         tokens_per_second=round(stats.tokens_per_second, 1),
+        blocks_without_trained=stats.blocks_without_trained,
     )

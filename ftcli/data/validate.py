@@ -7,6 +7,7 @@ was wrong and only appears in strict mode's error message.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,12 +123,38 @@ def _tools(row: dict, tools_field: str | None) -> list[dict] | None:
     return tools or None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(row: Any) -> str | None:
+    """Where a string of `row` (a value or a key, at any depth) holds a lone UTF-16 surrogate (JSON's
+    "\\ud800" escape parses to one): no UTF-8 text has it, so no tokenizer can encode it. None when none does."""
+    stack: list[tuple[Any, str]] = [(row, "")]
+    while stack:  # a loop, not recursion: a row may nest deeper than the interpreter's stack
+        value, where = stack.pop()
+        if isinstance(value, str):
+            found = None if value.isascii() else _SURROGATE.search(value)
+            if found:
+                return f"{where or 'the row'} holds U+{ord(found.group()):04X}"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):
+            path = f"{where}.{key}" if where else str(key)
+            stack.append((item, path))
+            if isinstance(key, str):
+                stack.append((key, f"a key in {where or 'the row'}"))
+    return None
+
+
 def conversation(
     row: Any, fmt: str, messages_field: str = "messages", tools_field: str | None = "tools"
 ) -> Conversation:
     """A source row -> Conversation, or BadRow."""
     if not isinstance(row, dict):
         raise BadRow("row not an object", f"got {type(row).__name__}")
+    surrogate = _lone_surrogate(row)
+    if surrogate:
+        raise BadRow("lone surrogate", f"{surrogate}, a lone UTF-16 surrogate that is not valid Unicode text")
     tools = _tools(row, tools_field)
     if fmt == "messages":
         if messages_field not in row:

@@ -18,7 +18,7 @@
                      them before the first recompute);
                      selective: every other layer stored; none: every layer stored
                    + loss: full logits F x T x vocab (F fitted); the chunked loss keeps one fp32 chunk
-                     (chunk_tokens x vocab x 4), liger one of its own (a power of two near T / (vocab/hidden))
+                     (chunk_tokens x vocab x 4), a fused one its own (ftcli.features.loss)
                    + with bf16 master weights, the root's bf16 gradients next to their fp32 copy: 2 x P_root
         reduce       (the end of backward) the root unit's (embeddings, LM head) unsharded fp32 gradients
                      before their reduce-scatter: 4 x P_root (+ the bf16 copy with bf16 master weights)
@@ -38,7 +38,6 @@ config by formula (tests compare them with transformers' models on the meta devi
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 
 from ftcli.families import FAMILIES, find_family, model_types
 from ftcli.families.base import layer_types
+from ftcli.features.loss import FUSED_LINEAR_CE
 
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
@@ -185,9 +185,8 @@ def loss_bytes(shape: ModelShape, s: Setting) -> float:
         return FULL_LOGITS_BYTES * s.tokens * shape.vocab
     if s.loss == "chunked":
         return 4.0 * min(s.chunk_tokens, s.tokens) * shape.vocab
-    if s.loss == "liger":  # liger's fused linear cross-entropy picks its chunk from T and vocab / hidden
-        chunk = 2 ** math.ceil(math.log2(max(1, math.ceil(s.tokens / math.ceil(shape.vocab / shape.hidden)))))
-        return 4.0 * min(chunk, s.tokens) * shape.vocab
+    if s.loss in FUSED_LINEAR_CE:  # a fused linear cross-entropy picks its own chunk (ftcli.features.loss)
+        return FUSED_LINEAR_CE[s.loss].transient_bytes(s.tokens, shape.vocab, shape.hidden)
     return 0.0  # TRL's LoRA loss: inside the fitted activations (its measurements are linear in T)
 
 

@@ -18,14 +18,25 @@ emulates the float8 GEMM (slow, for tests only).
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import FP8_MIN_CAPABILITY
+from ftcli.features.base import Feature, Found, Requirement
+
+if TYPE_CHECKING:
+    from torch import nn
+
+MIN_CAPABILITY = (8, 9)  # float8 GEMMs need Ada, Hopper or Blackwell
+SETTING = "training.precision.fp8"
+PACKAGE = "torchao"
+PIN = "torchao==0.18.0"
+NEEDS_TORCHAO = f"{SETTING} needs torchao"  # the one place that says it (the errors, doctor and the workload)
 
 
 def fp8_filter(hidden_size: int, layer_prefixes: tuple[str, ...]):
     """torchao's module_filter_fn: True for the linears that get float8 GEMMs (the module doc)."""
+    from torch import nn
+
     min_features = max(16, hidden_size // 8)
 
     def keep(module: nn.Module, fqn: str) -> bool:
@@ -44,8 +55,8 @@ def check_fp8_device(device) -> None:
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
-        raise UserError(f"training.precision.fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
+    if capability < MIN_CAPABILITY:
+        raise UserError(f"{SETTING} needs a GPU of compute capability >= 8.9 (Ada, Hopper, "
                         f"Blackwell); this one is {torch.cuda.get_device_name(device)} ({'.'.join(map(str, capability))})")
 
 
@@ -55,7 +66,7 @@ def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int) 
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
-        raise UserError(f"training.precision.fp8 needs torchao (pip install 'ftcli[gpu]'): {e}") from None
+        raise UserError(f"{NEEDS_TORCHAO} (pip install 'ftcli[gpu]'): {e}") from None
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = tuple(names[id(layer)] + "." for layer in layers)
     keep = fp8_filter(hidden_size, prefixes)
@@ -82,3 +93,56 @@ def is_float8_linear(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, Float8Linear)
+
+
+# ------------------------------------------------------------------------------------------- the record
+def _on(recipe) -> bool:
+    return recipe.training.method == "full" and recipe.training.precision.fp8
+
+
+def validate(recipe) -> list[str]:
+    """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
+    the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
+    tokens = recipe.data.packing.block_len * recipe.training.per_device_batch
+    if _on(recipe) and (not recipe.data.packing.enabled or tokens % 16):  # LoRA ignores fp8 (warned)
+        return [f"{SETTING} needs packed blocks whose tokens per micro-batch (block_len x "
+                f"per_device_batch = {tokens}) are a multiple of 16"]
+    return []
+
+
+def check(recipe, m) -> Found:
+    """Torch-free: the capability and torchao of machine `m` (a ftcli.hardware.Machine)."""
+    problems = []
+    cap = ".".join(map(str, m.capability or (0, 0)))
+    if (m.capability or (0, 0)) < MIN_CAPABILITY:
+        problems.append(f"{SETTING} needs compute capability >= {'.'.join(map(str, MIN_CAPABILITY))}, this GPU is "
+                        f"{cap}: set {SETTING}=false")
+    if not m.versions.get(PACKAGE):
+        problems.append(f"{NEEDS_TORCHAO}: pip install {PACKAGE}")
+    return Found(tuple(problems), (f"fp8: {PACKAGE} {m.versions.get(PACKAGE)} on capability {cap}",))
+
+
+def convert(model, recipe, device) -> None:
+    """Before sharding: FSDP2 then shards the swapped modules' same parameters."""
+    from ftcli.model.build import decoder_layers
+
+    check_fp8_device(device)
+    convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
+
+
+def describe(model, recipe) -> str:
+    from ftcli.model.build import decoder_layers
+
+    return (f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8_linears(model))} linears of "
+            f"{len(decoder_layers(model))} decoder layers; the LM head, embeddings and small projections stay in "
+            f"{recipe.training.precision.param_dtype}")
+
+
+FEATURE = Feature(
+    name="float8", label="fp8", setting=SETTING, applies=_on, validate=validate,
+    requirements=lambda r: [Requirement(PIN, f"float8 training ({SETTING}), its Python part; the float8 GEMMs "
+                                             "are torch's own")] if _on(r) else [],
+    packages=(PACKAGE,), check=check,
+    speed_key=lambda t: "fp8" if t.precision.fp8 else None,
+    convert=convert, describe=describe,
+)

@@ -12,10 +12,11 @@ forward, in the recompute and again in the backward:
     gated_norm   Qwen3_5RMSNormGated             float32 copies of x and gate, norm, w *,   fla's rms_norm_gated
                  (w * norm(x) * silu(gate))      silu, multiply, cast back
 
-`fuse_decoder_ops` swaps those modules for the small modules below, in place, on the meta-built model and
+`fuse_decoder_ops` swaps those modules for small modules (ftcli.features.fused_modules), in place, on the meta-built model and
 before sharding. They hold the SAME parameter objects under the same names (`input_layernorm.weight`,
 `mlp.gate_proj.weight`, ...), so checkpoints, resume, the Hugging Face export and FSDP2's sharding are what
-they are without fusion; the MLP's linears stay child modules, so float8 (`ftcli.features.float8`) still swaps them.
+they are without fusion; the MLP's linears stay child modules, so float8 linears (`ftcli.features.float8`, converted
+first) keep their float8 GEMMs inside a fused MLP.
 
 Only modules of exactly these classes are swapped (the vision tower's norms are other classes); a model with
 none of them gets a one-line error instead of a silent no-op. The kernels are Triton: CUDA only. The
@@ -28,16 +29,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import FUSED_OP_PACKAGES
 from ftcli.families import FAMILIES
+from ftcli.features.base import Feature, Found, Requirement
 
+if TYPE_CHECKING:
+    from torch import nn
+
+SETTING = "training.fused_ops"
 FUSED_OPS = ("rms_norm", "swiglu", "gated_norm")
 # op -> the transformers class it replaces (matched by exact class name: a subclass may compute otherwise)
 TARGETS = {op: cls for f in FAMILIES.values() for op, cls in f.fused_op_targets.items()}  # ftcli.families: Qwen3.5's
-PACKAGES = FUSED_OP_PACKAGES
+# op -> the package whose kernel it runs (doctor checks them torch-free)
+PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
+PACKAGE_ALSO_IN = {"flash-linear-attention": "fla-core"}  # fla's kernels ship in fla-core too (its wrapper)
+LIGER_PIN, LIGER_KIND = "liger-kernel==0.8.5", "pure Python + Triton"  # the workload's pin (ftcli.features.loss too)
 
 
 @dataclass(frozen=True)
@@ -82,52 +90,11 @@ def check_fused_device(device, ops: Iterable[str]) -> None:
                         f"process is on {device.type}); set training.fused_ops=[] here")
 
 
-class _FusedNorm(nn.Module):
-    """A norm's own weight (the same Parameter, so the same name and shard) and eps, and its fused kernel."""
+def fused_modules() -> dict[str, type]:
+    """op -> the module class that runs its fused kernel (ftcli.features.fused_modules: torch)."""
+    from ftcli.features.fused_modules import FUSED_MODULES
 
-    def __init__(self, norm: nn.Module, kernel: Callable, eps: float):
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = eps
-        self._kernel = kernel
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, fused"
-
-
-class FusedZeroCenteredRMSNorm(_FusedNorm):
-    """Qwen3_5RMSNorm through liger's RMSNorm: y = (x / rms(x) * (1 + w)) in float32, cast to x's dtype."""
-
-    def __init__(self, norm: nn.Module, kernel: Callable):
-        super().__init__(norm, kernel, norm.eps)
-
-    def forward(self, x):
-        return self._kernel(x, self.weight, self.eps, 1.0, "gemma", False)
-
-
-class FusedSwiGLUMLP(nn.Module):
-    """Qwen3_5MLP with silu(gate) * up in one kernel; the three linears are the original modules."""
-
-    def __init__(self, mlp: nn.Module, kernel: Callable):
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self._kernel = kernel
-
-    def forward(self, x):
-        return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
-
-
-class FusedGatedRMSNorm(_FusedNorm):
-    """Qwen3_5RMSNormGated through fla's rms_norm_gated: y = w * norm(x) * silu(gate)."""
-
-    def __init__(self, norm: nn.Module, kernel: Callable):
-        super().__init__(norm, kernel, norm.variance_epsilon)
-
-    def forward(self, x, gate):
-        return self._kernel(x, gate, self.weight, None, "silu", eps=self.eps)
-
-
-FUSED_MODULES = {"rms_norm": FusedZeroCenteredRMSNorm, "swiglu": FusedSwiGLUMLP, "gated_norm": FusedGatedRMSNorm}
+    return FUSED_MODULES
 
 
 def _swappable(module: nn.Module, op: str) -> bool:
@@ -161,7 +128,7 @@ def fuse_decoder_ops(model: nn.Module, layers: Iterable[nn.Module], ops: Iterabl
     for parent, attr, child in slots:
         for op in ops:
             if _swappable(child, op):
-                setattr(parent, attr, FUSED_MODULES[op](child, getattr(kernels, op)))
+                setattr(parent, attr, fused_modules()[op](child, getattr(kernels, op)))
                 swapped[op].append(names[id(child)])
     missing = [op for op, found in swapped.items() if not found]
     if missing:
@@ -173,5 +140,62 @@ def fuse_decoder_ops(model: nn.Module, layers: Iterable[nn.Module], ops: Iterabl
 
 def fused_module_counts(model: nn.Module) -> dict[str, int]:
     """op -> how many modules of `model` run its fused kernel."""
-    counts = {op: sum(isinstance(m, cls) for m in model.modules()) for op, cls in FUSED_MODULES.items()}
+    counts = {op: sum(isinstance(m, cls) for m in model.modules()) for op, cls in fused_modules().items()}
     return {op: n for op, n in counts.items() if n}
+
+
+# ------------------------------------------------------------------------------------------- the record
+def _on(recipe) -> bool:
+    return recipe.training.method == "full" and bool(recipe.training.fused_ops)  # LoRA ignores them (warned)
+
+
+def validate(recipe) -> list[str]:
+    from ftcli.families import fused_op_model_types  # the families whose modules name fused-op targets
+
+    types = fused_op_model_types()
+    if _on(recipe) and recipe.model.model_type not in types:
+        return [f"{SETTING} covers Qwen3.5's modules (model_type {', '.join(types)}); "
+                f"this recipe's model_type is {recipe.model.model_type}: set {SETTING}=[]"]
+    return []
+
+
+def check(recipe, m) -> Found:
+    """Torch-free: each op's package on machine `m` (a ftcli.hardware.Machine)."""
+    problems, found = [], []
+    for package in dict.fromkeys(PACKAGES[op] for op in recipe.training.fused_ops):
+        have = m.versions.get(package) or m.versions.get(PACKAGE_ALSO_IN.get(package, ""))
+        if not have:
+            problems.append(f"{SETTING} needs {package}: pip install {package}")
+        found.append(f"{package} {have}")
+    return Found(tuple(problems), tuple(found))
+
+
+def requirements(recipe) -> list[Requirement]:
+    # the gated norm's fla is the Qwen3.5 family's own requirement (the workload installs it for every Qwen3.5)
+    if _on(recipe) and {"rms_norm", "swiglu"} & set(recipe.training.fused_ops):
+        return [Requirement(LIGER_PIN, f"fused RMSNorm / SwiGLU ({SETTING})", LIGER_KIND)]
+    return []
+
+
+def preflight(recipe, device) -> None:
+    check_fused_device(device, recipe.training.fused_ops)
+    load_kernels(recipe.training.fused_ops)
+
+
+def convert(model, recipe, device) -> None:
+    """The same parameter objects under the same names: sharding and checkpoints unchanged."""
+    from ftcli.model.build import decoder_layers, text_final_norm
+
+    ops = recipe.training.fused_ops
+    check_fused_device(device, ops)
+    fuse_decoder_ops(model, decoder_layers(model), ops, load_kernels(ops), final_norm=text_final_norm(model))
+
+
+FEATURE = Feature(
+    name="fused_ops", label="fused ops", setting=SETTING, applies=_on, validate=validate,
+    requirements=requirements, packages=tuple(dict.fromkeys(PACKAGES.values())), check=check,
+    speed_key=lambda t: "fused=" + "+".join(sorted(t.fused_ops)) if t.fused_ops else None,
+    preflight=preflight, convert=convert,
+    describe=lambda model, recipe: "fused ops (Triton): " + ", ".join(
+        f"{op} x{n}" for op, n in fused_module_counts(model).items()),
+)

@@ -5,7 +5,7 @@ Three sources, one function:
   recipe dtype with `Mxfp4Config(dequantize=True)`, pure torch, so it also runs on CPU);
 - `init: random` + a config.json: random weights, on `device` (default CPU). The FSDP2 trainer does not
   come here for random init: it builds on the meta device, shards, and materializes only each rank's
-  shard (ftcli.train.full.build_model), so a 27B config never exists whole anywhere.
+  shard (ftcli.model.parallelize.build_model), so a 27B config never exists whole anywhere.
 """
 
 from __future__ import annotations
@@ -183,3 +183,30 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     head = model.get_output_embeddings()
     head_n = head.weight.numel() if head is not None and head.weight is not model.get_input_embeddings().weight else 0
     return total, total - emb - head_n
+
+
+def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
+    """The recipe's model with parameters on the meta device and real buffers (rotary inv_freq is a
+    non-persistent buffer computed in __init__: it is in no checkpoint, so it must stay real)."""
+    from accelerate import init_empty_weights
+
+    config = load_config(cfg)
+    config.use_cache = False
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = False
+    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        return auto_class(cfg.model_class).from_config(config, **kwargs)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def count_text_params(model: nn.Module) -> int:
+    """Non-embedding parameters a text token goes through (the vision tower of a VLM class excluded)."""
+    _, non_embedding = count_params(model)
+    visual = vision_tower(model)
+    return non_embedding - (sum(p.numel() for p in visual.parameters()) if visual is not None else 0)

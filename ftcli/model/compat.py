@@ -1,11 +1,11 @@
 """Can this recipe run on this machine: known-bad version combinations, the tested version matrix, and
 whether the recipe's GPUs (count, type, memory) are here.
 
-Everything is a pure function of a `Here` (what the machine has) and a recipe, so each rule is tested on
-faked versions and machines (tests/test_compat.py); `detect_here` reads the real machine (torch is imported
+Everything is a pure function of a `ftcli.hardware.Machine` (what the machine has) and a recipe, so each rule is
+tested on faked versions and machines (tests/test_compat.py); `hardware.read_here` reads the real machine (torch is imported
 there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine without a GPU never
 imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.model.kernels and the
-known-bad rules) and "fits here" (ftcli.commands.plan's memory model against this machine) separately.
+known-bad rules) and "fits here" (ftcli.estimate.fit's memory model against this machine) separately.
 
 Known-bad combinations:
 
@@ -26,15 +26,8 @@ Known-bad combinations:
 
 from __future__ import annotations
 
-import ast
-import importlib.metadata
-import importlib.util
 import os
-import re
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ftcli.families import find_family
@@ -45,15 +38,17 @@ from ftcli.families.base import (
     SINKS,
     TRANSFORMERS_PACKING_ARGS,
 )
+from ftcli import features
+from ftcli.hardware import Machine, version_tuple
 
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
 SINK_ATTENTION = ("flex_sinks", "eager_segments")  # ftcli.model.kernels backends that apply gpt-oss's sinks
-MATRIX_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
-                   "liger-kernel", "causal-conv1d", "flash-attn")
+# the packages compared with the tested matrix: the kernels', then the training features' (ftcli.features)
+_KERNEL_PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "flash-linear-attention", "tilelang",
+                    "causal-conv1d", "flash-attn")
+MATRIX_PACKAGES = (*_KERNEL_PACKAGES, *(p for p in features.packages() if p not in _KERNEL_PACKAGES))
 BAD_TRANSFORMERS = ((5, 2, 0), (5, 8, 1))  # inclusive
 FLA_913 = "fla-org/flash-linear-attention#913"
-# a GPU driver is loaded (NVIDIA, ROCm) even when nvidia-smi does not list a GPU: then torch is asked
-GPU_DRIVER_SIGNS = (Path("/proc/driver/nvidia/gpus"), Path("/dev/kfd"))
 
 
 @dataclass(frozen=True)
@@ -64,30 +59,6 @@ class Problem:
     blocks_recipe: bool = False  # the recipe would train wrongly (or not at all) here
 
 
-@dataclass(frozen=True)
-class Here:
-    """What the machine has. `gpus`: (name, total memory in bytes) per visible GPU."""
-
-    versions: dict[str, str | None] = field(default_factory=dict)
-    gpus: tuple[tuple[str, int], ...] = ()
-    capability: tuple[int, int] | None = None
-    ram_bytes: int = 0
-    fla_importable: bool = False
-    gpt_oss_attention: str | None = None  # the attention backend ftcli.model.kernels picks for gpt_oss here
-
-    @property
-    def blackwell(self) -> bool:
-        return (self.capability or (0, 0))[0] in (10, 12)
-
-
-def version_tuple(version: str | None) -> tuple[int, ...]:
-    parts = []
-    for piece in (version or "0").split("+")[0].split(".")[:3]:
-        digits = re.match(r"\d*", piece).group(0)
-        parts.append(int(digits or 0))
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
 def _applies(recipe, rule: str) -> bool:
     """Whether known-bad `rule` concerns `recipe`'s family (ftcli.families; every rule when there is no recipe)."""
     family = find_family(recipe.model.model_type) if recipe is not None else None
@@ -95,7 +66,15 @@ def _applies(recipe, rule: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ known bad
-def known_bad(recipe, here: Here) -> list[Problem]:
+def sink_model_attention(here: Machine) -> str | None:
+    """The attention backend ftcli.model.kernels picks on `here` for gpt-oss's packed blocks (from the
+    machine's attention capabilities: flex attention on CUDA, else eager per segment)."""
+    from ftcli.model import kernels
+
+    return kernels.attention_backend(SINKS, here).name
+
+
+def known_bad(recipe, here: Machine) -> list[Problem]:
     """The known-bad combinations for `recipe` (or for both families when None) on `here`."""
     packed = recipe is None or recipe.data.packing.enabled
     v = here.versions
@@ -139,12 +118,13 @@ def known_bad(recipe, here: Here) -> list[Problem]:
         out.append(Problem(name, OK, f"fla {fla}"))
 
     name = "gpt-oss packed attention keeps the sinks"
+    attention = sink_model_attention(here)
     if recipe is not None and not (_applies(recipe, SINKS_RULE) and packed):
         out.append(Problem(name, NA, "no packed gpt-oss blocks in this recipe"))
-    elif here.gpt_oss_attention in SINK_ATTENTION:
-        out.append(Problem(name, OK, f"{here.gpt_oss_attention} applies the learned sinks"))
+    elif attention in SINK_ATTENTION:
+        out.append(Problem(name, OK, f"{attention} applies the learned sinks"))
     else:
-        out.append(Problem(name, FAIL, f"attention backend {here.gpt_oss_attention or 'none'} has no learned sinks: "
+        out.append(Problem(name, FAIL, f"attention backend {attention or 'none'} has no learned sinks: "
                            "gpt-oss would train as a different model; use model.attn_implementation=auto on a "
                            "torch with flex attention", blocks_recipe=recipe is not None))
     return out
@@ -159,7 +139,7 @@ def constraints_dir() -> Path | None:
     return None
 
 
-def platform_of(here: Here) -> str | None:
+def platform_of(here: Machine) -> str | None:
     """The constraints file name for this machine: cpu, gpu-h100, gpu-h200; None for an untested card."""
     if not here.gpus:
         return "cpu"
@@ -190,7 +170,7 @@ def _matches(installed: str, pin: str) -> bool:
     return version_tuple(base) == version_tuple(pin)
 
 
-def matrix_check(here: Here, directory: Path | None = None) -> Problem:
+def matrix_check(here: Machine, directory: Path | None = None) -> Problem:
     name = "versions vs the tested matrix"
     directory = directory or constraints_dir()
     platform = platform_of(here)
@@ -208,16 +188,16 @@ def matrix_check(here: Here, directory: Path | None = None) -> Problem:
 
 
 # ---------------------------------------------------------------------------------------- can it run
-def fit_here(recipe, here: Here) -> tuple[bool, str]:
+def fit_here(recipe, here: Machine) -> tuple[bool, str]:
     """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits this machine, and the figures."""
-    from ftcli.commands import plan
+    from ftcli.estimate.fit import memory_on
     from ftcli.config.errors import UserError
 
     compute = recipe.compute
     wanted_card = compute.accelerator_type.split("x", 1)[1]
     world = len(here.gpus) or recipe.training.cpu_processes
     try:
-        per_rank = plan.memory_on(recipe, world).total
+        per_rank = memory_on(recipe, world).total
     except UserError as e:
         return True, f"not checked: {e}"
     if not here.gpus:
@@ -237,14 +217,14 @@ def fit_here(recipe, here: Here) -> tuple[bool, str]:
     return True, f"{per_rank:.1f} GiB per GPU of {usable:.1f} usable on {world} x {name}"
 
 
-def can_run_here(recipe, here: Here) -> list[str]:
+def can_run_here(recipe, here: Machine) -> list[str]:
     """Why `recipe` cannot run on this machine (empty: it can): the plan's memory per GPU on the GPUs that are
     here (the launcher uses them all), or per CPU process against the RAM on a machine without GPUs."""
     ok, detail = fit_here(recipe, here)
     return [] if ok else [detail]
 
 
-def gpu_notes(recipe, here: Here) -> list[Problem]:
+def gpu_notes(recipe, here: Machine) -> list[Problem]:
     """Type and count against compute.accelerator_type (a different card or fewer GPUs is not an error when
     the memory fits: the launcher uses the GPUs that are here)."""
     compute = recipe.compute
@@ -258,56 +238,6 @@ def gpu_notes(recipe, here: Here) -> list[Problem]:
     return [Problem("GPUs vs compute.accelerator_type", OK if same else WARN, detail)]
 
 
-def nvidia_smi_gpus() -> tuple[tuple[str, int], ...] | None:
-    """(name, memory in bytes) of each GPU nvidia-smi lists, without importing torch; None when there is no
-    nvidia-smi (no NVIDIA driver: no GPU torch could use) or it fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    gpus = []
-    for line in out.stdout.splitlines():
-        name, _, mib = line.rpartition(",")
-        if name.strip() and mib.strip().isdigit():
-            gpus.append((name.strip(), int(mib) * 2**20))
-    return tuple(gpus)
-
-
-def gpu_probe() -> tuple[bool, str]:
-    """(whether torch must be asked about GPUs, what was found), without importing torch: yes when nvidia-smi
-    lists a GPU or a GPU driver is loaded (GPU_DRIVER_SIGNS); no GPU otherwise."""
-    listed = nvidia_smi_gpus()
-    if listed:
-        return True, f"nvidia-smi: {len(listed)} x {listed[0][0]}"
-    driver = next((str(p) for p in GPU_DRIVER_SIGNS if p.exists()), None)
-    if driver:
-        return True, f"{driver} exists but nvidia-smi lists no GPU"
-    return False, "nvidia-smi lists no GPU" if listed == () else "no nvidia-smi (no NVIDIA driver): no GPU"
-
-
-def torch_cuda_build() -> str | None:
-    """`torch.version.cuda` (None: a CPU build or no torch), read from torch/version.py unless torch is
-    imported already; torch is imported only when that file cannot be read."""
-    if "torch" in sys.modules:
-        return sys.modules["torch"].version.cuda
-    spec = importlib.util.find_spec("torch")
-    if spec is None:
-        return None
-    try:
-        text = Path(next(iter(spec.submodule_search_locations)), "version.py").read_text()
-        return ast.literal_eval(re.search(r"^cuda\s*(?::[^=]*)?=\s*(.+)$", text, re.M).group(1).strip())
-    except (OSError, StopIteration, AttributeError, ValueError, SyntaxError):
-        import torch
-
-        return torch.version.cuda
-
-
 def tested_in(dist: str, installed: str | None, directory: Path | None = None) -> str | None:
     """The constraints file (constraints/<platform>.txt, the tested matrix) that pins `dist` to `installed`,
     or None when no file does."""
@@ -317,28 +247,3 @@ def tested_in(dist: str, installed: str | None, directory: Path | None = None) -
         if pin and _matches(installed, pin):
             return f"constraints/{path.name}"
     return None
-
-
-def detect_here(m) -> Here:
-    """The real machine as `m` (its `ftcli.model.kernels.Machine`) saw it; torch is imported only when `m` is a CUDA
-    device (GPU names and memory as torch sees them: CUDA_VISIBLE_DEVICES applies)."""
-    from ftcli.model import kernels
-
-    gpus: tuple[tuple[str, int], ...] = ()
-    capability = None
-    if m.device_type == "cuda":
-        import torch
-
-        gpus = tuple((torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
-                     for i in range(torch.cuda.device_count()))
-        capability = tuple(torch.cuda.get_device_capability(0))
-    attention = kernels.attention_backend(SINKS, m).name
-    versions = {}
-    for dist in (*MATRIX_PACKAGES, "fla-core"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return Here(versions=versions, gpus=gpus, capability=capability, ram_bytes=ram,
-                fla_importable="fla" in m.importable, gpt_oss_attention=attention)

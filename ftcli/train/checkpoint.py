@@ -6,7 +6,8 @@ One checkpoint is one directory, committed by a rename:
       step_00000200/            committed: `latest_checkpoint` only ever returns one of these
         .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: model + optimizer, each rank writes its shards
         rank_00000.json, rank_00000.safetensors, ...   per-rank trainer state: data position, RNG, ...
-        meta.json                                      step, world size, token counts (written last)
+        meta.json                                      step, world size, token counts, each file's size
+                                                       and CRC32 (written last; checked before a resume)
       .tmp_step_00000250/       a save in progress, or one a crash interrupted: never resumed from
 
 Every rank writes into the .tmp dir; after a barrier rank 0 writes meta.json and renames the dir, so a
@@ -50,8 +51,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
-from ftcli.config.errors import UserError
-from ftcli.artifacts.rundir import CHECKPOINTS
+from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
+from ftcli.artifacts.safe_files import write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
@@ -188,22 +190,183 @@ def save_checkpoint(
     dist.barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    write_rank_state(tmp, rank, rank_state)
-    dist.barrier()  # every rank's files are on disk
+    problem = None
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        write_rank_state(tmp, rank, rank_state)
+    except (OSError, CheckpointException) as e:
+        problem = _os_error(e)
+        if problem is None:
+            raise
+    _raise_if_not_saved(root, step, tmp, _gathered(problem))  # a barrier: every rank's files are on disk
+    sums = file_checksums(tmp, files_hashed_by(tmp, rank, world_size))  # each rank its own files
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(sums, gathered, dst=0)
 
     if rank == 0:
-        meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():  # re-saving a step (a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
+                    CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
+            write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+            if final.exists():  # re-saving a step (a resumed run): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            problem = e
         kept = {Path(p).resolve() for p in protect}
-        for old in list_checkpoints(root)[:-keep_last]:
+        for old in list_checkpoints(root)[:-keep_last] if problem is None else []:
             if old.resolve() not in kept:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    _raise_if_not_saved(root, step, tmp, _broadcast(problem))  # a barrier: committed, or not on every rank
     return final
+
+
+# ------------------------------------------------------------------------------------ checksums
+# meta.json's "checksums": {"algorithm": "crc32", "chunk_bytes": N, "files": {name: [size, [crc32 of each
+# N-byte chunk]]}} of every other file of the checkpoint, taken right after the save (each rank hashes the
+# files it wrote, while they are in its page cache, its chunks in threads: zlib releases the GIL; rank 0
+# gathers them), and checked by the launcher before a resume (`verify_checkpoint`). CRC32 finds damage (a
+# zeroed page, a truncated or swapped file), not tampering: whoever can rewrite a shard can rewrite meta.json.
+CHECKSUMS = "checksums"
+CHUNK_BYTES = 16 * 2**20
+_OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.\w+)$")  # DCP's shard files, ftcli's rank state
+
+
+def files_hashed_by(ckpt_dir: Path, rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint in progress that `rank` hashes: those it wrote (`__<rank>_*.distcp`,
+    `rank_<rank>.*`); rank 0 also every other one (DCP's .metadata)."""
+    names = []
+    for p in sorted(Path(ckpt_dir).iterdir()):
+        if not p.is_file() or p.name == "meta.json":
+            continue
+        match = _OWNER.match(p.name)
+        owner = int(match.group(1) or match.group(2)) if match else 0
+        if (owner if owner < world_size else 0) == rank:
+            names.append(p.name)
+    return names
+
+
+def _chunk_crcs(path: Path, size: int, chunk_bytes: int, pool) -> list[int]:
+    import zlib
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return list(pool.map(lambda at: zlib.crc32(os.pread(fd, chunk_bytes, at)), range(0, size, chunk_bytes)))
+    finally:
+        os.close(fd)
+
+
+def file_checksums(ckpt_dir: Path, names: list[str], *, chunk_bytes: int = CHUNK_BYTES,
+                   threads: int = 8) -> dict[str, list]:
+    """{name: [size, [crc32 per chunk]]} of the files `names` in `ckpt_dir`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = {}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for name in names:
+            size = (Path(ckpt_dir) / name).stat().st_size
+            out[name] = [size, _chunk_crcs(Path(ckpt_dir) / name, size, chunk_bytes, pool)]
+    return out
+
+
+def checkpoint_problem(ckpt_dir: Path, recorded: dict, *, threads: int = 8) -> str | None:
+    """The first file of `ckpt_dir` that is missing, has another size or other CRC32s than `recorded`
+    (meta.json's "checksums"), as a phrase; None when all match. Sizes first (no reading), then the CRCs."""
+    ckpt_dir, files = Path(ckpt_dir), recorded["files"]
+    for name, (size, _) in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the save wrote {size} (truncated or replaced since)"
+    now = file_checksums(ckpt_dir, list(files), chunk_bytes=int(recorded.get("chunk_bytes", CHUNK_BYTES)),
+                         threads=threads)
+    bad = [name for name in files if now[name][1] != list(files[name][1])]
+    return f"{bad[0]} does not match the checksum taken at save (damaged since)" if bad else None
+
+
+def verify_checkpoint(path: Path, *, warn=None) -> None:
+    """Before resuming from `path`: every file as the save wrote it, else one UserError naming the file and
+    the newest earlier checkpoint that verifies. A checkpoint of an older ftcli (no checksums) loads with a
+    warning through `warn` (default: stderr)."""
+    import sys
+
+    path = Path(path)
+    recorded = read_meta(path).get(CHECKSUMS)
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: checkpoint {path} has no checksums (saved by an older ftcli); resuming from it unverified")
+        return
+    problem = checkpoint_problem(path, recorded)
+    if problem is None:
+        return
+    step = checkpoint_step(path) if _STEP_DIR.match(path.name) else None
+    earlier = [p for p in reversed(list_checkpoints(path.parent)) if step is not None and checkpoint_step(p) < step]
+    intact = next((p for p in earlier if _intact(p)), None)
+    then = (f"the previous intact checkpoint is {intact} (resume from it with --resume {intact})" if intact is not None
+            else "no earlier checkpoint verifies; start again without --resume (--force)")
+    raise UserError(f"checkpoint {path}: {problem}; {then}")
+
+
+def _intact(path: Path) -> bool:
+    try:
+        recorded = read_meta(path).get(CHECKSUMS)
+    except UserError:
+        return False
+    return isinstance(recorded, dict) and isinstance(recorded.get("files"), dict) and \
+        checkpoint_problem(path, recorded) is None
+
+
+class CheckpointNotSaved(TrainingStopped):
+    """A save that an OSError (disk full, quota, permissions) stopped on any rank; every rank raises it
+    together, rank 0 reports it in one line."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save: `e` itself, or the first one a rank's DCP write raised
+    (DCP gathers every rank's failure into one CheckpointException, raised on every rank)."""
+    if isinstance(e, OSError):
+        return e
+    failures = e.failures.values() if isinstance(e, CheckpointException) else []
+    return next((exc for exc, _ in failures if isinstance(exc, OSError)), None)
+
+
+def _describe(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "") + f" [errno {e.errno}]"
+
+
+def _gathered(problem: OSError | None) -> str | None:
+    """The first rank's problem, as every rank sees it (collective)."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, _describe(problem) if problem is not None else None)
+    return next((p for p in problems if p), None)
+
+
+def _broadcast(problem: OSError | None) -> str | None:
+    """Rank 0's problem, as every rank sees it (collective)."""
+    shared = [_describe(problem) if problem is not None else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -> None:
+    """CheckpointNotSaved on every rank when any rank's `problem` is set: which step, that the last
+    committed checkpoint is intact (the half-written save is removed, it is never resumed from), and
+    how to go on. Nothing when there is no problem."""
+    if problem is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # gives back the space the partial save took
+    recipe = root.parent / RECIPE_FILE
+    fix = "free space" if re.search(r"\[errno (28|122)\]", problem) else "fix that"  # ENOSPC, EDQUOT
+    last = latest_checkpoint(root)
+    if last is not None:
+        then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
+                f"with `ftcli train --recipe {recipe} --resume`")
+    else:
+        then = f"there is no earlier checkpoint: {fix}, then start again with `ftcli train --recipe {recipe} --force`"
+    raise CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:
@@ -301,7 +464,7 @@ def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(state, tensors)
     save_file(tensors, str(Path(ckpt_dir) / f"rank_{rank:05d}.safetensors"))
-    (Path(ckpt_dir) / f"rank_{rank:05d}.json").write_text(json.dumps(encoded) + "\n")
+    write_atomic(Path(ckpt_dir) / f"rank_{rank:05d}.json", json.dumps(encoded) + "\n")
 
 
 def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:

@@ -43,16 +43,17 @@ from typing import Any, Callable
 import torch
 
 from ftcli import data
-from ftcli.data.evalsplit import eval_recipes
-from ftcli.config.errors import TrainingStopped
+from ftcli.data.evalsplit import eval_specs
+from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
+from ftcli.artifacts.safe_files import open_append
 
 
 def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:
     """source label -> the packed eval blocks of that source (empty without eval data). `first` is
     `ftcli.train.distributed.rank0_first` under torchrun (rank 0 fills the cache, the others read it)."""
     out = {}
-    for label, r in eval_recipes(recipe).items():
+    for label, r in eval_specs(recipe).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
     if out and not sum(int(p.block_trained.sum()) for p in out.values()):
         raise TrainingStopped("the eval data has no trained token; check eval.holdout / eval.path")  # every rank
@@ -61,8 +62,8 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
 
 def eval_summaries(recipe, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
     """The data summary of each source's eval split (pack-preview, the train log)."""
-    recipes = eval_recipes(recipe)
-    return {label: data.data_summary(recipes[label], p) for label, p in packed.items()}
+    specs = eval_specs(recipe)
+    return {label: data.data_summary(specs[label], p) for label, p in packed.items()}
 
 
 def metric_key(label: str) -> str:
@@ -206,7 +207,7 @@ def write_samples(run_dir: Path, step: int, cfg, completions: list[str], tracker
     """Rank 0: one row per prompt in <run>/samples.jsonl, and the same rows as an MLflow table."""
     rows = [{"step": step, "prompt": json.dumps(conv, ensure_ascii=False), "completion": text}
             for conv, text in zip(cfg.sample_conversations(), completions)]
-    with open(Path(run_dir) / SAMPLES_FILE, "a") as f:
+    with open_append(Path(run_dir) / SAMPLES_FILE) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     if tracker is not None:
@@ -231,7 +232,7 @@ def publish_eval(result: EvalResult, *, say: Callable[[str], None], metrics_path
     """Rank 0: an eval outside a step line (step 0, the end's): printed, appended to metrics.jsonl, tracked."""
     say(result.line())
     if metrics_path is not None:
-        with open(metrics_path, "a") as f:
+        with open_append(metrics_path) as f:
             f.write(json.dumps({"step": result.step, **result.metrics()}) + "\n")
     if tracker is not None:
         tracker.log_metrics(result.metrics(), step=result.step)

@@ -6,6 +6,7 @@
     2. data          rank 0 tokenizes and packs (cached on disk), then every rank streams its blocks
     3. model         built on the meta device, `fully_shard` per decoder layer then the root, then
                      only this rank's shard is materialized: random init or pretrained weights
+                     (ftcli.model.parallelize)
     4. optimizer     AdamW over the sharded fp32 master weights; warmup + schedule
     5. resume        model, optimizer, scheduler, data position and RNG from a DCP checkpoint
     6. loop          count trained tokens -> all-reduce -> forward/backward every micro-batch with
@@ -24,21 +25,9 @@ of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the published q
 in bf16): an update smaller than half a bf16 ulp of its weight rounds away (see
 tests/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
 
-Random init (`model.init: random`) must not depend on the world size: a 1-rank and a 2-rank run start
-from the same weights, and a 27B model never exists whole on one device, nor on rank 0 to broadcast.
-So the weights are generated group by group (one decoder layer, then everything else): every rank
-materializes the group in full on its own device, seeds the RNG from (training.seed, group name), runs
-the model's own Hugging Face init on it, keeps its shard and frees the rest. Same seed, same group,
-same values, whatever the sharding; the peak extra memory is the largest group (for the 27B shape,
-embeddings + LM head + vision tower, ~3B values). Pretrained weights are read by rank 0 and
-broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
-
-Activation checkpointing: `full` recomputes every decoder layer in backward (as the published qwen-b300 example), except
-the last `activation_checkpointing_keep` layers, which keep their activations (memory traded for speed
-where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
-recompute (a layer-level choice works the same for the linear-attention and full-attention layers
-of a hybrid model, unlike an op-level policy). The loss never materializes full-vocabulary fp32
-logits unless `loss.impl: full` asks for the published examples' behaviour; see `ftcli.train.loss.token_loss_sum`.
+Model construction (meta build, the training features, activation checkpointing, compile, `fully_shard`,
+random init or pretrained weights) is ftcli.model.parallelize; the loss never materializes full-vocabulary
+fp32 logits unless `loss.impl: full` asks for the published examples' behaviour (`ftcli.train.loss.token_loss_sum`).
 """
 
 from __future__ import annotations
@@ -47,7 +36,6 @@ import gc
 import math
 import time
 import traceback
-import zlib
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -70,185 +58,14 @@ from ftcli.train.distributed import World, all_reduce, init_distributed, rank0_f
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, eval_summaries, evaluate_now,
                             prepare_eval, publish_eval, sample_now, samples_due)
-from ftcli.features.float8 import check_fp8_device, convert_to_fp8, fp8_linears, is_float8_linear
-from ftcli.features.fused_ops import FUSED_MODULES, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
-from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, liger_loss, token_loss_sum
+from ftcli import features
+from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
-from ftcli.model.build import DTYPES, auto_class, count_params, decoder_layers, load_config, load_model, text_final_norm
+from ftcli.model.build import DTYPES, build_empty_model, count_text_params
+from ftcli.model.parallelize import build_model
 from ftcli.train.preempt import Stopped, stop_flag
 from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.artifacts.tracking import start_tracking
-
-# ========================================================================================== model
-def build_empty_model(cfg, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
-    """The recipe's model with parameters on the meta device and real buffers (rotary inv_freq is a
-    non-persistent buffer computed in __init__: it is in no checkpoint, so it must stay real)."""
-    from accelerate import init_empty_weights
-
-    config = load_config(cfg)
-    config.use_cache = False
-    if getattr(config, "text_config", None) is not None:
-        config.text_config.use_cache = False
-    kwargs = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    with init_empty_weights(include_buffers=False):
-        return auto_class(cfg.model_class).from_config(config, **kwargs)
-
-
-def vision_tower(model: nn.Module) -> nn.Module | None:
-    return getattr(getattr(model, "model", None), "visual", None)
-
-
-def count_text_params(model: nn.Module) -> int:
-    """Non-embedding parameters a text token goes through (the vision tower of a VLM class excluded)."""
-    _, non_embedding = count_params(model)
-    visual = vision_tower(model)
-    return non_embedding - (sum(p.numel() for p in visual.parameters()) if visual is not None else 0)
-
-
-def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
-    """Which decoder layers recompute their activations in backward (the module doc); returns the flags."""
-    layers = decoder_layers(model)
-    if tcfg.activation_checkpointing == "none":
-        flags = [False] * len(layers)
-    elif tcfg.activation_checkpointing == "full":  # the last `keep` layers keep their activations
-        flags = [i < len(layers) - tcfg.activation_checkpointing_keep for i in range(len(layers))]
-    else:  # selective
-        flags = [i % 2 == 0 for i in range(len(layers))]
-    if any(flags):
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer, flag in zip(layers, flags):
-        layer.gradient_checkpointing = flag
-    return flags
-
-
-REGION_RECOMPILE_LIMIT = 64
-
-
-def compile_regions(layer: nn.Module) -> list[str]:
-    """The parts of one decoder layer that `training.compile=regions` compiles, by name in the layer.
-
-    Compiling a whole layer does not pay on Qwen3.5: the gated-delta and attention kernels are graph
-    breaks, and under activation checkpointing a break inside the checkpointed layer sends all of it back
-    to eager. The parts around them have no break: the norms, the dense MLP (its activation and, with
-    fp8, its float8 casts fuse into the GEMMs' neighbours) and the other float8 linears (their amax and
-    scale-and-cast fuse). A module already fused by `training.fused_ops` stays as it is (a float8 linear
-    inside a fused MLP is still compiled); an MoE MLP (experts) is left alone.
-    """
-    fused = tuple(FUSED_MODULES.values())
-    chosen: list[str] = []
-    for name, m in layer.named_modules():
-        if not name or any(name.startswith(c + ".") for c in chosen) or isinstance(m, fused):
-            continue
-        dense_mlp = name.rpartition(".")[2] == "mlp" and not hasattr(m, "experts")
-        norm = type(m).__name__.endswith(("RMSNorm", "RMSNormGated", "LayerNorm"))
-        if dense_mlp or norm or is_float8_linear(m):
-            chosen.append(name)
-    return chosen
-
-
-def shard_model(model: nn.Module, recipe, world: World) -> nn.Module:
-    """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
-    tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    tcfg = recipe.training
-    layers = decoder_layers(model)
-    set_activation_checkpointing(model, tcfg)
-    if tcfg.compile == "regions":  # one graph per region shape (8 float8 weight shapes in a Qwen3.5 layer pair,
-        # norms on contiguous and strided inputs, eval blocks): dynamo's default of 8 would send the rest to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-    for layer in layers:  # in place: parameter names (and so checkpoints) stay the same
-        if tcfg.compile == "regions":
-            for name in compile_regions(layer):
-                layer.get_submodule(name).compile()
-        elif tcfg.compile:
-            layer.compile()
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
-    )
-    for layer in layers:
-        fully_shard(layer, mesh=world.mesh, mp_policy=mp_policy)
-    visual = vision_tower(model)
-    if visual is not None:
-        visual.requires_grad_(False)
-        fully_shard(visual, mesh=world.mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
-    return model
-
-
-def _group_seed(seed: int, group: str) -> int:
-    return zlib.crc32(f"{seed}/{group}".encode()) & 0x7FFFFFFF
-
-
-@torch.no_grad()
-def init_random_weights(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
-    """Fill the sharded `model` with a random init that does not depend on the sharding (module doc).
-    `template` is an unsharded meta copy of the same model; one group at a time is made real in it."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    names = {id(m): n for n, m in template.named_modules()}
-    layers_prefix = names[id(decoder_layers(template))] + "."
-    groups = [f"{layers_prefix}{i}." for i in range(len(decoder_layers(template)))] + ["<rest>"]
-    sharded = dict(model.named_parameters())
-    for group in groups:
-        def in_group(name: str, group=group) -> bool:
-            return name.startswith(group) if group != "<rest>" else not name.startswith(layers_prefix)
-
-        members = [m for n, m in template.named_modules() if in_group(n + ".")]
-        for m in members:
-            m.to_empty(device=device, recurse=False)
-        for m in template.modules():  # HF skips modules it has initialized once
-            m.__dict__.pop("_is_hf_initialized", None)
-        torch.manual_seed(_group_seed(seed, group))
-        template.initialize_weights()  # the model's own init; meta tensors of other groups are no-ops
-        for name, full in template.named_parameters():
-            if in_group(name):
-                target = sharded[name]
-                if isinstance(target, DTensor):
-                    full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-                target.copy_(full)
-        for m in members:
-            m.to_empty(device="meta", recurse=False)
-
-
-def load_pretrained_weights(model: nn.Module, cfg, dtype: torch.dtype, world: World) -> None:
-    """Rank 0 reads the checkpoint (CPU); every rank receives its shards by broadcast."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    full = load_model(cfg, dtype=dtype).state_dict() if world.is_main else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
-def build_model(recipe, world: World, attn_implementation: str | None) -> nn.Module:
-    """Meta build -> shard -> materialize this rank's shard -> weights. Returns the FSDP2 model."""
-    cfg, tcfg = recipe.model, recipe.training
-    master_dtype = DTYPES[tcfg.precision.master_dtype]
-    model = build_empty_model(cfg, master_dtype, attn_implementation)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    if tcfg.fused_ops:  # the same parameter objects under the same names: sharding and checkpoints unchanged
-        check_fused_device(world.device, tcfg.fused_ops)
-        fuse_decoder_ops(model, decoder_layers(model), tcfg.fused_ops, load_kernels(tcfg.fused_ops),
-                         final_norm=text_final_norm(model))
-    if tcfg.precision.fp8:  # before sharding: FSDP2 then shards the swapped modules' same parameters
-        check_fp8_device(world.device)
-        convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size)
-    shard_model(model, recipe, world)
-    model.to_empty(device=world.device)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-    if cfg.init == "random":
-        init_random_weights(model, build_empty_model(cfg, master_dtype), tcfg.seed, world.device)
-    else:
-        load_pretrained_weights(model, cfg, master_dtype, world)
-    model.train()
-    return model
-
 
 # ================================================================================ loss algebra
 # One optimizer step covers W ranks x M micro-batches (blocks). The objective is the mean token loss
@@ -468,7 +285,7 @@ class FullRun:
             raise TrainingStopped("the data gave no packed block; check data.path / data.max_examples")
 
     def prepare_model(self, loss_fn: Callable) -> tuple[int, int]:
-        """The packed kernels, the sharded model with its loss, the fp8 line and the step meter; returns the
+        """The packed kernels, the sharded model with its loss, the features' lines and the step meter; returns the
         trainable and non-embedding parameter counts."""
         recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
         attn = None
@@ -477,17 +294,9 @@ class FullRun:
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
         attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        if tcfg.loss.impl == "liger":
-            liger_loss()  # fail now, not after the first forward
-        if tcfg.precision.fp8:
-            fp8 = fp8_linears(self.model)
-            say(f"fp8 GEMMs (torchao float8, tensorwise): {len(fp8)} linears of {len(decoder_layers(self.model))} "
-                "decoder layers; the LM head, embeddings and small projections stay in "
-                f"{tcfg.precision.param_dtype}")
-        if tcfg.fused_ops:
-            say("fused ops (Triton): " + ", ".join(f"{op} x{n}" for op, n in fused_module_counts(self.model).items()))
-        if tcfg.compile == "regions":
-            say(f"compiled regions: {len(compile_regions(decoder_layers(self.model)[0]))} in the first decoder layer")
+        for feature in features.active(recipe):  # what each training feature did, one line each
+            if (line := feature.describe(self.model, recipe)) is not None:
+                say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)
         # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation

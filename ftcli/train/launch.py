@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -35,8 +36,9 @@ from pathlib import Path
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
-                          read_run_record, recipe_differences, run_dir_of)
+                          read_run_record, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
+from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
@@ -85,13 +87,9 @@ def _processes_per_node(recipe) -> tuple[int, str]:
 
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
-    if resume is not None and is_own_run(run_dir, recipe):
-        changed = recipe_differences(run_dir, recipe)
-        if changed:
-            print(f"warning: resuming with a recipe that differs from the run's at: {', '.join(changed)}",
-                  file=sys.stderr)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
+    check_resume(recipe, run_dir, resume)  # before anything is written: recipe.yaml stays the run's
     from ftcli.data.checks import quick_check
     from ftcli.model.checks import check_model_config
 
@@ -143,17 +141,16 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
         _stopped(recipe, run_dir, int(e.sigval), started)
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        signals = {_STOP_EXIT_CODES[c] for c in codes if c in _STOP_EXIT_CODES}
-        if len(codes) == len(signals) == 1:  # the workers were signalled directly (not through the launcher)
-            _stopped(recipe, run_dir, signals.pop(), started)
-        ranks = sorted(e.failures)  # global ranks
+        from ftcli.train.failures import Failure, recorded_message, stop_signal, summary
+
+        failures = [Failure(rank, f.exitcode, recorded_message(f.error_file_data))
+                    for rank, f in e.failures.items()]  # global ranks; a message where a worker wrote its error file
+        signum = stop_signal(failures, _STOP_EXIT_CODES)
+        if signum is not None:  # the workers were signalled directly (not through the launcher)
+            _stopped(recipe, run_dir, signum, started)
         ckpts = run_dir / CHECKPOINTS
         hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
-        raise UserError(
-            f"training stopped: rank(s) {', '.join(map(str, ranks))} exited with code(s) "
-            f"{', '.join(map(str, codes))}; the reason is printed above{hint}"
-        ) from None
+        raise UserError(summary(failures, _STOP_EXIT_CODES, hint)) from None
 
 
 # a worker's exit code after a stop: its own (ftcli.train.preempt.EXIT_CODES) or killed by the signal (-signum)
@@ -190,21 +187,30 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
     raise SystemExit(exit_code(signum))
 
 
+def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
+    """A resume continues the run it names: the recipe may change only what `ftcli.train.resume` applies,
+    and the full path's checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s).
+    One UserError otherwise; writes nothing."""
+    if resume is None:
+        return
+    if is_own_run(run_dir, recipe):
+        from ftcli.train.resume import check_resume_recipe
+
+        check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
+    if recipe.training.method == "full":
+        from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
+
+        verify_checkpoint(resolve_resume(run_dir, resume, kind="dcp"))
+
+
 def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
-    from ftcli import data
+    from ftcli import data, features
 
-    if recipe.training.method == "full" and recipe.training.loss.impl == "liger":
-        from ftcli.train.loss import liger_loss
-
-        liger_loss()
-    if recipe.training.method == "full" and recipe.training.fused_ops:  # LoRA ignores them (warned)
+    if any(f.preflight for f in features.active(recipe)):  # their packages and devices (LoRA: none, warned)
         import torch
 
-        from ftcli.features.fused_ops import check_fused_device, load_kernels
-
-        check_fused_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"), recipe.training.fused_ops)
-        load_kernels(recipe.training.fused_ops)
+        features.preflight(recipe, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
@@ -231,7 +237,9 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
-        prepare_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: same refusal rule
+        check_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: the launcher's checks
+        check_resume(recipe, run_dir, resume)
+        prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
     if recipe.training.method == "lora":
         from ftcli.train.lora.trainer import train
@@ -247,6 +255,19 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise
+    except Exception as e:
+        if not under_torchrun:
+            raise
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        from ftcli.train.failures import PEER_LOST_EXIT, peer_lost
+
+        get_error_handler().record_exception(e)  # torchrun's error file: the launcher tells causes from consequences
+        if not peer_lost(e):
+            raise  # printed as always: a UserError as one line, anything else with its traceback
+        from ftcli.train.distributed import exit_worker
+
+        exit_worker(PEER_LOST_EXIT)  # another rank went away first and printed why: print nothing
     if under_torchrun:
         from ftcli.train.distributed import exit_worker
 
@@ -261,22 +282,32 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     second `ftcli train` on the same dir fails in one line naming the holder's PID. The kernel drops
     the lock when the launcher dies, however it dies; the workers die with it (`_die_with_launcher`),
     so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
-    refusal rule (check_run_dir, which writes nothing), and only then is the lock file created. On a
-    multi-node job only node 0's launcher locks (the run dir is shared); a filesystem without flock
-    (some network mounts) gets a warning, not a refusal."""
+    refusal rule (check_run_dir, which writes nothing), and only then are the run dir (and its missing
+    parents: a failed start removes what it created) and the lock file created. The lock file is never
+    a link and never someone else's file (`ftcli.artifacts.safe_files.open_lock`: O_NOFOLLOW, a regular
+    file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks
+    (the run dir is shared); a filesystem without flock (some network mounts) gets a warning, not a refusal."""
     import fcntl
 
     run_dir = run_dir_of(recipe)
     path = run_dir / LOCK_FILE
+    refuse_unsafe(path)  # a link planted as the lock file: never followed, never truncated
     if path.is_file():
         _refuse_if_locked(path)
     check_run_dir(recipe, force=force, resume=resume)
     if os.environ.get("NODE_RANK", "0") != "0":
         yield run_dir
         return
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the workers
+    created = make_dirs(run_dir)  # after the checks; a start that fails removes them again (below)
+    try:
+        fd, new_lock = open_lock(path)  # O_NOFOLLOW; not inherited by the workers
+        if not new_lock and not re.fullmatch(rb"\d*\n?", os.pread(fd, 64, 0)):
+            os.close(fd)
+            raise UserError(f"{path} is not an ftcli lock file (it holds other text); ftcli does not overwrite it: "
+                            "remove it or set output.dir elsewhere")
+    except BaseException:
+        remove_dirs(created)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -289,14 +320,14 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
         os.close(fd)
         yield run_dir
         return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.ftruncate(fd, 0)  # our own file: created here, or an earlier start's (it held a PID or nothing)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
         yield run_dir
     finally:
         if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
             path.unlink()
-            run_dir.rmdir()
+            remove_dirs(created)
         os.close(fd)
 
 
@@ -305,7 +336,7 @@ def _refuse_if_locked(path: Path) -> None:
     import fcntl
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return
     try:

@@ -1,9 +1,8 @@
 """The training loss of the full path: summed token cross-entropy without full-vocabulary fp32 logits.
 
     count_trained_tokens(block)            the tokens one block contributes to the loss (the one count)
-    token_loss_sum(hidden, weight, labels) sum of next-token CE over the trained tokens (chunked/full/liger)
+    token_loss_sum(hidden, weight, labels) sum of next-token CE over the trained tokens (training.loss.impl)
     attach_loss(model, impl, chunk)        model.loss_sum(input_ids, labels, **packing) for FSDP2
-    liger_loss()                           liger-kernel's fused linear CE, or a one-line UserError
 
 IGNORE_INDEX is defined once, by the data code that writes the labels (ftcli.data), and re-exported here.
 """
@@ -19,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftcli.data.packing import IGNORE_INDEX
-from ftcli.config.errors import UserError
+from ftcli.features.loss import FUSED_LINEAR_CE
 
-__all__ = ["IGNORE_INDEX", "attach_loss", "count_trained_tokens", "liger_loss", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "attach_loss", "count_trained_tokens", "token_loss_sum"]
 
 
 def count_trained_tokens(block_or_labels) -> int:
@@ -55,7 +54,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
       chunked  only trained positions, `chunk_tokens` rows at a time, each chunk checkpointed: backward
                recomputes that chunk's logits, so memory is chunk x vocab, not T x vocab.
       full     the published qwen-b300 loop's loss: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
-      liger    liger-kernel's fused linear cross-entropy (GPU).
+      a fused linear cross-entropy (ftcli.features.loss.FUSED_LINEAR_CE, GPU): the LM head and the CE in one kernel.
     """
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -65,8 +64,8 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
     if hidden.shape[0] == 0:  # no trained token here: still a graph through every parameter, so this
         return _ce_sum(hidden, weight, targets)  # rank's backward joins FSDP's reduce-scatters (zero grads)
-    if impl == "liger":
-        return liger_loss()(weight, hidden, targets).float()
+    if impl in FUSED_LINEAR_CE:
+        return FUSED_LINEAR_CE[impl].load()(weight, hidden, targets).float()
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
@@ -74,22 +73,6 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             _ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False
         )
     return total
-
-
-def liger_loss():
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        raise UserError(
-            "training.loss.impl=liger needs liger-kernel (GPU only: pip install 'ftcli[gpu]'); "
-            "or set training.loss.impl=chunked"
-        ) from None
-    import inspect
-
-    kwargs = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
-    if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
-        kwargs["accum_dtype"] = torch.float32  # the LM head gradient adds up over chunks in fp32
-    return LigerFusedLinearCrossEntropyLoss(**kwargs)
 
 
 def attach_loss(model: nn.Module, impl: str, chunk_tokens: int, *, loss_fn: Callable = token_loss_sum) -> None:

@@ -5,7 +5,6 @@ ftcli.train.lora.trainer)."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -13,22 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-# Peak dense bf16 tensor-core FLOP/s per GPU, for MFU. Datasheet numbers without sparsity; B200/B300
-# ~2.25 PFLOP/s dense bf16 (HGX). Matched by substring of torch.cuda.get_device_name(), longest first.
-PEAK_BF16_FLOPS = {
-    "B300": 2250e12, "B200": 2250e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-    "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
-}
-
+from ftcli import hardware
 
 def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`'s card, for MFU (ftcli.hardware.CARDS); None off CUDA or unknown."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_FLOPS[key]
-    return None
+    card = hardware.card_of(torch.cuda.get_device_name(device))
+    return card.bf16_flops if card is not None else None
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, float | None, str]:
@@ -128,7 +119,9 @@ def log_step(m: dict[str, Any], total_steps: int, *, say=print, metrics_path: Pa
     the tracker at `m["step"]`."""
     say(format_step(m, total_steps))
     if metrics_path is not None:
-        with open(metrics_path, "a") as f:
+        from ftcli.artifacts.safe_files import open_append
+
+        with open_append(metrics_path) as f:
             f.write(json.dumps(m) + "\n")
     if tracker is not None:
         tracker.log_metrics(numeric_metrics(m), step=m["step"])
@@ -153,7 +146,7 @@ def truncate_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".tmp_{path.name}")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        from ftcli.artifacts.safe_files import write_atomic
+
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped

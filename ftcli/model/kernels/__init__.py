@@ -32,7 +32,7 @@ Backends, chosen per machine by `decide_backends` (a pure decision) and installe
 
 The package, one concern a module (imports run downwards):
 
-    choose.py    `Machine`, `machine(device)`, `decide_backends`, `check_packing_safe` (no side effects, no torch)
+    choose.py    `decide_backends` (on a `ftcli.hardware.Machine`), `check_packing_safe` (no side effects, no torch)
     ops.py       the nine kernels, module-level functions in the table `KERNELS[op][backend]`
     install.py   `enable_packed_kernels` / `install_backends` / `disable_packed_kernels`: puts them in place
 
@@ -52,7 +52,6 @@ from ftcli.model.kernels.choose import (
     backend_problems,
     check_packing_safe,
     decide_backends,
-    machine,
     missing_global_problem,
     qwen35_missing_globals,
 )
@@ -73,6 +72,6 @@ def __getattr__(name: str):
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "FAMILY_OPS", "KERNELS", "MODEL_FAMILIES", "QWEN35_MODULE", "UNAVAILABLE", "Backend",
     "Machine", "attention_backend", "backend_problems", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
-    "disable_packed_kernels", "enable_packed_kernels", "install_backends", "machine", "missing_global_problem",
+    "disable_packed_kernels", "enable_packed_kernels", "install_backends", "missing_global_problem",
     "qwen35_missing_globals",
 ]

@@ -1,28 +1,24 @@
 """Which backend runs each packed op on a machine: a pure decision over a `Machine` description.
 
-`machine(device)` reads the machine (versions, importable kernels, CUDA capability, nvcc);
-`decide_backends` picks one `Backend` per op; `check_packing_safe` lists what would make packed
+`decide_backends` picks one `Backend` per op on a `ftcli.hardware.Machine` (versions, importable kernels,
+CUDA capability, nvcc); `check_packing_safe` lists what would make packed
 training wrong there. Nothing here installs anything (that is `ftcli.model.kernels.install`).
 
-Importing this module does not import torch: `machine("cpu")` and the decisions read versions and module
-specs only (so `ftcli doctor --json` stays fast); `machine` on a CUDA device and `qwen35_missing_globals`
-(the transformers module) import what they read.
+Importing this module does not import torch: the decisions read a Machine only (so `ftcli doctor --json`
+stays fast); `hardware.read` on a CUDA device and `qwen35_missing_globals` (the transformers module) import
+what they read.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import importlib.util
-import os
-import shutil
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftcli.families import BY_MODEL_TYPE, FAMILIES, find_family
 from ftcli.families.base import DENSE, SINKS
+from ftcli import hardware
+from ftcli.hardware import Machine
 
 if TYPE_CHECKING:
     import torch
@@ -40,108 +36,12 @@ QWEN35_GLOBALS = dict(_GLOBALS_FAMILY.module_globals)
 # the modeling module whose eager attention applies learned sinks (gpt-oss's): the sinks kernels' stock path
 SINKS_MODULE = next(f.kernel_module for f in FAMILIES.values() if f.attention == SINKS)
 
-# Triton versions whose gated chunk backward is wrong on Hopper (fla #640): [3.4.0, 3.7.1)
-_BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
-
 
 @dataclass(frozen=True)
 class Backend:
     op: str  # attention | gated_delta_rule | causal_conv1d
     name: str  # e.g. torch_varlen, fla+tilelang, torch_segments, or UNAVAILABLE
     reason: str
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the decision needs to know about the machine; `machine(device)` reads it."""
-
-    device: str  # "cpu", "cuda:0"
-    capability: tuple[int, int] | None = None  # CUDA compute capability
-    versions: dict[str, str | None] = field(default_factory=dict)  # distribution -> version (None: absent)
-    importable: frozenset[str] = frozenset()  # fla, tilelang, flash_attn, causal_conv1d
-    torch_varlen: bool = False  # torch.nn.attention.varlen.varlen_attn exists
-    flex: bool = False  # torch.nn.attention.flex_attention exists
-    nvcc: bool = False  # tilelang JIT-compiles its kernels with nvcc
-    fla_tilelang_env: str | None = None  # $FLA_TILELANG ("0" disables fla's tilelang backend)
-
-    @property
-    def device_type(self) -> str:
-        return self.device.split(":")[0]
-
-    @property
-    def hopper_bad_triton(self) -> bool:
-        """Hopper GPU with a Triton whose gated chunk backward is wrong (fla #640): fla needs tilelang."""
-        triton = _version_tuple(self.versions.get("triton"))
-        return (self.capability or (0, 0))[0] == 9 and _BAD_TRITON_ON_HOPPER[0] <= triton < _BAD_TRITON_ON_HOPPER[1]
-
-    @property
-    def tilelang_usable(self) -> bool:
-        return "tilelang" in self.importable and self.nvcc and self.fla_tilelang_env != "0"
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _has_module(name: str) -> bool:
-    """Whether `name` can be imported. `find_spec` on a dotted name imports its parent packages (torch, for
-    torch.nn.attention.varlen), so a submodule of a package not imported yet is looked up as a file instead."""
-    top, _, rest = name.partition(".")
-    try:
-        if not rest or top in sys.modules:
-            return importlib.util.find_spec(name) is not None
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        return False
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root, *rest.split("."))
-        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
-            return True
-    return False
-
-
-def _has_nvcc() -> bool:
-    """Mirrors fla's check for a usable nvcc (CUDA_HOME, PATH, /usr/local/cuda)."""
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return True
-    return shutil.which("nvcc") is not None
-
-
-def machine(device: str | torch.device) -> Machine:
-    """The machine as the decision sees it; torch is imported only for a device other than the CPU."""
-    capability = None
-    if str(device) != "cpu":
-        import torch
-
-        device = torch.device(device)
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            device = torch.device("cuda", index)
-            capability = tuple(torch.cuda.get_device_capability(device))
-    dists = ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "flash-attn",
-             "liger-kernel", "torchao")
-    return Machine(
-        device=str(device),
-        capability=capability,
-        versions={name: _dist_version(name) for name in dists},
-        importable=frozenset(m for m in ("fla", "tilelang", "flash_attn", "causal_conv1d") if _has_module(m)),
-        torch_varlen=_has_module("torch.nn.attention.varlen"),
-        flex=_has_module("torch.nn.attention.flex_attention"),
-        nvcc=_has_nvcc(),
-        fla_tilelang_env=os.environ.get("FLA_TILELANG"),
-    )
-
-
-def _version_tuple(version: str | None) -> tuple[int, ...]:
-    parts = []
-    for piece in (version or "0").split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts + [0] * (3 - len(parts)))
 
 
 def decide_backends(
@@ -152,7 +52,7 @@ def decide_backends(
     `device` is a device or an already read `Machine`. `reference=True` picks the exact torch references
     even on CUDA (for checks). An unknown model_type gets no backends: packing it is not supported.
     """
-    m = device if isinstance(device, Machine) else machine(device)
+    m = device if isinstance(device, Machine) else hardware.read(device)
     family = find_family(model_type)
     if family is None:
         return []
@@ -164,7 +64,7 @@ def decide_backends(
 
 def attention_backend(kind: str, device: str | torch.device | Machine) -> Backend:
     """The packed attention backend of an attention kind (ftcli.families: dense | sinks) on `device`."""
-    m = device if isinstance(device, Machine) else machine(device)
+    m = device if isinstance(device, Machine) else hardware.read(device)
     fast = m.device_type == "cuda"
     return _ATTENTION[kind](m, fast, m.device_type.upper())
 

@@ -32,6 +32,7 @@ from ftcli.train.distributed import all_reduce, local_device, rank0_decides
 from ftcli.config.errors import UserError
 from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.artifacts.rundir import BEST, FINAL
+from ftcli.artifacts.safe_files import write_atomic
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)
@@ -189,7 +190,7 @@ class StepLog(ProgressCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if (ckpt := _checkpoint_dir(args, state)) is not None:
-            (ckpt / TOKENS_FILE).write_text(json.dumps({"trained": self.trained, "seen": self.seen}))
+            write_atomic(ckpt / TOKENS_FILE, json.dumps({"trained": self.trained, "seen": self.seen}))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
@@ -305,7 +306,7 @@ class EvalCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if (ckpt := _checkpoint_dir(args, state)) is not None:
-            (ckpt / EVALS_FILE).write_text(json.dumps(self.evals.state_dict()))
+            write_atomic(ckpt / EVALS_FILE, json.dumps(self.evals.state_dict()))
 
 
 class StopOnSignal(TrainerCallback):

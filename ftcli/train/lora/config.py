@@ -1,5 +1,5 @@
 """What a LoRA recipe becomes for TRL and PEFT: the SFTConfig keywords (`sft_config_kwargs`), the LoraConfig
-(`lora_config`) and the recipe settings the LoRA path has no use for (`ignored_settings`, warned at start).
+(`lora_config`) and the recipe settings that run differently than written (`ignored_settings`, warned at start).
 
 Pure mappings, tested value by value (tests/test_lora_config.py): no I/O and no torch state; only the installed
 TrainingArguments' field names decide the checkpointing keyword. `ftcli.train.lora.trainer` hands them to TRL.
@@ -38,7 +38,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
     transformers 5 has no `warmup_ratio`: `warmup_steps` < 1 is read as a fraction of the total steps,
     which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
 
-    `sharding` is `training.sharding` resolved (`ftcli.commands.plan.resolved_sharding`): "fsdp" hands the model to
+    `sharding` is `training.sharding` resolved (`ftcli.estimate.fit.resolved_sharding`): "fsdp" hands the model to
     accelerate's FSDP2 (`fsdp_config` version 2): every decoder layer (the model's `_no_split_modules`) one
     unit and the root the rest, parameters resharded after forward, so the frozen base lives sharded and is
     gathered one layer at a time; the LoRA weights shard with their layers. Activation checkpointing is
@@ -65,7 +65,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
         **{checkpointing_arg(): ac != "none" and not fsdp,
            f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" and not fsdp else None},
-        torch_compile=t.compile is True,  # compile=regions is full SFT's (ignored_settings)
+        torch_compile=t.compile,  # LoRA's compile is true or false (regions is full SFT's)
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
         # FSDP2 (training.sharding: fsdp): the base sharded; checkpoints are per-rank shards (DCP)
@@ -119,23 +119,10 @@ def lora_config(recipe: Recipe, model):
 
 
 def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
-    """Recipe settings the LoRA path has no use for (warned, not silently dropped)."""
+    """Recipe settings that run differently than written on the LoRA path (warned at start). Full SFT's own keys
+    never get here: a LoRA recipe that sets one is refused at load (ftcli.config.recipe.LoraTraining)."""
     t, out = recipe.training, []
     if sharding == "fsdp" and t.activation_checkpointing == "selective":
         out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
                    "(FSDP2 checkpoints whole units)")
-    if t.loss.impl != "chunked":
-        out.append(f"training.loss.impl={t.loss.impl} has no effect on LoRA: TRL's fused (chunked) LM head computes the loss")
-    if t.activation_checkpointing_keep:
-        out.append("training.activation_checkpointing_keep has no effect on LoRA: "
-                   "the LoRA path checkpoints every layer or none")
-    if t.precision.master_dtype != "float32" or t.precision.param_dtype != "bfloat16":
-        out.append("training.precision has no effect on LoRA: adapters train in float32, the base stays model.dtype")
-    if t.precision.fp8:
-        out.append("training.precision.fp8 has no effect on LoRA: the base's GEMMs stay in model.dtype")
-    if t.compile == "regions":
-        out.append("training.compile=regions has no effect on LoRA (full SFT's regional compile); "
-                   "training.compile=true compiles the model through TRL")
-    if t.fused_ops:
-        out.append("training.fused_ops has no effect on LoRA (full SFT's fused norms and SwiGLU)")
     return out

@@ -55,7 +55,7 @@ def training_rows(recipe: Recipe, tokenizer):
     packed = check_sources(recipe, prepare_blocks(recipe, tokenizer))
     blocks = [packed[i] for i in range(len(packed))]
     if not blocks:
-        raise UserError(f"data: no example with trained tokens in {recipe.data.path}")
+        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
     columns = {key: [getattr(b, key).astype(np.int64) for b in blocks] for key in ("input_ids", "labels", "position_ids")}
     return datasets.Dataset.from_dict(columns).with_format("numpy")
 
@@ -190,7 +190,7 @@ def random_init_gpu(recipe: Recipe) -> torch.device | None:
         return None
     from ftcli.train.distributed import local_device
     from ftcli.model.build import DTYPES
-    from ftcli.commands.plan import model_shape
+    from ftcli.estimate.shape import model_shape
 
     gpu = local_device()
     shape = model_shape(recipe)  # parameter counts from the config, as `ftcli plan` counts them
@@ -238,7 +238,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.train.distributed import local_device, rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.metrics import truncate_metrics
-    from ftcli.commands.plan import resolved_sharding
+    from ftcli.estimate.fit import resolved_sharding
     from ftcli.train.preempt import Stopped
     from ftcli.artifacts.rundir import METRICS_FILE
     from ftcli.artifacts.tracking import start_tracking

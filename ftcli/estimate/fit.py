@@ -1,0 +1,161 @@
+"""Memory against a card: the recipe's `memory.Setting` (LoRA's `training.sharding` resolved), whether it fits,
+the single changes that would make it fit, and why nothing does. What `ftcli plan`, `doctor` and the LoRA
+trainer's sharding decision share (ftcli.estimate.plan puts them together per card)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ftcli import hardware
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import LoraTraining, Recipe
+from ftcli.estimate import memory
+from ftcli.estimate.shape import adapter_params, model_shape
+from ftcli.features.loss import FUSED_LINEAR_CE
+
+# The cards plan sizes runs for: memory (GB, as sold) and peak dense bf16 FLOP/s (ftcli.hardware.CARDS)
+CARDS: dict[str, dict[str, float]] = {c.name: {"memory_gb": c.memory_gb, "bf16_flops": c.bf16_flops}
+                                      for c in hardware.CARDS.values() if c.memory_gb}
+GPUS_PER_NODE = {c.name: c.gpus_per_node for c in hardware.CARDS.values() if c.memory_gb}
+MEASURED_CARD = "H200"
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    overrides: tuple[str, ...]  # --set items
+    total_gib: float
+
+    def text(self) -> str:
+        return f"{' '.join('--set ' + o for o in self.overrides)} ({self.total_gib:.1f} GiB)"
+
+
+def lora_sharding(recipe: Recipe, shape: memory.ModelShape, card: str | None = None, world: int | None = None) -> str:
+    """`training.sharding` resolved for LoRA on `card` (default: the recipe's own): "auto" is ddp where a whole
+    base per GPU fits, else fsdp (also when neither fits: that is the one more GPUs or settings can fix); ddp
+    on a card ftcli has no figures for."""
+    chosen = recipe.training.sharding
+    if chosen != "auto":
+        return chosen
+    card = card or recipe.compute.accelerator_type.split("x", 1)[1]
+    if card not in CARDS:
+        return "ddp"
+    fits, _ = fits_card(shape, setting_of(recipe, shape, world, sharding="ddp"), CARDS[card]["memory_gb"])
+    return "ddp" if fits else "fsdp"
+
+
+def resolved_sharding(recipe: Recipe) -> tuple[str, str]:
+    """(ddp | fsdp, why) for the LoRA trainer: the recipe's setting, or what `plan` says fits its accelerator."""
+    if recipe.training.sharding != "auto":
+        return recipe.training.sharding, "training.sharding"
+    try:
+        shape = model_shape(recipe)
+    except UserError as e:
+        return "ddp", f"training.sharding=auto, not sized ({e})"
+    chosen = lora_sharding(recipe, shape)
+    return chosen, (f"training.sharding=auto: a whole base per GPU {'fits' if chosen == 'ddp' else 'does not fit'} "
+                    f"{recipe.compute.accelerator_type}")
+
+
+def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = None, *, card: str | None = None,
+               sharding: str | None = None) -> memory.Setting:
+    t = recipe.training
+    block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
+    common = dict(method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
+                  checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
+                  adapter_params=adapter_params(recipe, shape))
+    if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
+        return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
+                              keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world))
+    return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
+                          compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
+                          keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
+                          speed=speed_settings(t))
+
+
+def speed_settings(t) -> tuple[str, ...]:
+    """A full-SFT recipe's settings that change its step time but not its memory model, in the form of the
+    step-time rows' `speed` field: each training feature's speed key (ftcli.features), in the registry's order."""
+    from ftcli import features
+
+    return features.speed_keys(t)
+
+
+def fits_card(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estimate]:
+    e = memory.estimate(shape, s)
+    return e.total <= memory.usable_gib(card_gb), e
+
+
+def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
+                     length_key: str = "data.packing.block_len", batch: int = 1) -> list[Suggestion]:
+    """Single changes that make `s` fit `card`, nearest first: checkpointing, fewer kept layers (the others then
+    drop them all: they are speed, not need), the largest block (`length_key`,
+    tokens per micro-batch / `batch`), bf16 master weights, a sharded LoRA base, more GPUs (not for DDP LoRA: it
+    keeps a whole base per GPU); when none does, all of them together."""
+    gb = CARDS[card]["memory_gb"]
+    out: list[Suggestion] = []
+
+    def attempt(overrides: tuple[str, ...], **changes) -> bool:
+        ok, e = fits_card(shape, replace(s, **changes), gb)
+        if ok:
+            out.append(Suggestion(overrides, e.total))
+        return ok
+
+    order = ["none", "selective", "full"] if s.method == "full" else ["none", "full"]  # LoRA: every layer or none
+    for mode in order[order.index(s.checkpointing) + 1:]:
+        if attempt((f"training.activation_checkpointing={mode}",), checkpointing=mode, keep=0):
+            break
+    drop_keep: tuple[str, ...] = ()
+    if s.keep and s.checkpointing == "full":  # kept layers are speed, not need: fewer first, then none
+        fewer = memory.layers_to_keep(shape, replace(s, keep=0), gb)
+        attempt((f"training.activation_checkpointing_keep={fewer}",), keep=fewer)
+        s, drop_keep = replace(s, keep=0), ("training.activation_checkpointing_keep=0",)
+    per_batch = s.tokens  # tokens per micro-batch = block_len x per_device_batch
+    block = 1 << (per_batch.bit_length() - 1)
+    if block == per_batch:
+        block //= 2
+    while block >= 512 * batch:
+        # full SFT at short blocks: the chunked loss is faster than a fused one (features.loss.FUSED_LINEAR_CE)
+        fused = FUSED_LINEAR_CE.get(s.loss) if s.method == "full" else None
+        chunked = fused is not None and block <= fused.chunked_faster_up_to
+        loss = (("training.loss.impl=chunked",), {"loss": "chunked"}) if chunked else ((), {})
+        if attempt((*drop_keep, f"{length_key}={block // batch}", *loss[0]), tokens=block, **loss[1]):
+            break
+        block //= 2
+    if s.method == "full" and s.master == "fp32":
+        attempt((*drop_keep, "training.precision.master_dtype=bfloat16"), master="bf16")
+    if s.method == "lora" and s.sharding == "ddp":
+        attempt(("training.sharding=fsdp",), sharding="fsdp")
+    if s.method == "full" or s.sharding == "fsdp":
+        for nodes in range(max(1, s.world // per_node) + 1, 65):
+            if attempt((*drop_keep, f"compute.num_accelerators={nodes * per_node}"), world=nodes * per_node):
+                break
+    if not out:
+        changes: dict[str, Any] = {"checkpointing": "full", "keep": 0}
+        overrides = [*drop_keep, "training.activation_checkpointing=full"]
+        if s.method == "full":
+            changes["master"] = "bf16"
+            overrides.append("training.precision.master_dtype=bfloat16")
+        block = 1 << (per_batch.bit_length() - 1)
+        while block >= 512 * batch and not attempt((*overrides, f"{length_key}={block // batch}"), tokens=block,
+                                                   **changes):
+            block //= 2
+    return out
+
+
+def no_fit_reason(shape: memory.ModelShape, s: memory.Setting, card: str) -> str:
+    usable = memory.usable_gib(CARDS[card]["memory_gb"])
+    if s.method == "lora" and s.sharding == "ddp":
+        base = memory.estimate(shape, s).params
+        if base > usable:
+            return (f"the base alone is {base:.1f} GiB > {usable:.1f} usable: LoRA with training.sharding=ddp keeps a "
+                    "whole base per GPU, so more GPUs do not help")
+    return (f"no setting tried fits {usable:.1f} GiB (full checkpointing, bf16 master, blocks down to 512, up to 64 "
+            "nodes)")
+
+
+
+def memory_on(recipe: Recipe, world: int) -> memory.Estimate:
+    """Peak memory per process of the recipe on `world` GPUs (or CPU processes) of one machine."""
+    shape = model_shape(recipe)
+    return memory.estimate(shape, setting_of(recipe, shape, world))

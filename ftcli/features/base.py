@@ -1,0 +1,72 @@
+"""What a training feature is: one `Feature` record per feature module, gathered in `ftcli.features.FEATURES`.
+
+A feature is a setting of full SFT that changes how the model is built or how its loss is computed, not what
+it learns: float8 GEMMs, regional compile, fused kernels, a fused loss. Every consumer asks the records and
+loops over the features a recipe turns on; none names a feature:
+
+    consumer                          asks
+    ftcli.features.load_recipe        validate(recipe)          problems beyond the schema, one line each
+    commands.workload                 requirements(recipe)      pip pins the rendered job installs
+    commands.doctor                   check(recipe, machine)    torch-free: what this machine lacks
+    commands.plan                     speed_key(training)       the measured step-time rows' `speed` item
+    train.launch                      preflight(recipe, device) what every worker would fail on, once
+    model.parallelize                 convert(model, recipe, device)   on the meta model, before sharding
+                                      per_layer(layer, recipe)  each decoder layer, after checkpointing
+    train.full                        describe(model, recipe)   its start-up line
+
+`validate` and `requirements` see every recipe (each says when it has something to say); the others
+are called only for the features that `applies(recipe)`. Records are plain data: no dotted paths, so every
+check runs before launch. Importing a feature module does not import torch (doctor reads them).
+
+LoRA has none of them: its typed training section (config.recipe.LoraTraining) refuses a feature's keys in one
+line, so the LoRA path never asks a feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A pip requirement of the rendered workload. Features that share a package share its line: the reason
+    is `kind` followed by every feature's `use`, joined by " and "."""
+
+    pin: str  # "torchao==0.18.0"
+    use: str  # what this feature runs with it
+    kind: str = ""  # what the package is ("pure Python + Triton"), said once per line
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a feature's doctor check saw: `problems` (each with its fix; any one blocks the recipe) and
+    `found` (what it will use)."""
+
+    problems: tuple[str, ...] = ()
+    found: tuple[str, ...] = ()
+
+
+def _nothing(*_: Any) -> list:
+    return []
+
+
+def _silent(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str  # the module's name in ftcli.features
+    label: str  # how doctor's row and the docs call it ("fp8")
+    setting: str  # the recipe key that turns it on ("training.precision.fp8")
+    applies: Callable[[Any], bool]  # recipe -> the feature runs in this recipe's training
+    validate: Callable[[Any], list[str]] = _nothing  # recipe -> problems the schema cannot see
+    requirements: Callable[[Any], list[Requirement]] = _nothing  # recipe -> pins for the workload
+    packages: tuple[str, ...] = ()  # distributions doctor shows the versions of
+    check: Callable[[Any, Any], Found] | None = None  # (recipe, ftcli.hardware.Machine) -> Found; torch-free
+    speed_key: Callable[[Any], str | None] = _silent  # training config -> the step-time rows' speed item
+    preflight: Callable[[Any, Any], None] | None = None  # (recipe, torch device): raise a UserError now
+    convert: Callable[[Any, Any, Any], None] | None = None  # (meta model, recipe, torch device), in place
+    per_layer: Callable[[Any, Any], None] | None = None  # (decoder layer, recipe), in place
+    describe: Callable[[Any, Any], str | None] = _silent  # (built model, recipe) -> the start-up line

@@ -1,0 +1,70 @@
+"""A failed training job ends with the first failing rank's error once and one summary line: the peers'
+consequential errors (gloo "Connection closed by peer") are recorded in torchrun's error files, not
+printed; a stop signal that reached only some ranks is reported as the stop it was."""
+
+from __future__ import annotations
+
+import signal
+
+from _run_common import env, ftcli, train_args  # noqa: F401 - env is a fixture
+from ftcli.train.failures import PEER_LOST_EXIT, Failure, peer_lost, recorded_message, stop_signal, summary
+
+STOP_CODES = {143: 15, 130: 2, -15: 15, -2: 2}
+GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:22224. This is typically caused by a remote worker crashing.")
+
+
+def test_peer_lost_errors_are_told_from_own_errors():
+    assert peer_lost(RuntimeError(GLOO))
+    assert not peer_lost(RuntimeError("CUDA out of memory"))
+    assert not peer_lost(ValueError("bad recipe"))
+
+
+def test_summary_names_the_rank_that_failed_for_its_own_reason():
+    failures = [Failure(1, PEER_LOST_EXIT, f"RuntimeError: {GLOO}"), Failure(0, 2)]
+    assert summary(failures, STOP_CODES) == ("training stopped: rank 0 failed (its error is printed above); "
+                                             "rank(s) 1 stopped with it")
+    # rank 0 recorded its error, then torchrun's SIGTERM caught it in its teardown: still the cause
+    failures = [Failure(1, PEER_LOST_EXIT, f"RuntimeError: {GLOO}"), Failure(0, -15, "UserError: no data")]
+    assert stop_signal(failures, STOP_CODES) is None
+    assert summary(failures, STOP_CODES) == ("training stopped: rank 0 failed (its error is printed above); "
+                                             "rank(s) 1 stopped with it")
+    assert summary([Failure(0, -15), Failure(1, -9)], STOP_CODES, " (hint)") == (
+        "training stopped: rank 1 was killed by SIGKILL (it printed nothing: out of memory, or killed from "
+        "outside?); rank(s) 0 stopped with it (hint)")
+    assert summary([Failure(0, PEER_LOST_EXIT, f"RuntimeError: {GLOO}"), Failure(1, PEER_LOST_EXIT)],
+                   STOP_CODES) == f"training stopped: rank(s) 0, 1 lost the connection to the other ranks: RuntimeError: {GLOO}"
+
+
+def test_recorded_message_is_what_record_exception_wrote():
+    assert recorded_message({"message": {"message": "UserError: x", "extraInfo": {}}}) == "UserError: x"
+    assert recorded_message({"message": "<NONE>"}) == ""
+
+
+def test_sigterm_to_one_rank_is_a_stop_even_when_the_others_lost_it():
+    assert stop_signal([Failure(1, -15), Failure(0, 143)], STOP_CODES) == signal.SIGTERM
+    assert stop_signal([Failure(1, -15), Failure(0, PEER_LOST_EXIT)], STOP_CODES) == signal.SIGTERM
+    assert stop_signal([Failure(1, -15), Failure(0, 2)], STOP_CODES) is None
+    assert stop_signal([Failure(0, 143), Failure(1, 130)], STOP_CODES) is None
+
+
+def test_rank0_error_is_printed_once_and_no_peer_traceback(tmp_path, env):  # noqa: F811
+    """Rank 0 refuses to write tracking.json (a link planted in the run dir) while rank 1 waits for it at the
+    data barrier; rank 1's gloo error is recorded, not printed."""
+    from ftcli.artifacts.rundir import prepare_run_dir
+    from ftcli.config.recipe import load_recipe
+
+    run_dir = prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={tmp_path / 'run'}"]))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep\n")
+    (run_dir / "tracking.json").symlink_to(victim)
+    res = ftcli(train_args(run_dir, "tracking.log_system_metrics=false", "training.max_steps=2"), tmp_path, env)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert errors == [
+        f"error: {run_dir / 'tracking.json'} is a symbolic link (to {victim}); ftcli does not write through links "
+        "in a run dir: remove it",
+        "error: training stopped: rank 0 failed (its error is printed above); rank(s) 1 stopped with it"], \
+        res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "gloo" not in res.stderr and "[rank1]" not in res.stderr
+    assert victim.read_text() == "keep\n"
