@@ -168,10 +168,12 @@ def test_adapter_from_kept_base_is_peft_adapter_and_merges(mxfp4_base, tmp_path)
 
 
 def test_kept_mxfp4_needs_lora_and_a_pretrained_base():
-    from ftcli.config.recipe import RecipeError
+    from ftcli.config.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match="model.quantization=mxfp4 keeps a pretrained MXFP4 base frozen for LoRA"):
         tiny_recipe("model.quantization=mxfp4")  # the tiny recipe draws a random base
+    with pytest.raises(RecipeError, match="model.quantization=mxfp4 runs with training.sharding=ddp or auto"):
+        load_recipe("gpt-oss-120b-1gpu", ["training.sharding=fsdp"])
 
 
 def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_the_dequantized_base(mxfp4_base, tmp_path):

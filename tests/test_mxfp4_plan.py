@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from ftcli.commands import plan
 from ftcli.config.recipe import load_recipe
-from ftcli.estimate import memory
+from ftcli.estimate import memory, plan
+from ftcli.estimate.fit import resolved_sharding
+from ftcli.estimate.shape import model_shape
 
 EXPERTS_120B = 36 * 128 * (2880 * 5760 + 2880 * 2880)  # gate_up [E, 2880, 5760] + down [E, 2880, 2880] per layer
 
@@ -20,7 +21,7 @@ def _card(p, accelerator):
 def test_kept_base_holds_expert_weights_at_4_25_bits():
     """Only the expert weights change: bf16 (2 bytes) -> 4.25/8 bytes per parameter; the rest of the base and the
     adapter's state as with a bf16 base; `other` is three copies of the largest expert weight (the dequant)."""
-    shape = plan.model_shape(load_recipe("gpt-oss-120b-1gpu"))
+    shape = model_shape(load_recipe("gpt-oss-120b-1gpu"))
     assert memory.expert_weight_params(shape) == EXPERTS_120B
     s = memory.Setting(method="lora", tokens=4096, world=1, compute_bytes=2, checkpointing="full", loss="trl",
                        adapter_params=536_809_472, sharding="ddp")
@@ -50,4 +51,4 @@ def test_plan_suggests_the_kept_base_for_one_gpu():
     assert h200.suggestions[0].overrides == ("model.quantization=mxfp4", "training.sharding=ddp")
     h100 = _card(plan.make_plan(one), "GPU_1xH100")
     assert h100.suggestions[0].overrides == ("model.quantization=mxfp4", "training.sharding=ddp", "lora.r=4")
-    assert plan.resolved_sharding(load_recipe("gpt-oss-120b-1gpu", ["training.sharding=auto"]))[0] == "ddp"
+    assert resolved_sharding(load_recipe("gpt-oss-120b-1gpu", ["training.sharding=auto"]))[0] == "ddp"

@@ -800,6 +800,9 @@ class Recipe(_Section):
         if self.model.quantization == "mxfp4" and (self.training.method != "lora" or self.model.init != "pretrained"):
             raise ValueError("model.quantization=mxfp4 keeps a pretrained MXFP4 base frozen for LoRA; it needs "
                              "training.method=lora and model.init=pretrained (else use mxfp4_dequantize)")
+        if self.model.quantization == "mxfp4" and self.training.sharding == "fsdp":
+            raise ValueError("model.quantization=mxfp4 runs with training.sharding=ddp or auto (a kept-MXFP4 base per "
+                             "GPU); FSDP2 over it is not built yet")
         return self
 
     @model_validator(mode="after")

@@ -249,9 +249,6 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
     sharding, why = resolved_sharding(recipe)
-    if sharding == "fsdp" and recipe.model.quantization == "mxfp4":
-        raise UserError("model.quantization=mxfp4 runs with training.sharding=ddp (a kept-MXFP4 base per GPU); "
-                        "FSDP2 sharding of its non-expert parameters is not built yet")
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
