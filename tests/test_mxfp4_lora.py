@@ -209,5 +209,6 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_the_dequantized_base(mx
         if quantization == "mxfp4_dequantize":
             assert not calls  # the dequantized base never goes through the kept path
     assert calls and len(losses["mxfp4"]) == 3
+    assert sft_config_kwargs(recipe, tmp_path)["ddp_broadcast_buffers"] is False  # the same blocks on every rank
     torch.testing.assert_close(torch.tensor(losses["mxfp4"]), torch.tensor(losses["mxfp4_dequantize"]),
                                rtol=1e-5, atol=0)
