@@ -95,6 +95,7 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parame
 
 
 def is_placeholder(param: torch.Tensor) -> bool:
+    """Whether `param` is a `placeholder` (every stride zero: one element of storage behind the whole shape)."""
     return param.dim() > 0 and all(stride == 0 for stride in param.stride())
 
 
