@@ -33,13 +33,32 @@ from ftcli import __version__
 from ftcli.config.errors import UserError
 
 class _Group(TyperGroup):
-    """Turns a `UserError` raised anywhere below into one red line and exit code 2."""
+    """Turns a `UserError` raised anywhere below into one red line and exit code 2, and shows flags as flags
+    in every command's help (`_flags_as_flags`)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UserError as e:
             _fail(str(e))
+
+    def get_command(self, ctx, cmd_name):
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _flags_as_flags(command.get_params(ctx))
+        return command
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+def _flags_as_flags(params: list) -> list:
+    """Typer's help prints each option's type, `--force <bool>` for a flag that takes no value (and refuses
+    `--force true`): an empty metavar, Typer's own knob for that column, shows it as `--force`."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
 
 
 app = typer.Typer(
@@ -50,7 +69,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-recipes_app = typer.Typer(help="List, show and copy built-in recipes.", no_args_is_help=True)
+recipes_app = typer.Typer(cls=_Group, help="List, show and copy built-in recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 console = Console()
 err_console = Console(stderr=True)
@@ -149,16 +168,16 @@ def recipes_show(
 
 @recipes_app.command("cp")
 def recipes_cp(
-    name: str = typer.Argument(..., help="Built-in recipe to start from."),
+    name: str = typer.Argument(..., help="Built-in recipe or recipe file to start from."),
     dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist)."),
     force: bool = ForceOpt,
 ) -> None:
-    """Copy a built-in recipe to DEST to start a custom one."""
-    from ftcli.config.recipe import builtin_recipe_text
+    """Copy a built-in recipe (or a recipe file) to DEST to start a custom one."""
+    from ftcli.config.recipe import recipe_text
 
     if dest.is_dir():
-        dest = dest / f"{name}.yaml"
-    text = builtin_recipe_text(name)
+        dest = dest / f"{Path(name).stem}.yaml"
+    text = recipe_text(name)
     _check_output(dest, force)
     _write(dest, text)
     console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")
@@ -191,13 +210,15 @@ def render_workload(
     if output is not None:
         _check_output(output, force)
     text = workload.render_workload(r, fit_check=not no_fit_check)
-    for warning in workload.render_warnings(r, fit_check=not no_fit_check):
-        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+    warnings = workload.render_warnings(r, fit_check=not no_fit_check)
     if output is None:
         print(text, end="")
-        return
-    _write(output, text)
-    err_console.print(f"wrote {output}; submit with: databricks air run -f {output}")
+    else:
+        _write(output, text)
+    for warning in warnings:  # after the YAML: the last lines on screen
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+    if output is not None:
+        err_console.print(f"wrote {output}; submit with: databricks air run -f {output}")
 
 
 # ------------------------------------------------------------------------------------- pack-preview

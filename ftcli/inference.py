@@ -17,6 +17,7 @@ register's probe): the same rendering, stop tokens and left-padded greedy decodi
 from __future__ import annotations
 
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -71,6 +72,7 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
     from transformers import AutoConfig
 
     from ftcli.model.build import load_model
+    from ftcli.model.fallbacks import quiet_kernel_fallbacks
     from ftcli.config.recipe import ModelConfig
 
     from ftcli import hub
@@ -94,6 +96,9 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
                       model_class=source.model_class or _model_class(config), dtype=dtype,
                       quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
                       trust_remote_code=source.trust_remote_code)
+    notice = quiet_kernel_fallbacks(config.model_type, dev.type)
+    if notice:
+        print(notice, file=sys.stderr)
     model = load_model(cfg, device=dev)
     if source.adapter is not None:
         from peft import PeftModel
@@ -215,6 +220,33 @@ def template_kwargs(reasoning_effort: str | None = None) -> dict:
     return {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
 
 
+HARMONY_EFFORTS = ("low", "medium", "high")  # harmony's values; gpt-oss's template writes any string it is given
+
+
+def reasoning_efforts(tokenizer) -> tuple[str, ...] | None:
+    """The `reasoning_effort` values the chat template knows: the ones it checks against (Qwen3.8:
+    `not in ('xhigh', 'medium', 'low')`), harmony's for gpt-oss; () where it reads none, None where it
+    reads one without saying which."""
+    template = tokenizer.chat_template or ""
+    if "reasoning_effort" not in template:
+        return ()
+    checked = re.search(r"reasoning_effort\s+not\s+in\s+[(\[]([^)\]]*)[)\]]", template)
+    if checked:
+        return tuple(re.findall(r"['\"]([^'\"]+)['\"]", checked[1]))
+    return HARMONY_EFFORTS if "<|channel|>" in template else None
+
+
+def check_reasoning_effort(tokenizer, effort: str | None, describe: str) -> None:
+    """--reasoning-effort: one of the template's values, else a one-line error (a warning where the
+    template reads no reasoning effort: the flag would do nothing)."""
+    known = reasoning_efforts(tokenizer) if effort is not None else None
+    if known == ():
+        print(f"warning: --reasoning-effort has no effect: the chat template of {describe} reads none",
+              file=sys.stderr)
+    elif known and effort not in known:
+        raise UserError(f"--reasoning-effort {effort}: the chat template of {describe} knows {' | '.join(known)}")
+
+
 def system_prompt(system: str | None, reasoning_language: str | None) -> str | None:
     if not reasoning_language:
         return system
@@ -313,7 +345,7 @@ def _complete(tokenizer, token_ids: list[int], stop_ids: list[int], kind: str) -
     body = token_ids[:-1] if stopped else token_ids
     raw = tokenizer.decode(body, skip_special_tokens=False)
     reasoning, text = split_reasoning(raw, kind, _special_strings(tokenizer))
-    return Completion(text=text, reasoning=reasoning, raw=raw, token_ids=list(token_ids),
+    return Completion(text=text, reasoning=reasoning or None, raw=raw, token_ids=list(token_ids),
                       finish_reason="stop" if stopped else "length")
 
 
@@ -398,10 +430,32 @@ def sample_greedy(model, tokenizer, conversations: list[list[dict]], max_new_tok
             for ids in _generate_ids(model, prompts[start:start + batch_size], config, pad_id,
                                      synced_gpus=synced_gpus):
                 body = ids[:-1] if ids and ids[-1] in stop_ids else ids
-                out.append(tokenizer.decode(body, skip_special_tokens=False))
+                out.append(without_empty_think(tokenizer.decode(body, skip_special_tokens=False)))
         return out
     finally:
         model.train(was_training)
+
+
+_EMPTY_THINK = re.compile(r"^\s*(?:<think>)?\s*</think>\s*")
+
+
+def without_empty_think(text: str) -> str:
+    """A reply without the empty think block it opens with (Qwen's `\n</think>\n\n` after the prompt's
+    `<think>\n`): the answer is what follows it."""
+    return _EMPTY_THINK.sub("", text, count=1)
+
+
+def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None) -> dict:
+    """An output row's reply: `completion` (the answer) and `reasoning`, and where the reply calls tools,
+    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.tool_calls`), taken out of both."""
+    from ftcli.tool_calls import openai_tool_calls, parse_tool_calls
+
+    calls, rest = parse_tool_calls(completion.raw)
+    if not calls:
+        return {"completion": completion.text, "reasoning": completion.reasoning}
+    kind = reply_kind(tokenizer, render_prompt(tokenizer, messages, template_kwargs))
+    reasoning, text = split_reasoning(rest, kind, _special_strings(tokenizer))
+    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, messages)}
 
 
 # ----------------------------------------------------------------------------------- streaming
@@ -419,6 +473,8 @@ class ReplyView:
         if reasoning is None:
             return answer
         answered = "<|channel|>final" in raw if self.kind == "harmony" else "</think>" in raw
+        if not reasoning:  # an empty think block (Qwen's `\n</think>\n\n`): no reasoning section
+            return answer if answered else ""
         return f"reasoning:\n{reasoning}" + (f"\n\nanswer:\n{answer}" if answered else "")
 
     def feed(self, chunk: str) -> str:

@@ -65,6 +65,24 @@ def test_recipes_cp_into_a_folder(tmp_path):
     assert load_recipe(str(tmp_path / "qwen-b300.yaml")) == load_recipe("qwen-b300")
 
 
+def test_recipes_cp_accepts_a_recipe_file(tmp_path):
+    mine = tmp_path / "my-recipe.yaml"
+    mine.write_text(builtin_recipe_text("tiny-qwen-cpu").replace("  grad_accum: 1\n", "  grad_accum: 7\n"))
+    res = invoke("recipes", "cp", str(mine), str(tmp_path / "other.yaml"))
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "other.yaml").read_text() == mine.read_text()
+    assert load_recipe(str(tmp_path / "other.yaml")).training.grad_accum == 7
+    (tmp_path / "copies").mkdir()
+    assert invoke("recipes", "cp", str(mine), str(tmp_path / "copies")).exit_code == 0
+    assert (tmp_path / "copies" / "my-recipe.yaml").read_text() == mine.read_text()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("training: {lr: 1}\n")
+    res = invoke("recipes", "cp", str(broken), str(tmp_path / "x.yaml"))
+    assert res.exit_code == 2 and "unknown key" in res.output and not (tmp_path / "x.yaml").exists()
+    res = invoke("recipes", "cp", str(tmp_path / "nope.yaml"), str(tmp_path / "x.yaml"))
+    assert res.exit_code == 2 and "no recipe file or built-in recipe named" in _flat(res.output)
+
+
 def test_recipes_cp_unknown_recipe(tmp_path):
     res = invoke("recipes", "cp", "qwen-b30", str(tmp_path / "x.yaml"))
     assert res.exit_code == 2 and "did you mean 'qwen-b300'" in res.output
@@ -125,3 +143,17 @@ def test_train_with_bad_recipe_fails_fast_without_heavy_imports():
     assert code == 2, stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert heavy == []
+
+
+def test_help_shows_flags_as_flags():
+    """Typer prints each option's type; a flag takes no value (`--force true` is refused), so its help row
+    must read `--force`, not `--force <bool>`."""
+    commands = [[], ["recipes"], ["recipes", "cp"], ["train"], ["render-workload"], ["pack-preview"], ["merge-lora"],
+                ["register"], ["generate"], ["chat"], ["doctor"], ["plan"]]
+    for command in commands:
+        res = runner.invoke(cli.app, [*command, "--help"], env={"COLUMNS": "120"})
+        assert res.exit_code == 0, (command, res.output)
+        assert "<bool>" not in res.output and "--help" in res.output, command
+        assert "<str>" in res.output or command in ([], ["recipes"], ["doctor"]), command  # other types still shown
+    train = runner.invoke(cli.app, ["train", "--help"], env={"COLUMNS": "120"}).output
+    assert any(line.split()[1:3] == ["--force", "Start"] for line in train.splitlines() if "--force" in line)

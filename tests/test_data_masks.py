@@ -295,3 +295,29 @@ def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
         assert (mask == oracle(name, tok, ids.tolist())).all(), case
     assert said == IN_FORMAT[fmt]
     assert rendered == FORMAT_RENDERED[fmt].get(name, IN_FORMAT[fmt])
+
+
+PROMPT_COMPLETION = [("What is 18 plus 43?", "18 plus 43 is 61."), ("Say hi", " hi"), ("  ", "x\n")]
+
+
+@pytest.mark.parametrize("name", ["qwen3_8", "gptoss", "llama3", "gemma3"])
+def test_string_prompt_completion_rows_are_trained_in_the_chat_format(name):
+    """A `{"prompt": str, "completion": str}` row is the user turn + assistant turn generate/chat ask in:
+    the same ids and mask as that conversation, the mask the oracle's (the answer and its end token)."""
+    from types import SimpleNamespace
+
+    from ftcli.data.pipeline import RowEncoder
+
+    tok = _tokenizer(name)
+    src = SimpleNamespace(format="prompt_completion", messages_field="messages", tools_field="tools")
+    data = SimpleNamespace(source_list=lambda: [src], train_on="assistant", special_tokens_in_text="keep",
+                           max_row_chars=None, max_length=None, packing=SimpleNamespace(enabled=True, block_len=1024))
+    row_encoder = RowEncoder(data, tok)
+    for prompt, completion in PROMPT_COMPLETION:
+        ids, mask, dropped, _ = row_encoder(0, {"prompt": prompt, "completion": completion})
+        chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        want_ids, want_mask = ChatEncoder(tok).encode(chat)
+        assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
+        assert (mask == oracle(name, tok, ids.tolist())).all() and dropped == {}
+        assert completion.strip() in tok.decode(ids[mask].tolist())
+        assert prompt.strip() not in tok.decode(ids[mask].tolist()) or not prompt.strip()

@@ -129,3 +129,33 @@ def test_the_one_source_keys_are_the_shorthand_for_one_sources_entry():
     assert str(e.value) == ("invalid recipe 'tiny-qwen-cpu': data: data.sources and data.source, data.path are both set; those keys "
                             "are the shorthand for a single data.sources entry: keep one form (--set data.path=null "
                             "drops the shorthand)")
+
+
+def test_source_labels_are_the_shortest_unique_path_tails():
+    from ftcli.data.summary import short_labels
+
+    assert short_labels(["/tmp/new/a.jsonl", "/tmp/new/b.jsonl", "mine"]) == {
+        "/tmp/new/a.jsonl": "a.jsonl", "/tmp/new/b.jsonl": "b.jsonl", "mine": "mine"}
+    assert short_labels(["/x/a/data.jsonl", "/y/b/data.jsonl", "pkg://assets/tiny_chat.jsonl"]) == {
+        "/x/a/data.jsonl": "a/data.jsonl", "/y/b/data.jsonl": "b/data.jsonl",
+        "pkg://assets/tiny_chat.jsonl": "tiny_chat.jsonl"}
+    assert short_labels(["/d/data.jsonl", "/e/d/data.jsonl"]) == {"/d/data.jsonl": "d/data.jsonl",
+                                                                  "/e/d/data.jsonl": "e/d/data.jsonl"}
+
+
+def test_pack_preview_names_unnamed_sources_apart_at_80_columns(tmp_path):
+    long_dir = tmp_path / "a-rather-long-directory-name-for-my-data"
+    long_dir.mkdir()
+    a = write_jsonl(long_dir / "alpha.jsonl", _rows(4, "alpha"))
+    b = write_jsonl(long_dir / "beta.jsonl", _rows(4, "beta"))
+    sources = [{"source": "local", "path": str(a)}, {"source": "local", "path": str(b)}]
+    sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.path=null", "--set", f"data.sources={json.dumps(sources)}",
+            "--set", "data.packing.strategy=bfd", "--set", "data.packing.block_len=256", "--set", "eval=null"]
+    res = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-qwen-cpu", *sets, "--blocks", "0"],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    summary, sources = res.stdout.split("\nsources")
+    assert "│   source alpha.jsonl │" in summary and "│   source beta.jsonl  │" in summary
+    rows = sources.split("─\n", 1)[1].splitlines()  # the compact table: the rows under its header rule
+    assert [line.split()[0] for line in rows if line.strip()] == ["alpha.jsonl", "beta.jsonl"]  # whole labels
+    assert "…" not in sources and str(long_dir) not in res.stdout

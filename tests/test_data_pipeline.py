@@ -207,7 +207,7 @@ def test_local_jsonl_parquet_arrow_and_directory_give_the_same_rows(tmp_path):
     assert len(got["all.jsonl"]) == 40 and got["dir"] == got["all.jsonl"] and got["dir/a.parquet"] == got["dir"][:25]
 
 
-def test_prompt_completion_rows(tmp_path):
+def test_prompt_completion_rows_use_the_chat_template(tmp_path):
     rows = [
         {"prompt": "What is 7 plus 6?", "completion": " 13."},
         {"prompt": [U], "completion": [A]},
@@ -220,8 +220,24 @@ def test_prompt_completion_rows(tmp_path):
     stats = DataStats()
     text, chat = list(iter_examples(r, tok, stats))
     assert stats.skipped == {"prompt/completion types differ": 1, "completion missing": 1}
-    assert tok.decode([t for t, lab in zip(text.input_ids, text.labels) if lab != -100]) == " 13.<|im_end|>"
+    # string fields: the user turn + assistant turn generate/chat ask in, not prompt + completion + eos
+    assert tok.decode(text.input_ids).endswith("<|im_start|>user\nWhat is 7 plus 6?<|im_end|>\n"
+                                               "<|im_start|>assistant\n<think>\n\n</think>\n\n13.<|im_end|>\n")
+    assert tok.decode([t for t, lab in zip(text.input_ids, text.labels) if lab != -100]) == "\n</think>\n\n13.<|im_end|>\n"
     assert tok.decode([lab for lab in chat.labels if lab != -100]) == "\n</think>\n\n13<|im_end|>\n"
+
+
+def test_prompt_completion_rows_are_plain_text_only_without_a_chat_template():
+    import copy
+    from types import SimpleNamespace
+
+    tok = copy.deepcopy(tokenizer("qwen"))
+    tok.chat_template = None
+    src = SimpleNamespace(format="prompt_completion", messages_field="messages", tools_field="tools")
+    data = SimpleNamespace(source_list=lambda: [src], train_on="assistant", special_tokens_in_text="keep")
+    ids, mask, _, _ = pipeline.RowEncoder(data, tok)(0, {"prompt": "What is 7 plus 6?", "completion": " 13."})
+    assert tok.decode(ids.tolist()) == "What is 7 plus 6? 13.<|im_end|>"
+    assert tok.decode(ids[mask].tolist()) == " 13.<|im_end|>"
 
 
 def test_synthetic_data_is_seeded_long_tailed_and_masked(tmp_path):

@@ -69,3 +69,26 @@ def test_pack_preview_reports_skips_and_strict_stops_with_one_line(tmp_path):
         "error: data row 1: no assistant turn: no assistant message to train on "
         "(data.strict is on; turn it off to skip and count bad rows)"
     )
+
+
+def test_pack_preview_marks_trained_tokens_in_plain_text_without_colour(tmp_path):
+    """Piped (no colour), the block view brackets exactly the trained tokens in «...», and its title says
+    which block of the training order it is and where that block lies in the cache."""
+    import re
+
+    import numpy as np
+
+    res = _invoke(tmp_path, "--examples", "4", "--blocks", "1")
+    assert res.exit_code == 0, res.output
+    r = recipe(tmp_path, data__max_examples=4)
+    tokenizer = load_tokenizer(r)
+    block = next(iter(BlockStream(prepare_blocks(r, tokenizer), 0, 1)))
+    assert f"block 0 in training order (packed block #{block.index} in the cache)" in " ".join(res.stdout.split())
+    assert "trained tokens are marked «...»" in res.stdout
+    trained = block.labels != -100
+    trained[0] = False  # label 0 is never used by the loss
+    cuts = np.flatnonzero(np.diff(trained.astype(int))) + 1
+    runs = [tokenizer.decode(block.input_ids[a:b].tolist()) for a, b in zip([0, *cuts], [*cuts, len(trained)])
+            if trained[a]]
+    text = res.stdout.split("trained tokens are marked «...»\n", 1)[1]
+    assert "".join(re.findall("«(.*?)»", text, re.S)) == "".join(runs)

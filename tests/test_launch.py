@@ -27,6 +27,41 @@ def test_full_training_without_packing_is_a_one_line_error(tmp_path):
 
 
 
+def test_gpu_recipe_on_cpu_gets_doctors_verdict_not_gpu_install_advice(tmp_path):
+    from ftcli import cli
+
+    res = CliRunner().invoke(cli.app, ["train", "--recipe", "qwen-b300", "--set", f"output.dir={tmp_path / 'run'}"])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    out = " ".join(res.output.split())
+    assert out.startswith("error: recipe qwen-b300 cannot run here: qwen-b300 needs ~")
+    assert out.endswith("it is a GPU_8xB300 recipe (8 GPUs): run it there (ftcli render-workload --recipe qwen-b300)")
+    res = CliRunner().invoke(cli.app, train_args(tmp_path / "run", "training.loss.impl=liger"))
+    assert res.exit_code == 2
+    assert " ".join(res.output.split()) == (
+        "error: recipe tiny-qwen-cpu asks for GPU kernels and this machine has no GPU: set "
+        "training.loss.impl=chunked here, or run it on a GPU (ftcli render-workload --recipe tiny-qwen-cpu)")
+    assert "pip install" not in res.output and not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_finished_run_says_so_without_launching(tmp_path, monkeypatch):
+    from ftcli import cli
+    from ftcli.artifacts.rundir import RunRecord, prepare_run_dir, write_run_record
+    from ftcli.config.recipe import load_recipe
+
+    run_dir = tmp_path / "run"
+    prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={run_dir}"]))
+    write_run_record(run_dir, RunRecord(method="full", steps=40, status="completed"))
+    monkeypatch.setattr("torch.distributed.run.run", lambda *a: pytest.fail("torchrun started"))
+    for args in (train_args(run_dir), ["train", "--recipe", str(run_dir / "recipe.yaml")]):
+        res = CliRunner().invoke(cli.app, [*args, "--resume", "latest"])  # (bare --resume: main() adds latest)
+        assert res.exit_code == 0, res.output
+        assert " ".join(res.output.split()) == (f"{run_dir} already finished at step 40 (its run.json); nothing to "
+                                                "resume (--force starts over)")
+    changed = CliRunner().invoke(cli.app, [*train_args(run_dir, "training.max_steps=80"), "--resume", "latest"])
+    assert "already finished" not in changed.output  # another recipe: --resume looks for its checkpoints
+    assert "holds no checkpoint" in changed.output and changed.exit_code == 2
+
+
 def test_config_override_that_builds_no_model_fails_before_the_run_dir_exists(tmp_path):
     from ftcli import cli
 

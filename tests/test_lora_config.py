@@ -56,7 +56,7 @@ def test_gpt_oss_h100_sft_config_is_the_reference():
         "dataloader_num_workers": 0,
         "logging_steps": 1,  # (ref)
         "logging_first_step": True,
-        "disable_tqdm": False,  # (ref: progress bars on)
+        "disable_tqdm": True,  # (ref: progress bars on) ftcli's own bar and step line, as the full path
         "save_strategy": "steps",
         "save_steps": 500,
         "save_total_limit": 2,
@@ -198,3 +198,42 @@ def test_training_is_typed_by_method_and_dumps_load_back():
         load_recipe("tiny-gpt-oss-cpu", ["training.lr=1"])
     with pytest.raises(UserError, match=r"training.method: Input should be 'full' or 'lora' \(got 'qlora'\)$"):
         load_recipe("tiny-gpt-oss-cpu", ["training.method=qlora"])
+
+
+@pytest.mark.parametrize("schedule", [
+    "{name: cosine, warmup: 0.1, min_lr_ratio: 0.1}",  # the issue's case: TRL's cosine ignored min_lr_ratio
+    "{name: cosine_with_min_lr, warmup: 3, min_lr_ratio: 0.2}",
+    "{name: linear, warmup: 0, min_lr_ratio: 0.5}",
+])
+def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_path):
+    """The LoRA trainer's scheduler (what TRL steps) and the full path's (a LambdaLR over lr_factor, as
+    FullRun builds it) give the same lr at every step of a recipe, warmup and min_lr_ratio included."""
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer
+    from ftcli.train.full import lr_factor
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+
+    steps = 30
+    recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
+                         f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
+    tokenizer = load_tokenizer(recipe)
+    args = SFTConfig(**{**sft_config_kwargs(recipe, tmp_path / "run"), "disable_tqdm": True}, use_cpu=True)
+    trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_rows(recipe, tokenizer), args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+    peak = recipe.training.optimizer.lr
+    full = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak),
+                                             lambda s: lr_factor(s, steps, recipe.training.schedule))
+    lora_lrs, full_lrs = [], []
+    for _ in range(steps):
+        lora_lrs.append(trainer.lr_scheduler.get_last_lr()[0])
+        full_lrs.append(full.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        full.optimizer.step()
+        full.step()
+    assert lora_lrs == full_lrs
+    ratio = recipe.training.schedule.min_lr_ratio  # decays to it (transformers' cosine: to ~0)
+    assert peak * ratio * (1 - 1e-9) <= min(lora_lrs) == lora_lrs[-1] < peak * ratio * 1.05
+    warmup = [lr for lr in lora_lrs if lr < lora_lrs[-1]]
+    assert all(lr > 0 for lr in lora_lrs) and warmup == sorted(warmup)  # warmup starts above 0

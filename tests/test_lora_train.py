@@ -233,3 +233,36 @@ def test_a_crafted_pickle_in_a_lora_checkpoint_is_refused_and_never_runs(trained
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert any(f"checkpoint {crafted} holds more than tensors and plain data, so it is not loaded" in e
                for e in errors), proc.stderr[-3000:]
+
+
+def test_lora_logs_are_the_full_paths_step_lines_and_bar(tmp_path, capfd):
+    """No tqdm bar between the step lines, no raw `{'train_runtime': ...}` dict, no FutureWarning: the step line
+    and the progress bar of the full path."""
+    import re
+    import warnings
+
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+
+    recipe = tiny_recipe("training.max_steps=3", "training.log_every=1", "training.checkpoint.enabled=false",
+                         "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false",
+                         "eval=null")
+    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    assert kwargs["disable_tqdm"] is True
+    tokenizer = load_tokenizer(recipe)
+    rows = training_rows(recipe, tokenizer)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, rows, SFTConfig(**kwargs, use_cpu=True))
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split(" | ")[0] for s in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all(re.match(r"step \d/3 \| loss \d+\.\d{4} \| gnorm [\d.]+ \| lr ", s) for s in steps)
+    assert "train_runtime" not in out.out + out.err and "it/s]" not in out.out + out.err
+    assert re.match(r"train\s.*3/3", lines[-1]), lines[-1]  # the bar, drawn once at the end without a terminal

@@ -115,6 +115,22 @@ def test_output_with_foreign_files_refused_earlier_merge_replaced_only_with_forc
     assert [p.name for p in tmp_path.iterdir()] == ["merged"]  # no temporary dir left beside it
 
 
+def test_merged_files_follow_the_umask(lora_run, tmp_path):
+    import os
+    import stat
+
+    from ftcli.artifacts.merge import merge_lora
+
+    run, _ = lora_run
+    old = os.umask(0o027)
+    try:
+        out = merge_lora(run, output=tmp_path / "merged", dtype="float32")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert modes.pop("merged") == 0o750 and modes and set(modes.values()) == {0o640}, modes
+
+
 def test_wrong_base_is_a_one_line_error(lora_run, tmp_path):
     """A base of another model_type, a base of the right type with other shapes, and a missing base."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -132,3 +132,36 @@ def test_workers_die_with_a_sigkilled_launcher_and_resume_does_not_interleave(tm
     assert len(descents) <= 1 and (not descents or (descents[0] == logged and steps[logged] == resumed_at + 1))
     assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1))
     assert 2 <= resumed_at < STEPS
+
+
+def test_a_start_that_fails_before_step_1_leaves_nothing_it_wrote(tmp_path):
+    from ftcli.config.recipe import load_recipe
+    from ftcli.artifacts.rundir import prepare_run_dir
+    from ftcli.train.launch import run_dir_lock
+
+    def failed_start(run_dir, *, step_logged=False):
+        recipe = load_recipe("tiny-gpt-oss-cpu", [f"output.dir={run_dir}", "tracking.enabled=false"])
+        with pytest.raises(RuntimeError, match="worker failed"):
+            with run_dir_lock(recipe, resume=None, force=True):
+                prepare_run_dir(recipe, force=True)  # marker + recipe.yaml, then what the workers write
+                (run_dir / "tracking.json").write_text("{}\n")
+                (run_dir / "base").mkdir()
+                (run_dir / "base" / "config.json").write_text("{}\n")
+                (run_dir / "checkpoints").mkdir()
+                if step_logged:
+                    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+                raise RuntimeError("worker failed")
+
+    fresh = tmp_path / "fresh"
+    failed_start(fresh)
+    assert not fresh.exists()  # this start made the dir: it goes too
+    kept = tmp_path / "kept"  # an earlier failed run's dir, with a note of the user's
+    kept.mkdir()
+    (kept / ".ftcli-run").write_text("{}\n")
+    (kept / "notes.txt").write_text("mine\n")
+    failed_start(kept)
+    assert sorted(p.name for p in kept.iterdir()) == [".ftcli-run", "notes.txt"]
+    ran = tmp_path / "ran"  # a step ran: the metrics and everything else stay (lock file included)
+    failed_start(ran, step_logged=True)
+    assert sorted(p.name for p in ran.iterdir()) == [".ftcli-run", ".ftcli.lock", "base", "checkpoints",
+                                                     "metrics.jsonl", "recipe.yaml", "tracking.json"]

@@ -82,3 +82,33 @@ def test_create_run_logs_scrubbed_recipe_params_and_step_0_metrics(tmp_path):
     got = client.get_run(run.info.run_id)
     assert got.data.params == params and got.data.metrics == {"steps": 3.0} and got.data.tags["k"] == "v"
     assert again.info.experiment_id == run.info.experiment_id  # the experiment is made once
+
+
+UNFINISHED = """
+import sys
+from ftcli.config.recipe import load_recipe
+from ftcli.artifacts.tracking import start_tracking
+recipe = load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={sys.argv[1]}", "tracking.log_system_metrics=false"])
+stopped = start_tracking(recipe)
+stopped.finish("KILLED")  # what both trainers' handlers do on SIGTERM / SIGINT
+failed = start_tracking(recipe)
+print(stopped.info["run_id"], failed.info["run_id"], flush=True)
+raise SystemExit(2)  # an error before the training loop's own handler: nobody calls finish
+"""
+
+
+def test_a_run_that_exits_without_finishing_is_failed_in_mlflow_not_finished(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", UNFINISHED, uri], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stderr
+    stopped, failed = res.stdout.split()
+    client = MlflowClient(uri)
+    assert (client.get_run(stopped).info.status, client.get_run(failed).info.status) == ("KILLED", "FAILED")

@@ -517,13 +517,38 @@ def test_multi_node_render_warns_when_checkpoints_go_to_a_node_local_dir():
     def warnings(name, *overrides):
         return workload.render_warnings(load_recipe(name, list(overrides)))
 
-    assert warnings("qwen-b300") == []  # one node
+    assert warnings("qwen-b300") == [RELATIVE]  # one node
     assert warnings("qwen-b300", "compute.num_accelerators=16") == [
         "output.dir=runs/{name} is on each node's own disk, but the 2 nodes write one checkpoint together: set "
         "output.dir to a path every node sees (e.g. /Volumes/<catalog>/<schema>/<volume>/...)"]
     assert warnings("gpt-oss-h100", "compute.num_accelerators=16") == []  # a Unity Catalog volume
     assert warnings("qwen-b300", "compute.num_accelerators=16", "training.checkpoint.enabled=false",
-                    "training.checkpoint.save_final_hf=false") == []
+                    "training.checkpoint.save_final_hf=false") == [RELATIVE]
+
+
+RELATIVE = ("output.dir=runs/{name} is relative: it lands in the job's working directory, which is gone when the job "
+            "ends; set output.dir to a /Volumes/<catalog>/<schema>/<volume>/... path to keep the checkpoints and the "
+            "model")
+
+
+def test_render_says_where_to_submit_from_and_that_a_relative_output_dir_is_lost(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    recipe = load_recipe("gpt-oss-h100")  # output.dir on a volume: nothing to say from the checkout
+    assert workload.render_warnings(recipe, fit_check=False) == []
+    monkeypatch.chdir(tmp_path)  # not an ftcli checkout
+    (outside,) = workload.render_warnings(recipe, fit_check=False)
+    assert outside == (f"{tmp_path} is not an ftcli checkout, but the workload uploads the directory it is submitted "
+                       "from (code_source: root_path: .) and installs ftcli from it: run `databricks air run -f ...` "
+                       "from the ftcli checkout, or set compute.ftcli_spec to a pip spec (e.g. 'ftcli @ git+https://...')")
+    pinned = load_recipe("gpt-oss-h100", ["compute.ftcli_spec=ftcli==0.1.0"])
+    assert workload.render_warnings(pinned, fit_check=False) == []  # installs from PyPI, not from the snapshot
+    res = CliRunner().invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(tmp_path / "w.yaml")])
+    assert res.exit_code == 0
+    said = " ".join(res.output.split())
+    assert f"warning: {RELATIVE}" in said and f"warning: {outside}" in said
 
 
 # -------------------------------------------------------------------------------------- fit check
@@ -546,7 +571,7 @@ def test_render_warns_when_the_fit_cannot_be_checked():
     workload.render_workload(recipe)  # renders
     assert workload.render_warnings(recipe)[0] == ("memory fit not checked: no figures for GPU_8xL40S (cards known: "
                                                    "H100, H200, B300, A10)")
-    assert workload.render_warnings(recipe, fit_check=False) == []
+    assert workload.render_warnings(recipe, fit_check=False) == [RELATIVE]
 
 
 def test_render_workload_cli_fit_check_and_override(tmp_path):

@@ -224,6 +224,7 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the merged model follows the umask like any output
         report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
         report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
         tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
@@ -231,11 +232,20 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
             AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
         except OSError:
             pass  # a base without tokenizer files: the merged model is still complete
+        for path in tmp.rglob("*"):  # safetensors writes its files 0600
+            if path.is_file():
+                path.chmod(0o666 & ~_umask())
         _put_in_place(tmp, out, report, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, report
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 # -------------------------------------------------------------------------------------- streaming

@@ -120,6 +120,46 @@ def _clear_outputs(run_dir: Path) -> None:
             target.unlink()
 
 
+# what a start writes before its first step (the LoRA path saves a random-init base to base/)
+_START_WRITES = (OWNER_FILE, LOCK_FILE, RECIPE_FILE, "tracking.json", METRICS_FILE, SAMPLES_FILE, CHECKPOINTS, "base")
+
+
+def ran_a_step(run_dir: Path) -> bool:
+    """Whether a run in this dir got past its start: a run.json, a logged metrics line or a checkpoint
+    (either trainer's: `step_N` or TRL's `checkpoint-N`; a `.tmp_` save cut short does not count)."""
+    run_dir = Path(run_dir)
+    ckpts = run_dir / CHECKPOINTS
+    if (run_dir / RUN_JSON).exists() or (ckpts.is_dir() and any(not p.name.startswith(".tmp") for p in ckpts.iterdir())):
+        return True
+    try:
+        return bool((run_dir / METRICS_FILE).read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def remove_failed_start(run_dir: Path, before: set[str] | None) -> list[str]:
+    """A start that failed before its first step: remove what it wrote, the lock file included, and the
+    dir when this start made it (`before`: the names the dir held before the start; None: it did not
+    exist). Only names ftcli writes that were not there before go; a user's file stays, and so does all
+    of it once a step has run (`ran_a_step`: resumable, worth reading). Returns the names removed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or ran_a_step(run_dir):
+        return []
+    removed = []
+    for name in _START_WRITES:
+        target = run_dir / name
+        if name in (before or set()) or not (target.exists() or target.is_symlink()):
+            continue
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+        removed.append(name)
+    if before is None and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    return removed
+
+
 def recipe_differences(run_dir: Path, recipe) -> list[str]:
     """Dotted keys whose value differs from the run's saved recipe.yaml (output.dir ignored)."""
     from ftcli.artifacts.tracking import flatten

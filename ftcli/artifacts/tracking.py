@@ -31,6 +31,7 @@ skipped with a warning and the run stops at its first step boundary as usual.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -238,6 +239,11 @@ class MlflowTracking(NoTracking):
     def __init__(self, mlflow, run, tracking_uri: str):
         self._mlflow = mlflow
         self._live = True
+        self._finished = False
+        # A process that ends without `finish` (an error before the training loop's own handler, a
+        # SystemExit) would have its run closed FINISHED by MLflow's atexit hook; this one runs first
+        # (atexit is last in, first out) and closes it FAILED.
+        atexit.register(self._fail_if_unfinished)
         # what run.json and tracking.json record: the URI with its credentials masked
         self.info = {"tracking_uri": mask_uri(tracking_uri), "experiment_id": run.info.experiment_id,
                      "run_id": run.info.run_id}
@@ -266,7 +272,16 @@ class MlflowTracking(NoTracking):
         self._call(self._mlflow.log_table, data=columns, artifact_file=artifact_file)
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the run: FINISHED, FAILED (an error) or KILLED (stopped by SIGTERM / SIGINT)."""
+        if self._finished:
+            return
+        self._finished = True
+        atexit.unregister(self._fail_if_unfinished)
         self._call(self._mlflow.end_run, status=status)
+
+    def _fail_if_unfinished(self) -> None:
+        if not self._finished:
+            self.finish("FAILED")
 
 
 def start_tracking(recipe, *, run_dir: Path | None = None, rank: int = 0, resume: bool = False) -> NoTracking:

@@ -19,7 +19,8 @@ from typing import Callable, TextIO
 
 from ftcli.artifacts.resolve import model_source
 from ftcli.config.errors import UserError
-from ftcli.inference import LoadedModel, Sampling, load, render_prompt, stream_reply, system_prompt, template_kwargs
+from ftcli.inference import (LoadedModel, Sampling, check_reasoning_effort, load, render_prompt, stream_reply,
+                             system_prompt, template_kwargs)
 from ftcli.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
 
 HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
@@ -59,6 +60,7 @@ def run_chat_command(ref: str, *, system: str | None, sampling: Sampling, reason
         loaded = load(source, dtype=dtype, device=device)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the loop as lone surrogates: skipped there
         sys.stdin.reconfigure(errors="surrogateescape")
+    check_reasoning_effort(loaded.tokenizer, reasoning_effort, source.describe())
     run_chat(loaded, sampling, system=system_prompt(system, reasoning_language),
              template_kwargs=template_kwargs(reasoning_effort))
 

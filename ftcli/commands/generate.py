@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,12 @@ from ftcli.config.errors import UserError
 from ftcli.inference import (
     LoadedModel,
     Sampling,
+    check_reasoning_effort,
     conversation,
     generate,
     load,
     render_prompt,
+    reply_fields,
     stream_reply,
     system_prompt,
     template_kwargs,
@@ -132,6 +135,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
     kwargs = template_kwargs(reasoning_effort)
     with err.status(f"loading {source.describe()}"):
         loaded = load(source, dtype=dtype, device=device)
+    check_reasoning_effort(loaded.tokenizer, reasoning_effort, source.describe())
     context = context_of(loaded.model, loaded.source.run_dir)
     if input_path is None:
         messages = conversation(prompt, system_prompt(system, reasoning_language))
@@ -145,7 +149,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         raise UserError(refused[0][1])
     bad = sorted(bad + refused)
     completions = _batched(loaded, rows, sampling, kwargs, batch_size, err)
-    lines = [json.dumps({"line": r.line, "messages": r.messages, "completion": c.text, "reasoning": c.reasoning,
+    lines = [json.dumps({"line": r.line, "messages": r.messages, **reply_fields(loaded.tokenizer, r.messages, c, kwargs),
                          **({"reference": r.reference} if r.reference is not None else {}),
                          "finish_reason": c.finish_reason, "new_tokens": len(c.token_ids)}, ensure_ascii=False)
              for r, c in zip(rows, completions)]

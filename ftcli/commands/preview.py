@@ -31,6 +31,7 @@ from rich.text import Text
 from ftcli.config.recipe import Recipe
 
 MAX_SHOWN_TOKENS = 2000  # per block in the rich view
+TRAINED_OPEN, TRAINED_CLOSE = "«", "»"  # around trained text where there is no colour (a pipe, a log)
 
 
 def _preview_recipe(recipe: Recipe, examples: int | None, strict: bool) -> Recipe:
@@ -140,7 +141,10 @@ def _splits_table(train, evals: dict) -> Table:
     t = Table(title="splits", **COMPACT)
     for col in ("split", "rows", "tokens", "trained tokens", "blocks", "packing"):
         t.add_column(col, justify="left" if col in ("split", "packing") else "right", overflow="fold")
-    named = [(f"eval {label}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
+    from ftcli.data.summary import short_labels
+
+    short = short_labels(evals)
+    named = [(f"eval {short[label]}" if len(evals) > 1 else "eval", s) for label, s in evals.items()]
     for name, s in [("train", train), *named]:
         t.add_row(name, str(s.examples["kept"]), str(s.tokens), str(s.trained_tokens), str(s.blocks),
                   f"{s.strategy} {s.block_len or ''}".strip())
@@ -148,6 +152,9 @@ def _splits_table(train, evals: dict) -> Table:
 
 
 def _sources_table(summary) -> Table:
+    from ftcli.data.summary import short_labels
+
+    short = short_labels(summary.sources)
     t = Table(title="sources", **COMPACT)
     for col in ("source", "format", "rows", "kept", "skipped", "tokens", "trained tokens", "trained lost",
                 "skipped by reason"):
@@ -155,7 +162,7 @@ def _sources_table(summary) -> Table:
                      overflow="fold")
     for label, s in summary.sources.items():
         reasons = ", ".join(f"{r} {n}" for r, n in s.skipped_by_reason.items())
-        t.add_row(label, s.format, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
+        t.add_row(short[label], s.format, str(s.rows_read), str(s.kept), str(s.skipped), str(s.tokens), str(s.trained_tokens),
                   str(s.trained_tokens_lost), reasons)
     return t
 
@@ -164,7 +171,7 @@ def _sources_table(summary) -> Table:
 def _show_block(out: Console, tokenizer, block, n: int) -> None:
     cu = block.cu_seqlens.tolist()
     t = Table(
-        title=f"block {n} (packed block #{block.index}): {len(cu) - 1} segments, "
+        title=f"block {n} in training order (packed block #{block.index} in the cache): {len(cu) - 1} segments, "
         f"{block.num_trained_tokens} trained tokens, max segment {block.max_seqlen}",
         title_justify="left",
     )
@@ -180,7 +187,10 @@ def _show_block(out: Console, tokenizer, block, n: int) -> None:
             str(trained),
         )
     out.print(t)
-    out.print(_block_text(tokenizer, block))
+    plain = out.color_system is None  # a pipe or a log: colour is lost, so trained text is marked «like this»
+    if plain:
+        out.print(f"trained tokens are marked {TRAINED_OPEN}...{TRAINED_CLOSE}", highlight=False)
+    out.print(_block_text(tokenizer, block, plain=plain), soft_wrap=plain)  # plain: the text as it is, unwrapped
     out.print()
 
 
@@ -190,7 +200,9 @@ def _is_padding(block, a: int, b: int, tokenizer) -> bool:
     return bool((block.input_ids[a:b] == pad_token_id(tokenizer)).all())
 
 
-def _block_text(tokenizer, block) -> Text:
+def _block_text(tokenizer, block, plain: bool = False) -> Text:
+    """The block's text: trained tokens green, the rest dim; `plain` also brackets trained runs in
+    TRAINED_OPEN ... TRAINED_CLOSE, for output without colour."""
     text = Text()
     cu = block.cu_seqlens.tolist()
     shown = 0
@@ -214,6 +226,8 @@ def _block_text(tokenizer, block) -> Text:
                 u += 1
             u = min(u, t + MAX_SHOWN_TOKENS - shown)
             piece = tokenizer.decode(block.input_ids[t:u].tolist(), skip_special_tokens=False)
+            if plain and trained[t - a]:
+                piece = f"{TRAINED_OPEN}{piece}{TRAINED_CLOSE}"
             text.append(piece, style="green" if trained[t - a] else "dim")
             shown += u - t
             t = u

@@ -444,7 +444,35 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
             "write one checkpoint together: set output.dir to a path every node sees (e.g. /Volumes/<catalog>/"
             "<schema>/<volume>/...)"
         )
+    elif not recipe.output_dir.is_absolute():
+        out.append(
+            f"output.dir={recipe.output.dir} is relative: it lands in the job's working directory, which is gone "
+            "when the job ends; set output.dir to a /Volumes/<catalog>/<schema>/<volume>/... path to keep the "
+            "checkpoints and the model"
+        )
+    out += _checkout_warnings(recipe, Path.cwd())
     return out
+
+
+def _checkout_warnings(recipe: Recipe, here: Path) -> list[str]:
+    """`code_source: root_path: .` uploads the directory the workload is submitted from, and the job installs
+    ftcli from that snapshot (compute.ftcli_spec=$CODE_SOURCE_PATH): rendered outside an ftcli checkout, the
+    job would find no ftcli to install."""
+    if not _shell_spec(recipe.compute.ftcli_spec)[1] or _is_ftcli_checkout(here):
+        return []
+    return [f"{here} is not an ftcli checkout, but the workload uploads the directory it is submitted from "
+            "(code_source: root_path: .) and installs ftcli from it: run `databricks air run -f ...` from the "
+            "ftcli checkout, or set compute.ftcli_spec to a pip spec (e.g. 'ftcli @ git+https://...')"]
+
+
+def _is_ftcli_checkout(path: Path) -> bool:
+    import tomllib
+
+    try:
+        with open(path / "pyproject.toml", "rb") as f:
+            return tomllib.load(f).get("project", {}).get("name") == "ftcli"
+    except (OSError, ValueError):
+        return False
 
 
 def render_workload(recipe: Recipe, *, fit_check: bool = True) -> str:

@@ -937,6 +937,16 @@ def builtin_recipe_text(name: str) -> str:
     return path.read_text()
 
 
+def recipe_text(name_or_path: str) -> str:
+    """The YAML to start a recipe from (`recipes cp`): a recipe file's own text, once it loads as a recipe, or a
+    built-in recipe's."""
+    path = Path(name_or_path).expanduser()
+    if _is_file(path):
+        load_recipe(path)  # a broken recipe is refused here, not copied
+        return read_text_file(path, "recipe")
+    return builtin_recipe_text(str(name_or_path))  # "no recipe file or built-in recipe named ..."
+
+
 def _unknown_recipe_message(name: str) -> str:
     names = builtin_recipe_names()
     close = difflib.get_close_matches(name, names, n=1)

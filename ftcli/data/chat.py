@@ -76,7 +76,7 @@ from ftcli.config.errors import UserError
 TEMPLATE_DATE = datetime(2025, 1, 1)
 # Bump when a change to this module (or to validate.py) changes which tokens are trained: it is part of
 # the cache key, so blocks masked by older code are never served again.
-ENCODER_VERSION = 2
+ENCODER_VERSION = 3  # 3: plain-text prompt/completion rows go through the chat template
 SPECIAL_TEXT_MODES = ("keep", "escape", "error")
 ESCAPE = "\u200b"  # escape mode: a zero-width space after a special-token string's first character
 _PLACEHOLDER0 = 0xF0000  # supplementary private use area A: one character per protected string

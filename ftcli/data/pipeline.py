@@ -36,7 +36,7 @@ from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, p
 from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import CALL_NOT_RENDERED, BadRow
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, chat_turns
 from ftcli.config.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -228,9 +228,11 @@ def row_chars(conv) -> int:
 
 class RowEncoder:
     """(source number, row) -> (input_ids, loss mask, dropped turns, special-token strings), or (BadRow,)
-    saying why not. The chat encoder is built on first use (plain-text prompt/completion rows never
-    need a template). `sources`: data.source_list() with `format: auto` resolved (`formats.resolve`).
-    A row over data.max_row_chars is a BadRow before anything tokenizes it."""
+    saying why not. The chat encoder is built on first use. Plain-text prompt/completion rows are
+    rendered as a user turn + an assistant turn, the format `generate`/`chat` ask in; only a tokenizer
+    without a chat template trains them as plain text (prompt + completion + eos). `sources`:
+    data.source_list() with `format: auto` resolved (`formats.resolve`). A row over data.max_row_chars is
+    a BadRow before anything tokenizes it."""
 
     def __init__(self, data, tokenizer, sources_=None):
         self.sources = sources_ if sources_ is not None else data.source_list()
@@ -248,8 +250,10 @@ class RowEncoder:
             if row_chars(conv) > self.max_row_chars:
                 raise BadRow(TOO_LONG, f"{row_chars(conv):,} characters > data.max_row_chars {self.max_row_chars:,}")
             if conv.messages is None:
-                ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
-                return ids, mask, {}, 0
+                if not getattr(self.tokenizer, "chat_template", None):  # no template to ask in: plain text
+                    ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
+                    return ids, mask, {}, 0
+                conv = chat_turns(conv)
             if self._chat is None:
                 self._chat = ChatEncoder(self.tokenizer, special_tokens_in_text=self.special)
             info: dict = {}

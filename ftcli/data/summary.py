@@ -90,9 +90,10 @@ class DataSummary:
             where = f"{sp['strings']} in {sp['rows']} rows (data.special_tokens_in_text={sp['mode']})"
             out.append(("special tokens in text", where))
         if len(self.sources) > 1:
+            short = short_labels(self.sources)
             for label, s in self.sources.items():
                 out.append((
-                    f"  source {label}",
+                    f"  source {short[label]}",
                     f"format {s.format}{f' ({s.format_why})' if s.format_why else ''}, rows {s.rows_read}, "
                     f"kept {s.kept}, skipped {s.skipped}, tokens {s.tokens}, "
                     f"trained {s.trained_tokens}, lost {s.trained_tokens_lost}",
@@ -121,6 +122,23 @@ class DataSummary:
             for name in ("rows_read", "kept", "skipped", "tokens", "trained_tokens", "trained_tokens_lost"):
                 out[f"data/source/{key}/{name}"] = getattr(s, name)
         return {k: float(v) for k, v in out.items()}
+
+
+def short_labels(labels) -> dict[str, str]:
+    """Each source label -> the shortest trailing part of its path that no other label ends with
+    (`/tmp/new/a.jsonl` -> `a.jsonl`; `/x/a/data.jsonl`, `/y/b/data.jsonl` -> `a/data.jsonl`, `b/data.jsonl`),
+    so tables name sources by what tells them apart, not by a common prefix cut at the column width. A
+    `data.sources` name has no `/` and stays as it is."""
+    labels = list(labels)
+    parts = {label: [p for p in re.split(r"/+", label.split("://", 1)[-1]) if p] or [label] for label in labels}
+    out = {}
+    for label in labels:
+        for n in range(1, len(parts[label]) + 1):
+            tail = parts[label][-n:]
+            if not any(other != label and parts[other][-n:] == tail for other in labels):
+                break
+        out[label] = "/".join(tail)
+    return out
 
 
 def _source_summary(st: DataStats) -> SourceSummary:

@@ -180,3 +180,10 @@ def conversation(
         "prompt/completion types differ",
         f"prompt is {type(prompt).__name__}, completion is {type(completion).__name__} (both str or both lists)",
     )
+
+
+def chat_turns(conv: Conversation) -> Conversation:
+    """A plain-text prompt/completion pair as the chat it will be asked in: the prompt a user turn, the
+    completion the assistant's answer (only the answer trained, unless train_on=all)."""
+    messages = [{"role": "user", "content": conv.prompt}, {"role": "assistant", "content": conv.completion}]
+    return Conversation(messages=messages, first_trained=1, tools=conv.tools, dropped=dict(conv.dropped))

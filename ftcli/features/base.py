@@ -13,6 +13,7 @@ loops over the features a recipe turns on; none names a feature:
     model.parallelize                 convert(model, recipe, device)   on the meta model, before sharding
                                       per_layer(layer, recipe)  each decoder layer, after checkpointing
     train.full                        describe(model, recipe)   its start-up line
+    train.launch (no GPU here)        off_without_gpu           the setting to turn off, never "install X"
 
 `validate` and `requirements` see every recipe (each says when it has something to say); the others
 are called only for the features that `applies(recipe)`. Records are plain data: no dotted paths, so every
@@ -70,3 +71,4 @@ class Feature:
     convert: Callable[[Any, Any, Any], None] | None = None  # (meta model, recipe, torch device), in place
     per_layer: Callable[[Any, Any], None] | None = None  # (decoder layer, recipe), in place
     describe: Callable[[Any, Any], str | None] = _silent  # (built model, recipe) -> the start-up line
+    off_without_gpu: str | None = None  # the `--set` that turns it off, for a feature that needs a GPU

@@ -144,5 +144,5 @@ FEATURE = Feature(
                                              "are torch's own")] if _on(r) else [],
     packages=(PACKAGE,), check=check,
     speed_key=lambda t: "fp8" if t.precision.fp8 else None,
-    convert=convert, describe=describe,
+    convert=convert, describe=describe, off_without_gpu=f"{SETTING}=false",
 )

@@ -80,4 +80,5 @@ FEATURE = Feature(
     requirements=lambda r: [Requirement(_fused(r).pin, f"fused linear cross-entropy (loss.impl={_fused(r).impl})",
                                         LIGER_KIND)] if _fused(r) is not None else [],
     preflight=lambda recipe, device: _fused(recipe).load(),
+    off_without_gpu=f"{SETTING}=chunked",
 )

@@ -64,6 +64,7 @@ from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
 from ftcli.train.preempt import Stopped, stop_flag
+from ftcli.train.schedule import lr_factor
 from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
 from ftcli.artifacts.tracking import start_tracking
 
@@ -111,19 +112,6 @@ def build_optimizer(model: nn.Module, recipe, device: torch.device) -> torch.opt
         [g for g in groups if g["params"]], lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
         fused=True if ocfg.fused and device.type == "cuda" else None,
     )
-
-
-def lr_factor(step: int, total_steps: int, schedule) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based). Linear warmup to 1 over the warmup
-    steps, then: constant; cosine / cosine_with_min_lr (to min_lr_ratio); linear (to min_lr_ratio)."""
-    warmup = int(schedule.warmup) if schedule.warmup >= 1 else int(round(schedule.warmup * total_steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule.name == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.name.startswith("cosine") else 1 - progress
-    return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
 
 
 def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:

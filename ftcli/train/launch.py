@@ -36,7 +36,7 @@ from pathlib import Path
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
-                          read_run_record, run_dir_of, make_dirs, remove_dirs)
+                          read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
 from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 
@@ -52,9 +52,25 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
         raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
+    elif resume == "latest" and (step := finished_at(recipe)) is not None:
+        print(f"{run_dir_of(recipe)} already finished at step {step} (its run.json); nothing to resume "
+              "(--force starts over)", file=sys.stderr)
     else:
         with run_dir_lock(recipe, resume=resume, force=force):
             _launch(recipe, resume=resume, force=force)
+
+
+def finished_at(recipe) -> int | None:
+    """The step a completed run of this very recipe (its run.json, the same recipe.yaml) finished at;
+    None when there is none, so `--resume` goes on to the checkpoints."""
+    run_dir = run_dir_of(recipe)
+    if not (run_dir / RUN_JSON).is_file() or not is_own_run(run_dir, recipe) or recipe_differences(run_dir, recipe):
+        return None
+    try:
+        record = read_run_record(run_dir)
+    except UserError:
+        return None
+    return record.steps if record.status == "completed" else None
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -93,6 +109,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     from ftcli.data.checks import quick_check
     from ftcli.model.checks import check_model_config
 
+    refuse_gpu_recipe_on_cpu(recipe)  # doctor's verdict first: a GPU recipe's data is not read here
     quick_check(recipe)  # a source whose rows are all unreadable in its format: refused before torch is imported
     check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
     try:
@@ -229,6 +246,24 @@ def _say_data(recipe, packed) -> None:
         print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
 
 
+def refuse_gpu_recipe_on_cpu(recipe) -> None:
+    """On a machine without a GPU: a recipe that does not fit gets doctor's verdict (where to run it), and
+    GPU-only settings say to turn them off here, never to install GPU packages on a CPU machine."""
+    from ftcli import features, hardware
+    from ftcli.model import compat
+
+    if hardware.gpu_probe()[0]:  # a GPU driver answers (nvidia-smi, torch-free): torch decides later
+        return
+
+    fits, detail = compat.fit_here(recipe, hardware.read("cpu"))
+    if not fits:
+        raise UserError(f"recipe {recipe.name} cannot run here: {detail}")
+    off = [f.off_without_gpu for f in features.active(recipe) if f.off_without_gpu]  # fused ops: their preflight
+    if off:
+        raise UserError(f"recipe {recipe.name} asks for GPU kernels and this machine has no GPU: set "
+                        f"{', '.join(off)} here, or run it on a GPU (ftcli render-workload --recipe {recipe.name})")
+
+
 # -------------------------------------------------------------------------------------------- worker
 def _worker(recipe, *, resume: str | None, force: bool) -> None:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # not a caller running the command in-process
@@ -298,6 +333,7 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     if os.environ.get("NODE_RANK", "0") != "0":
         yield run_dir
         return
+    before = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else None  # what a failed start keeps
     created = make_dirs(run_dir)  # after the checks; a start that fails removes them again (below)
     try:
         fd, new_lock = open_lock(path)  # O_NOFOLLOW; not inherited by the workers
@@ -324,9 +360,13 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
         yield run_dir
+    except BaseException:
+        remove_failed_start(run_dir, before)  # failed before step 1: leave nothing of this start
+        raise
     finally:
-        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:  # a start that failed: leave no dir
-            path.unlink()
+        if created and (not run_dir.is_dir() or [p.name for p in run_dir.iterdir()] == [LOCK_FILE]):
+            if path.is_file() and not path.is_symlink():  # a start that failed: leave no dir
+                path.unlink()
             remove_dirs(created)
         os.close(fd)
 

@@ -150,3 +150,14 @@ def truncate_metrics(path: Path, step: int) -> int:
 
         write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped
+
+
+def step_progress(total_steps: int, completed: int = 0):
+    """The training progress bar (rank 0), and its task: steps done of the total, elapsed, eta. Lines printed
+    through `progress.console` go above it; without a terminal (a log) it draws nothing until it stops."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), console=Console(highlight=False, soft_wrap=True))
+    return progress, progress.add_task("train", total=total_steps, completed=completed)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
 
 from ftcli.train.checkpoint import CheckpointSchedule
 from ftcli.train.distributed import all_reduce, local_device, rank0_decides
@@ -139,8 +138,9 @@ def _reshard(model) -> None:
             module.reshard()
 
 
-class StepLog(ProgressCallback):
-    """TRL's progress bar with ftcli's step line, and the run's trained and seen tokens summed over ranks: a
+class StepLog(TrainerCallback):
+    """The full path's progress bar and step line (rank 0; `ftcli.train.metrics.step_progress`, `log_step`) in place
+    of TRL's tqdm bar and dict dumps, and the run's trained and seen tokens summed over ranks: a
     forward pre-hook counts what this rank feeds the model (`ftcli.train.loss.count_trained_tokens`; batches the
     data loader prefetches but never trains on are not counted), each step end all-reduces the step's two
     numbers; `.trained` / `.seen` are the totals, carried by every checkpoint. `eval_callback`: the EvalCallback
@@ -154,6 +154,7 @@ class StepLog(ProgressCallback):
         self.trained = self.seen = 0
         self._pending = [0, 0]
         self.meter = None
+        self.progress = self.task = None
         model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module, args, kwargs):
@@ -172,16 +173,17 @@ class StepLog(ProgressCallback):
             self.eval_callback.load(checkpoint)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from ftcli.train.metrics import StepMetrics
+        from ftcli.train.metrics import StepMetrics, step_progress
 
-        if not args.disable_tqdm:
-            super().on_train_begin(args, state, control, **kwargs)
         self.meter = StepMetrics(4 * active_params(self.model), self.device, args.world_size)  # LoRA: no weight grads
+        if state.is_world_process_zero:
+            self.progress, self.task = step_progress(state.max_steps, state.global_step)
+            self.progress.start()
         self.step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            super().on_step_end(args, state, control, **kwargs)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
         step = all_reduce(self._pending, device=self.device) if torch.distributed.is_initialized() else self._pending
         self.trained, self.seen, self._pending = self.trained + int(step[0]), self.seen + int(step[1]), [0, 0]
         now = time.perf_counter()
@@ -193,14 +195,19 @@ class StepLog(ProgressCallback):
             write_atomic(ckpt / TOKENS_FILE, json.dumps({"trained": self.trained, "seen": self.seen}))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            super().on_train_end(args, state, control, **kwargs)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the progress bar (the end of training, or an error: the terminal gets its cursor back)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         from ftcli.train.metrics import log_step
 
-        if logs is None or "loss" not in logs:  # the end-of-training summary: printed by TRL as is
-            return super().on_log(args, state, control, logs=logs, **kwargs)
+        if logs is None or "loss" not in logs:  # TRL's end-of-training dict: ftcli's own `done:` line says it
+            return
         m = self.meter.line(step=state.global_step, loss=logs["loss"], grad_norm=logs.get("grad_norm") or 0.0,
                             lr=logs.get("learning_rate", 0.0), tokens_trained=self.trained, tokens_seen=self.seen)
         if self.eval_callback is not None:
@@ -208,7 +215,7 @@ class StepLog(ProgressCallback):
         logs.update({k: v for k, v in m.items() if k not in ("step", "loss", "grad_norm", "lr", "mem_unit")
                      and v is not None})
         if state.is_world_process_zero:
-            say = self.training_bar.write if self.training_bar is not None else _say
+            say = self.progress.console.print if self.progress is not None else _say
             log_step(m, state.max_steps, say=say, metrics_path=self.metrics_path, tracker=self.tracker)
 
 

@@ -82,7 +82,8 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         dataset_kwargs={"skip_prepare_dataset": True}, packing=False, padding_free=False, max_length=None,
         remove_unused_columns=False, label_names=["labels"], dataloader_num_workers=0,
         # logging, checkpoints, tracking
-        logging_steps=t.log_every, logging_first_step=True, disable_tqdm=False,
+        logging_steps=t.log_every, logging_first_step=True,
+        disable_tqdm=True,  # ftcli's progress bar and step line instead (lora.callbacks.StepLog)
         save_strategy="steps" if ckpt.enabled and ckpt.every_steps else "no", save_steps=ckpt.every_steps or 500,
         save_total_limit=ckpt.keep_last,
         report_to="none",  # (published: "mlflow") ftcli's tracker logs every step line, synchronously, like the full path

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,23 @@ def random_init_gpu(recipe: Recipe) -> torch.device | None:
 
 
 # -------------------------------------------------------------------------------------------- train
+def use_ftcli_schedule(trainer, schedule) -> None:
+    """The full path's lr schedule (`ftcli.train.schedule.lr_factor`) instead of transformers' own, through
+    the Trainer's documented override point `create_scheduler`: the same lr at every step for the same
+    recipe (transformers' warmup starts at lr 0 and its cosine/linear decay ignore `min_lr_ratio`)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from ftcli.train.schedule import lr_factor
+
+    def create_scheduler(num_training_steps: int, optimizer=None):
+        if trainer.lr_scheduler is None:
+            trainer.lr_scheduler = LambdaLR(optimizer or trainer.optimizer,
+                                            lambda step: lr_factor(step, num_training_steps, schedule))
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = create_scheduler
+
+
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
                   evaluator=None, run_dir: Path | None = None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
@@ -208,8 +226,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
-                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    with warnings.catch_warnings():  # TRL/PEFT read transformers' deprecated alias; nothing for a user to change
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
+                             processing_class=tokenizer, peft_config=lora_config(recipe, model))
     if recipe.model.quantization == "mxfp4":  # experts kept in MXFP4: PEFT's adapter, ftcli's expert GEMMs
         from ftcli.model.mxfp4_lora import install_mxfp4_experts
 
@@ -218,6 +238,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
     normalize_loss_by_tokens(trainer)
+    use_ftcli_schedule(trainer, recipe.training.schedule)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
     evals = None if recipe.eval is None else EvalCallback(recipe, evaluator, tokenizer, run_dir=run_dir,
@@ -262,6 +283,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
+    step_log = None
     try:
         attn = _attn_implementation(recipe, device)
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
@@ -312,6 +334,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                sharding=sharding)
         tracker.finish()
     except BaseException as e:
+        if step_log is not None:
+            step_log.close()  # the progress bar gives the terminal back
         tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
         raise
     if torch.distributed.is_initialized():
