@@ -46,7 +46,7 @@ def test_one_unit_of_base_weights_resident_at_a_time(merges):
 def test_shards_are_written_as_they_fill_and_load_like_one_file(lora_run, merges, tmp_path, monkeypatch):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    from ftcli.commands import merge
+    from ftcli.artifacts import merge
 
     run, _ = lora_run
     monkeypatch.setattr(merge, "MAX_SHARD_SIZE", "200KB")

@@ -164,7 +164,9 @@ class ModelConfig(_Section):
     attn_implementation: str = Field(
         "auto", description="auto: ftcli's packed-kernel module picks per machine; or a transformers name."
     )
-    quantization: Literal["none", "mxfp4_dequantize"] = "none"
+    quantization: Literal["none", "mxfp4_dequantize", "mxfp4"] = Field(
+        "none", description="mxfp4_dequantize: MXFP4 experts loaded as model.dtype; mxfp4 (LoRA, gpt-oss): kept in "
+        "MXFP4 and dequantized one expert at a time in the expert GEMMs (ftcli.model.mxfp4_lora).")
     trust_remote_code: bool = False
 
     @field_validator("config_overrides")
@@ -795,6 +797,16 @@ class Recipe(_Section):
                 f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _kept_mxfp4(self) -> Recipe:
+        if self.model.quantization == "mxfp4" and (self.training.method != "lora" or self.model.init != "pretrained"):
+            raise ValueError("model.quantization=mxfp4 keeps a pretrained MXFP4 base frozen for LoRA; it needs "
+                             "training.method=lora and model.init=pretrained (else use mxfp4_dequantize)")
+        if self.model.quantization == "mxfp4" and self.training.sharding == "fsdp":
+            raise ValueError("model.quantization=mxfp4 runs with training.sharding=ddp or auto (a kept-MXFP4 base per "
+                             "GPU); FSDP2 over it is not built yet")
         return self
 
     @model_validator(mode="after")

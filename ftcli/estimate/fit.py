@@ -11,6 +11,7 @@ from ftcli import hardware
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
+from ftcli.families import FAMILIES
 from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
 
@@ -37,6 +38,8 @@ def lora_sharding(recipe: Recipe, shape: memory.ModelShape, card: str | None = N
     chosen = recipe.training.sharding
     if chosen != "auto":
         return chosen
+    if recipe.model.quantization == "mxfp4":  # a kept-MXFP4 base runs with DDP only (ftcli.model.mxfp4_lora)
+        return "ddp"
     card = card or recipe.compute.accelerator_type.split("x", 1)[1]
     if card not in CARDS:
         return "ddp"
@@ -66,7 +69,8 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                   adapter_params=adapter_params(recipe, shape))
     if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
-                              keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world))
+                              keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world),
+                              expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none")
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
@@ -87,7 +91,7 @@ def fits_card(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Es
 
 
 def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per_node: int,
-                     length_key: str = "data.packing.block_len", batch: int = 1) -> list[Suggestion]:
+                     length_key: str = "data.packing.block_len", batch: int = 1, lora_r: int = 1) -> list[Suggestion]:
     """Single changes that make `s` fit `card`, nearest first: checkpointing, fewer kept layers (the others then
     drop them all: they are speed, not need), the largest block (`length_key`,
     tokens per micro-batch / `batch`), bf16 master weights, a sharded LoRA base, more GPUs (not for DDP LoRA: it
@@ -124,7 +128,19 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
         block //= 2
     if s.method == "full" and s.master == "fp32":
         attempt((*drop_keep, "training.precision.master_dtype=bfloat16"), master="bf16")
-    if s.method == "lora" and s.sharding == "ddp":
+    if s.method == "lora" and shape.expert_shapes and FAMILIES[shape.family].mxfp4_experts:
+        # the frozen experts kept at 4.25 bits (ftcli.model.mxfp4_lora); then the adapter's state (linear in
+        # lora.r, 16 bytes per parameter) is what is left to cut: a smaller rank next to the kept base
+        sharding = ("training.sharding=ddp",) if s.sharding == "fsdp" else ()  # a kept-MXFP4 base runs with DDP
+        kept = () if s.expert_quant == "mxfp4" else ("model.quantization=mxfp4", *sharding)
+        rank = lora_r
+        while rank >= 1:
+            changes = dict(expert_quant="mxfp4", sharding="ddp", adapter_params=s.adapter_params * rank // lora_r)
+            if (kept or rank < lora_r) and attempt((*kept, *([f"lora.r={rank}"] if rank < lora_r else [])),
+                                                   **changes):
+                break
+            rank //= 2
+    if s.method == "lora" and s.sharding == "ddp" and s.expert_quant == "none":
         attempt(("training.sharding=fsdp",), sharding="fsdp")
     if s.method == "full" or s.sharding == "fsdp":
         for nodes in range(max(1, s.world // per_node) + 1, 65):

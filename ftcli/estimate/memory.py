@@ -134,6 +134,7 @@ class Setting:
     chunk_tokens: int = 4096
     adapter_params: int = 0  # LoRA
     sharding: str = "ddp"  # LoRA: ddp (a whole base per GPU) | fsdp (the base sharded, FSDP2)
+    expert_quant: str = "none"  # LoRA: none | mxfp4 (model.quantization=mxfp4: expert weights kept at 4.25 bits)
     # full SFT speed settings (plan.speed_settings: fp8, compile, fused ops): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
@@ -199,6 +200,11 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     if s.method == "lora":
         base = (shape.total_params + shape.frozen_params) * s.compute_bytes
         a = s.adapter_params
+        if s.expert_quant == "mxfp4":  # kept MXFP4 (DDP): experts at 4.25 bits, one expert dequantized at a time
+            base -= expert_weight_params(shape) * (s.compute_bytes - MXFP4_BITS_PER_PARAM / 8)
+            return Estimate(params=(base + 4 * a) / GiB, grads=4 * a / GiB, optimizer=8 * a / GiB,
+                            activations=activations / GiB, loss=loss / GiB,
+                            other=DEQUANT_COPIES * largest_expert_params(shape) * s.compute_bytes / GiB)
         if s.sharding == "fsdp":
             w = s.world
             gathered = (shape.root_params + 2 * max(shape.layer_params)) * s.compute_bytes
@@ -215,6 +221,22 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes) / w / GiB, grads=p * master / w / GiB,
                     optimizer=2 * p * master / w / GiB, activations=activations / GiB, loss=loss / GiB,
                     other=other / GiB)
+
+
+# model.quantization=mxfp4 (ftcli.model.mxfp4_lora): the expert weights stay as e2m1 values (4 bits) with one
+# 8-bit scale per 32; the expert GEMM dequantizes one expert at a time, holding at most about three copies of
+# its weight in the compute dtype (the two nibble lookups, then their scaled product)
+MXFP4_BITS_PER_PARAM = 4.25
+DEQUANT_COPIES = 3
+
+
+def expert_weight_params(shape: ModelShape) -> int:
+    """Parameters of the 3-D expert weights (the MXFP4 part of a gpt-oss checkpoint), all layers; biases excluded."""
+    return shape.layers * sum(e * i * o for _, e, i, o in shape.expert_shapes)
+
+
+def largest_expert_params(shape: ModelShape) -> int:
+    return max((i * o for _, _, i, o in shape.expert_shapes), default=0)
 
 
 def usable_gib(card_gb: float) -> float:

@@ -127,7 +127,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
         keep = memory.layers_to_keep(shape, s, gb)
     length_key = "data.packing.block_len" if recipe.data.packing.enabled else "data.max_length"
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
-                                                         recipe.training.per_device_batch))
+                                                         recipe.training.per_device_batch, recipe.lora.r))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
     st = step_time(recipe, shape, s, card, world)
     run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe, data, world)

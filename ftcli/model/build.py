@@ -105,6 +105,11 @@ def load_model(
             kwargs["attn_implementation"] = attn
         with torch.device(device or "cpu"):
             return cls.from_config(config, **kwargs)
+    if cfg.quantization == "mxfp4":  # experts kept in MXFP4 (LoRA): ftcli.model.mxfp4_lora reads the shards
+        from ftcli.model.mxfp4_lora import load_kept_mxfp4
+
+        return load_kept_mxfp4(cls, _local_snapshot(cfg), load_config(cfg), dtype=dtype, device=device or "cpu",
+                               attn=attn)
     kwargs = {"revision": cfg.revision, "dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_cache": False}
     if attn:
         kwargs["attn_implementation"] = attn
@@ -119,6 +124,25 @@ def load_model(
     offline = hub.offline_for(resolve_path(cfg.id))
     try:
         return cls.from_pretrained(resolve_path(cfg.id), local_files_only=bool(offline), **kwargs)
+    except OSError as e:
+        if offline:
+            raise UserError(hub.no_connection(f"the weights of model.id {cfg.id!r}", offline)) from None
+        raise UserError(f"model.id {cfg.id!r}: cannot load weights ({str(e).splitlines()[0]})") from None
+
+
+def _local_snapshot(cfg: ModelConfig) -> Path:
+    """A local directory, or the hub id's snapshot (downloaded, or from the cache when offline) of its safetensors."""
+    source = resolve_path(cfg.id)
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    from ftcli import hub
+
+    offline = hub.offline_for(source)
+    try:
+        return Path(snapshot_download(source, revision=cfg.revision, local_files_only=bool(offline),
+                                      allow_patterns=["*.json", "model*.safetensors"]))
     except OSError as e:
         if offline:
             raise UserError(hub.no_connection(f"the weights of model.id {cfg.id!r}", offline)) from None

@@ -50,7 +50,7 @@ def quantize_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - 2, 0.0)
     exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
     scaled = w / torch.exp2(exp)
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=w.device)
     # nearest magnitude: index of the smallest |scaled| - m over the 8 non-negative codes
     codes = (scaled.abs().clamp(max=6.0).unsqueeze(-1) - magnitudes).abs().argmin(dim=-1).to(torch.uint8)
     codes |= (scaled < 0).to(torch.uint8) << 3

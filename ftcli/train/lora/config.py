@@ -68,6 +68,8 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         torch_compile=t.compile,  # LoRA's compile is true or false (regions is full SFT's)
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
+        # a kept-MXFP4 base's blocks and scales are buffers, the same on every rank: not re-broadcast every step
+        **({"ddp_broadcast_buffers": False} if recipe.model.quantization == "mxfp4" else {}),
         # FSDP2 (training.sharding: fsdp): the base sharded; checkpoints are per-rank shards (DCP)
         **({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
                                           "activation_checkpointing": ac != "none",

@@ -230,6 +230,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                              processing_class=tokenizer, peft_config=lora_config(recipe, model))
+    if recipe.model.quantization == "mxfp4":  # experts kept in MXFP4: PEFT's adapter, ftcli's expert GEMMs
+        from ftcli.model.mxfp4_lora import install_mxfp4_experts
+
+        install_mxfp4_experts(trainer.model)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)

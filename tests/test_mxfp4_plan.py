@@ -1,0 +1,54 @@
+"""The memory model and `ftcli plan` with a kept-MXFP4 base (model.quantization=mxfp4)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ftcli.config.recipe import load_recipe
+from ftcli.estimate import memory, plan
+from ftcli.estimate.fit import resolved_sharding
+from ftcli.estimate.shape import model_shape
+
+EXPERTS_120B = 36 * 128 * (2880 * 5760 + 2880 * 2880)  # gate_up [E, 2880, 5760] + down [E, 2880, 2880] per layer
+
+
+def _card(p, accelerator):
+    return next(c for c in p.cards if c.accelerator == accelerator)
+
+
+def test_kept_base_holds_expert_weights_at_4_25_bits():
+    """Only the expert weights change: bf16 (2 bytes) -> 4.25/8 bytes per parameter; the rest of the base and the
+    adapter's state as with a bf16 base; `other` is three copies of the largest expert weight (the dequant)."""
+    shape = model_shape(load_recipe("gpt-oss-120b-1gpu"))
+    assert memory.expert_weight_params(shape) == EXPERTS_120B
+    s = memory.Setting(method="lora", tokens=4096, world=1, compute_bytes=2, checkpointing="full", loss="trl",
+                       adapter_params=536_809_472, sharding="ddp")
+    bf16, kept = memory.estimate(shape, s), memory.estimate(shape, replace(s, expert_quant="mxfp4"))
+    assert bf16.params - kept.params == pytest.approx(EXPERTS_120B * (2 - 4.25 / 8) / memory.GiB)
+    assert (kept.grads, kept.optimizer, kept.activations) == (bf16.grads, bf16.optimizer, bf16.activations)
+    assert kept.other == pytest.approx(3 * 2880 * 5760 * 2 / memory.GiB)
+    assert round(kept.params - 4 * 536_809_472 / memory.GiB, 1) == 60.8  # the kept base: 218 GiB in bf16
+
+
+def test_120b_1gpu_recipe_fits_one_h200_and_h100_with_a_smaller_rank():
+    r = load_recipe("gpt-oss-120b-1gpu")
+    assert (r.model.quantization, r.training.sharding, r.compute.accelerator_type) == ("mxfp4", "ddp", "GPU_1xH200")
+    p = plan.make_plan(r)
+    h200, h100 = _card(p, "GPU_1xH200"), _card(p, "GPU_1xH100")
+    assert h200.fits and round(h200.estimate.total, 1) == 70.7
+    assert plan.fit_check(r).reason == "fits GPU_1xH200: 70.7 of 120.8 GiB usable per GPU"
+    assert not h100.fits and [s.overrides for s in h100.suggestions] == [("lora.r=4",)]
+    assert round(h100.suggestions[0].total_gib, 1) == 66.7
+
+
+def test_plan_suggests_the_kept_base_for_one_gpu():
+    """The 8-GPU bf16 recipe asked about one GPU: keeping the experts in MXFP4 (with DDP) is the first suggestion."""
+    one = load_recipe("gpt-oss-120b-h100", ["compute.accelerator_type=GPU_1xH200", "compute.num_accelerators=1"])
+    h200 = _card(plan.make_plan(one), "GPU_1xH200")
+    assert not h200.fits
+    assert h200.suggestions[0].overrides == ("model.quantization=mxfp4", "training.sharding=ddp")
+    h100 = _card(plan.make_plan(one), "GPU_1xH100")
+    assert h100.suggestions[0].overrides == ("model.quantization=mxfp4", "training.sharding=ddp", "lora.r=4")
+    assert resolved_sharding(load_recipe("gpt-oss-120b-1gpu", ["training.sharding=auto"]))[0] == "ddp"
