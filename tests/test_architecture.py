@@ -212,3 +212,51 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
         "ftcli.somewhere:6: 'liger'"]
     assert feature_mentions("ftcli.config.recipe", source) == [
         "ftcli.config.recipe:1: 'Uses fp8.'", "ftcli.config.recipe:2: 'fp8'", "ftcli.config.recipe:3: 'liger'"]
+
+
+# ------------------------------------------------------------------------------------------ rooms
+# The rooms, bottom up. A module imports only from its own room or a lower one, lazy imports included:
+#   commands -> train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
+LAYERS = {
+    "config": 0, "hub": 1,
+    "families": 1, "hardware": 1,
+    "data": 2,
+    "model": 3, "features": 3,
+    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4,
+    "commands": 5,
+    "cli": 6, "__main__": 6,
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_module_lives_in_a_room():
+    rooms = {_room(m) for m in _modules()} - {None}
+    assert rooms <= set(LAYERS), sorted(rooms - set(LAYERS))
+
+
+def test_imports_run_downwards_through_the_rooms():
+    modules = _modules()
+    known = set(modules)
+    upward = []
+    for name, path in modules.items():
+        room = _room(name)
+        if room is None:  # ftcli/__init__.py
+            continue
+        for target in _imports(name, path, known):
+            target_room = _room(target)
+            if target_room is not None and LAYERS[target_room] > LAYERS[room]:
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+def test_nothing_imports_a_command_but_the_cli():
+    modules = _modules()
+    known = set(modules)
+    offenders = [f"{name} -> {target}" for name, path in modules.items()
+                 if _room(name) not in ("commands", "cli", "__main__")
+                 for target in _imports(name, path, known) if _room(target) == "commands"]
+    assert offenders == []

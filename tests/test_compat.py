@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ftcli.estimate import fit
 from ftcli.model import compat
 from ftcli import hardware
 from ftcli.hardware import Machine
@@ -106,22 +107,22 @@ def test_versions_outside_the_tested_matrix():
 
 
 def test_a_cpu_machine_cannot_run_the_gpu_recipes_but_runs_the_tiny_ones():
-    [why] = compat.can_run_here(load_recipe("qwen-b300"), cpu())
+    [why] = fit.can_run_here(load_recipe("qwen-b300"), cpu())
     assert why.startswith("qwen-b300 needs ~") and "it has 24 GiB; it is a GPU_8xB300 recipe (8 GPUs)" in why
-    assert compat.can_run_here(load_recipe("gpt-oss-h100"), cpu())
-    assert compat.can_run_here(load_recipe("tiny-qwen-cpu"), cpu()) == []
-    assert compat.can_run_here(load_recipe("tiny-gpt-oss-cpu"), cpu()) == []
+    assert fit.can_run_here(load_recipe("gpt-oss-h100"), cpu())
+    assert fit.can_run_here(load_recipe("tiny-qwen-cpu"), cpu()) == []
+    assert fit.can_run_here(load_recipe("tiny-gpt-oss-cpu"), cpu()) == []
 
 
 def test_gpu_memory_here_against_the_plan():
     qwen = load_recipe("qwen-b300", ["training.activation_checkpointing_keep=0"])  # 81.5 GiB per GPU (ftcli plan)
-    [why] = compat.can_run_here(qwen, gpu(H100))
+    [why] = fit.can_run_here(qwen, gpu(H100))
     assert why == ("qwen-b300 needs 81.5 GiB per GPU on 8 GPU(s); this NVIDIA H100 80GB HBM3 has 72.9 usable of "
                    "79 GiB (the recipe is for GPU_8xB300)")
-    assert compat.can_run_here(qwen, gpu(H200)) == []  # another card, but it fits
-    [one] = compat.can_run_here(qwen, gpu(H200, n=1))  # one GPU holds the whole sharded state
+    assert fit.can_run_here(qwen, gpu(H200)) == []  # another card, but it fits
+    [one] = fit.can_run_here(qwen, gpu(H200, n=1))  # one GPU holds the whole sharded state
     assert one.startswith("qwen-b300 needs 432.9") and "on 1 GPU(s)" in one
-    assert compat.can_run_here(load_recipe("gpt-oss-h100"), gpu(H100)) == []
+    assert fit.can_run_here(load_recipe("gpt-oss-h100"), gpu(H100)) == []
     notes = compat.gpu_notes(qwen, gpu(H200))
     assert notes[0].status == WARN and notes[0].detail == "8 x NVIDIA H200 here, recipe: 8 x B300"
     assert compat.gpu_notes(qwen, gpu(B300, capability=(10, 3)))[0].status == OK

@@ -473,7 +473,7 @@ class _CountingTokenizer:
 def test_chat_refuses_a_prompt_longer_than_the_context_before_tokenizing_it_whole():
     from types import SimpleNamespace
 
-    from ftcli.prompt_checks import CHUNK_CHARS
+    from ftcli.inference.prompt_checks import CHUNK_CHARS
 
     tokenizer = _CountingTokenizer(_tokenizer("qwen"))
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
@@ -502,7 +502,7 @@ def test_chat_refuses_a_prompt_longer_than_the_context_before_tokenizing_it_whol
 
 
 def test_generate_prompt_over_the_context_or_not_text_is_one_line(model_dirs):
-    from ftcli.prompt_checks import CHUNK_CHARS, count_tokens
+    from ftcli.inference.prompt_checks import CHUNK_CHARS, count_tokens
 
     huge = "word " * 200_000
     res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "-p", huge, "--device", "cpu"])
@@ -642,7 +642,7 @@ ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 def test_tool_calls_the_template_writes_parse_back_to_the_call(name):
     """The template's own rendering of an assistant tool call, as the model would generate it, parses back to
     that call (OpenAI shape: arguments a JSON string, or an object where the conversation's calls have one)."""
-    from ftcli.tool_calls import openai_tool_calls, parse_tool_calls
+    from ftcli.inference.tool_calls import openai_tool_calls, parse_tool_calls
 
     tok = _tokenizer(name)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {"type": "object", "properties": {
@@ -661,7 +661,7 @@ def test_tool_calls_the_template_writes_parse_back_to_the_call(name):
 
 
 def test_generate_input_rows_carry_parsed_tool_calls():
-    from ftcli.tool_calls import parse_tool_calls
+    from ftcli.inference.tool_calls import parse_tool_calls
 
     tok = _tokenizer("qwen")
     raw = ("\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"

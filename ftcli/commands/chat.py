@@ -21,7 +21,7 @@ from ftcli.artifacts.resolve import model_source
 from ftcli.config.errors import UserError
 from ftcli.inference import (LoadedModel, Sampling, check_reasoning_effort, load, render_prompt, stream_reply,
                              system_prompt, template_kwargs)
-from ftcli.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
+from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
 
 HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
 

@@ -271,6 +271,7 @@ def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: 
                   deep: bool = False) -> Report:
     """The report for `recipe` (or None) on machine `m` (a ftcli.hardware.Machine); `deep`: every check imported
     what it reads."""
+    from ftcli.estimate import fit
     from ftcli.model import compat
     from ftcli.model import kernels
 
@@ -292,7 +293,7 @@ def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: 
     if recipe is None:
         return report
     blocking = [c for c in checks if c.status == FAIL and c.blocks_recipe]
-    fits, fits_detail = compat.fit_here(recipe, m)
+    fits, fits_detail = fit.fit_here(recipe, m)
     return replace(report, recipe=recipe.name, kernels_correct=not blocking,
                    kernels_detail=blocking[0].detail if blocking else
                    "every packed op has a correct backend and no known-bad combination applies",

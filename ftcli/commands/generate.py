@@ -35,7 +35,7 @@ from ftcli.inference import (
     system_prompt,
     template_kwargs,
 )
-from ftcli.prompt_checks import check_prompt_length, check_rendered_length, context_of, messages_problem, text_problem
+from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, messages_problem, text_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

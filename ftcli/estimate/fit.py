@@ -175,3 +175,38 @@ def memory_on(recipe: Recipe, world: int) -> memory.Estimate:
     """Peak memory per process of the recipe on `world` GPUs (or CPU processes) of one machine."""
     shape = model_shape(recipe)
     return memory.estimate(shape, setting_of(recipe, shape, world))
+
+
+# ----------------------------------------------------------------------------------------- this machine
+def fit_here(recipe, here) -> tuple[bool, str]:
+    """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits machine `here` (a
+    ftcli.hardware.Machine: `ftcli doctor` and the launcher on a machine without a GPU ask), and the figures."""
+    compute = recipe.compute
+    wanted_card = compute.accelerator_type.split("x", 1)[1]
+    world = len(here.gpus) or recipe.training.cpu_processes
+    try:
+        per_rank = memory_on(recipe, world).total
+    except UserError as e:
+        return True, f"not checked: {e}"
+    if not here.gpus:
+        need, have = world * per_rank, 0.92 * here.ram_bytes / 2**30
+        if need > have:
+            return False, (f"{recipe.name} needs ~{need:.0f} GiB of RAM on this CPU machine ({world} processes), it "
+                           f"has {here.ram_bytes / 2**30:.0f} GiB; it is a {compute.accelerator_type} recipe "
+                           f"({compute.num_accelerators} GPUs): run it there (ftcli render-workload --recipe "
+                           f"{recipe.name})")
+        return True, f"~{need:.1f} GiB of {have:.1f} GiB RAM usable ({world} CPU processes)"
+    name, total = here.gpus[0]
+    usable = 0.92 * total / 2**30
+    if per_rank > usable:
+        kind = "" if wanted_card in name else f" (the recipe is for {compute.accelerator_type})"
+        return False, (f"{recipe.name} needs {per_rank:.1f} GiB per GPU on {world} GPU(s); this {name} has "
+                       f"{usable:.1f} usable of {total / 2**30:.0f} GiB{kind}")
+    return True, f"{per_rank:.1f} GiB per GPU of {usable:.1f} usable on {world} x {name}"
+
+
+def can_run_here(recipe, here) -> list[str]:
+    """Why `recipe` cannot run on this machine (empty: it can): the plan's memory per GPU on the GPUs that are
+    here (the launcher uses them all), or per CPU process against the RAM on a machine without GPUs."""
+    ok, detail = fit_here(recipe, here)
+    return [] if ok else [detail]

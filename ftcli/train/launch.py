@@ -250,12 +250,12 @@ def refuse_gpu_recipe_on_cpu(recipe) -> None:
     """On a machine without a GPU: a recipe that does not fit gets doctor's verdict (where to run it), and
     GPU-only settings say to turn them off here, never to install GPU packages on a CPU machine."""
     from ftcli import features, hardware
-    from ftcli.model import compat
+    from ftcli.estimate import fit
 
     if hardware.gpu_probe()[0]:  # a GPU driver answers (nvidia-smi, torch-free): torch decides later
         return
 
-    fits, detail = compat.fit_here(recipe, hardware.read("cpu"))
+    fits, detail = fit.fit_here(recipe, hardware.read("cpu"))
     if not fits:
         raise UserError(f"recipe {recipe.name} cannot run here: {detail}")
     off = [f.off_without_gpu for f in features.active(recipe) if f.off_without_gpu]  # fused ops: their preflight

@@ -453,8 +453,8 @@ def without_empty_think(text: str) -> str:
 
 def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None) -> dict:
     """An output row's reply: `completion` (the answer) and `reasoning`, and where the reply calls tools,
-    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.tool_calls`), taken out of both."""
-    from ftcli.tool_calls import openai_tool_calls, parse_tool_calls
+    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.inference.tool_calls`), taken out of both."""
+    from ftcli.inference.tool_calls import openai_tool_calls, parse_tool_calls
 
     calls, rest = parse_tool_calls(completion.raw)
     if not calls:
