@@ -113,4 +113,6 @@ def recipe(tmp_path: Path, name: str = "tiny-qwen-cpu", **overrides):
     from ftcli.config.recipe import load_recipe
 
     sets = ["eval=null", f"data.cache_dir={tmp_path / 'cache'}"] + [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    if "data__sources" in overrides:  # a mix instead of the recipe's one source (its shorthand keys dropped)
+        sets.insert(2, "data.path=null")
     return load_recipe(name, sets)

@@ -234,7 +234,8 @@ def test_prompt_completion_rows_are_plain_text_only_without_a_chat_template():
     tok = copy.deepcopy(tokenizer("qwen"))
     tok.chat_template = None
     src = SimpleNamespace(format="prompt_completion", messages_field="messages", tools_field="tools")
-    data = SimpleNamespace(source_list=lambda: [src], train_on="assistant", special_tokens_in_text="keep")
+    data = SimpleNamespace(source_list=lambda: [src], train_on="assistant", special_tokens_in_text="keep",
+                           max_row_chars=None, max_length=None, packing=SimpleNamespace(enabled=True, block_len=1024))
     ids, mask, _, _ = pipeline.RowEncoder(data, tok)(0, {"prompt": "What is 7 plus 6?", "completion": " 13."})
     assert tok.decode(ids.tolist()) == "What is 7 plus 6? 13.<|im_end|>"
     assert tok.decode(ids[mask].tolist()) == " 13.<|im_end|>"

@@ -54,7 +54,7 @@ def _problem(data, k: int, src, st: DataStats) -> str | None:
     kept, read = st.examples_kept, st.examples_read
     if src.source == "synthetic" or (kept and kept >= MIN_KEPT_FRACTION * read):
         return None
-    key = "data" if data.sources is None else f"data.sources[{k}]"
+    key = "data" if data.one_source else f"data.sources[{k}]"
     reasons = _reasons(st)
     line = (f"data source {src.label!r} keeps {kept} of the {read} rows read"
             + (f" ({reasons})" if reasons else "") + (f" [format {st.format}]" if st.format else ""))

@@ -161,5 +161,5 @@ FEATURE = Feature(
     # the measured rows' key: "fp8" is tensorwise (every row so far), another recipe is its own key
     speed_key=lambda t: (("fp8" if t.precision.fp8_recipe == "tensorwise" else f"fp8={t.precision.fp8_recipe}")
                          if t.precision.fp8 else None),
-    convert=convert, describe=describe, off_without_gpu=f"{SETTING}=false",
+    convert=convert, describe=describe,
 )

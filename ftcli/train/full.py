@@ -56,7 +56,7 @@ from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_ch
                               save_hf_checkpoint, set_rng_state, step_dir_name)
 from ftcli.train.distributed import World, all_reduce, init_distributed, rank0_first
 from ftcli.config.errors import TrainingStopped, UserError
-from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, eval_summaries, evaluate_now,
+from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, evaluate_now,
                             prepare_eval, publish_eval, sample_now, samples_due)
 from ftcli import features
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
@@ -65,7 +65,8 @@ from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
 from ftcli.train.preempt import Stopped, stop_flag
 from ftcli.train.schedule import lr_factor
-from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE, new_run_record, write_run_record
+from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE
+from ftcli.train.lifecycle import announce_data, record_run
 from ftcli.artifacts.tracking import start_tracking
 
 # ================================================================================ loss algebra
@@ -252,18 +253,13 @@ class FullRun:
                              then=lambda: data.open_prepared(recipe, self.tokenizer))
         self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
         self.data_summary = data.data_summary(recipe, packed)
-        for line in self.data_summary.lines():
-            say(f"data {line}")
-        self.tracker.log_metrics(self.data_summary.metrics(), step=0)
         self.eval_cfg = recipe.eval
         self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
                                    world.device)
         self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
         self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
             if recipe.eval is not None else CheckpointSchedule(False, None, None)
-        for label, p in self.evaluator.packed.items():
-            say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
-                f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
+        announce_data(self.data_summary, self.evaluator, say=say, tracker=self.tracker)
         self.stop_reason: str | None = None  # set by early stopping
         self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
         self.last_sample_step: int | None = None
@@ -518,20 +514,12 @@ class FullRun:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")
         if world.is_main:
-            evals = self.evals
-            record = new_run_record(
-                recipe, method="full", mlflow=tracker.info, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
-                steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
-                final_loss=result.final_loss, throughput=self.meter.throughput(), status="completed",
-                data=self.data_summary.to_dict(), evals=evals.history if evals else [],
-                eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, self.evaluator.packed).items()} or None,
-                best_step=best_step, best_eval_loss=evals.best_loss if evals else None,
-                best_checkpoint=str(best) if best is not None else None, best_model_dir=best_model_dir,
-                stopped_early=self.stop_reason,
-            )
-            path = write_run_record(self.run_dir, record)
-            tracker.log_artifact(path)
-            tracker.log_artifact(self.run_dir / "recipe.yaml")
+            record_run(recipe, self.run_dir, method="full", tracker=tracker, steps=result.steps,
+                       tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                       final_loss=result.final_loss, throughput=self.meter.throughput(), summary=self.data_summary,
+                       evaluator=self.evaluator, evals=self.evals, best_model_dir=best_model_dir,
+                       stopped_early=self.stop_reason, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                       best_checkpoint=str(best) if best is not None else None)
             tracker.finish()
             where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
             loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"

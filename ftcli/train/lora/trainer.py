@@ -258,6 +258,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume
     from ftcli.train.distributed import local_device, rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
+    from ftcli.train.lifecycle import announce_data
     from ftcli.train.metrics import truncate_metrics
     from ftcli.estimate.fit import resolved_sharding
     from ftcli.train.preempt import Stopped
@@ -290,13 +291,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
         summary = data.data_summary(recipe, data.open_prepared(recipe, tokenizer))
         evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
-        if args.process_index == 0:
-            for line in summary.lines():
-                print(f"data {line}", flush=True)
-            for label, p in evaluator.packed.items():
-                print(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
-                      f"{int(p.block_trained.sum())} trained, {len(p)} blocks", flush=True)
-        tracker.log_metrics(summary.metrics(), step=0)
+        announce_data(summary, evaluator, tracker=tracker,
+                      say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
         started = time.perf_counter()
@@ -347,8 +343,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
-    from ftcli.train.evaluate import eval_summaries
-    from ftcli.artifacts.rundir import FINAL, new_run_record, write_run_record
+    from ftcli.artifacts.rundir import FINAL
+    from ftcli.train.lifecycle import record_run
 
     if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
         save_adapter(trainer.model, trainer.processing_class, run_dir / FINAL)
@@ -363,16 +359,10 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record = new_run_record(
-        recipe, method="lora", mlflow=tracker.info, base_path="base" if recipe.model.init == "random" else None,
-        model_dir=FINAL, steps=trainer.state.global_step,
-        tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
-        throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
-        status="completed", data=summary.to_dict(), evals=tracked.history if tracked else [],
-        eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
-        best_step=best_step, best_eval_loss=tracked.best_loss if tracked else None,
-        best_model_dir=best_model_dir, stopped_early=evals.stop_reason if evals is not None else None,
-    )
-    tracker.log_artifact(write_run_record(run_dir, record))
-    tracker.log_artifact(run_dir / "recipe.yaml")
+    record_run(recipe, run_dir, method="lora", tracker=tracker, steps=trainer.state.global_step,
+               tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
+               throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+               summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,
+               stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
+               base_path="base" if recipe.model.init == "random" else None)
     print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
