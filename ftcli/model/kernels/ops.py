@@ -221,6 +221,10 @@ def _dense_window(kwargs) -> int | None:
 
 @_segments_else(_stock_sdpa)
 def sdpa_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
+    return _sdpa_per_segment(query, key, value, cu, scaling, dropout, **kwargs)
+
+
+def _sdpa_per_segment(query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     window = _dense_window(kwargs)
     q, k, v = (_tokens(x) for x in (query, key, value))
     outs = []
@@ -241,6 +245,8 @@ def sdpa_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kw
 def torch_varlen(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     from torch.nn.attention.varlen import varlen_attn
 
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):  # its flash kernel: half precision
+        return _sdpa_per_segment(query, key, value, cu, scaling, dropout, **kwargs)  # only (a float32 model: exact)
     if dropout:
         raise ValueError("torch varlen_attn has no attention dropout; set attention_dropout to 0")
     q, k, v = (_tokens(x) for x in (query, key, value))
