@@ -46,7 +46,7 @@ def test_fp8_is_full_sfts_and_a_lora_recipe_that_sets_it_is_refused():
     from ftcli.config.recipe import load_recipe
 
     with pytest.raises(UserError, match=r"^invalid recipe 'tiny-gpt-oss-cpu': training.precision belongs to "
-                                        r"training.method=full \(this recipe's is lora\): leave it out$"):
+                                        r"training.method=full \(this recipe's is lora\): leave it out"):
         load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])
     with pytest.raises(UserError, match=r"training.precision belongs to training.method=full"):
         load_recipe("qwen-b300", ["training.method=lora"])

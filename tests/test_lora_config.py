@@ -154,11 +154,14 @@ def test_vision_tower_excluded_on_vlm_classes():
 
 @pytest.mark.parametrize("override, line", [
     ("training.precision.master_dtype=bfloat16", "training.precision belongs to training.method=full (this recipe's is "
-                                                 "lora): leave it out"),
+                                                 "lora): leave it out (switching a recipe's method with --set: also "
+                                                 "--set training.precision={})"),
     ("training.activation_checkpointing_keep=2", "training.activation_checkpointing_keep belongs to training.method=full "
-                                                 "(this recipe's is lora): leave it out"),
+                                                 "(this recipe's is lora): leave it out (switching a recipe's method "
+                                                 "with --set: also --set training.activation_checkpointing_keep=0)"),
     ("training.fused_ops=[rms_norm]", "training.fused_ops belongs to training.method=full (this recipe's is lora): "
-                                      "leave it out"),
+                                      "leave it out (switching a recipe's method with --set: also --set "
+                                      "training.fused_ops=[])"),
     ("training.compile=regions", "training.compile: regions belongs to training.method=full; LoRA takes true (TRL "
                                  "compiles the model) or false (got 'regions')"),
     ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is TRL's (a "
@@ -190,7 +193,8 @@ def test_training_is_typed_by_method_and_dumps_load_back():
     assert type(load_recipe("tiny-qwen-cpu", ["training.method=lora", "training.precision={}"]).training) is LoraTraining
     assert load_recipe("tiny-qwen-cpu", ["training.sharding=auto"]).training == full.training
     with pytest.raises(UserError, match=r"^invalid recipe 'tiny-qwen-cpu': training.sharding belongs to "
-                                        r"training.method=lora \(this recipe's is full\): leave it out$"):
+                                        r"training.method=lora \(this recipe's is full\): leave it out \(switching a "
+                                        r"recipe's method with --set: also --set training.sharding=auto\)$"):
         load_recipe("tiny-qwen-cpu", ["training.sharding=ddp"])
     with pytest.raises(UserError, match=r"unknown key 'training.shardin'; did you mean 'training.sharding'\?$"):
         load_recipe("tiny-gpt-oss-cpu", ["training.shardin=ddp"])

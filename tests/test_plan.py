@@ -478,7 +478,7 @@ def test_kept_layers_go_with_every_suggestion_and_lora_has_none():
     assert [s.overrides for s in one_change] == [("training.activation_checkpointing_keep=0",
                                                   "data.packing.block_len=8192")]
     with pytest.raises(UserError, match=r"^invalid recipe 'gpt-oss-h100': training.activation_checkpointing_keep "
-                                        r"belongs to training.method=full \(this recipe's is lora\): leave it out$"):
+                                        r"belongs to training.method=full \(this recipe's is lora\): leave it out"):
         load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full", "training.activation_checkpointing_keep=4"])
     lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full"])
     assert setting_of(lora, model_shape(lora)).keep == 0

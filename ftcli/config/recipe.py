@@ -1084,7 +1084,11 @@ def _other_method_key(root: type[BaseModel], loc: tuple) -> str | None:
         return None
     path = ".".join(map(str, [*where, loc[-1]]))
     this = owner.model_fields["method"].default
-    return f"{path} belongs to training.method={owner.other_method} (this recipe's is {this}): leave it out"
+    default = owner._other().model_fields[loc[-1]].get_default(call_default_factory=True)
+    # the --set value that leaves it at its default
+    reset = "{}" if isinstance(default, BaseModel) else default if isinstance(default, str) else json.dumps(default)
+    return (f"{path} belongs to training.method={owner.other_method} (this recipe's is {this}): leave it out "
+            f"(switching a recipe's method with --set: also --set {path}={reset})")
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
