@@ -77,20 +77,6 @@ def test_checkpoint_schedule_every_steps_and_every_minutes():
 
 
 # --------------------------------------------------------------------- a save that cannot be written
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-process gloo group (save_checkpoint is a collective)."""
-    import torch.distributed as dist
-
-    store = tmp_path_factory.mktemp("pg") / "store"
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
-
-
 def _save(root, step):
     import torch
 

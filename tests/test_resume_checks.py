@@ -9,25 +9,12 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from typer.testing import CliRunner
 
 from _run_common import train_args
 from ftcli.config.errors import UserError
 
 SETS = ["tracking.enabled=false"]
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-process gloo group (save_checkpoint is a collective)."""
-    store = tmp_path_factory.mktemp("pg") / "store"
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 def _save(root, step):

@@ -10,7 +10,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from ftcli.config.errors import UserError
 
@@ -23,18 +22,6 @@ class Payload:
 
     def __reduce__(self):
         return exec, (self.code,)
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-process gloo group (save/load_checkpoint are collectives)."""
-    store = tmp_path_factory.mktemp("pg") / "store"
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 def _model_and_optimizer(seed=0):
