@@ -68,6 +68,18 @@ def conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
+def train_bpe(corpus: list[str], specials: list[str]):
+    """A byte-level BPE of VOCAB entries trained on `corpus`, the special tokens first."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    return bpe
+
+
 def main() -> None:
     rng = random.Random(0)
     rows = [conversation(rng) for _ in range(3000)]
@@ -92,13 +104,7 @@ def main() -> None:
         corpus += [probe.apply_chat_template(r["messages"], tokenize=False) for r in rows[:600]]
     corpus += [m["content"] for r in rows for m in r["messages"]]
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer)
+    bpe = train_bpe(corpus, specials)
 
     for name, template in templates.items():
         eos = "<|im_end|>" if "qwen" in name else "<|return|>"
@@ -161,13 +167,7 @@ def build_dense_families(rows: list[dict]) -> None:
         corpus += [probe.apply_chat_template(r["messages"], tokenize=False) for r in rows[:600]]
     corpus += [m["content"] for r in rows for m in r["messages"]]
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer)
+    bpe = train_bpe(corpus, specials)
     for name, (_, own, eos, bos, pad) in DENSE_TOKENIZERS.items():
         tok = PreTrainedTokenizerFast(
             tokenizer_object=bpe, chat_template=templates[name], eos_token=eos, pad_token=pad,
