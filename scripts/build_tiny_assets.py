@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import trl
@@ -29,6 +30,9 @@ from transformers import PreTrainedTokenizerFast
 ASSETS = Path(__file__).resolve().parents[1] / "ftcli" / "assets"
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 VOCAB = 1024
+# The gpt-oss template writes today's date into every system header ("Current date: ..."); the corpus is rendered
+# with this one, so the BPE (and every shipped id) does not depend on the day the script runs.
+CORPUS_DATE = "2026-12-01"
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
@@ -101,7 +105,8 @@ def main() -> None:
     corpus = []
     for name, template in templates.items():
         probe = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=template)
-        corpus += [probe.apply_chat_template(r["messages"], tokenize=False) for r in rows[:600]]
+        corpus += [re.sub(r"Current date: \d{4}-\d{2}-\d{2}", f"Current date: {CORPUS_DATE}",
+                          probe.apply_chat_template(r["messages"], tokenize=False)) for r in rows[:600]]
     corpus += [m["content"] for r in rows for m in r["messages"]]
 
     bpe = train_bpe(corpus, specials)
