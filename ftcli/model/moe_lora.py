@@ -165,6 +165,13 @@ def _swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+@functools.cache
+def _compiled_swiglu():
+    """`_swiglu` fused (torch.compile, forward and backward): eager runs ~7 elementwise kernels forward and ~12
+    backward over the `[T·k, 2·intermediate]` activations of every layer."""
+    return torch.compile(_swiglu, dynamic=None)
+
+
 def grouped_experts(experts: nn.Module, sources: dict, factors: dict, hidden_states, router_indices,
                     routing_weights) -> torch.Tensor:
     """GptOssExperts.forward (gate/up interleaved, clamped SwiGLU, routing-weighted sum over the k slots) with
@@ -184,7 +191,8 @@ def grouped_experts(experts: nn.Module, sources: dict, factors: dict, hidden_sta
         return y + getattr(experts, f"{name}_bias")[expert].to(dtype)
 
     x = hidden_states.to(dtype)[order // top_k]  # [S, hidden], grouped by expert
-    gated = _swiglu(project(x, "gate_up_proj"), experts.alpha, experts.limit)
+    swiglu = _compiled_swiglu() if x.is_cuda else _swiglu
+    gated = swiglu(project(x, "gate_up_proj"), experts.alpha, experts.limit)
     out = project(gated, "down_proj") * routing_weights.reshape(-1)[order, None].to(dtype)
     unsorted = torch.empty_like(order)
     unsorted[order] = torch.arange(order.numel(), device=order.device)

@@ -48,10 +48,22 @@ def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.
     """Experts: blocks `[n, out, G, 16]`, scales `[n, out, G]` -> their weights as rows of output features,
     `[n, out, in]` in `dtype`, on the blocks' device (the transpose of the parameter's `[n, in, out]`; exact: an
     e2m1 value times a power of two is representable in bf16)."""
-    values = _byte_table(dtype, blocks.device)[blocks.int()]  # [n, out, G, 16, 2]: element 2j, then 2j+1
-    scale = torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(dtype)  # 2**(s - 127): exact in bf16 and fp32
+    return _decode(blocks, scales, _byte_table(dtype, blocks.device))
+
+
+def _decode(blocks: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    values = table[blocks.int()]  # [n, out, G, 16, 2]: element 2j, then 2j+1
+    scale = torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(table.dtype)  # 2**(s - 127): exact in bf16, fp32
     values = values.view(*scales.shape, GROUP) * scale[..., None]
     return values.view(*blocks.shape[:2], -1)
+
+
+@functools.cache
+def _compiled_decode():
+    """`_decode` as one fused kernel (torch.compile; shapes static: one graph per chunk shape): it reads the
+    bytes and writes the weights once, where eager runs an int32 copy, a gather and a multiply over the whole
+    chunk (on an H200, 20b width: ~60% of a kept-MXFP4 LoRA step). The same products, so the same bits."""
+    return torch.compile(_decode, dynamic=False, fullgraph=True)
 
 
 def dequantize_expert(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +93,9 @@ class Mxfp4Experts:
         return cls(getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales"), getattr(experts, name).dtype)
 
     def weight(self, lo: int, hi: int) -> torch.Tensor:
-        return dequantize_experts(self.blocks[lo:hi], self.scales[lo:hi], self.dtype).transpose(-2, -1)
+        decode = _compiled_decode() if self.blocks.is_cuda else _decode
+        return decode(self.blocks[lo:hi], self.scales[lo:hi], _byte_table(self.dtype, self.blocks.device)
+                      ).transpose(-2, -1)
 
 
 # ------------------------------------------------------------------------------ the experts module
