@@ -166,7 +166,7 @@ class ModelConfig(_Section):
     )
     quantization: Literal["none", "mxfp4_dequantize", "mxfp4"] = Field(
         "none", description="mxfp4_dequantize: MXFP4 experts loaded as model.dtype; mxfp4 (LoRA, gpt-oss): kept in "
-        "MXFP4 and dequantized one expert at a time in the expert GEMMs (ftcli.model.mxfp4_lora).")
+        "MXFP4 and dequantized a chunk of experts at a time in the grouped expert GEMMs (ftcli.model.mxfp4_lora).")
     trust_remote_code: bool = False
 
     @field_validator("config_overrides")

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from ftcli.config.errors import UserError
-
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+from ftcli.model.mxfp4 import EXPERT_PARAMS
+from ftcli.model.mxfp4_lora import Mxfp4Experts, fuses
 
 
 # --------------------------------------------------------------------------------------- grouped GEMMs
@@ -191,7 +191,7 @@ def grouped_experts(experts: nn.Module, sources: dict, factors: dict, hidden_sta
         return y + getattr(experts, f"{name}_bias")[expert].to(dtype)
 
     x = hidden_states.to(dtype)[order // top_k]  # [S, hidden], grouped by expert
-    swiglu = _compiled_swiglu() if x.is_cuda else _swiglu
+    swiglu = _compiled_swiglu() if fuses(x) else _swiglu
     gated = swiglu(project(x, "gate_up_proj"), experts.alpha, experts.limit)
     out = project(gated, "down_proj") * routing_weights.reshape(-1)[order, None].to(dtype)
     unsorted = torch.empty_like(order)
@@ -227,8 +227,6 @@ def _factors(wrappers: dict[str, nn.Module], name: str):
 
 def expert_sources(experts: nn.Module) -> dict:
     """W of each expert projection: kept MXFP4 (`{name}_blocks` buffers) or the dense parameter."""
-    from ftcli.model.mxfp4_lora import Mxfp4Experts
-
     return {name: Mxfp4Experts.of(experts, name) if hasattr(experts, f"{name}_blocks")
             else DenseExperts(getattr(experts, name)) for name in EXPERT_PARAMS}
 

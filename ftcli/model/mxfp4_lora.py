@@ -59,6 +59,20 @@ def _decode(blocks: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> 
 
 
 @functools.cache
+def _triton_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def fuses(t: torch.Tensor) -> bool:
+    """Whether the elementwise steps around the expert GEMMs (the MXFP4 decode, ftcli.model.moe_lora's SwiGLU) run
+    as torch.compile'd fused kernels for `t`: on CUDA with Triton (inductor's GPU backend); else eagerly, the same
+    math."""
+    return t.is_cuda and _triton_present()
+
+
+@functools.cache
 def _compiled_decode():
     """`_decode` as one fused kernel (torch.compile; shapes static: one graph per chunk shape): it reads the
     bytes and writes the weights once, where eager runs an int32 copy, a gather and a multiply over the whole
@@ -93,7 +107,7 @@ class Mxfp4Experts:
         return cls(getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales"), getattr(experts, name).dtype)
 
     def weight(self, lo: int, hi: int) -> torch.Tensor:
-        decode = _compiled_decode() if self.blocks.is_cuda else _decode
+        decode = _compiled_decode() if fuses(self.blocks) else _decode
         return decode(self.blocks[lo:hi], self.scales[lo:hi], _byte_table(self.dtype, self.blocks.device)
                       ).transpose(-2, -1)
 
