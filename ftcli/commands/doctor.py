@@ -207,7 +207,9 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
 
 def _grouped_expert_lora(recipe) -> bool:
     """Whether `recipe` trains gpt-oss's experts through ftcli.model.moe_lora (its trainer's grouped_experts)."""
-    if recipe is None or recipe.training.method != "lora" or recipe.model.model_type != "gpt_oss":
+    # the family whose experts ship in MXFP4 (gpt-oss) is the one whose expert layout moe_lora computes
+    if recipe is None or recipe.training.method != "lora" or not getattr(find_family(recipe.model.model_type),
+                                                                         "mxfp4_experts", False):
         return False
     return recipe.model.quantization == "mxfp4" or (recipe.lora.experts == "grouped"
                                                       and bool(recipe.lora.target_parameters))
