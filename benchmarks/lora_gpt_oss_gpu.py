@@ -59,7 +59,21 @@ MODES = {
     "ftcli-8k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 8192, "ga": 1, "ac": "none"},
     "ftcli-16k-no-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 16384, "ga": 1,
                         "ac": "none"},
+    # LoRA on the experts too (lora.target_parameters: gate_up_proj, down_proj; dropout 0), the default's blocks:
+    # PEFT's folded ParamWrapper vs ftcli's grouped unmerged expert LoRA (ftcli.model.moe_lora), bf16 base
+    "experts-peft": {"attn": "auto", "packing": True, "experts": "grouped_mm", "lora_experts": "peft"},
+    "experts-grouped": {"attn": "auto", "packing": True, "experts": "grouped_mm", "lora_experts": "grouped"},
+    "experts-grouped-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "lora_experts": "grouped",
+                           "ac": "full"},
+    # the same base's experts quantized to MXFP4 on the GPU and kept so (model.quantization=mxfp4's layout), full AC
+    "mxfp4-grouped-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "lora_experts": "grouped",
+                         "ac": "full", "mxfp4": "quantize"},
+    # gpt-oss-120b (all 36 layers unless --layers): random MXFP4 blocks and scales drawn on the GPU (no bf16
+    # experts ever), the gpt-oss-120b-1gpu recipe's LoRA and checkpointing, one 4k block per step
+    "120b-mxfp4-ac": {"attn": "auto", "packing": True, "experts": "grouped_mm", "lora_experts": "grouped",
+                      "ac": "full", "mxfp4": "random", "ga": 1, "shape": "120b"},
 }
+EXPERT_TARGETS = "[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
 
 
 def mode_recipe(mode: str, args, work: Path):
@@ -82,9 +96,80 @@ def mode_recipe(mode: str, args, work: Path):
         f"data.synthetic.max_tokens={max(length, 16384)}",
         f"training.activation_checkpointing={m.get('ac', recipe.training.activation_checkpointing)}",
     ]
+    if "lora_experts" in m:
+        sets += [f"lora.target_parameters={EXPERT_TARGETS}", "lora.dropout=0", f"lora.experts={m['lora_experts']}"]
+    if m.get("shape") == "120b" and not args.tiny:
+        sets += ["model.config=pkg://assets/models/openai--gpt-oss-120b.json"]
+    if args.layers:
+        sets += [f"model.config_overrides.num_hidden_layers={args.layers}"]
     if args.tiny:
         sets += ["model.dtype=float32", "training.optimizer.fused=false"]
     return load_recipe("gpt-oss-h100", sets)
+
+
+def quantize_experts_in_place(model) -> None:
+    """Every expert weight quantized to MXFP4 on its device and kept so (the bf16 parameter freed)."""
+    from ftcli.model.mxfp4 import EXPERT_PARAMS, quantize_mxfp4
+    from ftcli.model.mxfp4_lora import keep_experts_mxfp4
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            tensors = {}
+            for p in EXPERT_PARAMS:
+                param = getattr(module, p)
+                tensors[f"{p}_blocks"], tensors[f"{p}_scales"] = quantize_mxfp4(param.data)
+            dtype, device = param.dtype, param.device
+            keep_experts_mxfp4(module, tensors, dtype, device)
+
+
+def random_kept_mxfp4(recipe, attn, device):
+    """A random gpt-oss whose experts are random MXFP4 blocks + scales drawn on `device` (bytes uniform over the
+    e2m1 codes, scales 2^-9..2^-6 so the weights sit near N(0, 0.02)); the rest drawn as transformers' init
+    would (normal(0, initializer_range) for matrices, ones for norms, zeros for biases and sinks)."""
+    from transformers import AutoModelForCausalLM
+
+    from ftcli.model.build import DTYPES, load_config
+    from ftcli.model.mxfp4 import EXPERT_PARAMS, GROUP
+    from ftcli.model.mxfp4_lora import keep_experts_mxfp4
+
+    config = load_config(recipe.model)
+    config.use_cache = False
+    dtype = DTYPES[recipe.model.dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            tensors = {}
+            for p in EXPERT_PARAMS:
+                num_experts, fan_in, fan_out = getattr(module, p).shape
+                shape = (num_experts, fan_out, fan_in // GROUP)
+                tensors[f"{p}_blocks"] = torch.randint(0, 256, (*shape, 16), generator=g, device=device,
+                                                       dtype=torch.uint8)
+                tensors[f"{p}_scales"] = torch.randint(118, 122, shape, generator=g, device=device, dtype=torch.uint8)
+            keep_experts_mxfp4(module, tensors, dtype, device)
+    std = getattr(config, "initializer_range", 0.02)
+    for name, module in model.named_modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+            if "norm" in name.rsplit(".", 1)[-1] or "norm" in pname:
+                value.fill_(1.0)
+            elif param.dim() >= 2:
+                value.normal_(0, std, generator=g)
+            else:
+                value.zero_()
+            setattr(module, pname, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+    for name, module in model.named_modules():  # non-persistent buffers (rotary inv_freq) still on meta
+        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
+            parent, _, child = name.rpartition(".")
+            with torch.device(device):
+                setattr(model.get_submodule(parent), child, type(module)(module.config))
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not leftover, f"still on meta: {leftover[:3]}"
+    model.tie_weights()
+    return model.eval()
 
 
 def run_mode(mode: str, args, work: Path) -> dict:
@@ -93,6 +178,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
 
     from ftcli import data
     from ftcli.model.build import load_model
+    from ftcli.model.moe_lora import grouped_experts_forward
+    from ftcli.model.mxfp4_lora import kept_mxfp4_bytes
     from ftcli.train.lora.trainer import _attn_implementation, build_trainer, sft_config_kwargs, training_rows
 
     recipe = mode_recipe(mode, args, work)
@@ -107,20 +194,39 @@ def run_mode(mode: str, args, work: Path) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # allocated and reserved peaks
     t_build = time.perf_counter()
-    model = load_model(recipe.model, attn_implementation=attn, device=device)
-    experts = MODES[mode]["experts"]
+    m = MODES[mode]
+    if m.get("mxfp4") == "random":
+        model = random_kept_mxfp4(recipe, attn, device)
+    else:
+        model = load_model(recipe.model, attn_implementation=attn, device=device)
+    if m.get("mxfp4") == "quantize":
+        quantize_experts_in_place(model)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # the bf16 draw of the "quantize" mode is not the training peak
+    start_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    experts = m["experts"]
     if hasattr(model, "set_experts_implementation"):
         try:
             model.set_experts_implementation(experts)
         except (ValueError, ImportError) as e:  # e.g. grouped_mm unavailable on this torch / device
             print(f"{mode}: experts_implementation={experts} refused ({str(e).splitlines()[0]}); keeping the default")
     experts = getattr(model.config, "_experts_implementation", None) or "eager"
+    if m.get("lora_experts") == "grouped":
+        experts = "ftcli grouped" + (" (MXFP4)" if m.get("mxfp4") else "")
+    elif m.get("lora_experts") == "peft":
+        experts += " + PEFT ParamWrapper"
     build_s = time.perf_counter() - t_build
 
     kwargs = sft_config_kwargs(recipe, work / mode)
-    kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=max(1, args.steps // 4),
+    kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
                   use_cpu=device.type == "cpu")
     trainer, counter = build_trainer(recipe, model, tokenizer, rows, SFTConfig(**kwargs))
+    grouped = sum(getattr(mod.forward, "func", None) is grouped_experts_forward for mod in trainer.model.modules())
+    kept = kept_mxfp4_bytes(trainer.model) / 2**30
+    print(f"{mode}: built in {time.perf_counter() - t_build:.1f} s; {grouped} experts modules grouped, "
+          f"{kept:.2f} GiB kept MXFP4, {start_gib or 0:.2f} GiB allocated before the trainer", flush=True)
 
     marks = {}
 
@@ -131,8 +237,11 @@ def run_mode(mode: str, args, work: Path) -> dict:
                     torch.cuda.synchronize(device)
                 marks[state.global_step] = (time.perf_counter(), counter.trained, counter.seen)
 
+    if mode in args.profile:
+        trainer.callback_handler.callbacks.insert(0, Profile(args.warmup, device))
     trainer.add_callback(Clock())
     trainer.train()
+    losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     (t0, trained0, seen0), (t1, trained1, seen1) = marks[args.warmup], marks[args.warmup + args.steps]
     seconds = t1 - t0
     result = {
@@ -142,13 +251,68 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "s_per_step": seconds / args.steps,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "build_s": build_s,
+        "build_s": build_s, "losses": losses, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
+        "start_gib": start_gib, "layers": model.config.num_hidden_layers,
     }
     del trainer, model, counter
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flex" in n or "attention" in n or "fmha" in n or "triton_tem" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "grouped_mm", "matmul", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("index", "gather", "scatter", "sort", "radix", "histc", "bincount", "cumsum", "nonzero")):
+        return "routing/index"
+    if "memcpy" in n or "memset" in n or "copy" in n or "cat" in n:
+        return "copy"
+    if "reduce" in n or "norm" in n or "softmax" in n or "sum" in n:
+        return "reduce/norm"
+    return "elementwise/other"
+
+
+class Profile:
+    """A TrainerCallback-like hook: torch.profiler over optimizer step `step`; prints kernel time by category
+    and the top kernels (before the timed window starts)."""
+
+    def __init__(self, step: int, device) -> None:
+        self.step, self.device, self.prof = step, device, None
+
+    def __getattr__(self, name):  # the callback events this hook does not use
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step + 1 == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.prof is None or state.global_step != self.step:
+            return
+        torch.cuda.synchronize(self.device)
+        self.prof.__exit__(None, None, None)
+        kernels = [e for e in self.prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in kernels) / 1e3
+        by_cat: dict[str, float] = {}
+        for e in kernels:
+            cat = kernel_category(e.key)
+            by_cat[cat] = by_cat.get(cat, 0.0) + e.self_device_time_total / 1e3
+        print(f"PROFILE step {self.step}: {total:.1f} ms of kernels; " + ", ".join(
+            f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            flush=True)
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]:
+            print(f"PROFILE   {e.self_device_time_total / 1e3:8.2f} ms  x{e.count:<5} {kernel_category(e.key):14} "
+                  f"{e.key[:110]}", flush=True)
+        self.prof = None
 
 
 def markdown(results: list[dict], args) -> str:
@@ -161,15 +325,18 @@ def markdown(results: list[dict], args) -> str:
         f"LoRA r8 all-linear, {shape}, {gpu}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, per-mode block and grad accum in the table",
         "",
-        "| mode | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step | peak GiB (reserved) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| mode | layers | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step "
+        "| GiB at start | peak GiB (reserved) | losses |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if r["peak_mem_gib"] is not None else "n/a"
+        start = f"{r['start_gib']:.1f}" if r.get("start_gib") is not None else "n/a"
         lines.append(
-            f"| {r['mode']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | {r['experts']} | "
-            f"{r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | {r['seen_tokens_per_s']:,.0f} | "
-            f"{r['s_per_step']:.3f} | {mem} |"
+            f"| {r['mode']} | {r['layers']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | "
+            f"{r['experts']} | {r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
+            f"{r['seen_tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | {start} | {mem} | "
+            f"{', '.join(f'{x:.4f}' for x in r['losses'])} |"
         )
     if len(results) > 1 and results[0]["mode"] == "reference":
         base = results[0]["trained_tokens_per_s"]
@@ -188,13 +355,22 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=400, help="synthetic examples to draw from")
     p.add_argument("--tiny", action="store_true", help="tiny gpt-oss on CPU: checks the script, not the speed")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0: the shape's own)")
+    p.add_argument("--profile", default="", help="comma-separated modes to profile (kernels by category) at the "
+                   "last warmup step")
+    p.add_argument("--deadline", type=float, default=0, help="seconds: start no further mode after this much wall")
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.examples = min(args.steps, 4), min(args.warmup, 1), min(args.examples, 80)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="ftcli-lora-bench-") as tmp:
         results = []
+        args.profile = set(filter(None, args.profile.split(",")))
+        started = time.perf_counter()
         for mode in args.modes.split(","):
+            if args.deadline and time.perf_counter() - started > args.deadline:
+                print(f"SKIPPED {mode}: past --deadline {args.deadline:.0f} s", flush=True)
+                continue
             results.append(run_mode(mode, args, Path(tmp)))
             print(f"RESULT {json.dumps(results[-1])}", flush=True)  # kept if a later mode runs out of time
     text = markdown(results, args)

@@ -4,8 +4,9 @@ One random gpt-oss model at the 20b width (benchmarks/gpt-oss-20b.json, cut to -
 quantized to MXFP4 and written back dequantized, so both bases hold the same values exactly. Then the same
 PEFT LoRA (the gpt-oss-h100 recipe's: r 8 on attention and both expert parameters), the same initial adapter
 and the same packed block, AdamW on the adapter, full activation checkpointing, autocast bf16:
-  bf16  PEFT's ParamWrapper over bf16 expert parameters (transformers' expert loop)
-  mxfp4 the experts kept as uint8 blocks + scales, ftcli.model.mxfp4_lora's per-expert autograd function
+  bf16          PEFT's ParamWrapper over bf16 expert parameters (W + s·A·B folded every forward)
+  bf16-grouped  ftcli.model.moe_lora's grouped unmerged expert LoRA over the same bf16 parameters
+  mxfp4         the experts kept as uint8 blocks + scales, the same grouped path dequantizing per chunk
 Prints losses per step, s/step (median of the steps after the first), peak GiB (torch max_memory_allocated).
 
     python benchmarks/mxfp4_lora_gpu.py --layers 4 --steps 4          # one H200
@@ -107,7 +108,8 @@ def main() -> None:
     from peft import get_peft_model
 
     from ftcli.config.recipe import load_recipe
-    from ftcli.model.mxfp4_lora import install_mxfp4_experts, keep_experts_mxfp4, kept_mxfp4_bytes
+    from ftcli.model.moe_lora import install_grouped_experts
+    from ftcli.model.mxfp4_lora import keep_experts_mxfp4, kept_mxfp4_bytes
     from ftcli.train.lora.config import lora_config
 
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -117,7 +119,7 @@ def main() -> None:
     ids = torch.randint(20, 1000, (1, args.block), generator=g).to(device)
     batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(args.block, device=device)[None]}
     rows, init = [], None
-    for tag in ("bf16", "mxfp4"):  # the same seed builds the same model twice (one at a time on the device)
+    for tag in ("bf16", "bf16-grouped", "mxfp4"):  # the same seed builds the same model twice (one at a time on the device)
         t0 = time.perf_counter()
         model, attn = build(args, device, dtype)
         kept = exact_mxfp4(model, dtype)
@@ -127,8 +129,9 @@ def main() -> None:
         del kept
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model = get_peft_model(model, lora_config(recipe, model))
+        if tag != "bf16":
+            assert install_grouped_experts(peft_model) == args.layers
         if tag == "mxfp4":
-            assert install_mxfp4_experts(peft_model) == args.layers
             print(f"kept MXFP4 buffers: {kept_mxfp4_bytes(peft_model) / 2**30:.2f} GiB", flush=True)
         if init is None:
             torch.manual_seed(2)
@@ -150,7 +153,7 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    diffs = [abs(a - b) / abs(a) for a, b in zip(rows[0]["losses"], rows[1]["losses"])]
+    diffs = [abs(a - b) / abs(a) for r in rows[1:] for a, b in zip(rows[0]["losses"], r["losses"])]
     print(f"| base | losses | s/step | tok/s | GiB at start | peak GiB |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['base']} | {', '.join(f'{x:.4f}' for x in r['losses'])} | {r['s_per_step']} | {r['tok_per_s']:,} "

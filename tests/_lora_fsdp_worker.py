@@ -35,7 +35,9 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
             packed_row(rng, [20], 0.5), packed_row(rng, [90, 10, 50], 0.3)]
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1", f"training.sharding={sharding}",
-                         *(["model.dtype=bfloat16"] if dtype == "bf16" else []))
+                         # bf16: the DDP side through PEFT's folded expert LoRA too (FSDP's path), so that only the
+                         # sharding differs; float32: DDP's grouped expert LoRA against FSDP's folded one
+                         *(["model.dtype=bfloat16", "lora.experts=peft"] if dtype == "bf16" else []))
     kwargs = sft_config_kwargs(recipe, out / "run", sharding)
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)

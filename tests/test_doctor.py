@@ -94,6 +94,26 @@ def test_hopper_with_bad_triton_blocks_qwen_recipes_unless_tilelang():
     assert not by_name(doctor_checks(gpt, hopper("3.6.0", tilelang=False)))[name].blocks_recipe  # no gated delta
 
 
+def test_expert_lora_kernels_warn_where_grouped_mm_or_triton_is_missing():
+    """gpt-oss expert LoRA (tiny-gpt-oss-cpu trains the experts; gpt-oss-120b-1gpu keeps them in MXFP4): OK with
+    torch 2.10+ on capability 9.0 and Triton; a warning, never a block, without grouped_mm or Triton; n/a for
+    a recipe that trains no experts (gpt-oss-h100) or through PEFT's wrapper."""
+    from dataclasses import replace
+
+    name = "gpt-oss expert LoRA kernels"
+    good = hopper("3.6.0", tilelang=True)
+    for recipe in (load_recipe("tiny-gpt-oss-cpu"), load_recipe("gpt-oss-120b-1gpu")):
+        assert by_name(doctor_checks(recipe, good))[name].status == OK
+    old_torch = by_name(doctor_checks(load_recipe("gpt-oss-120b-1gpu"),
+                                      replace(good, versions={**good.versions, "torch": "2.9.1"})))[name]
+    assert old_torch.status == WARN and not old_torch.blocks_recipe and "no bf16 grouped_mm" in old_torch.detail
+    no_triton = by_name(doctor_checks(load_recipe("tiny-gpt-oss-cpu"),
+                                      replace(good, versions={**good.versions, "triton": None})))[name]
+    assert no_triton.status == WARN and "run eagerly" in no_triton.detail
+    for recipe in (load_recipe("gpt-oss-h100"), load_recipe("tiny-gpt-oss-cpu", ["lora.experts=peft"])):
+        assert by_name(doctor_checks(recipe, good))[name].status == NA
+
+
 def test_fla_on_a_cpu_machine_blocks_qwen_recipes():
     cpu_with_fla = kernels.Machine(device="cpu", importable=frozenset({"fla"}), versions={})
     check = by_name(doctor_checks(load_recipe("tiny-qwen-cpu"), cpu_with_fla))["fla on a CPU-only machine"]
@@ -278,13 +298,15 @@ def test_checks_run_in_order_one_function_each():
     from ftcli.commands.doctor import CHECKS, Transformers
 
     assert [c.__name__ for c in CHECKS] == ["check_fla_on_cpu", "check_hopper_triton", "check_packing",
-                                           "check_vlm_loss", "check_lora_vision", "check_speed_settings"]
+                                           "check_vlm_loss", "check_lora_vision", "check_speed_settings",
+                                           "check_expert_lora_kernels"]
     assert [c.name for c in doctor_checks(None, kernels.Machine(device="cpu"), Transformers(installed="5.24.0"))] == [
         "fla on a CPU-only machine", "Hopper + Triton 3.4-3.7.0 (fla gradients)",
         "packing keeps segments apart (qwen3_5)", "packing keeps segments apart (gpt_oss)",
         "packing keeps segments apart (llama)", "packing keeps segments apart (qwen3)",
         "packing keeps segments apart (qwen3_moe)", "packing keeps segments apart (gemma3)",
-        "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower", "fp8 and fused ops"]
+        "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower", "fp8 and fused ops",
+        "gpt-oss expert LoRA kernels"]
 
 
 def test_report_json_exact():
@@ -316,6 +338,7 @@ def test_report_json_exact():
             check("VLM loss across grad accumulation", NA, "not a LoRA run of a VLM class"),
             check("LoRA all-linear reaching a vision tower", NA, "not a LoRA run of a VLM class"),
             check("fp8 and fused ops", NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops"),
+            check("gpt-oss expert LoRA kernels", NA, "no gpt-oss expert LoRA through lora.experts=grouped in this recipe"),
             check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, "transformers 5.24.0"),
             check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
             check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),

@@ -157,7 +157,7 @@ def test_lora_that_does_not_fit_suggests_checkpointing_and_blocks():
                                                         ("data.packing.block_len=4096",),
                                                         ("model.quantization=mxfp4",), ("training.sharding=fsdp",)]
     # measured: 43.1 and 63.1, -, -
-    assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1, 61.2, 58.3]
+    assert [round(s.total_gib, 1) for s in h100.suggestions] == [42.1, 63.1, 61.6, 58.3]
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt-oss-cpu", "tiny-qwen-cpu", "tiny-qwen3-moe-cpu", "tiny-gemma3-cpu"])

@@ -166,7 +166,7 @@ class ModelConfig(_Section):
     )
     quantization: Literal["none", "mxfp4_dequantize", "mxfp4"] = Field(
         "none", description="mxfp4_dequantize: MXFP4 experts loaded as model.dtype; mxfp4 (LoRA, gpt-oss): kept in "
-        "MXFP4 and dequantized one expert at a time in the expert GEMMs (ftcli.model.mxfp4_lora).")
+        "MXFP4 and dequantized a chunk of experts at a time in the grouped expert GEMMs (ftcli.model.mxfp4_lora).")
     trust_remote_code: bool = False
 
     @field_validator("config_overrides")
@@ -615,6 +615,10 @@ class LoraConfig(_Section):
     bias: Literal["none", "all", "lora_only"] = "none"
     target_modules: str | list[str] = "all-linear"
     target_parameters: list[str] = Field(default_factory=list, description="3-D params, e.g. MoE experts.")
+    experts: Literal["grouped", "peft"] = Field(
+        "grouped", description="LoRA on gpt-oss's expert parameters: grouped (unmerged x·W + s·(x·A)·B over tokens "
+        "grouped by expert, no base gradient: ftcli.model.moe_lora) or peft (PEFT's ParamWrapper, W + s·A·B "
+        "folded every forward); runs as peft with training.sharding=fsdp.")
     exclude_vision: bool = Field(True, description="Keep LoRA off the vision tower of VLM classes.")
 
 
@@ -807,6 +811,9 @@ class Recipe(_Section):
         if self.model.quantization == "mxfp4" and self.training.sharding == "fsdp":
             raise ValueError("model.quantization=mxfp4 runs with training.sharding=ddp or auto (a kept-MXFP4 base per "
                              "GPU); FSDP2 over it is not built yet")
+        if self.model.quantization == "mxfp4" and self.lora.experts != "grouped":
+            raise ValueError("model.quantization=mxfp4 computes the experts through the grouped expert LoRA; "
+                             "lora.experts=peft needs a bf16 base (model.quantization=mxfp4_dequantize)")
         return self
 
     @model_validator(mode="after")

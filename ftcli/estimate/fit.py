@@ -70,11 +70,21 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
     if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
                               keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world),
-                              expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none")
+                              expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none",
+                              merged_experts=merged_experts(recipe, sharding or lora_sharding(recipe, shape, card, world)))
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
                           speed=speed_settings(t))
+
+
+def merged_experts(recipe: Recipe, sharding: str) -> bool:
+    """Whether PEFT's ParamWrapper folds the expert LoRA into the weight (ftcli.train.lora.trainer.grouped_experts
+    is the other side: lora.experts=grouped over a DDP base, or any kept-MXFP4 base, computes it unmerged)."""
+    lora = recipe.lora
+    if not lora.target_parameters or recipe.model.quantization == "mxfp4":
+        return False
+    return lora.experts == "peft" or sharding == "fsdp"
 
 
 def speed_settings(t) -> tuple[str, ...]:

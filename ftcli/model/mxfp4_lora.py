@@ -2,14 +2,15 @@
 
 The base is frozen, so nothing forces its experts (19.1B of gpt-oss-20b's 20.9B parameters, 4.25 bits each on
 disk) to live in bf16. Here they stay as the checkpoint's uint8 blocks and scales (`ftcli.model.mxfp4` layout)
-and are dequantized just in time, one expert at a time, inside `Mxfp4LoraMatmul`:
+and are dequantized just in time, a group of experts at a time (`Mxfp4Experts`, DEQUANT_CHUNK_BYTES of bf16),
+inside the grouped expert LoRA of `ftcli.model.moe_lora` (the same unmerged path as over a bf16 base):
 
     forward   y  = x · deq(W) + s · (x · A) · B          (the LoRA delta unmerged: W + BA never exists)
     backward  gx = gy · deq(W)ᵀ + s · (gy · Bᵀ) · Aᵀ     (deq(W) made again, not kept from the forward)
               gA = s · xᵀ · (gy · Bᵀ),   gB = s · (x · A)ᵀ · gy,   no gradient for the base
 
-so the peak holds one expert's weight in the compute dtype next to the packed base. Attention, embeddings,
-router, norms and expert biases load in the model dtype as usual.
+so the peak holds one group of experts' weights in the compute dtype next to the packed base. Attention,
+embeddings, router, norms and expert biases load in the model dtype as usual.
 
 PEFT stays in charge of the adapter: `lora.target_parameters` wraps `mlp.experts.gate_up_proj` / `down_proj` in
 its ParamWrapper as for a bf16 base, so the adapter's names, shapes, init and scaling, its save and load, and
@@ -17,9 +18,8 @@ merge-lora are PEFT's. Two things differ:
 - the experts module holds a placeholder for each expert weight: a zero-stride (expanded) bf16 scalar with the
   parameter's `[E, in, out]` shape, frozen, one element of storage; PEFT reads its shape, dtype and device, and
   the MXFP4 data sit beside it as buffers `{name}_blocks` `[E, out, G, 16]` and `{name}_scales` `[E, out, G]`;
-- the outer ParamWrapper's `forward` is replaced (`install_mxfp4_experts`) by gpt-oss's expert loop with
-  `Mxfp4LoraMatmul` per projection, taking the factors from PEFT's public `get_delta_factors` (the exact
-  layout PEFT folds into the weight: delta[e] = scaling · lhs[e] @ rhs[e], `[in, r] @ [r, out]`).
+- the outer ParamWrapper's `forward` is replaced (`ftcli.model.moe_lora.install_grouped_experts`), which reads
+  W from the buffers through `Mxfp4Experts`.
 """
 
 from __future__ import annotations
@@ -44,47 +44,72 @@ def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1).to(device)
 
 
+def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts: blocks `[n, out, G, 16]`, scales `[n, out, G]` -> their weights as rows of output features,
+    `[n, out, in]` in `dtype`, on the blocks' device (the transpose of the parameter's `[n, in, out]`; exact: an
+    e2m1 value times a power of two is representable in bf16)."""
+    return _decode(blocks, scales, _byte_table(dtype, blocks.device))
+
+
+def _decode(blocks: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    values = table[blocks.int()]  # [n, out, G, 16, 2]: element 2j, then 2j+1
+    scale = torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(table.dtype)  # 2**(s - 127): exact in bf16, fp32
+    values = values.view(*scales.shape, GROUP) * scale[..., None]
+    return values.view(*blocks.shape[:2], -1)
+
+
+@functools.cache
+def _triton_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def fuses(t: torch.Tensor) -> bool:
+    """Whether the elementwise steps around the expert GEMMs (the MXFP4 decode, ftcli.model.moe_lora's SwiGLU) run
+    as torch.compile'd fused kernels for `t`: on CUDA with Triton (inductor's GPU backend); else eagerly, the same
+    math."""
+    return t.is_cuda and _triton_present()
+
+
+@functools.cache
+def _compiled_decode():
+    """`_decode` as one fused kernel (torch.compile; shapes static: one graph per chunk shape): it reads the
+    bytes and writes the weights once, where eager runs an int32 copy, a gather and a multiply over the whole
+    chunk (on an H200, 20b width: ~60% of a kept-MXFP4 LoRA step). The same products, so the same bits."""
+    return torch.compile(_decode, dynamic=False, fullgraph=True)
+
+
 def dequantize_expert(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One expert: blocks `[out, G, 16]`, scales `[out, G]` -> its weight as rows of output features, `[out, in]`
-    in `dtype`, on the blocks' device (the transpose of the parameter's `[in, out]`; exact: an e2m1 value times
-    a power of two is representable in bf16)."""
-    values = _byte_table(dtype, blocks.device)[blocks.int()]  # [out, G, 16, 2]: element 2j, then 2j+1
-    scale = torch.exp2(scales.to(torch.float32) - SCALE_BIAS).to(dtype)  # 2**(s - 127): exact in bf16 and fp32
-    values = values.reshape(*scales.shape, GROUP) * scale[..., None]
-    return values.reshape(blocks.shape[0], -1)
+    """One expert: blocks `[out, G, 16]`, scales `[out, G]` -> `[out, in]` (`dequantize_experts` of one)."""
+    return dequantize_experts(blocks[None], scales[None], dtype)[0]
 
 
-class Mxfp4LoraMatmul(torch.autograd.Function):
-    """`x [T, in] -> [T, out]` through one MXFP4 expert plus its unmerged LoRA (`lhs [in, r]`, `rhs [r, out]`,
-    both None for no adapter); see the module docstring for the algebra."""
+# one group of experts dequantized at a time holds about DEQUANT_COPIES times this many bytes of its weights in
+# the compute dtype (the byte lookup's int32 index, the looked-up values, their scaled product); the same
+# figure is the memory model's (ftcli.estimate.memory.DEQUANT_CHUNK_BYTES)
+DEQUANT_CHUNK_BYTES = 512 << 20
 
-    @staticmethod
-    def forward(ctx, x, blocks, scales, lhs, rhs, scaling: float):
-        weight = dequantize_expert(blocks, scales, x.dtype)  # [out, in], freed when forward returns
-        y = x @ weight.t()
-        xa = None
-        if lhs is not None:
-            xa = x @ lhs
-            y = y + scaling * (xa @ rhs)
-        ctx.save_for_backward(x, blocks, scales, lhs, rhs, xa)
-        ctx.scaling = scaling
-        return y
 
-    @staticmethod
-    def backward(ctx, gy):
-        x, blocks, scales, lhs, rhs, xa = ctx.saved_tensors
-        s = ctx.scaling
-        gx = g_lhs = g_rhs = None
-        gy_b = gy @ rhs.t() if lhs is not None else None  # [T, r]
-        if ctx.needs_input_grad[0]:
-            gx = gy @ dequantize_expert(blocks, scales, gy.dtype)
-            if gy_b is not None:
-                gx = gx + s * (gy_b @ lhs.t())
-        if ctx.needs_input_grad[3]:
-            g_lhs = s * (x.t() @ gy_b)
-        if ctx.needs_input_grad[4]:
-            g_rhs = s * (xa.t() @ gy)
-        return gx, None, None, g_lhs, g_rhs, None
+class Mxfp4Experts:
+    """W of a kept-MXFP4 expert projection for `ftcli.model.moe_lora.GroupedLoraMatmul`: `weight(lo, hi)`
+    dequantizes experts lo..hi-1 into a fresh `[hi-lo, in, out]` tensor (a transposed view of rows of output
+    features), at most `chunk` experts (DEQUANT_CHUNK_BYTES of weights) at a time."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+        self.num_experts, self.out_features = blocks.shape[0], blocks.shape[1]
+        per_expert = blocks[0].numel() * 2 * torch.finfo(dtype).bits // 8
+        self.chunk = max(1, min(self.num_experts, DEQUANT_CHUNK_BYTES // per_expert))
+
+    @classmethod
+    def of(cls, experts: nn.Module, name: str) -> "Mxfp4Experts":
+        return cls(getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales"), getattr(experts, name).dtype)
+
+    def weight(self, lo: int, hi: int) -> torch.Tensor:
+        decode = _compiled_decode() if fuses(self.blocks) else _decode
+        return decode(self.blocks[lo:hi], self.scales[lo:hi], _byte_table(self.dtype, self.blocks.device)
+                      ).transpose(-2, -1)
 
 
 # ------------------------------------------------------------------------------ the experts module
@@ -165,77 +190,7 @@ def load_kept_mxfp4(cls, path: str | Path, config, *, dtype: torch.dtype, device
     return model.eval()
 
 
-# ------------------------------------------------------------------------------- with PEFT's adapter
-def _wrapped(wrapper) -> tuple[dict[str, nn.Module], nn.Module]:
-    """The ParamWrappers nested on one experts module, by parameter name, and the experts module under them."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    wrappers, layer = {}, wrapper
-    while isinstance(layer, ParamWrapper):
-        wrappers[layer.parameter_name] = layer
-        layer = layer.base_layer
-    return wrappers, layer
-
-
-def _factors(wrappers: dict[str, nn.Module], name: str):
-    wrapper = wrappers.get(name)
-    if wrapper is None or wrapper.disable_adapters:
-        return None, None, 0.0
-    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-    if not adapters:
-        return None, None, 0.0
-    if len(adapters) > 1 or wrapper.merged:
-        raise UserError("model.quantization=mxfp4 trains one unmerged LoRA adapter at a time")
-    return wrapper.get_delta_factors(adapters[0])
-
-
-def _swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU over interleaved gate/up columns (GptOssExperts' gate, as transformers 5.x has it)."""
-    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def mxfp4_experts_forward(wrapper, hidden_states, router_indices=None, routing_weights=None):
-    """GptOssExperts.forward (transformers 5.x: loop over the experts hit, gate/up interleaved, clamped SwiGLU,
-    routing-weighted index_add) with each projection through `Mxfp4LoraMatmul`."""
-    wrappers, experts = _wrapped(wrapper)
-    gu_lhs, gu_rhs, gu_s = _factors(wrappers, "gate_up_proj")
-    dn_lhs, dn_rhs, dn_s = _factors(wrappers, "down_proj")
-    dtype = experts.gate_up_proj.dtype
-    next_states = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        expert_mask = torch.nn.functional.one_hot(router_indices, num_classes=experts.num_experts).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in expert_hit:
-        e = expert_idx[0]
-        top_k_pos, token_idx = torch.where(expert_mask[e])
-        x = hidden_states[token_idx].to(dtype)
-        gate_up = Mxfp4LoraMatmul.apply(x, experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e],
-                                        None if gu_lhs is None else gu_lhs[e], None if gu_rhs is None else gu_rhs[e],
-                                        gu_s) + experts.gate_up_proj_bias[e]
-        gated = _swiglu(gate_up, experts.alpha, experts.limit)
-        out = Mxfp4LoraMatmul.apply(gated, experts.down_proj_blocks[e], experts.down_proj_scales[e],
-                                    None if dn_lhs is None else dn_lhs[e], None if dn_rhs is None else dn_rhs[e],
-                                    dn_s) + experts.down_proj_bias[e]
-        weighted = out * routing_weights[token_idx, top_k_pos, None]
-        next_states.index_add_(0, token_idx, weighted.to(hidden_states.dtype))
-    return next_states
-
-
-def install_mxfp4_experts(model: nn.Module) -> int:
-    """Route every kept-MXFP4 experts module of a PEFT model through `mxfp4_experts_forward`; returns how many.
-    The outermost module at each experts path gets the forward (a ParamWrapper, or the experts module itself
-    when lora.target_parameters leaves the experts out)."""
-    count = 0
-    for name, module in model.named_modules():
-        if name.endswith(".mlp.experts"):
-            _, experts = _wrapped(module)
-            if hasattr(experts, "gate_up_proj_blocks"):
-                module.forward = functools.partial(mxfp4_experts_forward, module)
-                count += 1
-    return count
-
-
+# ------------------------------------------------------------------------------------------ the model
 def kept_mxfp4_bytes(model: nn.Module) -> int:
     """Bytes of the MXFP4 buffers (blocks + scales) the model holds."""
     return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("_blocks", "_scales")))

@@ -218,6 +218,14 @@ def use_ftcli_schedule(trainer, schedule) -> None:
     trainer.create_scheduler = create_scheduler
 
 
+def grouped_experts(recipe: Recipe, args) -> bool:
+    """Whether the experts go through `ftcli.model.moe_lora` (lora.experts=grouped): always over a kept-MXFP4
+    base; over a bf16 base when lora.target_parameters trains them and the base is not FSDP-sharded."""
+    if recipe.model.quantization == "mxfp4":
+        return True
+    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters) and not args.fsdp
+
+
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
                   evaluator=None, run_dir: Path | None = None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
@@ -230,10 +238,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                              processing_class=tokenizer, peft_config=lora_config(recipe, model))
-    if recipe.model.quantization == "mxfp4":  # experts kept in MXFP4: PEFT's adapter, ftcli's expert GEMMs
-        from ftcli.model.mxfp4_lora import install_mxfp4_experts
+    if grouped_experts(recipe, args):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
+        from ftcli.model.moe_lora import install_grouped_experts
 
-        install_mxfp4_experts(trainer.model)
+        install_grouped_experts(trainer.model)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
