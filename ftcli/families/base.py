@@ -94,6 +94,11 @@ class Family:
     def model_type(self) -> str:
         return self.model_types[0]
 
+    @property
+    def rms_norm_casting(self) -> str:
+        """The casting mode of the family's fused RMSNorm kernel (the comment on `rms_norm_offset`)."""
+        return "gemma" if self.rms_norm_offset else "llama"
+
     def uses(self, op: str) -> bool:
         return op in self.packed_ops
 

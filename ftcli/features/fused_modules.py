@@ -1,5 +1,5 @@
 """The torch modules that run `training.fused_ops`' kernels in place of Qwen3.5's eager ones
-(and of Llama's, Qwen3's, Gemma 3's norms and MLPs; ftcli.features.fused_ops swaps them in; this module imports
+(and of the dense families' norms and MLPs; ftcli.features.fused_ops swaps them in; this module imports
 torch, that one does not)."""
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ class FusedZeroCenteredRMSNorm(_FusedNorm):
 
 
 class FusedRMSNorm(FusedZeroCenteredRMSNorm):
-    """Any family's RMSNorm through liger's RMSNorm with the family's `rms_norm_offset` (ftcli.families):
-    offset 1.0 is the zero-centred norm above (Qwen3.5, Gemma 3: all in float32, "gemma" casting); offset 0.0 is
-    Llama's and Qwen3's w * (x / rms(x) in float32, cast to x's dtype first): liger's "llama" casting."""
+    """Any family's RMSNorm through liger's RMSNorm with the family's offset and casting mode (ftcli.families:
+    `rms_norm_offset`): offset 1.0 is the zero-centred norm above (Qwen3.5, Gemma 3: all in float32); offset 0.0
+    is w * (x / rms(x) in float32, cast to x's dtype first), the other families'."""
 
-    def __init__(self, norm: nn.Module, kernel: Callable, offset: float = 1.0):
+    def __init__(self, norm: nn.Module, kernel: Callable, offset: float = 1.0, casting: str = "gemma"):
         _FusedNorm.__init__(self, norm, kernel, getattr(norm, "eps", None) or norm.variance_epsilon)
-        self.offset, self.casting = offset, "gemma" if offset else "llama"
+        self.offset, self.casting = offset, casting
 
     def forward(self, x):
         return self._kernel(x, self.weight, self.eps, self.offset, self.casting, False)

@@ -48,6 +48,7 @@ FUSED_OPS = ("rms_norm", "swiglu", "gated_norm")
 # otherwise), and the (offset + w) of each RMSNorm class (Family.rms_norm_offset)
 TARGETS = {op: tuple(f.fused_op_targets[op] for f in FAMILIES.values() if op in f.fused_op_targets) for op in FUSED_OPS}
 NORM_OFFSETS = {f.fused_op_targets["rms_norm"]: f.rms_norm_offset for f in FAMILIES.values() if "rms_norm" in f.fused_op_targets}
+NORM_CASTING = {f.fused_op_targets["rms_norm"]: f.rms_norm_casting for f in FAMILIES.values() if "rms_norm" in f.fused_op_targets}
 # op -> the package whose kernel it runs (doctor checks them torch-free)
 PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
 PACKAGE_ALSO_IN = {"flash-linear-attention": "fla-core"}  # fla's kernels ship in fla-core too (its wrapper)
@@ -134,7 +135,8 @@ def fuse_decoder_ops(model: nn.Module, layers: Iterable[nn.Module], ops: Iterabl
     for parent, attr, child in slots:
         for op in ops:
             if _swappable(child, op):
-                extra = (NORM_OFFSETS[type(child).__name__],) if op == "rms_norm" else ()
+                cls = type(child).__name__
+                extra = (NORM_OFFSETS[cls], NORM_CASTING[cls]) if op == "rms_norm" else ()
                 setattr(parent, attr, fused_modules()[op](child, getattr(kernels, op), *extra))
                 swapped[op].append(names[id(child)])
     missing = [op for op, found in swapped.items() if not found]
