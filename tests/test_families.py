@@ -63,6 +63,7 @@ def test_shipped_hub_configs_give_the_published_sizes(model_id, total):
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_recipes_fit_their_accelerator_and_render_a_valid_workload(name):
     from ftcli.commands import plan, workload
+    from ftcli.features.fused_ops import LIGER_KIND, LIGER_PIN
 
     recipe = load_recipe(name)
     assert recipe.model.id == REAL[name] and memory.shipped_shape_path(recipe.model.id) is not None
@@ -71,7 +72,9 @@ def test_real_recipes_fit_their_accelerator_and_render_a_valid_workload(name):
     rendered = yaml.safe_load(workload.render_workload(recipe))
     assert workload.validate_workload(rendered) == []
     assert rendered["parameters"]["model"]["model_type"] == recipe.model.model_type
-    assert workload.gpu_requirements(recipe) == []  # dense attention is torch's varlen_attn: no extra wheels
+    # dense attention is torch's varlen_attn: no extra wheels; the full-SFT recipes fuse their norms (liger)
+    fused = [(LIGER_PIN, f"{LIGER_KIND} fused RMSNorm / SwiGLU (training.fused_ops)")]
+    assert workload.gpu_requirements(recipe) == (fused if recipe.training.method == "full" else [])
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -83,7 +86,7 @@ def test_doctor_knows_the_kernels_of_every_family_recipe(name):
     from ftcli.model.compat import NA
 
     m = Machine(device="cuda:0", capability=(9, 0), torch_varlen=True, flex=True,
-                versions={"transformers": "5.24.0", "torch": "2.11.0"},
+                versions={"transformers": "5.24.0", "torch": "2.11.0", "liger-kernel": "0.8.5"},  # the workload's pins
                 gpus=(("NVIDIA H100 80GB HBM3", 85_031_714_816),) * 8)
     report = doctor_report(load_recipe(name), m, tf=Transformers(installed="5.24.0"))
     assert [(b[1], b[2]) for b in report.backends] == [("attention", "torch_varlen")]

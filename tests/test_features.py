@@ -78,8 +78,8 @@ def test_rules_run_in_the_features_loader_and_name_every_problem():
         "invalid recipe 'tiny-qwen-cpu': 2 problems\n"
         "  - training.precision.fp8 needs packed blocks whose tokens per micro-batch (block_len x per_device_batch "
         "= 1000) are a multiple of 16\n"
-        "  - training.fused_ops covers Qwen3.5's modules (model_type qwen3_5, qwen3_5_text); this recipe's "
-        "model_type is gpt_oss: set training.fused_ops=[]")
+        "  - training.fused_ops covers the modules of model_type qwen3_5, qwen3_5_text, llama, qwen3, gemma3_text, "
+        "gemma3; this recipe's model_type is gpt_oss: set training.fused_ops=[]")
     with pytest.raises(UserError, match=r"training.precision belongs to training.method=full"):
         features.load_recipe("tiny-gpt-oss-cpu", ["training.precision.fp8=true"])  # LoRA: no feature to turn on
 

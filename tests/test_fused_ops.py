@@ -112,7 +112,8 @@ def test_fused_ops_refuse_models_without_those_modules_and_unknown_ops():
     with pytest.raises(UserError) as err:
         fuse_decoder_ops(model, decoder_layers(model), ["rms_norm", "swiglu"], STAND_INS)
     assert str(err.value) == ("training.fused_ops: no module to fuse for rms_norm, swiglu in GptOssForCausalLM "
-                              "(fused ops cover Qwen3.5's Qwen3_5RMSNorm, Qwen3_5MLP); drop it from training.fused_ops")
+                              "(fused ops cover Qwen3_5RMSNorm, LlamaRMSNorm, Qwen3RMSNorm, Gemma3RMSNorm, Qwen3_5MLP, "
+                              "LlamaMLP, Qwen3MLP); drop it from training.fused_ops")
     with pytest.raises(UserError, match=r"unknown op\(s\) layer_norm \(known: rms_norm, swiglu, gated_norm\)"):
         fuse_decoder_ops(tiny_qwen(), [], ["layer_norm"], STAND_INS)
 
@@ -181,8 +182,9 @@ def test_fused_ops_recipe_rules_and_the_cli_line(tmp_path):
         load_recipe("tiny-qwen-cpu", ["training.fused_ops=[layer_norm]"])
     from ftcli import features
 
-    with pytest.raises(UserError, match=r"training.fused_ops covers Qwen3.5's modules \(model_type qwen3_5, "
-                                        r"qwen3_5_text\); this recipe's model_type is gpt_oss: set training.fused_ops=\[\]"):
+    with pytest.raises(UserError, match=r"training.fused_ops covers the modules of model_type qwen3_5, qwen3_5_text, "
+                                        r"llama, qwen3, gemma3_text, gemma3; this recipe's model_type is gpt_oss: set "
+                                        r"training.fused_ops=\[\]"):
         features.load_recipe("tiny-qwen-cpu", ["model.model_type=gpt_oss", "training.fused_ops=[rms_norm]"])
     with pytest.raises(UserError, match=r"training.fused_ops belongs to training.method=full \(this recipe's is lora\)"):
         load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])  # LoRA: refused at load

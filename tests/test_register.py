@@ -293,6 +293,49 @@ def test_lora_run_registers_merged_weights_by_default(tmp_path, tiny_lora_files,
     assert run.data.metrics["final_loss"] == 2.5
 
 
+def test_qwen3_moe_expert_lora_registers_merged_with_the_adapters_logits(tmp_path, sqlite_uri):
+    """A Qwen3-MoE adapter with LoRA on the 3-D experts (tiny-qwen3-moe-cpu's lora section, through ftcli's own
+    LoraConfig) over a saved base (per-expert linears, as the hub stores them): register merges it (merge-lora's
+    fold), registers the merged model under the alias, and the merged weights give the adapter's logits, experts
+    included."""
+    from mlflow import MlflowClient
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcli.train.lora.config import lora_config
+
+    recipe = load_recipe("tiny-qwen3-moe-cpu")
+    cfg = json.loads(Path(resolve_path("pkg://assets/tiny-qwen3-moe.json")).read_text())
+    run_dir = tmp_path / "moe-run"
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    base.save_pretrained(run_dir / "base")
+    _save_tokenizer(run_dir / "base", "tokenizer-qwen3")
+    lora = lora_config(recipe, base)
+    lora.init_lora_weights = False  # non-zero B everywhere: the merge must move the experts too
+    get_peft_model(base, lora).save_pretrained(run_dir / "final")
+    _save_tokenizer(run_dir / "final", "tokenizer-qwen3")
+    _write_run_json(run_dir, "lora", recipe.to_dict(), None,
+                    {"id": None, "revision": None, "init": "random", "model_type": "qwen3_moe",
+                     "model_class": "causal_lm", "path": "base"})
+
+    result = reg.run_register(run_dir, name="tiny-moe", alias="champion", tracking_uri=sqlite_uri)
+    assert (result.mode, result.version) == ("merged", "1")
+    client = MlflowClient(sqlite_uri, registry_uri=sqlite_uri)
+    assert client.get_model_version_by_alias("tiny-moe", "champion").run_id == result.run_id
+    # (loading back by alias is test_lora_run_registers_merged_weights_by_default's; here: what was merged)
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "merged", dtype=torch.float32)
+    merged, base_files = _safetensors(run_dir / "merged"), _safetensors(run_dir / "base")
+    assert merged.keys() == base_files.keys() and "model.layers.0.mlp.experts.3.up_proj.weight" in merged
+    expert = "model.layers.1.mlp.experts.2.down_proj.weight"
+    assert (merged[expert] - base_files[expert]).abs().max() > 1e-3  # the expert LoRA was folded in
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base", dtype=torch.float32),
+                                     str(run_dir / "final")).eval()
+    ids = torch.arange(3, 43)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, peft(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_adapter_only_local_base_loads_back_with_identical_logits(tmp_path, tiny_lora_files, sqlite_uri):
     import mlflow
     from peft import PeftModel

@@ -85,10 +85,19 @@ class Family:
     # which static-state decoder of ftcli.model.decode generates for it on a GPU: HYBRID (gated-delta + full
     # attention layers) or SINK_MOE (sliding window + sinks, routed experts); None: transformers' generate
     decoder: str | None = None
+    # training.fused_ops' rms_norm: its RMSNorm multiplies by (offset + w): 1.0 for zero-centred weights computed in
+    # float32 throughout (Qwen3.5, Gemma 3: liger's "gemma" casting), 0.0 for w * norm(x) cast back first (Llama, Qwen3:
+    # liger's "llama" casting)
+    rms_norm_offset: float = 0.0
 
     @property
     def model_type(self) -> str:
         return self.model_types[0]
+
+    @property
+    def rms_norm_casting(self) -> str:
+        """The casting mode of the family's fused RMSNorm kernel (the comment on `rms_norm_offset`)."""
+        return "gemma" if self.rms_norm_offset else "llama"
 
     def uses(self, op: str) -> bool:
         return op in self.packed_ops

@@ -28,7 +28,7 @@ FAMILY = Family(
     stored_layer_bytes_source="qwen3_5",
     vlm_text_types={"gemma3": "gemma3_text"},
     vlm_classes={"gemma3": ("Gemma3ForConditionalGeneration", True), "gemma3_text": None},
-    fused_op_targets={},
+    fused_op_targets={"rms_norm": "Gemma3RMSNorm"},  # its MLP is GeGLU (gelu_pytorch_tanh): no swiglu
     known_bad=(),
     pins=(),
     setup_note=None,
@@ -42,4 +42,5 @@ FAMILY = Family(
     tool_calls="none in the template (tool messages are refused by its role check)",
     system_role=False,
     notes=("the assistant role is written 'model'", "text is trimmed by the template"),
+    rms_norm_offset=1.0,
 )

@@ -72,4 +72,5 @@ FAMILY = Family(
     reasoning="<think> blocks; the template drops those of earlier turns (Qwen3.8 keeps them)",
     tool_calls="<tool_call> JSON </tool_call> inside the assistant turn; results as <tool_response> in a user turn",
     decoder=HYBRID,
+    rms_norm_offset=1.0,
 )

@@ -1,5 +1,6 @@
 """The torch modules that run `training.fused_ops`' kernels in place of Qwen3.5's eager ones
-(ftcli.features.fused_ops swaps them in; this module imports torch, that one does not)."""
+(and of the dense families' norms and MLPs; ftcli.features.fused_ops swaps them in; this module imports
+torch, that one does not)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ class FusedZeroCenteredRMSNorm(_FusedNorm):
         return self._kernel(x, self.weight, self.eps, 1.0, "gemma", False)
 
 
+class FusedRMSNorm(FusedZeroCenteredRMSNorm):
+    """Any family's RMSNorm through liger's RMSNorm with the family's offset and casting mode (ftcli.families:
+    `rms_norm_offset`): offset 1.0 is the zero-centred norm above (Qwen3.5, Gemma 3: all in float32); offset 0.0
+    is w * (x / rms(x) in float32, cast to x's dtype first), the other families'."""
+
+    def __init__(self, norm: nn.Module, kernel: Callable, offset: float = 1.0, casting: str = "gemma"):
+        _FusedNorm.__init__(self, norm, kernel, getattr(norm, "eps", None) or norm.variance_epsilon)
+        self.offset, self.casting = offset, casting
+
+    def forward(self, x):
+        return self._kernel(x, self.weight, self.eps, self.offset, self.casting, False)
+
+
 class FusedSwiGLUMLP(nn.Module):
     """Qwen3_5MLP with silu(gate) * up in one kernel; the three linears are the original modules."""
 
@@ -53,4 +67,4 @@ class FusedGatedRMSNorm(_FusedNorm):
         return self._kernel(x, gate, self.weight, None, "silu", eps=self.eps)
 
 
-FUSED_MODULES = {"rms_norm": FusedZeroCenteredRMSNorm, "swiglu": FusedSwiGLUMLP, "gated_norm": FusedGatedRMSNorm}
+FUSED_MODULES = {"rms_norm": FusedRMSNorm, "swiglu": FusedSwiGLUMLP, "gated_norm": FusedGatedRMSNorm}

@@ -12,6 +12,10 @@ forward, in the recompute and again in the backward:
     gated_norm   Qwen3_5RMSNormGated             float32 copies of x and gate, norm, w *,   fla's rms_norm_gated
                  (w * norm(x) * silu(gate))      silu, multiply, cast back
 
+Llama 3 and Qwen3 (LlamaRMSNorm / Qwen3RMSNorm with q/k norms, LlamaMLP / Qwen3MLP) and Gemma 3 (Gemma3RMSNorm;
+its GeGLU MLP has no fused op here) get the same two liger kernels: each family names its classes and its norm's
+offset (ftcli.families: fused_op_targets, rms_norm_offset).
+
 `fuse_decoder_ops` swaps those modules for small modules (ftcli.features.fused_modules), in place, on the meta-built model and
 before sharding. They hold the SAME parameter objects under the same names (`input_layernorm.weight`,
 `mlp.gate_proj.weight`, ...), so checkpoints, resume, the Hugging Face export and FSDP2's sharding are what
@@ -40,8 +44,11 @@ if TYPE_CHECKING:
 
 SETTING = "training.fused_ops"
 FUSED_OPS = ("rms_norm", "swiglu", "gated_norm")
-# op -> the transformers class it replaces (matched by exact class name: a subclass may compute otherwise)
-TARGETS = {op: cls for f in FAMILIES.values() for op, cls in f.fused_op_targets.items()}  # ftcli.families: Qwen3.5's
+# op -> the transformers classes it replaces, each family's (matched by exact class name: a subclass may compute
+# otherwise), and the (offset + w) of each RMSNorm class (Family.rms_norm_offset)
+TARGETS = {op: tuple(f.fused_op_targets[op] for f in FAMILIES.values() if op in f.fused_op_targets) for op in FUSED_OPS}
+NORM_OFFSETS = {f.fused_op_targets["rms_norm"]: f.rms_norm_offset for f in FAMILIES.values() if "rms_norm" in f.fused_op_targets}
+NORM_CASTING = {f.fused_op_targets["rms_norm"]: f.rms_norm_casting for f in FAMILIES.values() if "rms_norm" in f.fused_op_targets}
 # op -> the package whose kernel it runs (doctor checks them torch-free)
 PACKAGES = {"rms_norm": "liger-kernel", "swiglu": "liger-kernel", "gated_norm": "flash-linear-attention"}
 PACKAGE_ALSO_IN = {"flash-linear-attention": "fla-core"}  # fla's kernels ship in fla-core too (its wrapper)
@@ -98,7 +105,7 @@ def fused_modules() -> dict[str, type]:
 
 
 def _swappable(module: nn.Module, op: str) -> bool:
-    if type(module).__name__ != TARGETS[op]:
+    if type(module).__name__ not in TARGETS[op]:
         return False
     if op == "swiglu":  # only what liger's kernel computes: silu, and no bias
         act = getattr(getattr(module, "config", None), "hidden_act", None)
@@ -128,13 +135,15 @@ def fuse_decoder_ops(model: nn.Module, layers: Iterable[nn.Module], ops: Iterabl
     for parent, attr, child in slots:
         for op in ops:
             if _swappable(child, op):
-                setattr(parent, attr, fused_modules()[op](child, getattr(kernels, op)))
+                cls = type(child).__name__
+                extra = (NORM_OFFSETS[cls], NORM_CASTING[cls]) if op == "rms_norm" else ()
+                setattr(parent, attr, fused_modules()[op](child, getattr(kernels, op), *extra))
                 swapped[op].append(names[id(child)])
     missing = [op for op, found in swapped.items() if not found]
     if missing:
         raise UserError(f"training.fused_ops: no module to fuse for {', '.join(missing)} in "
-                        f"{type(model).__name__} (fused ops cover Qwen3.5's "
-                        f"{', '.join(TARGETS[op] for op in missing)}); drop it from training.fused_ops")
+                        f"{type(model).__name__} (fused ops cover "
+                        f"{', '.join(c for op in missing for c in TARGETS[op])}); drop it from training.fused_ops")
     return swapped
 
 
@@ -154,7 +163,7 @@ def validate(recipe) -> list[str]:
 
     types = fused_op_model_types()
     if _on(recipe) and recipe.model.model_type not in types:
-        return [f"{SETTING} covers Qwen3.5's modules (model_type {', '.join(types)}); "
+        return [f"{SETTING} covers the modules of model_type {', '.join(types)}; "
                 f"this recipe's model_type is {recipe.model.model_type}: set {SETTING}=[]"]
     return []
 

@@ -9,7 +9,8 @@ made into the model that trains, then only this rank's shard materialized.
         shard_model
             activation checkpointing     per decoder layer (below)
             per-layer features           each active feature's `per_layer` (compile: whole layers or regions)
-            fully_shard                  each decoder layer, the vision tower (VLM classes), then the root
+            fully_shard                  each decoder layer, the vision tower (VLM classes), the input
+                                         embeddings and an untied LM head (below), then the root
         materialize                      this rank's shard only (`to_empty`), buffers copied back
         weights                          random init (below) or pretrained weights broadcast from rank 0
 
@@ -27,6 +28,15 @@ the last `activation_checkpointing_keep` layers, which keep their activations (m
 where the card has room); `selective` recomputes every other layer, keeping about half the activations for about half the
 recompute (a layer-level choice works the same for the linear-attention and full-attention layers
 of a hybrid model, unlike an op-level policy).
+
+The input embeddings and an untied LM head are FSDP units of their own, not parameters of the root: FSDP2 never
+reshards the root after forward, so as part of it their bf16 copies (2 x vocab x hidden) stayed gathered through
+the whole backward, the LM head's bf16 gradient from the first op of backward to the last, and both were reduced
+together at the very end into one float32 reduce-scatter buffer of both, held beside every gradient (at the
+Llama-3.1-8B width: 4.2 GB over TRL's peak, BENCHMARKS.md). As units, the LM head is gathered around the loss
+(`ftcli.train.loss.attach_loss` calls it through an FSDP forward method) and reduced at the start of backward, the
+embeddings are gathered around their lookup and reduced alone at the end. Tied embeddings (one parameter) stay
+in the root.
 
 `world` is the trainer's ftcli.train.distributed.World (its mesh, device and rank 0 flag).
 """
@@ -61,6 +71,17 @@ def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
     return flags
 
 
+SEPARATE_EMBEDDING_UNITS = True  # the module doc; benchmarks/families_throughput_gpu.py measures both
+
+
+def embedding_units(model: nn.Module) -> list[nn.Module]:
+    """The input embeddings and the LM head, when they are two parameters (the module doc); else none."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not SEPARATE_EMBEDDING_UNITS or embed is None or head is None or head.weight is embed.weight:
+        return []
+    return [embed, head]
+
+
 def shard_model(model: nn.Module, recipe, world) -> nn.Module:
     """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
     tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
@@ -82,6 +103,8 @@ def shard_model(model: nn.Module, recipe, world) -> nn.Module:
     if visual is not None:
         visual.requires_grad_(False)
         fully_shard(visual, mesh=world.mesh, mp_policy=mp_policy)
+    for unit in embedding_units(model):
+        fully_shard(unit, mesh=world.mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
     return model
 

@@ -79,12 +79,25 @@ def attach_loss(model: nn.Module, impl: str, chunk_tokens: int, *, loss_fn: Call
     """Give the model `loss_sum(input_ids, labels, **packing)`: decoder -> final hidden states ->
     `loss_fn` (`token_loss_sum`; a test may pass a faulty one) with the LM head's weight and the block's
     `trained_positions` (None when the call has none). Registered with FSDP as a forward method, so the
-    root's parameters (embeddings, final norm, LM head) are all-gathered around it like around `forward`."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    root's parameters (final norm; embeddings and LM head when they are the root's) are all-gathered around it
+    like around `forward`. An LM head that is an FSDP unit of its own (ftcli.model.parallelize) computes the loss
+    in its own forward method `head_loss`, so that its weight is gathered around it (and again for backward)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    head = model.lm_head
+    own_unit = isinstance(head, FSDPModule) and head is not model
+
+    def head_loss(self, hidden, labels, trained_positions=None):
+        return loss_fn(hidden, self.weight, labels, impl, chunk_tokens, trained_positions=trained_positions)
 
     def loss_sum(self, input_ids, labels, trained_positions=None, **inputs):
         hidden = self.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+        if own_unit:
+            return self.lm_head.head_loss(hidden, labels, trained_positions)
         return loss_fn(hidden, self.lm_head.weight, labels, impl, chunk_tokens, trained_positions=trained_positions)
 
+    if own_unit:
+        head.head_loss = types.MethodType(head_loss, head)
+        register_fsdp_forward_method(head, "head_loss")
     model.loss_sum = types.MethodType(loss_sum, model)
     register_fsdp_forward_method(model, "loss_sum")
