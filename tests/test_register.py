@@ -182,11 +182,8 @@ def mlflow_server(tmp_path):
             time.sleep(0.3)
         yield uri
     finally:
-        try:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, 9)  # a throwaway store: no graceful stop needed (SIGTERM took ~13 s to end the server)
+        proc.wait(timeout=20)
         log.close()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import http.server
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -123,7 +125,8 @@ def mlflow_server(tmp_path_factory):
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
            "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1"]
-    server = subprocess.Popen(cmd, cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(cmd, cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     proxy = _Proxy(f"http://127.0.0.1:{port}")
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
@@ -138,7 +141,7 @@ def mlflow_server(tmp_path_factory):
         yield store, proxy
     finally:
         proxy.shutdown()
-        server.terminate()
+        os.killpg(server.pid, signal.SIGKILL)  # a throwaway store: no graceful stop (SIGTERM took seconds)
         server.wait(timeout=30)
 
 
