@@ -6,7 +6,8 @@ workers are in their own session and only get it forwarded). A SIGKILL of the la
 or of one rank stops the run too (the workers die with the launcher: issue #17; a second train is refused
 while it runs, tests/test_run_lock.py). After each stop `--resume` continues, and at the end the run's
 metrics.jsonl and weights are the uninterrupted run's exactly, each step logged once. All of it is one
-run stopped in turn (one launch per stop, to keep the suite short). The LoRA path stops the same way.
+run stopped in turn (one launch per stop, to keep the suite short). The LoRA path stops the same way
+(tests/test_lora_train.py::test_sigterm_stops_with_a_trl_checkpoint_and_resume_continues_the_same_run).
 """
 
 from __future__ import annotations
@@ -243,29 +244,3 @@ def test_every_way_a_run_stops_leaves_a_resumable_run_and_resume_reproduces_it(u
         load_file(uninterrupted / "final" / "model.safetensors")
     assert resumed.keys() == reference.keys()
     assert max(float((resumed[k] - reference[k]).abs().max()) for k in resumed) <= 1e-6
-
-
-def test_lora_sigterm_stops_with_a_trl_checkpoint_and_resume_logs_each_step_once(tmp_path, env):
-    run_dir = tmp_path / "run"
-    args = ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", f"output.dir={run_dir}", "--set", "training.max_steps=8",
-            "--set", "training.log_every=1", "--set", "tracking.enabled=false"]
-    proc = start(args, tmp_path, env)
-    out, err = signal_when(proc, lambda: len(logged_steps(run_dir)) >= 1, lambda: os.kill(proc.pid, signal.SIGTERM))
-    assert proc.returncode == 143, err[-3000:]
-    step = stop_line(out, err, run_dir)
-    assert 1 <= step < 8
-    saved = run_dir / "checkpoints" / f"checkpoint-{step}"
-    assert [p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")] == [saved.name]
-    assert (saved / "adapter_model.safetensors").is_file() and (saved / "trainer_state.json").is_file()
-    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
-    assert not (run_dir / "final").exists() and not (run_dir / "run.json").exists()
-    losses = {m["step"]: m["loss"] for m in metrics(run_dir)}
-    assert sorted(losses) == list(range(1, step + 1))
-
-    with open(run_dir / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint (a kill -9)
-        f.write(json.dumps({"step": step + 1, "loss": 0.0}) + "\n")
-    res = ftcli([*args, "--resume"], tmp_path, env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    after = metrics(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 9))
-    assert {m["step"]: m["loss"] for m in after[:step]} == losses and all(m["loss"] > 0 for m in after)

@@ -607,8 +607,29 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    export.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    try:
+        export.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never left as if complete; gives the space back
+        needed = sum(t.numel() * t.element_size() for t in export.state_dict().values())
+        raise export_not_written("the Hugging Face export", out_dir, e, needed) from None
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def export_not_written(what: str, out_dir: Path, e: OSError, needed_bytes: int | None) -> UserError:
+    """The one line for a model export (the full path's HF export, the LoRA path's adapter) that an OSError
+    stopped, once its partial files are removed: the path and the error, and for a full disk or quota (ENOSPC,
+    EDQUOT) the space the export needs and the space free there."""
+    import errno
+
+    out_dir = Path(out_dir)
+    space = ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("/"))
+        need = f"about {needed_bytes / 2**20:,.1f} MiB" if needed_bytes else "more"
+        space = f"; it needs {need}, {shutil.disk_usage(where).free / 2**20:,.1f} MiB are free there: free space"
+    return UserError(f"{what} to {out_dir} could not be written: {_describe(e)}{space}; nothing half-written is "
+                     "left in its place")

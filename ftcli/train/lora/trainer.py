@@ -341,15 +341,39 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         torch.distributed.destroy_process_group()
 
 
+def save_final_adapter(trainer, final: Path, sharding: str) -> None:
+    """The adapter + tokenizer + chat template into `final`, written beside it and renamed in (main process): a
+    save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
+    import shutil
+
+    from ftcli.train.checkpoint import export_not_written
+
+    main = trainer.args.process_index == 0
+    tmp = final.with_name(f".tmp_{final.name}")
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
+            save_adapter(trainer.model, trainer.processing_class, tmp)
+        else:
+            trainer.save_model(str(tmp))  # main process
+    except OSError as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        raise export_not_written("the adapter", final, e, needed) from None
+    if main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+
+
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
     from ftcli.artifacts.rundir import FINAL
     from ftcli.train.lifecycle import record_run
 
-    if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
-        save_adapter(trainer.model, trainer.processing_class, run_dir / FINAL)
-    else:
-        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+    save_final_adapter(trainer, run_dir / FINAL, sharding)
     if trainer.args.process_index != 0:
         return
     evals = step_log.eval_callback
