@@ -190,3 +190,40 @@ def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export
         "free there: free space; nothing half-written is left in its place")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp_final
     assert (out / "model.safetensors").read_bytes() == b"an earlier export"
+
+
+def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one(tmp_path, capsys):
+    """A LoRA (TRL) checkpoint-N carries each file's size and CRC32s (record_trl_checksums, written after the
+    save); the launcher's resume check (`check_resume`) names the first damaged file and the newest earlier
+    checkpoint that verifies. A checkpoint without checksums (an older ftcli) resumes with a warning."""
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.checkpoint import TRL_CHECKSUMS, record_trl_checksums
+    from ftcli.train.launch import check_resume
+
+    root = tmp_path / "run" / "checkpoints"
+    older, newer = _trl(root, 2), _trl(root, 4)
+    for ckpt in (older, newer):
+        (ckpt / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+        (ckpt / "optimizer_0").mkdir()
+        (ckpt / "optimizer_0" / "__0_0.distcp").write_bytes(b"shard" * 100)  # accelerate's FSDP layout: a subdir
+        record_trl_checksums(ckpt)
+    recorded = json.loads((newer / TRL_CHECKSUMS).read_text())["files"]
+    assert sorted(recorded) == ["adapter_model.safetensors", "optimizer_0/__0_0.distcp", "trainer_state.json"]
+    recipe = load_recipe("tiny-gpt-oss-cpu", [f"output.dir={tmp_path / 'run'}"])
+    check_resume(recipe, tmp_path / "run", "latest")  # intact: nothing said
+    assert capsys.readouterr().err == ""
+
+    damaged = bytearray((newer / "optimizer_0" / "__0_0.distcp").read_bytes())
+    damaged[7] ^= 0xFF  # one flipped byte, the size unchanged
+    (newer / "optimizer_0" / "__0_0.distcp").write_bytes(bytes(damaged))
+    with pytest.raises(UserError) as err:
+        check_resume(recipe, tmp_path / "run", "latest")
+    assert str(err.value) == (
+        f"checkpoint {newer}: optimizer_0/__0_0.distcp does not match the checksum taken at save (damaged since); "
+        f"the previous intact checkpoint is {older} (resume from it with --resume {older})")
+    check_resume(recipe, tmp_path / "run", str(older))
+
+    (older / TRL_CHECKSUMS).unlink()
+    check_resume(recipe, tmp_path / "run", str(older))
+    assert capsys.readouterr().err == (f"warning: checkpoint {older} has no checksums (saved by an older ftcli); "
+                                       "resuming from it unverified\n")

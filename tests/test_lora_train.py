@@ -258,6 +258,7 @@ def test_a_crafted_pickle_in_a_lora_checkpoint_is_refused_and_never_runs(trained
 
     for name in ("optimizer.pt", *[p.name for p in crafted.glob("rng_state*.pth")]):
         torch.save({"state": Payload()}, crafted / name)
+    (crafted / "ftcli_checksums.json").unlink()  # crafted with no checksums (they would name optimizer.pt first)
     out = tmp_path / "run"
     shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("checkpoints", "final", "run.json"))
     proc = run_ftcli(_train_args(mxfp4_base, out, "--resume", str(crafted)), cwd=work)

@@ -36,7 +36,8 @@ import torch
 
 from ftcli.config.errors import UserError
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
-from ftcli.train.lora.callbacks import EvalCallback, StepLog, StopOnSignal, TimedSave, export_best, save_adapter
+from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
+from ftcli.train.lora.callbacks import save_adapter
 from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.config.recipe import Recipe
 
@@ -247,6 +248,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
     trainer.callback_handler.callbacks[:0] = [cb for cb in (step_log, TimedSave(recipe.training.checkpoint), evals)
                                               if cb is not None]
+    trainer.add_callback(Checksums())  # last: after every file of a save is written
     return trainer, step_log
 
 
