@@ -6,6 +6,14 @@ import os
 
 import pytest
 
+# One thread per pytest-xdist worker (`-n 2` on the 2-core CI box): each worker's in-process torch would start one
+# OpenMP thread per core, and the two workers' spinning threads take the cores from each other and from the
+# training runs they launch (measured: tests/test_packed_kernels.py + test_decode.py beside one busy core took
+# 62-86 s with 2 threads, 14-22 s with 1). Set before torch is imported; a serial run keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_mlflow_env():
