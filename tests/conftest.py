@@ -13,6 +13,7 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the Rust tokenizers' thread pool, likewise
 
 
 @pytest.fixture(autouse=True)
