@@ -27,11 +27,19 @@ def _worker(out: Path, sharding: str, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_fsdp_lora_gradients_equal_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> Path:
+    """The fp32 step and then the bf16 step, one torchrun per sharding (DDP, FSDP2)."""
+    out = tmp_path_factory.mktemp("lora-steps")
+    _worker(out, "ddp", "fp32,bf16")
+    _worker(out, "fsdp", "fp32,bf16")
+    return out
+
+
+def test_fsdp_lora_gradients_equal_ddp(steps):
     """One step, grad_accum 2 x 2 ranks over blocks of 6..170 trained tokens: every LoRA gradient (attention and
     expert adapters) under FSDP2 equals the DDP one; every base weight was a DTensor holding half of itself."""
-    _worker(tmp_path, "ddp")
-    _worker(tmp_path, "fsdp")
+    tmp_path = steps
     ddp, fsdp = torch.load(tmp_path / "grads-ddp.pt"), torch.load(tmp_path / "grads-fsdp.pt")
     assert ddp.keys() == fsdp.keys() and len(ddp) == 24  # A and B of q/k/v/o + 2 expert params, 2 layers
     worst = max(((fsdp[n] - ddp[n]).abs().max() / ddp[n].abs().max()).item() for n in ddp)
@@ -42,7 +50,7 @@ def test_fsdp_lora_gradients_equal_ddp(tmp_path):
     assert json.loads((tmp_path / "sharded-ddp.json").read_text()) == {}
 
 
-def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(tmp_path):
+def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(steps):
     """bfloat16 weights under FSDP2 mixed precision, the same step as above, against DDP (which sums TRL's float32
     per-token log-probs and the adapter's gradients in float32): the logged loss and every LoRA gradient agree
     to 1e-6 (measured 0 and 5.5e-9), and ftcli's eval loss after the step is a float32 sum within 1e-3 of DDP's
@@ -50,8 +58,7 @@ def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(tmp_path):
     param_dtype). With accelerate's own bf16 policy (output and reduce in bf16) the loss was 1.6e-2 off, the
     gradients 1.3e-2 and the eval sum bf16 (1192.0 vs 1187.8); with a float32 output cast the eval failed
     (float32 activations into the bf16 LM head); with the bf16 reduce alone the gradients were 3.4e-3 off."""
-    _worker(tmp_path, "ddp", "bf16")
-    _worker(tmp_path, "fsdp", "bf16")
+    tmp_path = steps
     ddp_out = json.loads((tmp_path / "loss-ddp-bf16.json").read_text())
     fsdp_out = json.loads((tmp_path / "loss-fsdp-bf16.json").read_text())
     print(f"bf16 step loss: DDP {ddp_out['train']}, FSDP2 {fsdp_out['train']}")

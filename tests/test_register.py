@@ -166,6 +166,7 @@ def mlflow_server(tmp_path):
          "--default-artifact-root", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
          "--port", str(port), "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runner, no huey consumers
     )
     uri = f"http://127.0.0.1:{port}"
     try:
