@@ -2,8 +2,8 @@
 with LoRA on attention and experts, the base kept whole per rank (ddp) or sharded by FSDP2 (fsdp), over four
 blocks with very different trained-token counts (two per rank, grad_accum 2). Rank 0 saves the step's LoRA
 gradients (gathered to full tensors under FSDP2) to OUT/grads-<sharding>.pt, and whether the base weights
-were sharded. A third argument lists the steps to take one after the other, `fp32`, `bf16` or `fp32,bf16`
-(default fp32): with bf16 the model and the run are bfloat16 (FSDP2 mixed precision) and the files are
+were sharded. A third argument lists the steps to take one after the other, from `fp32`, `bf16` and `eval`
+(default fp32; `eval`: the eval-and-samples run of tests/_lora_fsdp_eval_worker.py): with bf16 the model and the run are bfloat16 (FSDP2 mixed precision) and the files are
 OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json: the step's logged loss and, after the step,
 ftcli's eval loss sum (`attach_eval_loss`) on each of the four blocks."""
 
@@ -22,8 +22,13 @@ from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
 
 
 def main(out: Path, sharding: str, dtypes: str = "fp32") -> None:
-    for dtype in dtypes.split(","):  # one step each, one after the other in this process (a fresh trainer each)
-        step(out, sharding, dtype)
+    for dtype in dtypes.split(","):  # one after the other in this process (a fresh trainer each)
+        if dtype == "eval":
+            from _lora_fsdp_eval_worker import eval_run
+
+            eval_run(out, sharding)
+        else:
+            step(out, sharding, dtype)
     if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -1,6 +1,8 @@
 """LoRA with the frozen base sharded by FSDP2 (`training.sharding: fsdp`, accelerate's FSDP2 through TRL) on 2 CPU
-processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's, a resumed run
-ends where the uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
+processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's (fp32, bf16),
+the eval loss through accelerate's FSDP root equals the DDP one for the same adapter, the greedy samples (every rank
+generating) are the same text, the best adapter is gathered whole and written once, a resumed run ends where the
+uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from _lora_common import run_ftcli
 from test_lora_train import _adapter, _metrics
 
 STEPS, SAVE_EVERY = 6, 3
+EVAL_TOKENS = 201  # the trained tokens of the eval.max_examples=12 rows of tiny_chat.jsonl (measured)
 
 
 def _worker(out: Path, sharding: str, *extra: str) -> None:
@@ -29,11 +32,17 @@ def _worker(out: Path, sharding: str, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> Path:
-    """The fp32 step and then the bf16 step, one torchrun per sharding (DDP, FSDP2)."""
+    """The fp32 step, the bf16 step, then the eval-and-samples run: one torchrun per sharding (DDP, FSDP2)."""
     out = tmp_path_factory.mktemp("lora-steps")
-    _worker(out, "ddp", "fp32,bf16")
-    _worker(out, "fsdp", "fp32,bf16")
+    _worker(out, "ddp", "fp32,bf16,eval")
+    _worker(out, "fsdp", "fp32,bf16,eval")
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(steps):
+    """The eval runs of those torchruns (tests/_lora_fsdp_eval_worker.py): the directory, DDP's and FSDP2's records."""
+    return steps, *(json.loads((steps / f"{sharding}.json").read_text()) for sharding in ("ddp", "fsdp"))
 
 
 def test_fsdp_lora_gradients_equal_ddp(steps):
@@ -76,6 +85,49 @@ def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(steps):
         assert abs(f["value"] - d["value"]) <= 1e-3 * abs(d["value"])
 
 
+# ----------------------------------------------------------------- eval and samples under FSDP2
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fsdp_eval_loss_equals_ddp(runs):
+    """Step 0 and the last step (1): the same loss (rel 1e-5) over the same tokens; the base really was sharded."""
+    out, ddp, fsdp = runs
+    assert [e["step"] for e in ddp["evals"]] == [e["step"] for e in fsdp["evals"]] == [0, 1]
+    for d, f in zip(ddp["evals"], fsdp["evals"]):
+        assert d["tokens"] == f["tokens"] == EVAL_TOKENS
+        assert f["loss"] == pytest.approx(d["loss"], rel=1e-5, abs=0), (d, f)
+    print(f"FSDP vs DDP eval loss: {fsdp['evals'][0]['loss']:.6f} vs {ddp['evals'][0]['loss']:.6f}")
+    assert 6.0 < ddp["evals"][0]["loss"] < 8.0  # ~ln(vocab) of a random tiny model, not 0 or a NaN
+    assert len(fsdp["sharded"]) == 37 and all(fsdp["sharded"].values()) and ddp["sharded"] == {}
+    # the step line of the last step carries its eval, in both runs
+    last = {s: [m for m in _rows(out / s / "metrics.jsonl") if m["step"] == 1 and "loss" in m] for s in ("ddp", "fsdp")}
+    assert last["fsdp"][0]["eval_loss"] == pytest.approx(last["ddp"][0]["eval_loss"], rel=1e-5, abs=0)
+
+
+def test_fsdp_samples_equal_ddp(runs):
+    """Greedy samples at the last step: written once by rank 0, the same text under FSDP2 as under DDP."""
+    out, _, _ = runs
+    ddp, fsdp = _rows(out / "ddp" / "samples.jsonl"), _rows(out / "fsdp" / "samples.jsonl")
+    assert [r["step"] for r in fsdp] == [1, 1]
+    assert [r["completion"] for r in fsdp] == [r["completion"] for r in ddp]
+    assert all(r["completion"] for r in fsdp)
+
+
+def test_fsdp_best_adapter_is_whole_and_equals_ddp(runs):
+    """keep_best under FSDP2: <run>/best holds the whole adapter (gathered on every rank, written by rank 0), equal
+    to the DDP run's best adapter."""
+    from safetensors.torch import load_file
+
+    out, ddp, fsdp = runs
+    assert ddp["best_step"] == fsdp["best_step"] == 0  # lr 0: step 1's eval ties step 0's, no improvement
+    best = {s: load_file(str(out / s / "best" / "adapter_model.safetensors")) for s in ("ddp", "fsdp")}
+    assert best["fsdp"].keys() == best["ddp"].keys() and len(best["fsdp"]) == 24
+    assert best["fsdp"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (16, 128)
+    assert all(torch.equal(best["fsdp"][k], best["ddp"][k]) for k in best["ddp"])
+
+
+# ----------------------------------------------------------------------------- a whole run
 def _train_args(run_dir, *extra):
     return ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", "training.sharding=fsdp",
             "--set", f"training.max_steps={STEPS}", "--set", f"training.checkpoint.every_steps={SAVE_EVERY}",
