@@ -1,4 +1,5 @@
-"""Run by tests/test_lora_fsdp_eval.py under torchrun (2 CPU processes, gloo): ftcli's eval and greedy samples in
+"""Run by tests/test_lora_fsdp.py (through tests/_lora_fsdp_worker.py, after its steps) or alone under torchrun
+(2 CPU processes, gloo): ftcli's eval and greedy samples in
 the LoRA path (`ftcli.train.lora.callbacks.EvalCallback`) with the tiny gpt-oss base kept whole per rank (ddp) or
 sharded by accelerate's FSDP2 (fsdp). The same seeded nonzero adapters in both runs, and lr 0, so every eval and
 the samples see the same adapter: an eval at step 0, one at the last step (1), samples there, keep_best.
@@ -21,11 +22,21 @@ SAMPLES = '["What is 2 plus 3?", "Say hi"]'
 
 
 def main(out: Path, sharding: str) -> None:
+    from ftcli.train.distributed import exit_worker
+
+    eval_run(out, sharding)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    exit_worker(0)
+
+
+def eval_run(out: Path, sharding: str) -> None:
+    """The run of the module doc, in this process (tests/_lora_fsdp_worker.py takes it after its steps)."""
     from torch.distributed.tensor import DTensor
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.train.distributed import exit_worker, rank0_first
+    from ftcli.train.distributed import rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.model.kernels import enable_packed_kernels
     from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
@@ -60,9 +71,6 @@ def main(out: Path, sharding: str) -> None:
         evals = step_log.eval_callback.evals
         (out / f"{sharding}.json").write_text(json.dumps({"evals": evals.history, "best_step": evals.best_step,
                                                           "sharded": sharded}))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    exit_worker(0)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 with LoRA on attention and experts, the base kept whole per rank (ddp) or sharded by FSDP2 (fsdp), over four
 blocks with very different trained-token counts (two per rank, grad_accum 2). Rank 0 saves the step's LoRA
 gradients (gathered to full tensors under FSDP2) to OUT/grads-<sharding>.pt, and whether the base weights
-were sharded. With a third argument `bf16` the model and the run are bfloat16 (FSDP2 mixed precision) and the
-files are OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json: the step's logged loss and, after
-the step, ftcli's eval loss sum (`attach_eval_loss`) on each of the four blocks."""
+were sharded. A third argument lists the steps to take one after the other, from `fp32`, `bf16` and `eval`
+(default fp32; `eval`: the eval-and-samples run of tests/_lora_fsdp_eval_worker.py): with bf16 the model and the run are bfloat16 (FSDP2 mixed precision) and the files are
+OUT/grads-<sharding>-bf16.pt plus OUT/loss-<sharding>-bf16.json: the step's logged loss and, after the step,
+ftcli's eval loss sum (`attach_eval_loss`) on each of the four blocks."""
 
 from __future__ import annotations
 
@@ -20,7 +21,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
 
 
-def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
+def main(out: Path, sharding: str, dtypes: str = "fp32") -> None:
+    for dtype in dtypes.split(","):  # one after the other in this process (a fresh trainer each)
+        if dtype == "eval":
+            from _lora_fsdp_eval_worker import eval_run
+
+            eval_run(out, sharding)
+        else:
+            step(out, sharding, dtype)
+    if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    from ftcli.train.distributed import exit_worker
+
+    exit_worker(0)
+
+
+def step(out: Path, sharding: str, dtype: str) -> None:
     import datasets
     from torch.distributed.tensor import DTensor
     from transformers import AutoTokenizer, TrainerCallback
@@ -77,12 +94,6 @@ def main(out: Path, sharding: str, dtype: str = "fp32") -> None:
         (out / f"sharded-{tag}.json").write_text(json.dumps(sharded))
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         (out / f"loss-{tag}.json").write_text(json.dumps({"train": losses, "eval_sums": evals}))
-    if torch.distributed.is_initialized():  # leave together, as `ftcli train` does
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    from ftcli.train.distributed import exit_worker
-
-    exit_worker(0)
 
 
 if __name__ == "__main__":

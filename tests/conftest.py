@@ -6,6 +6,15 @@ import os
 
 import pytest
 
+# One thread per pytest-xdist worker (`-n 2` on the 2-core CI box): each worker's in-process torch would start one
+# OpenMP thread per core, and the two workers' spinning threads take the cores from each other and from the
+# training runs they launch (measured: tests/test_packed_kernels.py + test_decode.py beside one busy core took
+# 62-86 s with 2 threads, 14-22 s with 1). Set before torch is imported; a serial run keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the Rust tokenizers' thread pool, likewise
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_mlflow_env():
@@ -30,3 +39,20 @@ def one_rank(tmp_path_factory):
     yield
     if started:
         dist.destroy_process_group()
+
+
+# The modules that launch training runs (torchrun, `ftcli train`, an MLflow server), heaviest first: seconds of
+# one 2-worker run (`pytest --durations=60 --junitxml=...`, summed per module). Under `--dist loadfile` a module
+# is one unit of work on one worker; xdist would hand them out by test count, which sends these few-test heavy
+# modules out last, where one of them then runs alone on one worker while the other idles. Run first, the many
+# light modules fill the end evenly (pyproject's addopts says --no-loadscope-reorder so this order is kept).
+HEAVY_FIRST = ["test_train_full", "test_preemption", "test_lora_fsdp", "test_register", "test_lora_train", "test_eval",
+               "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
+               "test_families", "test_generate", "test_launch", "test_lora_loss",
+               "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
+               "test_data_checks"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order

@@ -1,8 +1,10 @@
-"""ftcli.train.checkpoint without torch.distributed: which checkpoint --resume means, and when to save."""
+"""ftcli.train.checkpoint in one process: which checkpoint --resume means, when to save, a save or an export
+that the disk stops."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -150,3 +152,78 @@ def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path
         "the checkpoint of step 3 could not be saved: Disk quota exceeded (rank_00000.json) [errno 122]; there is no "
         f"earlier checkpoint: free space, then start again with `ftcli train --recipe {tmp_path}/recipe.yaml --force`")
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export(tmp_path, one_rank, monkeypatch):
+    """ENOSPC while save_pretrained writes the export: one UserError naming the file, the space the export needs
+    and the space free; the half-written .tmp_final is removed and an earlier final/ is left as it was."""
+    import errno
+    import os
+    import shutil
+
+    import torch
+
+    from ftcli.config.recipe import load_recipe
+    from ftcli.model.build import build_empty_model, load_model
+    from ftcli.train.checkpoint import save_hf_checkpoint
+
+    recipe = load_recipe("tiny-qwen-cpu")
+    model = load_model(recipe.model, dtype=torch.float32)
+    out = tmp_path / "final"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")
+
+    def full_disk(self, save_directory, **kwargs):
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        (Path(save_directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(save_directory) / "model.safetensors"))
+
+    monkeypatch.setattr(type(model), "save_pretrained", full_disk)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=2**30, used=2**30, free=3 * 2**19))
+    tokenizer = SimpleNamespace(save_pretrained=lambda d: pytest.fail("the tokenizer is written after the weights"))
+    with pytest.raises(UserError) as err:
+        save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32), tokenizer, out, torch.float32)
+    needed = sum(t.numel() * 4 for t in model.state_dict().values()) / 2**20
+    assert str(err.value) == (
+        f"the Hugging Face export to {out} could not be written: No space left on device "
+        f"({tmp_path / '.tmp_final' / 'model.safetensors'}) [errno 28]; it needs about {needed:,.1f} MiB, 1.5 MiB are "
+        "free there: free space; nothing half-written is left in its place")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp_final
+    assert (out / "model.safetensors").read_bytes() == b"an earlier export"
+
+
+def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one(tmp_path, capsys):
+    """A LoRA (TRL) checkpoint-N carries each file's size and CRC32s (record_trl_checksums, written after the
+    save); the launcher's resume check (`check_resume`) names the first damaged file and the newest earlier
+    checkpoint that verifies. A checkpoint without checksums (an older ftcli) resumes with a warning."""
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.checkpoint import TRL_CHECKSUMS, record_trl_checksums
+    from ftcli.train.launch import check_resume
+
+    root = tmp_path / "run" / "checkpoints"
+    older, newer = _trl(root, 2), _trl(root, 4)
+    for ckpt in (older, newer):
+        (ckpt / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+        (ckpt / "optimizer_0").mkdir()
+        (ckpt / "optimizer_0" / "__0_0.distcp").write_bytes(b"shard" * 100)  # accelerate's FSDP layout: a subdir
+        record_trl_checksums(ckpt)
+    recorded = json.loads((newer / TRL_CHECKSUMS).read_text())["files"]
+    assert sorted(recorded) == ["adapter_model.safetensors", "optimizer_0/__0_0.distcp", "trainer_state.json"]
+    recipe = load_recipe("tiny-gpt-oss-cpu", [f"output.dir={tmp_path / 'run'}"])
+    check_resume(recipe, tmp_path / "run", "latest")  # intact: nothing said
+    assert capsys.readouterr().err == ""
+
+    damaged = bytearray((newer / "optimizer_0" / "__0_0.distcp").read_bytes())
+    damaged[7] ^= 0xFF  # one flipped byte, the size unchanged
+    (newer / "optimizer_0" / "__0_0.distcp").write_bytes(bytes(damaged))
+    with pytest.raises(UserError) as err:
+        check_resume(recipe, tmp_path / "run", "latest")
+    assert str(err.value) == (
+        f"checkpoint {newer}: optimizer_0/__0_0.distcp does not match the checksum taken at save (damaged since); "
+        f"the previous intact checkpoint is {older} (resume from it with --resume {older})")
+    check_resume(recipe, tmp_path / "run", str(older))
+
+    (older / TRL_CHECKSUMS).unlink()
+    check_resume(recipe, tmp_path / "run", str(older))
+    assert capsys.readouterr().err == (f"warning: checkpoint {older} has no checksums (saved by an older ftcli); "
+                                       "resuming from it unverified\n")

@@ -1,6 +1,8 @@
 """LoRA with the frozen base sharded by FSDP2 (`training.sharding: fsdp`, accelerate's FSDP2 through TRL) on 2 CPU
-processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's, a resumed run
-ends where the uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
+processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's (fp32, bf16),
+the eval loss through accelerate's FSDP root equals the DDP one for the same adapter, the greedy samples (every rank
+generating) are the same text, the best adapter is gathered whole and written once, a resumed run ends where the
+uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from _lora_common import run_ftcli
 from test_lora_train import _adapter, _metrics
 
 STEPS, SAVE_EVERY = 6, 3
+EVAL_TOKENS = 201  # the trained tokens of the eval.max_examples=12 rows of tiny_chat.jsonl (measured)
 
 
 def _worker(out: Path, sharding: str, *extra: str) -> None:
@@ -27,11 +30,25 @@ def _worker(out: Path, sharding: str, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_fsdp_lora_gradients_equal_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> Path:
+    """The fp32 step, the bf16 step, then the eval-and-samples run: one torchrun per sharding (DDP, FSDP2)."""
+    out = tmp_path_factory.mktemp("lora-steps")
+    _worker(out, "ddp", "fp32,bf16,eval")
+    _worker(out, "fsdp", "fp32,bf16,eval")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(steps):
+    """The eval runs of those torchruns (tests/_lora_fsdp_eval_worker.py): the directory, DDP's and FSDP2's records."""
+    return steps, *(json.loads((steps / f"{sharding}.json").read_text()) for sharding in ("ddp", "fsdp"))
+
+
+def test_fsdp_lora_gradients_equal_ddp(steps):
     """One step, grad_accum 2 x 2 ranks over blocks of 6..170 trained tokens: every LoRA gradient (attention and
     expert adapters) under FSDP2 equals the DDP one; every base weight was a DTensor holding half of itself."""
-    _worker(tmp_path, "ddp")
-    _worker(tmp_path, "fsdp")
+    tmp_path = steps
     ddp, fsdp = torch.load(tmp_path / "grads-ddp.pt"), torch.load(tmp_path / "grads-fsdp.pt")
     assert ddp.keys() == fsdp.keys() and len(ddp) == 24  # A and B of q/k/v/o + 2 expert params, 2 layers
     worst = max(((fsdp[n] - ddp[n]).abs().max() / ddp[n].abs().max()).item() for n in ddp)
@@ -42,7 +59,7 @@ def test_fsdp_lora_gradients_equal_ddp(tmp_path):
     assert json.loads((tmp_path / "sharded-ddp.json").read_text()) == {}
 
 
-def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(tmp_path):
+def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(steps):
     """bfloat16 weights under FSDP2 mixed precision, the same step as above, against DDP (which sums TRL's float32
     per-token log-probs and the adapter's gradients in float32): the logged loss and every LoRA gradient agree
     to 1e-6 (measured 0 and 5.5e-9), and ftcli's eval loss after the step is a float32 sum within 1e-3 of DDP's
@@ -50,8 +67,7 @@ def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(tmp_path):
     param_dtype). With accelerate's own bf16 policy (output and reduce in bf16) the loss was 1.6e-2 off, the
     gradients 1.3e-2 and the eval sum bf16 (1192.0 vs 1187.8); with a float32 output cast the eval failed
     (float32 activations into the bf16 LM head); with the bf16 reduce alone the gradients were 3.4e-3 off."""
-    _worker(tmp_path, "ddp", "bf16")
-    _worker(tmp_path, "fsdp", "bf16")
+    tmp_path = steps
     ddp_out = json.loads((tmp_path / "loss-ddp-bf16.json").read_text())
     fsdp_out = json.loads((tmp_path / "loss-fsdp-bf16.json").read_text())
     print(f"bf16 step loss: DDP {ddp_out['train']}, FSDP2 {fsdp_out['train']}")
@@ -69,6 +85,49 @@ def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(tmp_path):
         assert abs(f["value"] - d["value"]) <= 1e-3 * abs(d["value"])
 
 
+# ----------------------------------------------------------------- eval and samples under FSDP2
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fsdp_eval_loss_equals_ddp(runs):
+    """Step 0 and the last step (1): the same loss (rel 1e-5) over the same tokens; the base really was sharded."""
+    out, ddp, fsdp = runs
+    assert [e["step"] for e in ddp["evals"]] == [e["step"] for e in fsdp["evals"]] == [0, 1]
+    for d, f in zip(ddp["evals"], fsdp["evals"]):
+        assert d["tokens"] == f["tokens"] == EVAL_TOKENS
+        assert f["loss"] == pytest.approx(d["loss"], rel=1e-5, abs=0), (d, f)
+    print(f"FSDP vs DDP eval loss: {fsdp['evals'][0]['loss']:.6f} vs {ddp['evals'][0]['loss']:.6f}")
+    assert 6.0 < ddp["evals"][0]["loss"] < 8.0  # ~ln(vocab) of a random tiny model, not 0 or a NaN
+    assert len(fsdp["sharded"]) == 37 and all(fsdp["sharded"].values()) and ddp["sharded"] == {}
+    # the step line of the last step carries its eval, in both runs
+    last = {s: [m for m in _rows(out / s / "metrics.jsonl") if m["step"] == 1 and "loss" in m] for s in ("ddp", "fsdp")}
+    assert last["fsdp"][0]["eval_loss"] == pytest.approx(last["ddp"][0]["eval_loss"], rel=1e-5, abs=0)
+
+
+def test_fsdp_samples_equal_ddp(runs):
+    """Greedy samples at the last step: written once by rank 0, the same text under FSDP2 as under DDP."""
+    out, _, _ = runs
+    ddp, fsdp = _rows(out / "ddp" / "samples.jsonl"), _rows(out / "fsdp" / "samples.jsonl")
+    assert [r["step"] for r in fsdp] == [1, 1]
+    assert [r["completion"] for r in fsdp] == [r["completion"] for r in ddp]
+    assert all(r["completion"] for r in fsdp)
+
+
+def test_fsdp_best_adapter_is_whole_and_equals_ddp(runs):
+    """keep_best under FSDP2: <run>/best holds the whole adapter (gathered on every rank, written by rank 0), equal
+    to the DDP run's best adapter."""
+    from safetensors.torch import load_file
+
+    out, ddp, fsdp = runs
+    assert ddp["best_step"] == fsdp["best_step"] == 0  # lr 0: step 1's eval ties step 0's, no improvement
+    best = {s: load_file(str(out / s / "best" / "adapter_model.safetensors")) for s in ("ddp", "fsdp")}
+    assert best["fsdp"].keys() == best["ddp"].keys() and len(best["fsdp"]) == 24
+    assert best["fsdp"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (16, 128)
+    assert all(torch.equal(best["fsdp"][k], best["ddp"][k]) for k in best["ddp"])
+
+
+# ----------------------------------------------------------------------------- a whole run
 def _train_args(run_dir, *extra):
     return ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", "training.sharding=fsdp",
             "--set", f"training.max_steps={STEPS}", "--set", f"training.checkpoint.every_steps={SAVE_EVERY}",

@@ -1,6 +1,6 @@
 """`ftcli train` with a LoRA recipe, end to end on 2 CPU processes (gloo): a tiny gpt-oss written in
 MXFP4 by the fixture is loaded dequantized, trained with LoRA on attention and experts, saved, reloaded,
-resumed and merged. In one process: the timed checkpoint save and the token counts it carries."""
+stopped by SIGTERM and resumed, and merged. In one process: the timed checkpoint save and the token counts it carries."""
 
 from __future__ import annotations
 
@@ -140,27 +140,61 @@ def test_run_json_and_mlflow(trained, mxfp4_base):
     assert [h.value for h in grad_norms] == pytest.approx([r["grad_norm"] for r in _metrics(run_dir)])
 
 
-def test_resume_from_checkpoint_continues_the_same_run(trained, mxfp4_base):
-    """--resume DIR picks up at step 15 and ends where the uninterrupted run ended."""
-    work, run_dir, _ = trained
+def test_sigterm_stops_with_a_trl_checkpoint_and_resume_continues_the_same_run(trained, mxfp4_base, tmp_path):
+    """The trained run again, SIGTERM to its launcher after the first step line: it stops at the next step with
+    a TRL checkpoint-N and the one `stopped at step N` line (no traceback). The `--resume` of that line logs
+    each step once and ends where the uninterrupted run ended: losses, adapter, token counts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    work, reference, _ = trained
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "FTCLI_CACHE": str(work / "cache")}  # run_ftcli's environment, the trained run's data cache
+    proc = subprocess.Popen([sys.executable, "-m", "ftcli", *_train_args(mxfp4_base, run_dir)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().endswith("\n")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if "stopped" in line]
+    assert len(lines) == 1, lines
+    step = int(lines[0].split("stopped at step ")[1].split(";")[0])
+    assert lines[0] == f"stopped at step {step}; resume with `ftcli train --recipe {run_dir / 'recipe.yaml'} --resume`"
+    assert 1 <= step < STEPS - 2 * LOG_EVERY
+    saved = run_dir / "checkpoints" / f"checkpoint-{step}"
+    assert [p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")] == [saved.name]
+    assert (saved / "adapter_model.safetensors").is_file()
+    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
+    assert not (run_dir / "final").exists() and not (run_dir / "run.json").exists()
     before = _metrics(run_dir)
-    adapter_before = _adapter(run_dir)
-    proc = run_ftcli(_train_args(mxfp4_base, run_dir, "--resume", str(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY}")),
-                     cwd=work)
+    assert [r["step"] for r in before] == [s for s in [1, *range(LOG_EVERY, STEPS + 1, LOG_EVERY)] if s <= step]
+
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint (a kill -9)
+        f.write(json.dumps({"step": step + 1, "loss": 0.0}) + "\n")
+    proc = run_ftcli(["train", "--recipe", str(run_dir / "recipe.yaml"), "--resume"], cwd=tmp_path,
+                     env={"FTCLI_CACHE": str(work / "cache")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    after = _metrics(run_dir)  # cut back to the checkpoint's step, then the resumed steps: each step once
-    assert [r["step"] for r in after] == [b["step"] for b in before]
-    assert after[: len(after) - len(range(SAVE_EVERY + LOG_EVERY, STEPS + 1, LOG_EVERY))] == [
-        b for b in before if b["step"] <= SAVE_EVERY]
-    resumed = [r for r in after if r["step"] > SAVE_EVERY]
-    assert [r["step"] for r in resumed] == list(range(SAVE_EVERY + LOG_EVERY, STEPS + 1, LOG_EVERY))
-    for r in resumed:
-        original = next(b for b in before if b["step"] == r["step"])
-        assert r["loss"] == pytest.approx(original["loss"], rel=1e-4), r["step"]
-    adapter_after = _adapter(run_dir)
-    assert max((adapter_after[k] - adapter_before[k]).abs().max().item() for k in adapter_before) < 1e-4
+    after, uninterrupted = _metrics(run_dir), _metrics(reference)
+    assert [r["step"] for r in after] == [r["step"] for r in uninterrupted]  # cut back to the checkpoint: each once
+    assert after[: len(before)] == before
+    # a logged loss is the mean since the last log: from the first whole window after the resume, the same
+    compared = [(a, b) for a, b in zip(after, uninterrupted) if a["step"] - LOG_EVERY >= step]
+    assert len(compared) >= 2
+    for a, b in compared:
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    adapter_after, adapter_reference = _adapter(run_dir), _adapter(reference)
+    assert max((adapter_after[k] - adapter_reference[k]).abs().max().item() for k in adapter_reference) < 1e-4
     run = json.loads((run_dir / "run.json").read_text())
     assert run["steps"] == STEPS and run["tokens"]["seen"] == STEPS * 2 * 1024  # counts carried over the resume
+    assert run["tokens"]["trained"] == json.loads((reference / "run.json").read_text())["tokens"]["trained"]
 
 
 def test_merge_lora_of_the_trained_run(trained):
@@ -224,6 +258,7 @@ def test_a_crafted_pickle_in_a_lora_checkpoint_is_refused_and_never_runs(trained
 
     for name in ("optimizer.pt", *[p.name for p in crafted.glob("rng_state*.pth")]):
         torch.save({"state": Payload()}, crafted / name)
+    (crafted / "ftcli_checksums.json").unlink()  # crafted with no checksums (they would name optimizer.pt first)
     out = tmp_path / "run"
     shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("checkpoints", "final", "run.json"))
     proc = run_ftcli(_train_args(mxfp4_base, out, "--resume", str(crafted)), cwd=work)

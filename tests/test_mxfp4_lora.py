@@ -255,7 +255,8 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
         recipe = tiny_recipe("model.init=pretrained", f"model.id={mxfp4_base}", f"model.quantization={quantization}",
                              f"lora.experts={experts}", "training.max_steps=3", "training.log_every=1",
                              "training.checkpoint.enabled=false", "data.max_examples=60",
-                             f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false", "eval=null")
+                             f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false", "eval=null",
+                             "data.max_length=256", "data.packing.block_len=256")  # short blocks: fast
         run_dir = tmp_path / quantization
         tokenizer = load_tokenizer(recipe)
         trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_rows(recipe, tokenizer),

@@ -2,8 +2,12 @@
 
 End to end through the real launcher (`ftcli train` -> torchrun -> 2 workers): SIGTERM to the launcher,
 as a platform sends it; SIGINT to the launcher's process group, as Ctrl-C in a terminal does (the
-workers are in their own session and only get it forwarded). Then `--resume` reproduces the
-uninterrupted run's metrics.jsonl exactly, each step once. The LoRA path stops the same way.
+workers are in their own session and only get it forwarded). A SIGKILL of the launcher's process group
+or of one rank stops the run too (the workers die with the launcher: issue #17; a second train is refused
+while it runs, tests/test_run_lock.py). After each stop `--resume` continues, and at the end the run's
+metrics.jsonl and weights are the uninterrupted run's exactly, each step logged once. All of it is one
+run stopped in turn (one launch per stop, to keep the suite short). The LoRA path stops the same way
+(tests/test_lora_train.py::test_sigterm_stops_with_a_trl_checkpoint_and_resume_continues_the_same_run).
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ import pytest
 
 from _run_common import ftcli, metrics, subprocess_env, train_args
 
-STEPS = 10
-FULL = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false",
-        "training.checkpoint.save_final_hf=false"]
+STEPS = 14  # 5 stops in turn, each at least a step after the last one
+FULL = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false"]
 
 
 # ------------------------------------------------------------------------------------------ units
@@ -132,19 +135,50 @@ def uninterrupted(tmp_path_factory, env):
     tmp = tmp_path_factory.mktemp("uninterrupted")
     res = ftcli(train_args(tmp / "run", *FULL), tmp, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return numbers(tmp / "run")
+    return tmp / "run"
 
 
-def test_sigterm_then_ctrl_c_stop_with_a_checkpoint_and_resume_reproduces_the_run(uninterrupted, tmp_path, env):
+def workers_of(launcher: subprocess.Popen) -> list:
+    """The torchrun ranks: the launcher runs torchrun's agent in its own process, the ranks are its children."""
+    import psutil
+
+    return [p for p in psutil.Process(launcher.pid).children() if alive(p)]
+
+
+def alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_rank1(launcher: subprocess.Popen) -> None:
+    (rank1,) = [p for p in workers_of(launcher) if p.environ().get("RANK") == "1"]
+    rank1.kill()
+
+
+def test_every_way_a_run_stops_leaves_a_resumable_run_and_resume_reproduces_it(uninterrupted, tmp_path, env):
+    """One run, stopped five ways in turn, each resumed from where it stopped (one launch per stop):
+    SIGTERM to the launcher, SIGKILL to the launcher's process group (a second train is refused while it
+    runs; its workers die with it, issue #17), Ctrl-C (SIGINT to the process group), SIGKILL of one rank;
+    then a --resume to the end gives the uninterrupted run's metrics.jsonl, number for number, and weights."""
+    from typer.testing import CliRunner
+
+    from ftcli import cli
+    from safetensors.torch import load_file
+
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
+    resume = ["train", "--recipe", str(run_dir / "recipe.yaml"), "--resume"]
 
     # 1. SIGTERM to the launcher once step 2 is logged
     proc = start(train_args(run_dir, *FULL), tmp_path, env)
     out, err = signal_when(proc, lambda: len(logged_steps(run_dir)) >= 2, lambda: os.kill(proc.pid, signal.SIGTERM))
     assert proc.returncode == 143, err[-3000:]
     first = stop_line(out, err, run_dir)
-    assert 2 <= first < STEPS - 3
+    assert 2 <= first < STEPS - 8
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the stop's checkpoint, no .tmp
     assert logged_steps(run_dir) == list(range(1, first + 1))
     assert not (run_dir / "run.json").exists()
@@ -156,47 +190,57 @@ def test_sigterm_then_ctrl_c_stop_with_a_checkpoint_and_resume_reproduces_the_ru
     (ckpts / f".tmp_step_{first + 1:08d}").mkdir()
     (ckpts / f".tmp_step_{first + 1:08d}" / "__0_0.distcp").write_bytes(b"partial")
 
-    # 2. --resume, then Ctrl-C (SIGINT to the launcher's process group) two steps later
-    resume = ["train", "--recipe", str(run_dir / "recipe.yaml"), "--resume"]
+    # 2. --resume; while it trains a second `ftcli train` on the run dir is refused; then SIGKILL to the
+    # launcher's process group: every worker is gone within 5 s and nothing writes after
     proc = start(resume, tmp_path, env)
-    out, err = signal_when(proc, lambda: max(logged_steps(run_dir)) >= first + 2,
+    deadline = time.monotonic() + 180
+    while max(logged_steps(run_dir), default=0) < first + 2:  # past the planted step: this run's own line
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    refused = CliRunner().invoke(cli.app, [*resume, "latest"])
+    assert refused.exit_code == 2 and " ".join(refused.output.split()) == (
+        f"error: {run_dir} is in use by another `ftcli train` (pid {proc.pid}); wait for it to finish "
+        "or stop it, then run again")
+    workers = workers_of(proc)
+    assert len(workers) == 2, workers
+    assert proc.poll() is None, "the run ended before the kill; raise STEPS"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    t0 = time.monotonic()
+    while any(alive(w) for w in workers):
+        assert time.monotonic() - t0 < 5, "the workers outlived the launcher's SIGKILL by 5 s"
+        time.sleep(0.1)
+    proc.communicate(timeout=10)
+    killed_at = max(logged_steps(run_dir))
+    time.sleep(1.5)
+    assert logged_steps(run_dir) == list(range(1, killed_at + 1))  # truncated at `first`, then each step once
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the planted .tmp removed
+
+    # 3. --resume, then Ctrl-C (SIGINT to the launcher's process group) once it trains past the killed run
+    proc = start(resume, tmp_path, env)
+    out, err = signal_when(proc, lambda: max(logged_steps(run_dir), default=0) > killed_at,
                            lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 130, err[-3000:]
     second = stop_line(out, err, run_dir)
-    assert first + 2 <= second < STEPS
+    assert killed_at < second < STEPS - 2, (killed_at, second)
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}", f"step_{second:08d}"]  # keep_last 2
-    assert logged_steps(run_dir) == list(range(1, second + 1))  # truncated at `first`, then logged once each
+    assert logged_steps(run_dir) == list(range(1, second + 1))
 
-    # 3. --resume to the end: metrics.jsonl is the uninterrupted run's, number for number
+    # 4. --resume, then SIGKILL of rank 1: the launcher stops the run in one line, nothing is exported
+    proc = start(resume, tmp_path, env)
+    out, err = signal_when(proc, lambda: max(logged_steps(run_dir), default=0) > second, lambda: kill_rank1(proc))
+    assert proc.returncode != 0 and "training stopped" in out + err, err[-3000:]
+    assert not (run_dir / "final").exists() and not (run_dir / "run.json").exists()
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}", f"step_{second:08d}"]
+
+    # 5. --resume to the end: metrics.jsonl and the exported weights are the uninterrupted run's
     res = ftcli(resume, tmp_path, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"resumed from {ckpts / f'step_{second:08d}'} at step {second}" in res.stdout
-    assert numbers(run_dir) == uninterrupted
+    assert numbers(run_dir) == numbers(uninterrupted)
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{second:08d}", f"step_{STEPS:08d}"]
-
-
-def test_lora_sigterm_stops_with_a_trl_checkpoint_and_resume_logs_each_step_once(tmp_path, env):
-    run_dir = tmp_path / "run"
-    args = ["train", "--recipe", "tiny-gpt-oss-cpu", "--set", f"output.dir={run_dir}", "--set", "training.max_steps=8",
-            "--set", "training.log_every=1", "--set", "tracking.enabled=false"]
-    proc = start(args, tmp_path, env)
-    out, err = signal_when(proc, lambda: len(logged_steps(run_dir)) >= 1, lambda: os.kill(proc.pid, signal.SIGTERM))
-    assert proc.returncode == 143, err[-3000:]
-    step = stop_line(out, err, run_dir)
-    assert 1 <= step < 8
-    saved = run_dir / "checkpoints" / f"checkpoint-{step}"
-    assert [p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")] == [saved.name]
-    assert (saved / "adapter_model.safetensors").is_file() and (saved / "trainer_state.json").is_file()
-    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
-    assert not (run_dir / "final").exists() and not (run_dir / "run.json").exists()
-    losses = {m["step"]: m["loss"] for m in metrics(run_dir)}
-    assert sorted(losses) == list(range(1, step + 1))
-
-    with open(run_dir / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint (a kill -9)
-        f.write(json.dumps({"step": step + 1, "loss": 0.0}) + "\n")
-    res = ftcli([*args, "--resume"], tmp_path, env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    after = metrics(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 9))
-    assert {m["step"]: m["loss"] for m in after[:step]} == losses and all(m["loss"] > 0 for m in after)
+    resumed, reference = load_file(run_dir / "final" / "model.safetensors"), \
+        load_file(uninterrupted / "final" / "model.safetensors")
+    assert resumed.keys() == reference.keys()
+    assert max(float((resumed[k] - reference[k]).abs().max()) for k in resumed) <= 1e-6

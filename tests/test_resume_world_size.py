@@ -7,7 +7,7 @@ and 1 x 2), so every optimizer step trains the same blocks as the uninterrupted 
   * lr, trained and seen tokens are equal, losses within rel 1e-5 and grad norms within rel 1e-4 (fp32;
     only the order of the sums differs between layouts; measured: loss rel <= 1.8e-7, grad norm rel <= 1.1e-5,
     the bound test_train_full::test_loss_same_for_1_and_2_ranks uses for 1 vs 2 ranks).
-The first leg stops at step 4 by SIGTERM to rank 0 only (tests/_preempt_worker.py): every rank stops there.
+Each leg but the last stops by SIGTERM to rank 0 only (tests/_preempt_worker.py): every rank stops there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from _run_common import REPO, env, metrics, output_tail, recipe_file, torchrun  # noqa: F401 (env: a fixture)
 
-STEPS, STOP = 8, 4
+STEPS, STOP, STOP2 = 8, 4, 6
 WORKER = REPO / "tests" / "_preempt_worker.py"
 COMMON = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false",
           "training.checkpoint.save_final_hf=false", "training.checkpoint.every_steps=100"]
@@ -57,24 +57,33 @@ def uninterrupted(tmp_path_factory, env):
     return {"blocks": blocks_per_step(ranks, 1, 1), "metrics": numbers(tmp / "run")}
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
-def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterrupted, tmp_path, env, before, after):
+def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterrupted, tmp_path, env):
+    """One run on 2 ranks, stopped at step 4, resumed on 1 rank (2 -> 1), stopped at step 6, resumed on 2 ranks
+    (1 -> 2) to the end: one launch per leg, each checkpoint written by one world size and read by the other."""
     run_dir = tmp_path / "run"
-    ga_before, ga_after = 2 // before, 2 // after  # 2 blocks per optimizer step in every layout
-    first = run_worker(tmp_path, before, "first", run_dir, ga_before,
-                       "--sigterm-at-block", str(STOP * ga_before), env=env)
-    assert [(r["stopped_at"], r["signal"]) for r in first] == [(STOP, 15)] * before  # rank 0 got it; all stopped
-    ckpt = run_dir / "checkpoints" / f"step_{STOP:08d}"
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [ckpt.name]
-    meta = json.loads((ckpt / "meta.json").read_text())
-    assert (meta["world_size"], meta["blocks_per_step"]) == (before, 2)
-    assert sorted(p.name for p in ckpt.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(before)]
+    ckpts = run_dir / "checkpoints"
+    legs = []  # (ranks, grad_accum, first step, what each rank pulled)
+    for tag, ranks, stop_at, first_step, extra in (("first", 2, STOP, 1, []),
+                                                   ("second", 1, STOP2, STOP + 1, ["--resume", "latest"])):
+        grad_accum = 2 // ranks  # 2 blocks per optimizer step in every layout
+        pulled = run_worker(tmp_path, ranks, tag, run_dir, grad_accum, *extra,
+                            "--sigterm-at-block", str((stop_at - first_step + 1) * grad_accum), env=env)
+        assert [(r["stopped_at"], r["signal"]) for r in pulled] == [(stop_at, 15)] * ranks  # rank 0 got it; all stopped
+        ckpt = ckpts / f"step_{stop_at:08d}"
+        assert sorted(p.name for p in ckpts.iterdir())[-1] == ckpt.name
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert (meta["world_size"], meta["blocks_per_step"]) == (ranks, 2)
+        assert sorted(p.name for p in ckpt.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(ranks)]
+        legs.append((grad_accum, first_step, pulled))
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{STOP:08d}", f"step_{STOP2:08d}"]
 
-    second = run_worker(tmp_path, after, "second", run_dir, ga_after, "--resume", "latest", env=env)
-    assert [r["steps"] for r in second] == [STEPS] * after
+    third = run_worker(tmp_path, 2, "third", run_dir, 1, "--resume", "latest", env=env)
+    assert [r["steps"] for r in third] == [STEPS] * 2
+    legs.append((1, STOP2 + 1, third))
 
     # the blocks: step by step the uninterrupted run's, so none repeated or skipped overall
-    combined = {**blocks_per_step(first, ga_before, 1), **blocks_per_step(second, ga_after, STOP + 1)}
+    combined = {step: b for grad_accum, first_step, pulled in legs
+                for step, b in blocks_per_step(pulled, grad_accum, first_step).items()}
     assert combined == uninterrupted["blocks"]
     assert sorted(combined) == list(range(1, STEPS + 1)) and all(len(b) == 2 for b in combined.values())
     overall = Counter(i for b in combined.values() for i in b)
@@ -87,6 +96,4 @@ def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterr
         assert (a["lr"], a["tokens_trained"], a["tokens_seen"]) == (b["lr"], b["tokens_trained"], b["tokens_seen"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    if before == 2:  # the first leg is the uninterrupted run's layout: bit for bit
-        assert got[:STOP] == want[:STOP]
-
+    assert got[:STOP] == want[:STOP]  # the first leg is the uninterrupted run's layout: bit for bit

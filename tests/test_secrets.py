@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import http.server
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -115,6 +117,12 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
 
+def _server_env() -> dict[str, str]:
+    """No job runner: MLflow's server would start one and a pool of huey consumers (6 more processes) that
+    these tests never use, on the 2 cores the tests share."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (sqlite + served artifacts) behind a proxy that records the auth header."""
@@ -123,7 +131,8 @@ def mlflow_server(tmp_path_factory):
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
            "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1"]
-    server = subprocess.Popen(cmd, cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(cmd, cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True, env=_server_env())
     proxy = _Proxy(f"http://127.0.0.1:{port}")
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
@@ -138,7 +147,7 @@ def mlflow_server(tmp_path_factory):
         yield store, proxy
     finally:
         proxy.shutdown()
-        server.terminate()
+        os.killpg(server.pid, signal.SIGKILL)  # a throwaway store: no graceful stop (SIGTERM took seconds)
         server.wait(timeout=30)
 
 

@@ -2,17 +2,14 @@
 
 Multi-process runs go through the real `ftcli train` (launcher -> torchrun -> workers) or through
 tests/_full_worker.py under torchrun when a test needs to reach inside the loop (gradients, injected NaN,
-uneven streams). Runs are shared between tests by module-scoped fixtures to keep the suite short.
+uneven streams). Runs are shared between tests by module-scoped fixtures to keep the suite short. A kill -9
+of one rank and --resume (the uninterrupted run's weights) is one of the stops in tests/test_preemption.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -245,37 +242,6 @@ def test_loss_same_for_1_and_2_ranks(reference_run, tmp_path, env):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["tokens_trained"] == b["tokens_trained"]
-
-
-def test_resume_matches_uninterrupted(reference_run, tmp_path, env):
-    """kill -9 of one rank mid-run, then --resume: the same final weights as the uninterrupted run."""
-    import psutil
-
-    run_dir = tmp_path / "killed"
-    args = train_args(run_dir, f"training.max_steps={STEPS}", "training.log_every=1",
-                      "training.checkpoint.every_steps=2", "tracking.enabled=false")
-    launcher = subprocess.Popen([sys.executable, "-m", "ftcli", *args], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoints" / "step_00000004" / "meta.json").exists():
-        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
-        time.sleep(0.05)
-    rank1 = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    assert len(rank1) == 1
-    os.kill(rank1[0].pid, signal.SIGKILL)
-    out = launcher.communicate(timeout=120)[0]
-    assert launcher.returncode != 0 and "training stopped" in out
-    assert not (run_dir / "final").exists()
-
-    res = ftcli([*args, "--resume"], tmp_path, env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    resumed_at = int(res.stdout.split("resumed from ")[1].split("step_")[1][:8])
-    assert 4 <= resumed_at < STEPS
-    resumed = safetensors_weights(run_dir / "final")
-    uninterrupted = safetensors_weights(reference_run["run_dir"] / "final")
-    assert max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in resumed) <= 1e-6
-    steps = [m["step"] for m in metrics(run_dir)]
-    assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1))  # logged steps cover the run
 
 
 # ---------------------------------------------------------------------------------- bad steps

@@ -286,14 +286,15 @@ def checkpoint_problem(ckpt_dir: Path, recorded: dict, *, threads: int = 8) -> s
     return f"{bad[0]} does not match the checksum taken at save (damaged since)" if bad else None
 
 
-def verify_checkpoint(path: Path, *, warn=None) -> None:
+def verify_checkpoint(path: Path, *, warn=None, kind: Literal["dcp", "trl"] = "dcp") -> None:
     """Before resuming from `path`: every file as the save wrote it, else one UserError naming the file and
     the newest earlier checkpoint that verifies. A checkpoint of an older ftcli (no checksums) loads with a
-    warning through `warn` (default: stderr)."""
+    warning through `warn` (default: stderr). kind: "dcp" (meta.json's checksums) or "trl" (a LoRA
+    checkpoint-N's TRL_CHECKSUMS file, `record_trl_checksums`)."""
     import sys
 
     path = Path(path)
-    recorded = read_meta(path).get(CHECKSUMS)
+    recorded = _recorded_checksums(path, kind)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
         (warn or (lambda m: print(m, file=sys.stderr)))(
             f"warning: checkpoint {path} has no checksums (saved by an older ftcli); resuming from it unverified")
@@ -301,21 +302,79 @@ def verify_checkpoint(path: Path, *, warn=None) -> None:
     problem = checkpoint_problem(path, recorded)
     if problem is None:
         return
-    step = checkpoint_step(path) if _STEP_DIR.match(path.name) else None
-    earlier = [p for p in reversed(list_checkpoints(path.parent)) if step is not None and checkpoint_step(p) < step]
-    intact = next((p for p in earlier if _intact(p)), None)
+    step = checkpoint_step(path) if _STEP_DIR.match(path.name) or _TRL_DIR.match(path.name) else None
+    earlier = [p for p in reversed(_committed(path.parent, kind)) if step is not None and checkpoint_step(p) < step]
+    intact = next((p for p in earlier if _intact(p, kind)), None)
     then = (f"the previous intact checkpoint is {intact} (resume from it with --resume {intact})" if intact is not None
             else "no earlier checkpoint verifies; start again without --resume (--force)")
     raise UserError(f"checkpoint {path}: {problem}; {then}")
 
 
-def _intact(path: Path) -> bool:
+def _intact(path: Path, kind: Literal["dcp", "trl"] = "dcp") -> bool:
     try:
-        recorded = read_meta(path).get(CHECKSUMS)
+        recorded = _recorded_checksums(path, kind)
     except UserError:
         return False
     return isinstance(recorded, dict) and isinstance(recorded.get("files"), dict) and \
         checkpoint_problem(path, recorded) is None
+
+
+# A LoRA checkpoint-N is transformers' Trainer's layout (adapter, optimizer, scheduler, RNG, trainer_state.json, and
+# ftcli's token counts and evals); TRL_CHECKSUMS in it records every other file's size and CRC32s as meta.json's
+# "checksums" does for the full path, written after the save by `record_trl_checksums` (the ranks hash the files
+# in turns; rank 0 writes it) and checked by the launcher before a resume (`verify_checkpoint(kind="trl")`).
+TRL_CHECKSUMS = "ftcli_checksums.json"
+_TRL_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _committed(root: Path, kind: Literal["dcp", "trl"]) -> list[Path]:
+    """The committed checkpoints of that kind under `root`, oldest first."""
+    if kind == "dcp":
+        return list_checkpoints(root)
+    found = [p for p in Path(root).iterdir() if _TRL_DIR.match(p.name) and (p / "trainer_state.json").is_file()] \
+        if Path(root).is_dir() else []
+    return sorted(found, key=checkpoint_step)
+
+
+def _recorded_checksums(path: Path, kind: Literal["dcp", "trl"]) -> dict | None:
+    if kind == "dcp":
+        return read_meta(path).get(CHECKSUMS)
+    file = Path(path) / TRL_CHECKSUMS
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint {path}: cannot read {TRL_CHECKSUMS} ({e})") from None
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[str]:
+    """Every file under `ckpt_dir` (relative paths, sorted) but the checksum record itself."""
+    root = Path(ckpt_dir)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.name != TRL_CHECKSUMS and not p.name.startswith(".tmp"))
+
+
+def record_trl_checksums(ckpt_dir: Path) -> None:
+    """Collective when torch.distributed is up (every rank calls it after TRL's save of `ckpt_dir`): the ranks
+    hash every other file in turns, rank 0 writes TRL_CHECKSUMS. Alone: this process hashes them all."""
+    ckpt_dir = Path(ckpt_dir)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    names = [checkpoint_files(ckpt_dir) if rank == 0 else None]
+    if distributed:
+        dist.barrier()  # every rank's files of this save are written
+        dist.broadcast_object_list(names, src=0)
+    mine = file_checksums(ckpt_dir, names[0][rank::world_size])
+    parts = [None] * world_size if rank == 0 else None
+    if distributed:
+        dist.gather_object(mine, parts, dst=0)
+    else:
+        parts = [mine]
+    if rank == 0:
+        files = {name: entry for part in parts for name, entry in part.items()}
+        write_atomic(ckpt_dir / TRL_CHECKSUMS, json.dumps(
+            {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}) + "\n")
 
 
 class CheckpointNotSaved(TrainingStopped):
@@ -607,8 +666,29 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    export.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    try:
+        export.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never left as if complete; gives the space back
+        needed = sum(t.numel() * t.element_size() for t in export.state_dict().values())
+        raise export_not_written("the Hugging Face export", out_dir, e, needed) from None
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def export_not_written(what: str, out_dir: Path, e: OSError, needed_bytes: int | None) -> UserError:
+    """The one line for a model export (the full path's HF export, the LoRA path's adapter) that an OSError
+    stopped, once its partial files are removed: the path and the error, and for a full disk or quota (ENOSPC,
+    EDQUOT) the space the export needs and the space free there."""
+    import errno
+
+    out_dir = Path(out_dir)
+    space = ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("/"))
+        need = f"about {needed_bytes / 2**20:,.1f} MiB" if needed_bytes else "more"
+        space = f"; it needs {need}, {shutil.disk_usage(where).free / 2**20:,.1f} MiB are free there: free space"
+    return UserError(f"{what} to {out_dir} could not be written: {_describe(e)}{space}; nothing half-written is "
+                     "left in its place")

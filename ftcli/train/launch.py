@@ -206,7 +206,7 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
 
 def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
     """A resume continues the run it names: the recipe may change only what `ftcli.train.resume` applies,
-    and the full path's checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s).
+    and the checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s, both paths).
     One UserError otherwise; writes nothing."""
     if resume is None:
         return
@@ -214,10 +214,10 @@ def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
         from ftcli.train.resume import check_resume_recipe
 
         check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
-    if recipe.training.method == "full":
-        from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
+    from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
 
-        verify_checkpoint(resolve_resume(run_dir, resume, kind="dcp"))
+    kind = "dcp" if recipe.training.method == "full" else "trl"
+    verify_checkpoint(resolve_resume(run_dir, resume, kind=kind), kind=kind)
 
 
 def _preflight(recipe) -> None:

@@ -7,6 +7,8 @@
     EvalCallback   recipe.eval through `ftcli.train.evaluate`, the functions the full loop calls: the eval loss in
                    the step line, the best adapter in <run>/best, early stopping, greedy samples
     StopOnSignal   SIGTERM / SIGINT (`ftcli.train.preempt`): checkpoint and stop at the end of the step
+    Checksums      after every save (last of all): each file's size and CRC32s in the checkpoint-N
+                   (`ftcli.train.checkpoint.record_trl_checksums`), checked before a resume
 
 Every checkpoint-N carries what TRL's own checkpoint lacks: the token counts (TOKENS_FILE) and the evals so
 far (EVALS_FILE), which `load` reads back on resume. With the base sharded by FSDP2 (training.sharding=fsdp)
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ftcli.train.checkpoint import CheckpointSchedule
+from ftcli.train.checkpoint import CheckpointSchedule, record_trl_checksums
 from ftcli.train.distributed import all_reduce, local_device, rank0_decides
 from ftcli.config.errors import UserError
 from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
@@ -332,3 +334,11 @@ class StopOnSignal(TrainerCallback):
         if self.signum:
             control.should_save = control.should_save or self.save
             control.should_training_stop = True
+
+
+class Checksums(TrainerCallback):
+    """After TRL's save of checkpoint-N and ftcli's own files in it (installed after the other callbacks), every
+    rank takes part in recording each file's size and CRC32s there (`record_trl_checksums`, collective)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        record_trl_checksums(Path(args.output_dir) / f"checkpoint-{state.global_step}")

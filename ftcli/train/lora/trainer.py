@@ -36,7 +36,8 @@ import torch
 
 from ftcli.config.errors import UserError
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
-from ftcli.train.lora.callbacks import EvalCallback, StepLog, StopOnSignal, TimedSave, export_best, save_adapter
+from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
+from ftcli.train.lora.callbacks import save_adapter
 from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.config.recipe import Recipe
 
@@ -255,6 +256,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
     trainer.callback_handler.callbacks[:0] = [cb for cb in (step_log, TimedSave(recipe.training.checkpoint), evals)
                                               if cb is not None]
+    trainer.add_callback(Checksums())  # last: after every file of a save is written
     return trainer, step_log
 
 
@@ -349,15 +351,39 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         torch.distributed.destroy_process_group()
 
 
+def save_final_adapter(trainer, final: Path, sharding: str) -> None:
+    """The adapter + tokenizer + chat template into `final`, written beside it and renamed in (main process): a
+    save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
+    import shutil
+
+    from ftcli.train.checkpoint import export_not_written
+
+    main = trainer.args.process_index == 0
+    tmp = final.with_name(f".tmp_{final.name}")
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
+            save_adapter(trainer.model, trainer.processing_class, tmp)
+        else:
+            trainer.save_model(str(tmp))  # main process
+    except OSError as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        raise export_not_written("the adapter", final, e, needed) from None
+    if main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+
+
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
     from ftcli.artifacts.rundir import FINAL
     from ftcli.train.lifecycle import record_run
 
-    if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
-        save_adapter(trainer.model, trainer.processing_class, run_dir / FINAL)
-    else:
-        trainer.save_model(str(run_dir / FINAL))  # adapter + tokenizer + chat template (main process)
+    save_final_adapter(trainer, run_dir / FINAL, sharding)
     if trainer.args.process_index != 0:
         return
     evals = step_log.eval_callback
