@@ -609,6 +609,7 @@ TrainingConfig = Annotated[
 
 # ------------------------------------------------------------------------------------------ lora
 class LoraConfig(_Section):
+    quiet_defaults: ClassVar[dict[str, Any]] = {"experts": "grouped"}
     r: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     dropout: float = Field(0.05, ge=0, lt=1)
