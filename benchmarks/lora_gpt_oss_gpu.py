@@ -130,7 +130,7 @@ def random_kept_mxfp4(recipe, attn, device):
 
     from ftcli.model.build import DTYPES, load_config
     from ftcli.model.mxfp4 import EXPERT_PARAMS, GROUP
-    from ftcli.model.mxfp4_lora import keep_experts_mxfp4
+    from ftcli.model.mxfp4_lora import keep_experts_mxfp4, rebuild_meta_buffers
 
     config = load_config(recipe.model)
     config.use_cache = False
@@ -161,13 +161,7 @@ def random_kept_mxfp4(recipe, attn, device):
             else:
                 value.zero_()
             setattr(module, pname, torch.nn.Parameter(value, requires_grad=param.requires_grad))
-    for name, module in model.named_modules():  # non-persistent buffers (rotary inv_freq) still on meta
-        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
-            parent, _, child = name.rpartition(".")
-            with torch.device(device):
-                setattr(model.get_submodule(parent), child, type(module)(module.config))
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not leftover, f"still on meta: {leftover[:3]}"
+    rebuild_meta_buffers(model, device)
     model.tie_weights()
     return model.eval()
 

@@ -135,6 +135,18 @@ def keep_experts_mxfp4(experts: nn.Module, tensors: dict[str, torch.Tensor], dty
         experts.register_buffer(f"{name}_scales", scales)
 
 
+def rebuild_meta_buffers(model: nn.Module, device) -> None:
+    """After a meta build and an `assign=True` load: rebuild the modules whose non-persistent buffers (rotary
+    inv_freq) are still on meta from their config, on `device`; nothing may be left on meta."""
+    for name, module in model.named_modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
+            parent, _, child = name.rpartition(".")
+            with torch.device(device):
+                setattr(model.get_submodule(parent), child, type(module)(module.config))
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not leftover, f"still on meta: {leftover[:3]}"
+
+
 def load_kept_mxfp4(cls, path: str | Path, config, *, dtype: torch.dtype, device, attn: str | None) -> nn.Module:
     """A gpt-oss MXFP4 checkpoint (a local directory) with its experts kept in MXFP4 and everything else in
     `dtype`, on `device`; tensor by tensor, so no expert ever exists in `dtype` whole."""
@@ -173,13 +185,7 @@ def load_kept_mxfp4(cls, path: str | Path, config, *, dtype: torch.dtype, device
     if missing or unexpected:
         raise UserError(f"{path}: checkpoint does not match its config (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
-    for name, module in model.named_modules():  # non-persistent buffers (rotary inv_freq) are still on meta
-        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
-            parent, _, child = name.rpartition(".")
-            with torch.device(device):
-                setattr(model.get_submodule(parent), child, type(module)(module.config))
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not leftover, f"still on meta after loading: {leftover[:3]}"
+    rebuild_meta_buffers(model, device)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.requires_grad_(True)
