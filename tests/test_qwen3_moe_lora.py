@@ -8,6 +8,19 @@ import pytest
 import torch
 
 
+def test_every_declared_expert_layout_is_one_moe_lora_computes():
+    """The families declaring an ExpertLayout are the MoE ones (gpt-oss, Qwen3-MoE), each naming a gate
+    ftcli.model.moe_lora has and a weight orientation it reads."""
+    from ftcli.families import FAMILIES
+    from ftcli.model.moe_lora import GATES
+
+    layouts = {name: f.expert_layout for name, f in FAMILIES.items() if f.expert_layout is not None}
+    assert {n: (x.experts_class, x.weights, x.activation, x.biases) for n, x in layouts.items()} == {
+        "gpt_oss": ("GptOssExperts", "in_out", "clamped_swiglu", True),
+        "qwen3_moe": ("Qwen3MoeExperts", "out_in", "silu", False)}
+    assert all(x.activation in GATES for x in layouts.values())
+
+
 def test_grouped_experts_equal_transformers_qwen3_moe_experts_with_empty_experts():
     """`grouped_experts` (no adapter, float32) over Qwen3MoeExperts' own parameters (their transposed views)
     equals the module's forward: output and the gradients of the hidden states and the routing weights to 1e-5,
