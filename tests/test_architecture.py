@@ -128,7 +128,8 @@ def test_every_family_has_every_field_filled():
         for fld in dataclasses.fields(f):
             value = getattr(f, fld.name)
             optional = fld.name in ("kernel_module", "setup_note", "no_pins_note", "pins", "fused_op_targets", "known_bad",
-                                    "module_globals", "vlm_text_types", "per_expert_checkpoint", "notes", "decoder")  # may say "none"
+                                    "module_globals", "vlm_text_types", "per_expert_checkpoint", "notes", "decoder",
+                                    "expert_layout")  # may say "none"
             assert optional or value not in (None, "", (), {}), (name, fld.name)
         assert f.name == name and f.model_types and f.attention in (base.DENSE, base.SINKS)
         assert f.packed_ops[0] == "attention" and set(f.module_globals) <= set(f.packed_ops)

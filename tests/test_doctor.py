@@ -95,14 +95,14 @@ def test_hopper_with_bad_triton_blocks_qwen_recipes_unless_tilelang():
 
 
 def test_expert_lora_kernels_warn_where_grouped_mm_or_triton_is_missing():
-    """gpt-oss expert LoRA (tiny-gpt-oss-cpu trains the experts; gpt-oss-120b-1gpu keeps them in MXFP4): OK with
-    torch 2.10+ on capability 9.0 and Triton; a warning, never a block, without grouped_mm or Triton; n/a for
-    a recipe that trains no experts (gpt-oss-h100) or through PEFT's wrapper."""
+    """MoE expert LoRA (tiny-gpt-oss-cpu and tiny-qwen3-moe-cpu train the experts; gpt-oss-120b-1gpu keeps them in
+    MXFP4): OK with torch 2.10+ on capability 9.0 and Triton; a warning, never a block, without grouped_mm or
+    Triton; n/a for a recipe that trains no experts (gpt-oss-h100) or through PEFT's wrapper."""
     from dataclasses import replace
 
-    name = "gpt-oss expert LoRA kernels"
+    name = "MoE expert LoRA kernels"
     good = hopper("3.6.0", tilelang=True)
-    for recipe in (load_recipe("tiny-gpt-oss-cpu"), load_recipe("gpt-oss-120b-1gpu")):
+    for recipe in (load_recipe("tiny-gpt-oss-cpu"), load_recipe("gpt-oss-120b-1gpu"), load_recipe("tiny-qwen3-moe-cpu")):
         assert by_name(doctor_checks(recipe, good))[name].status == OK
     old_torch = by_name(doctor_checks(load_recipe("gpt-oss-120b-1gpu"),
                                       replace(good, versions={**good.versions, "torch": "2.9.1"})))[name]
@@ -306,7 +306,7 @@ def test_checks_run_in_order_one_function_each():
         "packing keeps segments apart (llama)", "packing keeps segments apart (qwen3)",
         "packing keeps segments apart (qwen3_moe)", "packing keeps segments apart (gemma3)",
         "VLM loss across grad accumulation", "LoRA all-linear reaching a vision tower", "fp8 and fused ops",
-        "gpt-oss expert LoRA kernels"]
+        "MoE expert LoRA kernels"]
 
 
 def test_report_json_exact():
@@ -338,7 +338,7 @@ def test_report_json_exact():
             check("VLM loss across grad accumulation", NA, "not a LoRA run of a VLM class"),
             check("LoRA all-linear reaching a vision tower", NA, "not a LoRA run of a VLM class"),
             check("fp8 and fused ops", NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops"),
-            check("gpt-oss expert LoRA kernels", NA, "no gpt-oss expert LoRA through lora.experts=grouped in this recipe"),
+            check("MoE expert LoRA kernels", NA, "no MoE expert LoRA through lora.experts=grouped in this recipe"),
             check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, "transformers 5.24.0"),
             check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
             check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),

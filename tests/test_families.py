@@ -125,9 +125,10 @@ def test_gemma3_full_sft_trains_end_to_end_and_reloads(tmp_path, env):  # noqa: 
 
 
 def test_qwen3_moe_lora_trains_the_experts_end_to_end_and_merge_folds_them(tmp_path, env):  # noqa: F811
-    """LoRA on Qwen3-MoE's attention and its 3-D experts (PEFT target_parameters, gpt-oss's path) through TRL, from a
-    saved base (transformers writes its experts one linear each, as the hub checkpoints are); merge-lora reads
-    them fused, folds the adapter and writes them back in the base's layout."""
+    """LoRA on Qwen3-MoE's attention and its 3-D experts (PEFT target_parameters, computed unmerged by the grouped
+    expert LoRA, as gpt-oss's are) through TRL, from a saved base (transformers writes its experts one linear each,
+    as the hub checkpoints are); merge-lora reads them fused, folds the adapter and writes them back in the base's
+    layout."""
     import torch
     from peft import PeftModel
     from safetensors import safe_open
@@ -145,6 +146,7 @@ def test_qwen3_moe_lora_trains_the_experts_end_to_end_and_merge_folds_them(tmp_p
             "--set", f"model.id={base_dir}", "--set", "model.config=null"]
     res = ftcli([*args, *(x for s in FAST for x in ("--set", s))], tmp_path, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "expert LoRA: grouped, unmerged (2 experts modules" in res.stdout  # lora.experts' default, not PEFT's fold
     losses = [m["loss"] for m in _metrics(run_dir)]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5, losses
     adapter = load_file(str(run_dir / "final" / "adapter_model.safetensors"))

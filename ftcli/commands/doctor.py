@@ -206,10 +206,10 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
 
 
 def _grouped_expert_lora(recipe) -> bool:
-    """Whether `recipe` trains gpt-oss's experts through ftcli.model.moe_lora (its trainer's grouped_experts)."""
-    # the family whose experts ship in MXFP4 (gpt-oss) is the one whose expert layout moe_lora computes
-    if recipe is None or recipe.training.method != "lora" or not getattr(find_family(recipe.model.model_type),
-                                                                         "mxfp4_experts", False):
+    """Whether `recipe` trains MoE experts through ftcli.model.moe_lora (its trainer's grouped_experts)."""
+    # the families whose experts' layout moe_lora computes declare it (gpt-oss, Qwen3-MoE)
+    if recipe is None or recipe.training.method != "lora" or getattr(find_family(recipe.model.model_type),
+                                                                     "expert_layout", None) is None:
         return False
     return recipe.model.quantization == "mxfp4" or (recipe.lora.experts == "grouped"
                                                       and bool(recipe.lora.target_parameters))
@@ -221,9 +221,9 @@ def check_expert_lora_kernels(recipe, m, tf: Transformers) -> list[Check]:
     Triton is installed, else eager. Both fallbacks compute the same values, only slower: warnings."""
     from ftcli.hardware import version_tuple
 
-    name = "gpt-oss expert LoRA kernels"
+    name = "MoE expert LoRA kernels"
     if not _grouped_expert_lora(recipe):
-        return [Check(name, NA, "no gpt-oss expert LoRA through lora.experts=grouped in this recipe")]
+        return [Check(name, NA, "no MoE expert LoRA through lora.experts=grouped in this recipe")]
     if m.device_type != "cuda":
         return [Check(name, NA, "no GPU here (CPU: torch's grouped_mm or the exact per-expert loop)")]
     torch_v, triton_v = m.versions.get("torch"), m.versions.get("triton")

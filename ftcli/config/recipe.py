@@ -617,7 +617,7 @@ class LoraConfig(_Section):
     target_modules: str | list[str] = "all-linear"
     target_parameters: list[str] = Field(default_factory=list, description="3-D params, e.g. MoE experts.")
     experts: Literal["grouped", "peft"] = Field(
-        "grouped", description="LoRA on gpt-oss's expert parameters: grouped (unmerged x·W + s·(x·A)·B over tokens "
+        "grouped", description="LoRA on MoE expert parameters (gpt-oss, Qwen3-MoE): grouped (unmerged x·W + s·(x·A)·B over tokens "
         "grouped by expert, no base gradient: ftcli.model.moe_lora) or peft (PEFT's ParamWrapper, W + s·A·B "
         "folded every forward); runs as peft with training.sharding=fsdp.")
     exclude_vision: bool = Field(True, description="Keep LoRA off the vision tower of VLM classes.")

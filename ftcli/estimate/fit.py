@@ -11,7 +11,7 @@ from ftcli import hardware
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
-from ftcli.families import FAMILIES
+from ftcli.families import FAMILIES, find_family
 from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
 
@@ -80,11 +80,13 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
 
 def merged_experts(recipe: Recipe, sharding: str) -> bool:
     """Whether PEFT's ParamWrapper folds the expert LoRA into the weight (ftcli.train.lora.trainer.grouped_experts
-    is the other side: lora.experts=grouped over a DDP base, or any kept-MXFP4 base, computes it unmerged)."""
+    is the other side: lora.experts=grouped over a DDP base, or any kept-MXFP4 base, computes it unmerged, for
+    the families that declare their experts' layout: gpt-oss, Qwen3-MoE)."""
     lora = recipe.lora
     if not lora.target_parameters or recipe.model.quantization == "mxfp4":
         return False
-    return lora.experts == "peft" or sharding == "fsdp"
+    family = find_family(recipe.model.model_type)
+    return lora.experts == "peft" or sharding == "fsdp" or family is None or family.expert_layout is None
 
 
 def speed_settings(t) -> tuple[str, ...]:

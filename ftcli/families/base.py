@@ -46,6 +46,19 @@ class Pin:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """How a family's 3-D expert parameters compute, for the grouped expert LoRA (ftcli.model.moe_lora picks its
+    forward by the experts module's class): gpt-oss `[E, in, out]` + biases, gate/up interleaved, clamped SwiGLU;
+    Qwen3-MoE `[E, out, in]` (`F.linear(x, W[e])`), gate | up halves, act(gate)·up, no biases."""
+
+    experts_class: str  # the transformers experts module's class name ("GptOssExperts")
+    weights: str  # "in_out": W[e] is [in, out] (x @ W[e]); "out_in": [out, in] (x @ W[e].T)
+    activation: str  # "clamped_swiglu": interleaved gate/up, (up + 1)·gate·σ(α·gate), clamped at `limit`;
+    #                  "silu": gate then up (halves), silu(gate)·up
+    biases: bool  # a `{name}_bias` [E, out] per projection
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # registry key; ModelShape.family, doctor's per-family rows
     title: str  # as people write it, for messages: "Qwen3.5", "gpt-oss"
@@ -89,6 +102,8 @@ class Family:
     # float32 throughout (Qwen3.5, Gemma 3: liger's "gemma" casting), 0.0 for w * norm(x) cast back first (Llama, Qwen3:
     # liger's "llama" casting)
     rms_norm_offset: float = 0.0
+    # its experts module's layout when lora.experts=grouped computes their LoRA (ftcli.model.moe_lora); None: PEFT's
+    expert_layout: ExpertLayout | None = None
 
     @property
     def model_type(self) -> str:

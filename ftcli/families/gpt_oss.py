@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftcli.families.base import SINK_ATTENTION, SINK_MOE, SINKS, Family, LayerShapes
+from ftcli.families.base import SINK_ATTENTION, SINK_MOE, SINKS, ExpertLayout, Family, LayerShapes
 
 
 def layer_shapes(cfg: dict[str, Any]) -> LayerShapes:
@@ -46,4 +46,5 @@ FAMILY = Family(
     reasoning="analysis channel; the template drops earlier turns' analysis",
     tool_calls="commentary channel to=functions.NAME, ended by <|call|>; results as a tool message",
     decoder=SINK_MOE,
+    expert_layout=ExpertLayout(experts_class="GptOssExperts", weights="in_out", activation="clamped_swiglu", biases=True),
 )

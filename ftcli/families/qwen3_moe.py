@@ -1,13 +1,14 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): the Qwen3 attention block and a sparse MoE MLP (128 experts, top-8, no
 shared expert) stored as 3-D expert parameters; LoRA reaches the experts through PEFT's target_parameters
-(mlp.experts.gate_up_proj, mlp.experts.down_proj), as for gpt-oss. The Qwen3 chat template."""
+(mlp.experts.gate_up_proj, mlp.experts.down_proj), as for gpt-oss, computed unmerged and grouped by expert
+(ftcli.model.moe_lora, `expert_layout`). The Qwen3 chat template."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ftcli.families import qwen3
-from ftcli.families.base import DENSE, Family, LayerShapes, attention_linears
+from ftcli.families.base import DENSE, ExpertLayout, Family, LayerShapes, attention_linears
 
 
 def layer_shapes(cfg: dict[str, Any]) -> LayerShapes:
@@ -50,4 +51,7 @@ FAMILY = Family(
     end_of_turn=qwen3.FAMILY.end_of_turn,
     reasoning=qwen3.FAMILY.reasoning,
     tool_calls=qwen3.FAMILY.tool_calls,
+    # Qwen3MoeExperts: gate_up_proj [E, 2·moe_intermediate, hidden] (gate rows, then up), down_proj [E, hidden,
+    # moe_intermediate], each applied as F.linear(x, W[e]); act_fn(gate)·up with config.hidden_act (silu); no biases
+    expert_layout=ExpertLayout(experts_class="Qwen3MoeExperts", weights="out_in", activation="silu", biases=False),
 )

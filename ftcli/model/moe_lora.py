@@ -1,4 +1,4 @@
-"""LoRA on gpt-oss's experts, unmerged and grouped: one path for a bf16 base and for a kept-MXFP4 base.
+"""LoRA on MoE experts (gpt-oss, Qwen3-MoE), unmerged and grouped: one path for a bf16 base and for a kept-MXFP4 base.
 
 PEFT's ParamWrapper trains `lora.target_parameters` (the 3-D expert weights `[E, in, out]`) by folding
 `W + s·A·B` into a new weight on every forward and backpropagating through that merged weight: every layer
@@ -26,6 +26,11 @@ load, merge-lora), and `install_grouped_experts` replaces the outer wrapper's fo
 `grouped_experts_forward`, which takes the factors from PEFT's public `get_delta_factors` (the exact layout
 PEFT folds: delta[e] = scaling · lhs[e] @ rhs[e], `[in, r] @ [r, out]`). `lora.experts: peft` keeps PEFT's
 folded forward (bf16 base only).
+
+Which experts modules go this way, and how each computes, is its family's `ExpertLayout` (ftcli.families):
+the weight orientation (gpt-oss `[E, in, out]`; Qwen3-MoE `[E, out, in]`, passed as its transposed view and
+PEFT's factors swapped and transposed), the gate over the gate_up projection (`GATES`: gpt-oss's interleaved
+clamped SwiGLU, Qwen3-MoE's gate | up halves through silu) and whether there are biases.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch
 from torch import nn
 
 from ftcli.config.errors import UserError
+from ftcli.families import FAMILIES
+from ftcli.families.base import ExpertLayout
 from ftcli.model.mxfp4 import EXPERT_PARAMS
 from ftcli.model.mxfp4_lora import Mxfp4Experts, fuses
 
@@ -165,17 +172,36 @@ def _swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _silu_gated(gate_up: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's gated MLP over gate | up halves (Qwen3MoeExperts: act_fn(gate) * up, act_fn silu)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# ExpertLayout.activation (ftcli.families) -> the gate over the gate_up projection, and its arguments from the module
+GATES = {"clamped_swiglu": (_swiglu, lambda experts: (experts.alpha, experts.limit)),
+         "silu": (_silu_gated, lambda experts: ())}
+
+
 @functools.cache
-def _compiled_swiglu():
-    """`_swiglu` fused (torch.compile, forward and backward): eager runs ~7 elementwise kernels forward and ~12
+def _compiled(gate):
+    """`gate` fused (torch.compile, forward and backward): eager runs ~7 elementwise kernels forward and ~12
     backward over the `[T·k, 2·intermediate]` activations of every layer."""
-    return torch.compile(_swiglu, dynamic=None)
+    return torch.compile(gate, dynamic=None)
+
+
+def layout_of(experts: nn.Module) -> ExpertLayout | None:
+    """The family's declared layout of this experts module (by its class, through ftcli.families), or None."""
+    layouts = {f.expert_layout.experts_class: f.expert_layout for f in FAMILIES.values() if f.expert_layout}
+    return layouts.get(type(experts).__name__)
 
 
 def grouped_experts(experts: nn.Module, sources: dict, factors: dict, hidden_states, router_indices,
-                    routing_weights) -> torch.Tensor:
-    """GptOssExperts.forward (gate/up interleaved, clamped SwiGLU, routing-weighted sum over the k slots) with
-    each projection through `GroupedLoraMatmul`: `sources[name]` gives W, `factors[name]` is (lhs, rhs, scaling)."""
+                    routing_weights, layout: ExpertLayout | None = None) -> torch.Tensor:
+    """The experts module's forward (its family's `layout`: weight orientation, gate, biases; routing-weighted sum
+    over the k slots) with each projection through `GroupedLoraMatmul`: `sources[name]` gives W as `[E, in, out]`,
+    `factors[name]` is PEFT's (lhs, rhs, scaling), the delta `lhs @ rhs` in the parameter's own layout."""
+    layout = layout or layout_of(experts)
     num_tokens, hidden = hidden_states.shape
     top_k = router_indices.shape[-1]
     dtype = sources["gate_up_proj"].dtype
@@ -186,13 +212,15 @@ def grouped_experts(experts: nn.Module, sources: dict, factors: dict, hidden_sta
     def project(x, name):
         lhs, rhs, scaling = factors[name]
         if lhs is not None:
+            if layout.weights == "out_in":  # delta[e] [out, in] = lhs·rhs; x·deltaᵀ = (x·rhsᵀ)·lhsᵀ
+                lhs, rhs = rhs.transpose(-2, -1), lhs.transpose(-2, -1)
             lhs, rhs = lhs.to(dtype).contiguous(), rhs.to(dtype).contiguous()  # grouped_mm: row- or column-major
         y = GroupedLoraMatmul.apply(x, offs, bounds, sources[name], lhs, rhs, scaling)
-        return y + getattr(experts, f"{name}_bias")[expert].to(dtype)
+        return y + getattr(experts, f"{name}_bias")[expert].to(dtype) if layout.biases else y
 
     x = hidden_states.to(dtype)[order // top_k]  # [S, hidden], grouped by expert
-    swiglu = _compiled_swiglu() if fuses(x) else _swiglu
-    gated = swiglu(project(x, "gate_up_proj"), experts.alpha, experts.limit)
+    gate, gate_args = GATES[layout.activation]
+    gated = (_compiled(gate) if fuses(x) else gate)(project(x, "gate_up_proj"), *gate_args(experts))
     out = project(gated, "down_proj") * routing_weights.reshape(-1)[order, None].to(dtype)
     unsorted = torch.empty_like(order)
     unsorted[order] = torch.arange(order.numel(), device=order.device)
@@ -225,32 +253,45 @@ def _factors(wrappers: dict[str, nn.Module], name: str):
     return wrapper.get_delta_factors(adapters[0])
 
 
-def expert_sources(experts: nn.Module) -> dict:
-    """W of each expert projection: kept MXFP4 (`{name}_blocks` buffers) or the dense parameter."""
+def expert_sources(experts: nn.Module, layout: ExpertLayout | None = None) -> dict:
+    """W of each expert projection as `[E, in, out]`: kept MXFP4 (`{name}_blocks` buffers) or the dense parameter
+    (for an `out_in` layout its transposed view, no copy)."""
+    layout = layout or layout_of(experts)
+
+    def dense(param):
+        return DenseExperts(param.transpose(-2, -1) if layout.weights == "out_in" else param)
+
     return {name: Mxfp4Experts.of(experts, name) if hasattr(experts, f"{name}_blocks")
-            else DenseExperts(getattr(experts, name)) for name in EXPERT_PARAMS}
+            else dense(getattr(experts, name)) for name in EXPERT_PARAMS}
 
 
-def grouped_experts_forward(wrapper, hidden_states, router_indices=None, routing_weights=None):
+def grouped_experts_forward(wrapper, layout: ExpertLayout, hidden_states, router_indices=None, routing_weights=None):
     """The forward `install_grouped_experts` gives the outer module at an experts path."""
     wrappers, experts = _wrapped(wrapper)
     factors = {name: _factors(wrappers, name) for name in EXPERT_PARAMS}
-    return grouped_experts(experts, expert_sources(experts), factors, hidden_states, router_indices, routing_weights)
+    return grouped_experts(experts, expert_sources(experts, layout), factors, hidden_states, router_indices,
+                           routing_weights, layout)
 
 
-def is_gpt_oss_experts(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "alpha", "limit"))
+def _check_gate(experts: nn.Module, layout: ExpertLayout) -> None:
+    from transformers.activations import SiLUActivation
+
+    if layout.activation == "silu" and not isinstance(getattr(experts, "act_fn", None), (nn.SiLU, SiLUActivation)):
+        raise UserError(f"the grouped expert LoRA computes {layout.experts_class} with a silu gate, this model's "
+                        f"hidden_act is {type(getattr(experts, 'act_fn', None)).__name__}; use --set lora.experts=peft")
 
 
 def install_grouped_experts(model: nn.Module) -> int:
-    """Route every gpt-oss experts module of a PEFT model through `grouped_experts_forward`; returns how many.
-    The outermost module at each experts path gets the forward (a ParamWrapper, or the experts module itself
-    when lora.target_parameters leaves the experts out)."""
+    """Route every experts module of a PEFT model whose family declares an `ExpertLayout` (gpt-oss, Qwen3-MoE)
+    through `grouped_experts_forward`; returns how many. The outermost module at each experts path gets the
+    forward (a ParamWrapper, or the experts module itself when lora.target_parameters leaves the experts out)."""
     count = 0
     for name, module in model.named_modules():
         if name.endswith(".mlp.experts"):
             _, experts = _wrapped(module)
-            if is_gpt_oss_experts(experts):
-                module.forward = functools.partial(grouped_experts_forward, module)
+            layout = layout_of(experts)
+            if layout is not None:
+                _check_gate(experts, layout)
+                module.forward = functools.partial(grouped_experts_forward, module, layout)
                 count += 1
     return count

@@ -242,7 +242,9 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     if grouped_experts(recipe, args):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
         from ftcli.model.moe_lora import install_grouped_experts
 
-        install_grouped_experts(trainer.model)
+        grouped = install_grouped_experts(trainer.model)
+        if grouped and args.process_index == 0:
+            print(f"expert LoRA: grouped, unmerged ({grouped} experts modules, ftcli.model.moe_lora)", flush=True)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
