@@ -131,7 +131,9 @@ def test_stalled_logging_call_turns_tracking_off_within_its_budget(stalling, qui
         urllib.request.urlopen(url, timeout=STALL_S)
 
     run = SimpleNamespace(info=SimpleNamespace(experiment_id="1", run_id="r"))
-    tracker = quick.MlflowTracking(SimpleNamespace(log_metrics=stalled_log), run, "http://127.0.0.1")
+    ended = []
+    fake_mlflow = SimpleNamespace(log_metrics=stalled_log, end_run=lambda status: ended.append(status))
+    tracker = quick.MlflowTracking(fake_mlflow, run, "http://127.0.0.1")
     started = time.monotonic()
     tracker.log_metrics({"loss": 1.0}, step=1)
     tracker.log_metrics({"loss": 0.9}, step=2)  # tracking is off: not called
@@ -139,6 +141,8 @@ def test_stalled_logging_call_turns_tracking_off_within_its_budget(stalling, qui
     assert capsys.readouterr().err.strip() == (
         "warning: MLflow logging to http://127.0.0.1 failed (no answer within 1 s); tracking is off for the rest "
         "of this run (metrics.jsonl keeps the metrics)")
+    tracker.finish()  # tracking is off: the run is not ended through the stalled server either
+    assert ended == []
 
 
 def test_bounded_keeps_an_outer_alarm_running():
