@@ -227,3 +227,31 @@ def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one
     check_resume(recipe, tmp_path / "run", str(older))
     assert capsys.readouterr().err == (f"warning: checkpoint {older} has no checksums (saved by an older ftcli); "
                                        "resuming from it unverified\n")
+
+
+def test_a_lora_save_that_a_full_disk_stops_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+    """An OSError out of TRL's save of checkpoint-N (no checksums yet: they are recorded after the save) is one
+    line naming the step, the error and the last intact checkpoint, and the half-written checkpoint-N is removed;
+    an error while checkpoint-N is complete (checksums recorded), or with no checkpoint-N, is not the save's."""
+    import errno
+
+    from ftcli.train.checkpoint import record_trl_checksums, trl_save_failed
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    intact, partial = _trl(root, 2), _trl(root, 4)
+    record_trl_checksums(intact)
+    (partial / "adapter_model.safetensors").write_bytes(b"half")
+    full = OSError(errno.ENOSPC, "No space left on device", str(partial / "optimizer.pt"))
+    not_saved = trl_save_failed(root, 4, full, run_dir)
+    assert str(not_saved) == (
+        f"the checkpoint of step 4 could not be saved: No space left on device ({partial / 'optimizer.pt'}) "
+        f"[errno 28]; the last good checkpoint, step 2 ({intact}), is intact: free space, then resume with "
+        f"`ftcli train --recipe {run_dir / 'recipe.yaml'} --resume`")
+    assert not partial.exists() and intact.is_dir()
+    assert trl_save_failed(root, 4, full, run_dir) is None  # nothing of step 4 left: not the save's error
+    assert trl_save_failed(root, 2, full, run_dir) is None  # complete, with its checksums
+    only = _trl(tmp_path / "fresh" / "checkpoints", 3)
+    assert str(trl_save_failed(only.parent, 3, full, tmp_path / "fresh")).endswith(
+        f"there is no earlier checkpoint: free space, then start again with "
+        f"`ftcli train --recipe {tmp_path / 'fresh' / 'recipe.yaml'} --force`")

@@ -417,15 +417,31 @@ def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -
         return
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # gives back the space the partial save took
-    recipe = root.parent / RECIPE_FILE
+    raise _not_saved(step, problem, latest_checkpoint(root), root.parent / RECIPE_FILE)
+
+
+def _not_saved(step: int, problem: str, last: Path | None, recipe: Path) -> CheckpointNotSaved:
+    """The one line of a save that failed: the problem, the last intact checkpoint and how to go on."""
     fix = "free space" if re.search(r"\[errno (28|122)\]", problem) else "fix that"  # ENOSPC, EDQUOT
-    last = latest_checkpoint(root)
     if last is not None:
         then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
                 f"with `ftcli train --recipe {recipe} --resume`")
     else:
         then = f"there is no earlier checkpoint: {fix}, then start again with `ftcli train --recipe {recipe} --force`"
-    raise CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
+    return CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
+
+
+def trl_save_failed(output_dir: Path, step: int, e: OSError, run_dir: Path) -> CheckpointNotSaved | None:
+    """The LoRA path's one line for an OSError (a full disk, a quota) that stopped TRL's save of checkpoint-`step`:
+    that dir has no TRL_CHECKSUMS yet (they are recorded after the save), so it is the half-written one and is
+    removed (it is never resumed from); the line names the last intact checkpoint. None when the error did not
+    come from that save (checkpoint-`step` absent, or complete with its checksums)."""
+    partial = Path(output_dir) / f"checkpoint-{step}"
+    if not partial.is_dir() or (partial / TRL_CHECKSUMS).is_file():
+        return None
+    shutil.rmtree(partial, ignore_errors=True)  # gives back the space the partial save took
+    last = next((p for p in reversed(_committed(Path(output_dir), "trl")) if _intact(p, "trl")), None)
+    return _not_saved(step, _describe(e), last, Path(run_dir) / RECIPE_FILE)
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:

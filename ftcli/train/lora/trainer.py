@@ -267,7 +267,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
-    from ftcli.train.checkpoint import checkpoint_step, resolve_resume
+    from ftcli.train.checkpoint import checkpoint_step, resolve_resume, trl_save_failed
     from ftcli.train.distributed import local_device, rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.lifecycle import announce_data
@@ -330,6 +330,11 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         trainer.add_callback(stop)
         try:
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except OSError as e:  # a full disk during a periodic checkpoint-N save: one line, no half-written checkpoint
+            not_saved = trl_save_failed(Path(args.output_dir), trainer.state.global_step, e, run_dir)
+            if not_saved is None:
+                raise
+            raise not_saved from None
         except pickle.UnpicklingError as e:  # transformers loads TRL checkpoints with weights_only=True
             reason = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise UserError(f"checkpoint {checkpoint} holds more than tensors and plain data, so it is not loaded "
