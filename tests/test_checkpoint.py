@@ -230,10 +230,13 @@ def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one
 
 
 def test_a_lora_save_that_a_full_disk_stops_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
-    """An OSError out of TRL's save of checkpoint-N (no checksums yet: they are recorded after the save) is one
-    line naming the step, the error and the last intact checkpoint, and the half-written checkpoint-N is removed;
-    an error while checkpoint-N is complete (checksums recorded), or with no checkpoint-N, is not the save's."""
+    """An error out of TRL's save of checkpoint-N (no checksums yet: they are recorded after the save; an OSError,
+    or torch.save's RuntimeError) is one line naming the step, the error, the space free and the last intact
+    checkpoint, and the half-written checkpoint-N is removed; an error while checkpoint-N is complete (checksums
+    recorded), absent, or the checkpoint the run resumed from, is not the save's (and nothing is removed)."""
     import errno
+    import re
+    import shutil
 
     from ftcli.train.checkpoint import record_trl_checksums, trl_save_failed
 
@@ -244,14 +247,20 @@ def test_a_lora_save_that_a_full_disk_stops_is_one_line_and_leaves_no_partial_ch
     (partial / "adapter_model.safetensors").write_bytes(b"half")
     full = OSError(errno.ENOSPC, "No space left on device", str(partial / "optimizer.pt"))
     not_saved = trl_save_failed(root, 4, full, run_dir)
-    assert str(not_saved) == (
+    free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free there"
+    assert re.fullmatch(re.escape(
         f"the checkpoint of step 4 could not be saved: No space left on device ({partial / 'optimizer.pt'}) "
-        f"[errno 28]; the last good checkpoint, step 2 ({intact}), is intact: free space, then resume with "
-        f"`ftcli train --recipe {run_dir / 'recipe.yaml'} --resume`")
+        f"[errno 28] (") + r"[\d,.]+" + re.escape(f" MiB free there); the last good checkpoint, step 2 ({intact}), "
+        f"is intact: free space, then resume with `ftcli train --recipe {run_dir / 'recipe.yaml'} --resume`"),
+        str(not_saved)), (str(not_saved), free)
     assert not partial.exists() and intact.is_dir()
     assert trl_save_failed(root, 4, full, run_dir) is None  # nothing of step 4 left: not the save's error
     assert trl_save_failed(root, 2, full, run_dir) is None  # complete, with its checksums
+    resumed = _trl(root, 6)  # an older ftcli's checkpoint (no checksums) that the run resumed from
+    assert trl_save_failed(root, 6, RuntimeError("bad"), run_dir, resumed) is None and resumed.is_dir()
     only = _trl(tmp_path / "fresh" / "checkpoints", 3)
-    assert str(trl_save_failed(only.parent, 3, full, tmp_path / "fresh")).endswith(
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                              "data/0: file write failed")
+    assert str(trl_save_failed(only.parent, 3, torch_full, tmp_path / "fresh")).endswith(
         f"there is no earlier checkpoint: free space, then start again with "
         f"`ftcli train --recipe {tmp_path / 'fresh' / 'recipe.yaml'} --force`")

@@ -422,7 +422,8 @@ def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -
 
 def _not_saved(step: int, problem: str, last: Path | None, recipe: Path) -> CheckpointNotSaved:
     """The one line of a save that failed: the problem, the last intact checkpoint and how to go on."""
-    fix = "free space" if re.search(r"\[errno (28|122)\]", problem) else "fix that"  # ENOSPC, EDQUOT
+    fix = "free space" if re.search(r"\[errno (28|122)\]|No space left|file write failed|StorageFull", problem) \
+        else "fix that"  # ENOSPC, EDQUOT; torch.save's and safetensors' words for them
     if last is not None:
         then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
                 f"with `ftcli train --recipe {recipe} --resume`")
@@ -431,17 +432,22 @@ def _not_saved(step: int, problem: str, last: Path | None, recipe: Path) -> Chec
     return CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
 
 
-def trl_save_failed(output_dir: Path, step: int, e: OSError, run_dir: Path) -> CheckpointNotSaved | None:
-    """The LoRA path's one line for an OSError (a full disk, a quota) that stopped TRL's save of checkpoint-`step`:
-    that dir has no TRL_CHECKSUMS yet (they are recorded after the save), so it is the half-written one and is
-    removed (it is never resumed from); the line names the last intact checkpoint. None when the error did not
-    come from that save (checkpoint-`step` absent, or complete with its checksums)."""
+def trl_save_failed(output_dir: Path, step: int, e: Exception, run_dir: Path,
+                    resumed: Path | None = None) -> CheckpointNotSaved | None:
+    """The LoRA path's one line for an error that stopped TRL's save of checkpoint-`step` (a full disk, a quota:
+    an OSError from json, a RuntimeError from torch.save, a SafetensorError): that dir has no TRL_CHECKSUMS yet
+    (they are recorded after the save), so it is the half-written one and is removed (it is never resumed from);
+    the line names the error, the space free there and the last intact checkpoint. None when the error did not
+    come from that save: checkpoint-`step` absent, complete with its checksums, or the one resumed from."""
     partial = Path(output_dir) / f"checkpoint-{step}"
-    if not partial.is_dir() or (partial / TRL_CHECKSUMS).is_file():
+    if not partial.is_dir() or (partial / TRL_CHECKSUMS).is_file() or \
+            (resumed is not None and checkpoint_step(resumed) >= step):
         return None
     shutil.rmtree(partial, ignore_errors=True)  # gives back the space the partial save took
     last = next((p for p in reversed(_committed(Path(output_dir), "trl")) if _intact(p, "trl")), None)
-    return _not_saved(step, _describe(e), last, Path(run_dir) / RECIPE_FILE)
+    problem = _describe(e) if isinstance(e, OSError) else (str(e).strip() or type(e).__name__).splitlines()[0]
+    free = shutil.disk_usage(output_dir).free / 2**20
+    return _not_saved(step, f"{problem} ({free:,.1f} MiB free there)", last, Path(run_dir) / RECIPE_FILE)
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:

@@ -330,15 +330,15 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         trainer.add_callback(stop)
         try:
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        except OSError as e:  # a full disk during a periodic checkpoint-N save: one line, no half-written checkpoint
-            not_saved = trl_save_failed(Path(args.output_dir), trainer.state.global_step, e, run_dir)
-            if not_saved is None:
-                raise
-            raise not_saved from None
         except pickle.UnpicklingError as e:  # transformers loads TRL checkpoints with weights_only=True
             reason = (str(e).strip() or type(e).__name__).splitlines()[0]
             raise UserError(f"checkpoint {checkpoint} holds more than tensors and plain data, so it is not loaded "
                             f"(loading could run code: {reason})") from None
+        except Exception as e:  # a periodic checkpoint-N save that a full disk stopped: one line, no partial left
+            not_saved = trl_save_failed(Path(args.output_dir), trainer.state.global_step, e, run_dir, checkpoint)
+            if not_saved is None:
+                raise
+            raise not_saved from None
         if stop.signum and trainer.state.global_step < trainer.state.max_steps:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"
