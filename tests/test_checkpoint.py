@@ -155,8 +155,9 @@ def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path
 
 
 def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export(tmp_path, one_rank, monkeypatch):
-    """ENOSPC while save_pretrained writes the export: one UserError naming the file, the space the export needs
-    and the space free; the half-written .tmp_final is removed and an earlier final/ is left as it was."""
+    """ENOSPC while save_pretrained writes the export (an OSError, or safetensors' own error): one UserError naming
+    the file, the space the export needs and the space free; the half-written .tmp_final is removed and an earlier
+    final/ is left as it was."""
     import errno
     import os
     import shutil
@@ -190,6 +191,21 @@ def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export
         "free there: free space; nothing half-written is left in its place")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp_final
     assert (out / "model.safetensors").read_bytes() == b"an earlier export"
+
+    from safetensors import SafetensorError
+
+    def safetensors_full(self, save_directory, **kwargs):  # how safetensors says it (not an OSError)
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(type(model), "save_pretrained", safetensors_full)
+    with pytest.raises(UserError) as err:
+        save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32), tokenizer, out, torch.float32)
+    assert str(err.value) == (
+        f"the Hugging Face export to {out} could not be written: Error while serializing: I/O error: No space left "
+        f"on device (os error 28); it needs about {needed:,.1f} MiB, 1.5 MiB are free there: free space; nothing "
+        "half-written is left in its place")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
 def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one(tmp_path, capsys):

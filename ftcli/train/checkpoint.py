@@ -49,6 +49,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.config.errors import TrainingStopped, UserError
@@ -395,6 +396,16 @@ def _describe(e: OSError) -> str:
     return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "") + f" [errno {e.errno}]"
 
 
+# What a failed write raises: an OSError (json, open), torch.save's RuntimeError, safetensors' SafetensorError;
+# the words by which a full disk or quota shows in each (ENOSPC, EDQUOT)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+_DISK_FULL = re.compile(r"\[errno (28|122)\]|No space left|file write failed|StorageFull")
+
+
+def _write_problem(e: BaseException) -> str:
+    return _describe(e) if isinstance(e, OSError) else (str(e).strip() or type(e).__name__).splitlines()[0]
+
+
 def _gathered(problem: OSError | None) -> str | None:
     """The first rank's problem, as every rank sees it (collective)."""
     problems: list[str | None] = [None] * dist.get_world_size()
@@ -422,8 +433,7 @@ def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -
 
 def _not_saved(step: int, problem: str, last: Path | None, recipe: Path) -> CheckpointNotSaved:
     """The one line of a save that failed: the problem, the last intact checkpoint and how to go on."""
-    fix = "free space" if re.search(r"\[errno (28|122)\]|No space left|file write failed|StorageFull", problem) \
-        else "fix that"  # ENOSPC, EDQUOT; torch.save's and safetensors' words for them
+    fix = "free space" if _DISK_FULL.search(problem) else "fix that"
     if last is not None:
         then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
                 f"with `ftcli train --recipe {recipe} --resume`")
@@ -445,9 +455,8 @@ def trl_save_failed(output_dir: Path, step: int, e: Exception, run_dir: Path,
         return None
     shutil.rmtree(partial, ignore_errors=True)  # gives back the space the partial save took
     last = next((p for p in reversed(_committed(Path(output_dir), "trl")) if _intact(p, "trl")), None)
-    problem = _describe(e) if isinstance(e, OSError) else (str(e).strip() or type(e).__name__).splitlines()[0]
     free = shutil.disk_usage(output_dir).free / 2**20
-    return _not_saved(step, f"{problem} ({free:,.1f} MiB free there)", last, Path(run_dir) / RECIPE_FILE)
+    return _not_saved(step, f"{_write_problem(e)} ({free:,.1f} MiB free there)", last, Path(run_dir) / RECIPE_FILE)
 
 
 def rank_state_source(saved_world_size: int, rank: int) -> int:
@@ -551,7 +560,6 @@ def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
 def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
     """What `write_rank_state` wrote; an older ftcli's rank_XXXXX.pt through torch.load(weights_only=True).
     Anything else (a pickle that would run code, a damaged file) is one UserError naming the file."""
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     ckpt_dir = Path(ckpt_dir)
@@ -691,7 +699,7 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     try:
         export.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-    except OSError as e:
+    except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)  # never left as if complete; gives the space back
         needed = sum(t.numel() * t.element_size() for t in export.state_dict().values())
         raise export_not_written("the Hugging Face export", out_dir, e, needed) from None
@@ -700,17 +708,16 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     os.replace(tmp, out_dir)
 
 
-def export_not_written(what: str, out_dir: Path, e: OSError, needed_bytes: int | None) -> UserError:
-    """The one line for a model export (the full path's HF export, the LoRA path's adapter) that an OSError
-    stopped, once its partial files are removed: the path and the error, and for a full disk or quota (ENOSPC,
-    EDQUOT) the space the export needs and the space free there."""
-    import errno
-
+def export_not_written(what: str, out_dir: Path, e: BaseException, needed_bytes: int | None) -> UserError:
+    """The one line for a model export (the full path's HF export, the LoRA path's adapter) that a write error
+    (WRITE_ERRORS) stopped, once its partial files are removed: the path and the error, and for a full disk or
+    quota the space the export needs and the space free there."""
     out_dir = Path(out_dir)
+    problem = _write_problem(e)
     space = ""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if _DISK_FULL.search(problem):
         where = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("/"))
         need = f"about {needed_bytes / 2**20:,.1f} MiB" if needed_bytes else "more"
         space = f"; it needs {need}, {shutil.disk_usage(where).free / 2**20:,.1f} MiB are free there: free space"
-    return UserError(f"{what} to {out_dir} could not be written: {_describe(e)}{space}; nothing half-written is "
+    return UserError(f"{what} to {out_dir} could not be written: {problem}{space}; nothing half-written is "
                      "left in its place")

@@ -363,7 +363,7 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
     save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
     import shutil
 
-    from ftcli.train.checkpoint import export_not_written
+    from ftcli.train.checkpoint import WRITE_ERRORS, export_not_written
 
     main = trainer.args.process_index == 0
     tmp = final.with_name(f".tmp_{final.name}")
@@ -374,7 +374,7 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
             save_adapter(trainer.model, trainer.processing_class, tmp)
         else:
             trainer.save_model(str(tmp))  # main process
-    except OSError as e:
+    except WRITE_ERRORS as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
