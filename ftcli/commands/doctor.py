@@ -206,13 +206,10 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
 
 
 def _grouped_expert_lora(recipe) -> bool:
-    """Whether `recipe` trains MoE experts through ftcli.model.moe_lora (its trainer's grouped_experts)."""
-    # the families whose experts' layout moe_lora computes declare it (gpt-oss, Qwen3-MoE)
-    if recipe is None or recipe.training.method != "lora" or getattr(find_family(recipe.model.model_type),
-                                                                     "expert_layout", None) is None:
-        return False
-    return recipe.model.quantization == "mxfp4" or (recipe.lora.experts == "grouped"
-                                                      and bool(recipe.lora.target_parameters))
+    """Whether `recipe` trains MoE experts through ftcli.model.moe_lora, under any sharding."""
+    from ftcli.estimate.fit import grouped_expert_lora
+
+    return recipe is not None and grouped_expert_lora(recipe, None)
 
 
 def check_expert_lora_kernels(recipe, m, tf: Transformers) -> list[Check]:

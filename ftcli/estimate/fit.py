@@ -68,25 +68,34 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                   checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
                   adapter_params=adapter_params(recipe, shape))
     if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
+        sharding = sharding or lora_sharding(recipe, shape, card, world)
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
-                              keep=0, loss="trl", sharding=sharding or lora_sharding(recipe, shape, card, world),
+                              keep=0, loss="trl", sharding=sharding,
                               expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none",
-                              merged_experts=merged_experts(recipe, sharding or lora_sharding(recipe, shape, card, world)))
+                              merged_experts=merged_experts(recipe, sharding))
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
                           speed=speed_settings(t))
 
 
-def merged_experts(recipe: Recipe, sharding: str) -> bool:
-    """Whether PEFT's ParamWrapper folds the expert LoRA into the weight (ftcli.train.lora.trainer.grouped_experts
-    is the other side: lora.experts=grouped over a DDP base, or any kept-MXFP4 base, computes it unmerged, for
-    the families that declare their experts' layout: gpt-oss, Qwen3-MoE)."""
-    lora = recipe.lora
-    if not lora.target_parameters or recipe.model.quantization == "mxfp4":
+def grouped_expert_lora(recipe: Recipe, sharding: str | None) -> bool:
+    """Whether a LoRA recipe's experts go through ftcli.model.moe_lora (unmerged, grouped by expert; the LoRA
+    trainer installs it where this says so): its family declares its experts' layout (gpt-oss, Qwen3-MoE), and
+    the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped over a base
+    that is not FSDP-sharded (sharding None: any sharding, as doctor asks before one is chosen)."""
+    if recipe.training.method != "lora" or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
         return False
-    family = find_family(recipe.model.model_type)
-    return lora.experts == "peft" or sharding == "fsdp" or family is None or family.expert_layout is None
+    if recipe.model.quantization == "mxfp4":
+        return True
+    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters) and sharding != "fsdp"
+
+
+def merged_experts(recipe: Recipe, sharding: str) -> bool:
+    """Whether PEFT's ParamWrapper folds the expert LoRA into the weight: the experts are trained and not through
+    the grouped expert LoRA (`grouped_expert_lora`)."""
+    return (bool(recipe.lora.target_parameters) and recipe.model.quantization != "mxfp4"
+            and not grouped_expert_lora(recipe, sharding))
 
 
 def speed_settings(t) -> tuple[str, ...]:

@@ -220,11 +220,10 @@ def use_ftcli_schedule(trainer, schedule) -> None:
 
 
 def grouped_experts(recipe: Recipe, args) -> bool:
-    """Whether the experts go through `ftcli.model.moe_lora` (lora.experts=grouped): always over a kept-MXFP4
-    base; over a bf16 base when lora.target_parameters trains them and the base is not FSDP-sharded."""
-    if recipe.model.quantization == "mxfp4":
-        return True
-    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters) and not args.fsdp
+    """Whether the experts go through `ftcli.model.moe_lora` (`ftcli.estimate.fit.grouped_expert_lora`)."""
+    from ftcli.estimate.fit import grouped_expert_lora
+
+    return grouped_expert_lora(recipe, "fsdp" if args.fsdp else "ddp")
 
 
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
