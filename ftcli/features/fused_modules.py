@@ -22,23 +22,14 @@ class _FusedNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, fused"
 
 
-class FusedZeroCenteredRMSNorm(_FusedNorm):
-    """Qwen3_5RMSNorm through liger's RMSNorm: y = (x / rms(x) * (1 + w)) in float32, cast to x's dtype."""
-
-    def __init__(self, norm: nn.Module, kernel: Callable):
-        super().__init__(norm, kernel, norm.eps)
-
-    def forward(self, x):
-        return self._kernel(x, self.weight, self.eps, 1.0, "gemma", False)
-
-
-class FusedRMSNorm(FusedZeroCenteredRMSNorm):
+class FusedRMSNorm(_FusedNorm):
     """Any family's RMSNorm through liger's RMSNorm with the family's offset and casting mode (ftcli.families:
-    `rms_norm_offset`): offset 1.0 is the zero-centred norm above (Qwen3.5, Gemma 3: all in float32); offset 0.0
-    is w * (x / rms(x) in float32, cast to x's dtype first), the other families'."""
+    `rms_norm_offset`): offset 1.0 is the zero-centred norm, y = (x / rms(x) * (1 + w)) in float32, cast to x's
+    dtype (Qwen3.5, Gemma 3); offset 0.0 is w * (x / rms(x) in float32, cast to x's dtype first), the other
+    families'."""
 
     def __init__(self, norm: nn.Module, kernel: Callable, offset: float = 1.0, casting: str = "gemma"):
-        _FusedNorm.__init__(self, norm, kernel, getattr(norm, "eps", None) or norm.variance_epsilon)
+        super().__init__(norm, kernel, getattr(norm, "eps", None) or norm.variance_epsilon)
         self.offset, self.casting = offset, casting
 
     def forward(self, x):
