@@ -95,14 +95,15 @@ def test_hopper_with_bad_triton_blocks_qwen_recipes_unless_tilelang():
 
 
 def test_expert_lora_kernels_warn_where_grouped_mm_or_triton_is_missing():
-    """MoE expert LoRA (tiny-gpt-oss-cpu and tiny-qwen3-moe-cpu train the experts; gpt-oss-120b-1gpu keeps them in
-    MXFP4): OK with torch 2.10+ on capability 9.0 and Triton; a warning, never a block, without grouped_mm or
+    """MoE expert LoRA (tiny-gpt-oss-cpu and tiny-qwen3-moe-cpu train the experts, qwen3-30b-a3b-lora-h100 over an
+    FSDP-sharded base; gpt-oss-120b-1gpu keeps them in MXFP4): OK with torch 2.10+ on capability 9.0 and Triton; a warning, never a block, without grouped_mm or
     Triton; n/a for a recipe that trains no experts (gpt-oss-h100) or through PEFT's wrapper."""
     from dataclasses import replace
 
     name = "MoE expert LoRA kernels"
     good = hopper("3.6.0", tilelang=True)
-    for recipe in (load_recipe("tiny-gpt-oss-cpu"), load_recipe("gpt-oss-120b-1gpu"), load_recipe("tiny-qwen3-moe-cpu")):
+    for recipe in (load_recipe("tiny-gpt-oss-cpu"), load_recipe("gpt-oss-120b-1gpu"), load_recipe("tiny-qwen3-moe-cpu"),
+                   load_recipe("qwen3-30b-a3b-lora-h100")):
         assert by_name(doctor_checks(recipe, good))[name].status == OK
     old_torch = by_name(doctor_checks(load_recipe("gpt-oss-120b-1gpu"),
                                       replace(good, versions={**good.versions, "torch": "2.9.1"})))[name]

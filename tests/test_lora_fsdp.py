@@ -1,8 +1,10 @@
 """LoRA with the frozen base sharded by FSDP2 (`training.sharding: fsdp`, accelerate's FSDP2 through TRL) on 2 CPU
 processes (gloo), tiny gpt-oss with LoRA on attention and experts: the step's gradients equal DDP's (fp32, bf16),
-the eval loss through accelerate's FSDP root equals the DDP one for the same adapter, the greedy samples (every rank
-generating) are the same text, the best adapter is gathered whole and written once, a resumed run ends where the
-uninterrupted one ended, and the adapter is written once, whole, in PEFT format."""
+the grouped expert LoRA (ftcli.model.moe_lora) under FSDP2 equals PEFT's folded one under FSDP2 and itself on one
+rank, with and without activation checkpointing, for gpt-oss and Qwen3-MoE, the eval loss through accelerate's
+FSDP root equals the DDP one for the same adapter, the greedy samples (every rank generating) are the same text,
+the best adapter is gathered whole and written once, a resumed run ends where the uninterrupted one ended, and the
+adapter is written once, whole, in PEFT format, and merges."""
 
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ def _worker(out: Path, sharding: str, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> Path:
-    """The fp32 step, the bf16 step, then the eval-and-samples run: one torchrun per sharding (DDP, FSDP2)."""
+    """The runs of tests/_lora_fsdp_worker.py, then the eval-and-samples run: one torchrun per sharding (DDP,
+    FSDP2; FSDP2 also through PEFT's folded expert LoRA, with activation checkpointing and over the tiny Qwen3-MoE),
+    and the float32 run in this process (one rank, grad_accum 4: the same four blocks per step)."""
+    import _lora_fsdp_worker
+
     out = tmp_path_factory.mktemp("lora-steps")
     _worker(out, "ddp", "fp32,bf16,eval")
-    _worker(out, "fsdp", "fp32,bf16,eval")
+    _worker(out, "fsdp", "fp32,fp32+peft,fp32+ac,bf16,fp32+qwen3,fp32+qwen3+peft,eval")
+    _lora_fsdp_worker.step(out, "ddp", "fp32")
     return out
 
 
@@ -49,24 +56,64 @@ def test_fsdp_lora_gradients_equal_ddp(steps):
     """One step, grad_accum 2 x 2 ranks over blocks of 6..170 trained tokens: every LoRA gradient (attention and
     expert adapters) under FSDP2 equals the DDP one; every base weight was a DTensor holding half of itself."""
     tmp_path = steps
-    ddp, fsdp = torch.load(tmp_path / "grads-ddp.pt"), torch.load(tmp_path / "grads-fsdp.pt")
+    ddp, fsdp = torch.load(tmp_path / "grads-ddp-fp32.pt"), torch.load(tmp_path / "grads-fsdp-fp32.pt")
     assert ddp.keys() == fsdp.keys() and len(ddp) == 24  # A and B of q/k/v/o + 2 expert params, 2 layers
     worst = max(((fsdp[n] - ddp[n]).abs().max() / ddp[n].abs().max()).item() for n in ddp)
     print(f"FSDP2 vs DDP LoRA gradients: max relative difference {worst:.2e}")
     assert worst < 1e-5
-    sharded = json.loads((tmp_path / "sharded-fsdp.json").read_text())
+    sharded = json.loads((tmp_path / "sharded-fsdp-fp32.json").read_text())
     assert len(sharded) == 37 and all(sharded.values())  # every base tensor of the tiny gpt-oss
-    assert json.loads((tmp_path / "sharded-ddp.json").read_text()) == {}
+    assert json.loads((tmp_path / "sharded-ddp-fp32.json").read_text()) == {}
+
+
+def _run(out: Path, tag: str):
+    """(logged losses, the first step's LoRA gradients, the adapter after the run, grouped GEMM calls) of one run."""
+    record = json.loads((out / f"loss-{tag}.json").read_text())
+    tensors = (torch.load(out / f"{kind}-{tag}.pt") for kind in ("grads", "adapter"))
+    return record["train"], *tensors, record["grouped"]
+
+
+@pytest.mark.parametrize("run, other", [
+    ("fsdp-fp32", "fsdp-fp32+peft"),              # grouped vs PEFT's folded expert LoRA, both under FSDP2
+    ("fsdp-fp32", "1rank-fp32"),                  # FSDP2 on 2 ranks vs one rank, both grouped
+    ("fsdp-fp32+ac", "fsdp-fp32"),                # FSDP2's activation checkpointing (whole units, recomputed)
+    ("fsdp-fp32+qwen3", "fsdp-fp32+qwen3+peft"),  # Qwen3-MoE's [E, out, in] experts, grouped vs folded
+])
+def test_grouped_expert_lora_under_fsdp_equals_peft_folded_and_one_rank(steps, run, other):
+    """Three float32 steps (grad_accum 2 x 2 ranks, or 4 on one rank, over the same four packed blocks with flex
+    attention and gpt-oss's sinks): the grouped expert LoRA over the FSDP2-sharded base logs the losses of `other`
+    (1e-5 relative; measured <= 7e-8, with checkpointing 0), the first step's LoRA gradients agree to 1e-5 of each
+    one's largest entry (measured <= 1e-6) and the adapters after three AdamW steps to 1e-4 absolute, a thirtieth of
+    the lr (measured 1.4e-5 gpt-oss, 6.8e-5 Qwen3-MoE against the folded path: AdamW's first step moves every entry
+    by about the lr, whatever its gradient, so entries whose gradient is ~1e-8 take the summation order's noise
+    up to the lr; 2e-5 on one rank, 0 with checkpointing). The grouped runs went through GroupedLoraMatmul (with
+    the checkpoint's recompute: every forward twice), the folded ones never; every base tensor was sharded."""
+    losses, grads, adapter, calls = _run(steps, run)
+    want_losses, want_grads, want_adapter, other_calls = _run(steps, other)
+    assert len(losses) == 3 and losses == pytest.approx(want_losses, rel=1e-5, abs=0)
+    assert grads.keys() == want_grads.keys() == adapter.keys() == want_adapter.keys() and len(grads) == 24
+    worst_grad = max(((grads[n] - want_grads[n]).abs().max() / want_grads[n].abs().max()).item() for n in grads)
+    worst_weight = max((adapter[n] - want_adapter[n]).abs().max().item() for n in adapter)
+    print(f"{run} vs {other}: losses {losses} vs {want_losses}, gradients {worst_grad:.1e}, adapter {worst_weight:.1e}")
+    assert worst_grad < 1e-5 and worst_weight < 1e-4
+    for tag, n in ((run, calls), (other, other_calls)):  # rank 0's forwards (steps x micro-batches) x 2 layers x 2
+        forwards = 0 if "peft" in tag else 3 * (4 if tag.startswith("1rank") else 2) * (2 if "+ac" in tag else 1)
+        assert n == forwards * 2 * 2, (tag, n)
+    sharded = json.loads((steps / f"sharded-{run}.json").read_text())
+    print(f"{run}: {len(sharded)} base tensors, {calls} grouped GEMM calls")
+    assert len(sharded) == (25 if "qwen3" in run else 37) and all(sharded.values())  # every base tensor
 
 
 def test_bf16_fsdp_lora_sums_the_loss_and_gradients_in_fp32(steps):
     """bfloat16 weights under FSDP2 mixed precision, the same step as above, against DDP (which sums TRL's float32
-    per-token log-probs and the adapter's gradients in float32): the logged loss and every LoRA gradient agree
-    to 1e-6 (measured 0 and 5.5e-9), and ftcli's eval loss after the step is a float32 sum within 1e-3 of DDP's
-    (measured 2.7e-4: outside the trainer's autocast DDP applies the adapter in float32, FSDP in bf16, its
-    param_dtype). With accelerate's own bf16 policy (output and reduce in bf16) the loss was 1.6e-2 off, the
-    gradients 1.3e-2 and the eval sum bf16 (1192.0 vs 1187.8); with a float32 output cast the eval failed
-    (float32 activations into the bf16 LM head); with the bf16 reduce alone the gradients were 3.4e-3 off."""
+    per-token log-probs and the adapter's gradients in float32), the experts through the grouped expert LoRA in
+    both: the logged loss and every LoRA gradient agree to 1e-6 (measured 0 and 2.9e-9; 0 and 5.5e-9 through
+    PEFT's folded expert LoRA in both, before the grouped one ran under FSDP2), and ftcli's eval loss after the
+    step is a float32 sum within 1e-3 of DDP's (measured 8.5e-5, 2.7e-4 through the folded one: outside the
+    trainer's autocast DDP applies the adapter in float32, FSDP in bf16, its param_dtype). With accelerate's own
+    bf16 policy (output and reduce in bf16) the loss was 1.6e-2 off, the gradients 1.3e-2 and the eval sum bf16
+    (1192.0 vs 1187.8); with a float32 output cast the eval failed (float32 activations into the bf16 LM head); with
+    the bf16 reduce alone the gradients were 3.4e-3 off."""
     tmp_path = steps
     ddp_out = json.loads((tmp_path / "loss-ddp-bf16.json").read_text())
     fsdp_out = json.loads((tmp_path / "loss-fsdp-bf16.json").read_text())
@@ -148,15 +195,18 @@ def fsdp_run(tmp_path_factory):
 def test_the_run_says_its_base_is_sharded(fsdp_run):
     _, run_dir, proc = fsdp_run
     assert "base fsdp (training.sharding)" in proc.stdout
+    assert "expert LoRA: grouped, unmerged (2 experts modules" in proc.stdout  # lora.experts' default under FSDP2
     assert [m["step"] for m in _metrics(run_dir)] == list(range(1, STEPS + 1))
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
 
 
 def test_adapter_saved_once_whole_in_peft_format_and_loadable(fsdp_run):
     """<run>/final holds one PEFT adapter with full (gathered) tensors; PEFT loads it onto the saved base and holds
-    exactly those weights."""
+    exactly those weights, and merge-lora merges it (the experts trained through the grouped expert LoRA)."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
+
+    from ftcli.artifacts.merge import merge
 
     _, run_dir, _ = fsdp_run
     final = run_dir / "final"
@@ -174,6 +224,11 @@ def test_adapter_saved_once_whole_in_peft_format_and_loadable(fsdp_run):
     assert loaded.keys() == saved.keys() and len(saved) == 24
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert max(v.abs().max().item() for k, v in saved.items() if "lora_B" in k) > 0  # trained
+    # the experts' factors, trained through the grouped expert LoRA under FSDP2: PEFT's whole [E·r, in] / [out, r·E]
+    assert saved["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (64, 128)
+    assert saved["base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"].shape == (256, 64)
+    _, report = merge(run_dir, output=run_dir.parent / "merged", dtype="float32")  # merge-lora folds them
+    assert report["passed"] and report["adapter_effect"] > 0.1
 
 
 def test_resume_from_checkpoint_is_exact(fsdp_run):

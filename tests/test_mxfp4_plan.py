@@ -76,3 +76,27 @@ def test_peft_folded_expert_lora_keeps_every_stored_layers_folded_weights():
     assert totals["peft", "none"] - totals["grouped", "none"] == pytest.approx(24 * per_layer)
     assert totals["peft", "full"] == totals["grouped", "full"]
     assert (round(totals["peft", "none"], 1), round(totals["grouped", "none"], 1)) == (100.0, 64.4)
+
+
+@pytest.mark.parametrize("name, layers, per_layer_params, gib", [
+    ("gpt-oss-120b-h100", 36, 128 * (2880 * 5760 + 2880 * 2880), (44.1, 78.5, 292.1)),
+    ("qwen3-30b-a3b-lora-h100", 48, 128 * (1536 * 2048 + 2048 * 768), (12.7, 45.5, 99.5)),
+])
+def test_grouped_expert_lora_is_the_default_over_an_fsdp_base_too(name, layers, per_layer_params, gib):
+    """The FSDP recipes train their experts through the grouped expert LoRA (`grouped_expert_lora`, for trainer,
+    plan and doctor alike): as shipped (full checkpointing) the plan is what it was with PEFT's fold (44.1 and 12.7
+    GiB per GPU of 8); without checkpointing lora.experts=peft keeps every layer's folded expert weights in bf16
+    (gpt-oss-120b 292.1 vs 78.5 GiB, Qwen3-30B-A3B 99.5 vs 45.5) and grouped does not."""
+    from ftcli.estimate.fit import grouped_expert_lora, memory_on, merged_experts
+
+    recipe = load_recipe(name)
+    assert recipe.training.sharding == "fsdp" and grouped_expert_lora(recipe) and not merged_experts(recipe)
+    totals = {}
+    for how in ("grouped", "peft"):
+        for ac in ("full", "none"):
+            sets = [f"lora.experts={how}", f"training.activation_checkpointing={ac}"]
+            totals[how, ac] = memory_on(load_recipe(name, sets), 8).total
+    assert totals["grouped", "full"] == totals["peft", "full"] == memory_on(recipe, 8).total
+    folded = layers * per_layer_params * 2 / memory.GiB  # every layer's expert weights in bf16
+    assert totals["peft", "none"] - totals["grouped", "none"] == pytest.approx(folded)
+    assert tuple(round(totals[k], 1) for k in (("grouped", "full"), ("grouped", "none"), ("peft", "none"))) == gib

@@ -206,10 +206,10 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
 
 
 def _grouped_expert_lora(recipe) -> bool:
-    """Whether `recipe` trains MoE experts through ftcli.model.moe_lora, under any sharding."""
+    """Whether `recipe` trains MoE experts through ftcli.model.moe_lora."""
     from ftcli.estimate.fit import grouped_expert_lora
 
-    return recipe is not None and grouped_expert_lora(recipe, None)
+    return recipe is not None and grouped_expert_lora(recipe)
 
 
 def check_expert_lora_kernels(recipe, m, tf: Transformers) -> list[Check]:

@@ -619,7 +619,7 @@ class LoraConfig(_Section):
     experts: Literal["grouped", "peft"] = Field(
         "grouped", description="LoRA on MoE expert parameters (gpt-oss, Qwen3-MoE): grouped (unmerged x·W + s·(x·A)·B over tokens "
         "grouped by expert, no base gradient: ftcli.model.moe_lora) or peft (PEFT's ParamWrapper, W + s·A·B "
-        "folded every forward); runs as peft with training.sharding=fsdp.")
+        "folded every forward).")
     exclude_vision: bool = Field(True, description="Keep LoRA off the vision tower of VLM classes.")
 
 

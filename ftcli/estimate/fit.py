@@ -72,30 +72,31 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
                               keep=0, loss="trl", sharding=sharding,
                               expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none",
-                              merged_experts=merged_experts(recipe, sharding))
+                              merged_experts=merged_experts(recipe))
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
                           speed=speed_settings(t))
 
 
-def grouped_expert_lora(recipe: Recipe, sharding: str | None) -> bool:
+def grouped_expert_lora(recipe: Recipe) -> bool:
     """Whether a LoRA recipe's experts go through ftcli.model.moe_lora (unmerged, grouped by expert; the LoRA
     trainer installs it where this says so): its family declares its experts' layout (gpt-oss, Qwen3-MoE), and
-    the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped over a base
-    that is not FSDP-sharded (sharding None: any sharding, as doctor asks before one is chosen)."""
+    the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped. Over a
+    base whole per rank (ddp) and one sharded by FSDP2 alike (inside a sharded unit's forward and backward
+    FSDP2 hands the module its gathered weights: tests/test_lora_fsdp.py)."""
     if recipe.training.method != "lora" or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
         return False
     if recipe.model.quantization == "mxfp4":
         return True
-    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters) and sharding != "fsdp"
+    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters)
 
 
-def merged_experts(recipe: Recipe, sharding: str) -> bool:
+def merged_experts(recipe: Recipe) -> bool:
     """Whether PEFT's ParamWrapper folds the expert LoRA into the weight: the experts are trained and not through
     the grouped expert LoRA (`grouped_expert_lora`)."""
     return (bool(recipe.lora.target_parameters) and recipe.model.quantization != "mxfp4"
-            and not grouped_expert_lora(recipe, sharding))
+            and not grouped_expert_lora(recipe))
 
 
 def speed_settings(t) -> tuple[str, ...]:

@@ -125,9 +125,6 @@ def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
     """Recipe settings that run differently than written on the LoRA path (warned at start). Full SFT's own keys
     never get here: a LoRA recipe that sets one is refused at load (ftcli.config.recipe.LoraTraining)."""
     t, out = recipe.training, []
-    if sharding == "fsdp" and recipe.lora.target_parameters and recipe.lora.experts == "grouped":
-        out.append("lora.experts=grouped runs as peft with training.sharding=fsdp (the grouped expert LoRA is "
-                   "not yet checked under FSDP2)")
     if sharding == "fsdp" and t.activation_checkpointing == "selective":
         out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
                    "(FSDP2 checkpoints whole units)")

@@ -219,13 +219,6 @@ def use_ftcli_schedule(trainer, schedule) -> None:
     trainer.create_scheduler = create_scheduler
 
 
-def grouped_experts(recipe: Recipe, args) -> bool:
-    """Whether the experts go through `ftcli.model.moe_lora` (`ftcli.estimate.fit.grouped_expert_lora`)."""
-    from ftcli.estimate.fit import grouped_expert_lora
-
-    return grouped_expert_lora(recipe, "fsdp" if args.fsdp else "ddp")
-
-
 def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
                   evaluator=None, run_dir: Path | None = None):
     """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
@@ -234,11 +227,13 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
+    from ftcli.estimate.fit import grouped_expert_lora
+
     with warnings.catch_warnings():  # TRL/PEFT read transformers' deprecated alias; nothing for a user to change
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
                              processing_class=tokenizer, peft_config=lora_config(recipe, model))
-    if grouped_experts(recipe, args):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
+    if grouped_expert_lora(recipe):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
         from ftcli.model.moe_lora import install_grouped_experts
 
         grouped = install_grouped_experts(trainer.model)
