@@ -27,6 +27,15 @@ load, merge-lora), and `install_grouped_experts` replaces the outer wrapper's fo
 PEFT folds: delta[e] = scaling · lhs[e] @ rhs[e], `[in, r] @ [r, out]`). `lora.experts: peft` keeps PEFT's
 folded forward (bf16 base only).
 
+Over a base sharded by FSDP2 (`training.sharding: fsdp`) nothing changes: the experts module sits inside a
+decoder layer, an FSDP2 unit, whose pre-forward hook has gathered the layer's weights, base and adapter, as plain
+tensors before `grouped_experts_forward` reads them (a DTensor never reaches it); after forward the unit reshards
+(frees the gathered storage) and its pre-backward hook gathers it again into the same tensor objects before
+`GroupedLoraMatmul.backward` asks `source` for W, and FSDP2's activation checkpointing (whole units) recomputes
+the forward after that gather. The factors' gradients flow into the gathered LoRA parameters, which FSDP2
+reduce-scatters like any other (tests/test_lora_fsdp.py: losses, gradients and adapters against PEFT's folded path
+under FSDP2 and the grouped path on one rank; a kept-MXFP4 base is DDP only, the recipe schema refuses FSDP).
+
 Which experts modules go this way, and how each computes, is its family's `ExpertLayout` (ftcli.families):
 the weight orientation (gpt-oss `[E, in, out]`; Qwen3-MoE `[E, out, in]`, passed as its transposed view and
 PEFT's factors swapped and transposed), the gate over the gate_up projection (`GATES`: gpt-oss's interleaved
