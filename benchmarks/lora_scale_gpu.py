@@ -13,6 +13,10 @@ memory allocated / reserved (torch), and `ftcli.estimate.fit.memory_on` for the 
 per-layer slope and the 36-layer extrapolation of s/step (one GPU's compute for one 4k block; the 8-GPU
 run adds FSDP's all-gathers), and the memory model's 8xH100 prediction for the real recipe.
 
+`--experts grouped peft` runs each depth once per expert LoRA (`lora.experts`: the grouped, unmerged GEMMs of
+ftcli.model.moe_lora, the recipe's default, or PEFT's folded ParamWrapper), `--ac none` without activation
+checkpointing (where PEFT's fold keeps every layer's W + s·A·B and the grouped path does not).
+
 H200 (project root, .gpu carried):  python benchmarks/lora_scale_gpu.py --layers 4 6
 CPU logic check (tiny gpt-oss, 256-token blocks, 1 process): python benchmarks/lora_scale_gpu.py --tiny
 """
@@ -51,13 +55,14 @@ def depth_config(layers: int, tiny: bool, out: Path) -> Path:
     return path
 
 
-def overrides(args, layers: int, out: Path) -> list[str]:
+def overrides(args, layers: int, out: Path, experts: str = "grouped") -> list[str]:
     sets = ["model.init=random", "model.quantization=none", "model.tokenizer=pkg://assets/tokenizer-gpt-oss",
             f"model.config={depth_config(layers, args.tiny, out)}", "data.source=synthetic",
             "data.synthetic.num_examples=600", f"data.synthetic.mean_tokens={120 if args.tiny else 1200}",
             f"data.synthetic.max_tokens={512 if args.tiny else 8192}", "tracking.enabled=false",
             "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false",
-            f"training.max_steps={args.steps}", "training.log_every=1", f"output.dir={out / f'l{layers}'}"]
+            f"training.max_steps={args.steps}", "training.log_every=1", f"output.dir={out / f'l{layers}'}",
+            f"lora.experts={experts}", f"training.activation_checkpointing={args.ac}"]
     if args.tiny:
         sets += ["model.dtype=float32", "training.optimizer.fused=false", "data.max_length=256",
                  "data.packing.block_len=256", "training.cpu_processes=1"]
@@ -71,13 +76,13 @@ def predicted(sets: list[str], world: int) -> dict:
     return memory_on(load_recipe(RECIPE, sets), world).to_dict()
 
 
-def run_depth(args, layers: int, out: Path) -> dict:
-    sets = overrides(args, layers, out)
+def run_depth(args, layers: int, out: Path, experts: str) -> dict:
+    sets = overrides(args, layers, out, experts)
     cmd = [sys.executable, "-m", "ftcli", "train", "--recipe", RECIPE, "--force"]
     for s in sets:
         cmd += ["--set", s]
     start = time.perf_counter()
-    log = out / f"l{layers}.log"  # every line of the run with its time since start: where a slow build waits
+    log = out / f"l{layers}-{experts}.log"  # every line of the run with its time since start: where a slow build waits
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     timer = threading.Timer(args.timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -94,8 +99,9 @@ def run_depth(args, layers: int, out: Path) -> dict:
     metrics_file = out / f"l{layers}" / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     timed = steps[args.warmup:]
-    row = {"layers": layers, "exit": code, "wall_s": round(wall, 1), "steps": len(steps),
-           "predicted_1gpu": predicted(sets, 1)}
+    row = {"layers": layers, "experts": experts, "ac": args.ac, "exit": code, "wall_s": round(wall, 1),
+           "steps": len(steps), "predicted_1gpu": predicted(sets, 1),
+           "grouped_installed": "expert LoRA: grouped, unmerged" in log.read_text()}  # the trainer's line
     if timed:
         row.update(s_per_step=statistics.median(m["s_per_step"] for m in timed),
                    tokens_per_s=statistics.median(m["tokens_per_s"] for m in timed),
@@ -108,17 +114,18 @@ def run_depth(args, layers: int, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layers | exit | s/step | tokens/s | peak GiB allocated (reserved) | memory model, 1 GPU, GiB | "
-             "measured / model | losses |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| layers | experts | AC | exit | s/step | tokens/s | peak GiB allocated (reserved) | memory model, 1 GPU, "
+             "GiB | measured / model | losses |", "|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        head = f"| {r['layers']} | {r['experts']} | {r['ac']} | {r['exit']} |"
         if "s_per_step" not in r:
-            lines.append(f"| {r['layers']} | {r['exit']} | - | - | - | {r['predicted_1gpu']['total']:.1f} | - | - |")
+            lines.append(f"{head} - | - | - | {r['predicted_1gpu']['total']:.1f} | - | - |")
             continue
         ratio = r["peak_mem"] / r["predicted_1gpu"]["total"] if r["peak_mem"] else float("nan")
-        lines.append(f"| {r['layers']} | {r['exit']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['peak_mem']:.1f} ({r['peak_reserved']:.1f}) {r['mem_unit']} | "
                      f"{r['predicted_1gpu']['total']:.1f} | {ratio:.2f} | {r['losses']} |")
-    done = [r for r in rows if "s_per_step" in r]
+    done = [r for r in rows if "s_per_step" in r and r["experts"] == rows[0]["experts"]]
     if len({r["layers"] for r in done}) >= 2:
         from ftcli.estimate.steptime import depth_fit
 
@@ -134,6 +141,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900, help="seconds per depth (the base is built on the CPU)")
+    p.add_argument("--experts", nargs="+", choices=["grouped", "peft"], default=["grouped"])
+    p.add_argument("--ac", choices=["full", "none"], default="full", help="training.activation_checkpointing")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     args.layers = args.layers or ([2, 4] if args.tiny else [4, 6])
@@ -142,8 +151,8 @@ def main() -> int:
     eight = predicted(overrides(args, 36, out), 8)  # the shipped shape (36 layers) on the recipe's 8 GPUs
     print(f"memory model, {RECIPE} as shipped (36 layers), 8 GPUs: {eight}", flush=True)
     rows = []
-    for n in args.layers:
-        rows.append(run_depth(args, n, out))
+    for n, experts in [(n, e) for n in args.layers for e in args.experts]:
+        rows.append(run_depth(args, n, out, experts))
         print("ROW " + json.dumps(rows[-1]), flush=True)
         print(table(rows), flush=True)
     return 0 if all(r["exit"] == 0 for r in rows) else 1
