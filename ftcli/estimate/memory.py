@@ -203,8 +203,8 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     if s.method == "lora" and s.merged_experts:
         # without checkpointing every layer keeps its folded expert weights (an H200, 20b, 4k, no AC: 103.1 GiB
         # through PEFT's wrapper vs 67.2 through the grouped expert LoRA); with it, the recomputed layer's fold
-        # did not raise the measured peaks (gpt-oss-120b at 4 and 6 layers, FSDP, full AC: within 0.4%). The same
-        # term, not measured there, for Qwen3-MoE's experts through lora.experts=peft or FSDP
+        # did not raise the measured peaks (gpt-oss-120b at 4 and 6 layers, FSDP through PEFT's wrapper, full AC:
+        # within 0.4%). The same term, not measured there, for Qwen3-MoE's experts through lora.experts=peft
         folded_layers = stored if s.checkpointing == "none" else stored - 1
         activations += folded_layers * expert_weight_params(shape) / shape.layers * s.compute_bytes
     if s.method == "lora":
