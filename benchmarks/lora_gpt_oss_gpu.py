@@ -14,10 +14,16 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
                              (flex attention + sinks on CUDA); experts grouped_mm
     ftcli-2k / -8k / -16k    packed blocks of that many tokens, grad accum 2 / 1 / 1, full checkpointing
     ftcli-Nk-no-ac           packed N-k blocks, grad accum 1, no activation checkpointing
+    default-compile          the default with training.compile=true: each decoder layer compiled whole
+                             (ftcli.features.compile; flex attention's block masks built before the layers)
+    default-regions          the default with training.compile=regions (LoRA linears, norms, MoE MLP compiled)
+    default-trl-compile      the default with TRL's whole-model torch_compile (what compile: true was before)
+    default-nodrop           the default with lora.dropout=0 (the recipe keeps the published 0.05)
+    default-compile-nodrop   both
 
 In every mode data.max_length is the mode's block length (2,048 for `reference`, as in the published notebook).
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
-steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
+steps (warmup_s: the warmup's seconds, compiles included). Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
 padding included), s/step, and peak GPU memory over the whole mode (torch max_memory_allocated).
 
 H200 (project root; .gpu staged with ../shared/gpu/stage.sh and carried):
@@ -49,6 +55,15 @@ sys.path.insert(0, str(ROOT))
 MODES = {
     "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # gpt-oss-h100's block, ga, checkpointing
     "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
+    # issue 29 item 3: the default's host gaps. training.compile (ftcli.features.compile): each decoder layer one
+    # graph (flex attention, LoRA linears, router, grouped experts), or only its regions (LoRA linears, norms, MoE
+    # MLP); TRL's whole-model torch_compile; lora.dropout=0 (the recipe keeps the published 0.05)
+    "default-compile": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True},
+    "default-regions": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": "regions"},
+    "default-trl-compile": {"attn": "auto", "packing": True, "experts": "grouped_mm", "trl_compile": True},
+    "default-nodrop": {"attn": "auto", "packing": True, "experts": "grouped_mm", "dropout": 0},
+    "default-compile-nodrop": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True,
+                               "dropout": 0},
     "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2,
                                 "ac": "full"},
     "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
@@ -96,6 +111,10 @@ def mode_recipe(mode: str, args, work: Path):
         f"data.synthetic.max_tokens={max(length, 16384)}",
         f"training.activation_checkpointing={m.get('ac', recipe.training.activation_checkpointing)}",
     ]
+    if "compile" in m:
+        sets += [f"training.compile={str(m['compile']).lower()}"]
+    if "dropout" in m:
+        sets += [f"lora.dropout={m['dropout']}"]
     if "lora_experts" in m:
         sets += [f"lora.target_parameters={EXPERT_TARGETS}", "lora.dropout=0", f"lora.experts={m['lora_experts']}"]
     if m.get("shape") == "120b" and not args.tiny:
@@ -216,6 +235,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
     kwargs = sft_config_kwargs(recipe, work / mode)
     kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
                   use_cpu=device.type == "cpu")
+    if m.get("trl_compile"):
+        kwargs["torch_compile"] = True  # TRL / transformers compile the whole model (what compile: true was before)
     trainer, counter = build_trainer(recipe, model, tokenizer, rows, SFTConfig(**kwargs))
     grouped = sum(getattr(mod.forward, "func", None) is grouped_experts_forward for mod in trainer.model.modules())
     kept = kept_mxfp4_bytes(trainer.model) / 2**30
@@ -225,6 +246,9 @@ def run_mode(mode: str, args, work: Path) -> dict:
     marks = {}
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            marks[0] = (time.perf_counter(), 0, 0)
+
         def on_step_end(self, a, state, control, **kw):
             if state.global_step in (args.warmup, args.warmup + args.steps):
                 if device.type == "cuda":
@@ -245,7 +269,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "s_per_step": seconds / args.steps,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "build_s": build_s, "losses": losses, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
+        "build_s": build_s, "warmup_s": t0 - marks[0][0], "losses": losses, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
         "start_gib": start_gib, "layers": model.config.num_hidden_layers,
     }
     del trainer, model, counter
