@@ -76,3 +76,34 @@ def test_compiled_lora_layers_train_as_eager(tmp_path, monkeypatch, setting):
     assert max((compiled_adapter[k] - eager_adapter[k]).abs().max().item() for k in eager_adapter) <= 1e-5
     assert regions == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp",
                        "input_layernorm", "post_attention_layernorm"]  # the MoE MLP: router + frozen grouped_mm experts
+
+
+def test_flex_sinks_layer_compiles_without_a_break_when_masks_are_built_ahead(monkeypatch):
+    """The CUDA gpt-oss attention (flex + sinks) inside a compiled PEFT layer: with the block masks built before the
+    layers (`kernels.block_masks_ahead`) dynamo sees no graph break in a layer, and the logits equal eager's.
+    Forward only, on CPU (flex attention has no CPU backward), `aot_eager` (inductor's CPU flex returns no LSE)."""
+    from peft import get_peft_model
+
+    from ftcli.model.build import decoder_layers, load_model
+    from ftcli.model.kernels import Backend, block_masks_ahead, install_backends
+    from ftcli.train.lora.trainer import collate_rows, lora_config
+
+    recipe = tiny_recipe("lora.target_parameters=[]", "lora.dropout=0.05")
+    attn = install_backends("gpt_oss", [Backend("attention", "flex_sinks", "forward check on CPU")])
+    torch.manual_seed(0)
+    base = load_model(recipe.model, attn_implementation=attn)
+    model = get_peft_model(base, lora_config(recipe, base)).eval()
+    rng = np.random.default_rng(1)
+    batch = collate_rows([packed_row(rng, [50, 30, 48], 0.5)])
+    batch.pop("labels")
+    with torch.no_grad():
+        eager = model(**batch).logits
+        assert block_masks_ahead(model) is not None
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for layer in decoder_layers(model):
+            layer.compile(backend="aot_eager")
+        compiled = model(**batch).logits
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # sliding and full attention layers
+    assert (compiled - eager).abs().max().item() <= 1e-5

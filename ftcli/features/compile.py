@@ -94,8 +94,20 @@ def prepare_lora(model: nn.Module, recipe) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
     if recipe.training.compile is True:  # the attention compiles with its layer
         block_masks_ahead(model)
+    model.register_forward_pre_hook(_packing_metadata_dynamic, with_kwargs=True)
     for layer in decoder_layers(model):
         compile_layer(layer, recipe)
+
+
+def _packing_metadata_dynamic(module, args, kwargs) -> None:
+    """The packing metadata of a block (cu_seq_lens, trained_positions, fla's chunk indices) changes length with
+    every block: compiled with a dynamic first dimension from the first step, instead of once static and once more
+    dynamic. (The token tensors' first dimension is the batch of 1, which dynamo keeps static.)"""
+    import torch
+
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
 
 
 def describe(model, recipe) -> str | None:

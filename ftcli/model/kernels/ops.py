@@ -302,8 +302,9 @@ def flex_sinks(module, query, key, value, cu, scaling=None, dropout=0.0, s_aux=N
         raise ValueError("flex attention has no attention dropout; set attention_dropout to 0")
     q, k, v = (_tokens(x).transpose(0, 1)[None] for x in (query, key, value))  # [1, H, B*T, D]
     window = getattr(module, "sliding_window", None)
-    built = kwargs.get(BLOCK_MASKS_KWARG)
-    block_mask = built[window] if built is not None else _document_block_mask(cu, q.shape[2], window, q.device)
+    block_mask = (kwargs.get(BLOCK_MASKS_KWARG) or {}).get(window)  # built before the layers (block_masks_hook)
+    if block_mask is None:
+        block_mask = _document_block_mask(cu, q.shape[2], window, q.device)
     out, lse = _flex(q, k, v, block_mask, scaling)
     if s_aux is not None:
         # softmax over [scores, sink]: each weight shrinks by Z / (Z + e^sink) = sigmoid(lse - sink)
@@ -316,10 +317,11 @@ _BLOCK_MASKS: dict[tuple, object] = {}
 
 
 def _flex(q, k, v, block_mask, scale):
-    """flex_attention (compiled on CUDA) returning the output and its log-sum-exp [1, H, N] in fp32."""
+    """flex_attention (compiled on CUDA, alone or with the layer that calls it) returning the output and its
+    log-sum-exp [1, H, N] in fp32."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():  # inside a compiled layer: traced with it
         fn = _FLEX.get("cuda") or _FLEX.setdefault("cuda", torch.compile(flex_attention))
     else:
         fn = flex_attention
