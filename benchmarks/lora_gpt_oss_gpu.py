@@ -29,8 +29,14 @@ padding included), s/step, and peak GPU memory over the whole mode (torch max_me
 
 H200 (project root; .gpu staged with ../shared/gpu/stage.sh and carried):
     source .gpu/activate.sh && python benchmarks/lora_gpt_oss_gpu.py --out $OUT/lora_gpt_oss.json
+Issue 29 item 3 (the compile modes; carry [".gpu", ".gpu-ao", "<copy of ftcli/ and benchmarks/>"]; the first
+compiled step builds one graph per attention kind and first-layer variant, fwd + bwd with flex attention: minutes):
+    source .gpu/activate.sh && tar -xJf .gpu-ao/transformers-5.24.0-full.tar.xz -C /tmp/gpu-site \
+      && python benchmarks/lora_gpt_oss_gpu.py --modes default,default-compile,default-nodrop,default-compile-nodrop \
+           --steps 8 --warmup 3 --profile default-compile --deadline 420
 CPU logic check (tiny gpt-oss, same code path; numbers mean nothing):
     python benchmarks/lora_gpt_oss_gpu.py --tiny
+    python benchmarks/lora_gpt_oss_gpu.py --tiny --modes default,default-compile,default-regions,default-trl-compile
 """
 
 from __future__ import annotations
