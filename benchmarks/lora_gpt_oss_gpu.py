@@ -267,7 +267,13 @@ def run_mode(mode: str, args, work: Path) -> dict:
     if mode in args.profile:
         trainer.callback_handler.callbacks.insert(0, Profile(args.warmup, device))
     trainer.add_callback(Clock())
+    from torch._dynamo.utils import counters  # dynamo's own tally: graph breaks (by reason) and graphs built
+
+    breaks_before, graphs_before = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
     trainer.train()
+    breaks = {k: v - breaks_before.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks_before.get(k, 0)}
+    for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:3]:
+        print(f"{mode}: graph break x{n}: {reason.splitlines()[0][:160]}", flush=True)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     (t0, trained0, seen0), (t1, trained1, seen1) = marks[args.warmup], marks[args.warmup + args.steps]
     seconds = t1 - t0
@@ -278,7 +284,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "s_per_step": seconds / args.steps,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "build_s": build_s, "warmup_s": t0 - marks[0][0], "losses": losses, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
+        "build_s": build_s, "warmup_s": t0 - marks[0][0], "losses": losses, "graph_breaks": sum(breaks.values()),
+        "graphs": counters["stats"]["unique_graphs"] - graphs_before, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
         "start_gib": start_gib, "layers": model.config.num_hidden_layers,
     }
     del trainer, model, counter
@@ -357,8 +364,8 @@ def markdown(results: list[dict], args) -> str:
         f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, per-mode block and grad accum in the table",
         "",
         "| mode | layers | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step "
-        "| GiB at start | peak GiB (reserved) | losses |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| GiB at start | peak GiB (reserved) | graphs (breaks) | warmup s | losses |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if r["peak_mem_gib"] is not None else "n/a"
@@ -367,6 +374,7 @@ def markdown(results: list[dict], args) -> str:
             f"| {r['mode']} | {r['layers']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | "
             f"{r['experts']} | {r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
             f"{r['seen_tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | {start} | {mem} | "
+            f"{r.get('graphs', 0)} ({r.get('graph_breaks', 0)}) | {r.get('warmup_s', 0):.0f} | "
             f"{', '.join(f'{x:.4f}' for x in r['losses'])} |"
         )
     if len(results) > 1 and results[0]["mode"] == "reference":
