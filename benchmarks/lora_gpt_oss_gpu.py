@@ -21,6 +21,8 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
     default-nodrop           the default with lora.dropout=0 (the recipe keeps the published 0.05)
     default-compile-nodrop   both
     default-compile-log10    default-compile logging every 10th step (the recipe logs every step; losses: logged ones)
+    default-compile-nosync   default-compile without TRL's mid-step metric syncs (measurement only: its entropy and
+                             accuracy metrics read zeros)
 
 In every mode data.max_length is the mode's block length (2,048 for `reference`, as in the published notebook).
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
@@ -73,6 +75,10 @@ MODES = {
                                "dropout": 0},
     # the step's end without transformers' per-step log (its loss and grad-norm .item() drain the GPU queue)
     "default-compile-log10": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True, "log": 10},
+    # measurement only: TRL's per-micro-batch metrics (entropy, token accuracy, token count: 4 host syncs between
+    # the forward and the backward) gathered as CPU zeros, so the host never waits for the GPU mid-step
+    "default-compile-nosync": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True,
+                               "nosync": True},
     "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2,
                                 "ac": "full"},
     "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
@@ -247,6 +253,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
     if m.get("trl_compile"):
         kwargs["torch_compile"] = True  # TRL / transformers compile the whole model (what compile: true was before)
     trainer, counter = build_trainer(recipe, model, tokenizer, rows, SFTConfig(**kwargs))
+    if m.get("nosync"):  # TRL's compute_loss only reads its metrics through this (trl 1.16); one process here
+        trainer.accelerator.gather_for_metrics = lambda x, **kw: torch.zeros_like(x, device="cpu")
     grouped = sum(getattr(mod.forward, "func", None) is grouped_experts_forward for mod in trainer.model.modules())
     kept = kept_mxfp4_bytes(trainer.model) / 2**30
     print(f"{mode}: built in {time.perf_counter() - t_build:.1f} s; {grouped} experts modules grouped, "
