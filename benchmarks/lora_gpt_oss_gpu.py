@@ -14,16 +14,31 @@ data (log-normal lengths around 1,200 tokens, 30% prompt), LoRA r 8 on all-linea
                              (flex attention + sinks on CUDA); experts grouped_mm
     ftcli-2k / -8k / -16k    packed blocks of that many tokens, grad accum 2 / 1 / 1, full checkpointing
     ftcli-Nk-no-ac           packed N-k blocks, grad accum 1, no activation checkpointing
+    default-compile          the default with training.compile=true: each decoder layer compiled whole
+                             (ftcli.features.compile; flex attention's block masks built before the layers)
+    default-regions          the default with training.compile=regions (LoRA linears, norms, MoE MLP compiled)
+    default-trl-compile      the default with TRL's whole-model torch_compile (what compile: true was before)
+    default-nodrop           the default with lora.dropout=0 (the recipe keeps the published 0.05)
+    default-compile-nodrop   both
+    default-compile-log10    default-compile logging every 10th step (the recipe logs every step; losses: logged ones)
+    default-compile-nosync   default-compile without TRL's mid-step metric syncs (measurement only: its entropy and
+                             accuracy metrics read zeros)
 
 In every mode data.max_length is the mode's block length (2,048 for `reference`, as in the published notebook).
 Each mode builds its model, runs --warmup steps (flex compiles there), then times --steps optimizer
-steps. Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
+steps (warmup_s: the warmup's seconds, compiles included). Reported: trained tokens/s (the tokens with loss), seen tokens/s (all tokens through the model,
 padding included), s/step, and peak GPU memory over the whole mode (torch max_memory_allocated).
 
 H200 (project root; .gpu staged with ../shared/gpu/stage.sh and carried):
     source .gpu/activate.sh && python benchmarks/lora_gpt_oss_gpu.py --out $OUT/lora_gpt_oss.json
+Issue 29 item 3 (the compile modes; carry [".gpu", ".gpu-ao", "<copy of ftcli/ and benchmarks/>"]; the first
+compiled step builds one graph per attention kind and first-layer variant, fwd + bwd with flex attention: minutes):
+    source .gpu/activate.sh && tar -xJf .gpu-ao/transformers-5.24.0-full.tar.xz -C /tmp/gpu-site \
+      && python benchmarks/lora_gpt_oss_gpu.py --modes default,default-compile,default-nodrop,default-compile-nodrop \
+           --steps 8 --warmup 3 --profile default-compile --deadline 420
 CPU logic check (tiny gpt-oss, same code path; numbers mean nothing):
     python benchmarks/lora_gpt_oss_gpu.py --tiny
+    python benchmarks/lora_gpt_oss_gpu.py --tiny --modes default,default-compile,default-regions,default-trl-compile
 """
 
 from __future__ import annotations
@@ -49,6 +64,21 @@ sys.path.insert(0, str(ROOT))
 MODES = {
     "default": {"attn": "auto", "packing": True, "experts": "grouped_mm"},  # gpt-oss-h100's block, ga, checkpointing
     "reference": {"attn": "eager", "packing": False, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
+    # issue 29 item 3: the default's host gaps. training.compile (ftcli.features.compile): each decoder layer one
+    # graph (flex attention, LoRA linears, router, grouped experts), or only its regions (LoRA linears, norms, MoE
+    # MLP); TRL's whole-model torch_compile; lora.dropout=0 (the recipe keeps the published 0.05)
+    "default-compile": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True},
+    "default-regions": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": "regions"},
+    "default-trl-compile": {"attn": "auto", "packing": True, "experts": "grouped_mm", "trl_compile": True},
+    "default-nodrop": {"attn": "auto", "packing": True, "experts": "grouped_mm", "dropout": 0},
+    "default-compile-nodrop": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True,
+                               "dropout": 0},
+    # the step's end without transformers' per-step log (its loss and grad-norm .item() drain the GPU queue)
+    "default-compile-log10": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True, "log": 10},
+    # measurement only: TRL's per-micro-batch metrics (entropy, token accuracy, token count: 4 host syncs between
+    # the forward and the backward) gathered as CPU zeros, so the host never waits for the GPU mid-step
+    "default-compile-nosync": {"attn": "auto", "packing": True, "experts": "grouped_mm", "compile": True,
+                               "nosync": True},
     "reference-eager-experts": {"attn": "eager", "packing": False, "experts": "eager", "block": 2048, "ga": 2,
                                 "ac": "full"},
     "ftcli-2k": {"attn": "auto", "packing": True, "experts": "grouped_mm", "block": 2048, "ga": 2, "ac": "full"},
@@ -96,6 +126,10 @@ def mode_recipe(mode: str, args, work: Path):
         f"data.synthetic.max_tokens={max(length, 16384)}",
         f"training.activation_checkpointing={m.get('ac', recipe.training.activation_checkpointing)}",
     ]
+    if "compile" in m:
+        sets += [f"training.compile={str(m['compile']).lower()}"]
+    if "dropout" in m:
+        sets += [f"lora.dropout={m['dropout']}"]
     if "lora_experts" in m:
         sets += [f"lora.target_parameters={EXPERT_TARGETS}", "lora.dropout=0", f"lora.experts={m['lora_experts']}"]
     if m.get("shape") == "120b" and not args.tiny:
@@ -214,9 +248,13 @@ def run_mode(mode: str, args, work: Path) -> dict:
     build_s = time.perf_counter() - t_build
 
     kwargs = sft_config_kwargs(recipe, work / mode)
-    kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+    kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=m.get("log", 1),
                   use_cpu=device.type == "cpu")
+    if m.get("trl_compile"):
+        kwargs["torch_compile"] = True  # TRL / transformers compile the whole model (what compile: true was before)
     trainer, counter = build_trainer(recipe, model, tokenizer, rows, SFTConfig(**kwargs))
+    if m.get("nosync"):  # TRL's compute_loss only reads its metrics through this (trl 1.16); one process here
+        trainer.accelerator.gather_for_metrics = lambda x, **kw: torch.zeros_like(x, device="cpu")
     grouped = sum(getattr(mod.forward, "func", None) is grouped_experts_forward for mod in trainer.model.modules())
     kept = kept_mxfp4_bytes(trainer.model) / 2**30
     print(f"{mode}: built in {time.perf_counter() - t_build:.1f} s; {grouped} experts modules grouped, "
@@ -225,6 +263,9 @@ def run_mode(mode: str, args, work: Path) -> dict:
     marks = {}
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            marks[0] = (time.perf_counter(), 0, 0)
+
         def on_step_end(self, a, state, control, **kw):
             if state.global_step in (args.warmup, args.warmup + args.steps):
                 if device.type == "cuda":
@@ -234,7 +275,13 @@ def run_mode(mode: str, args, work: Path) -> dict:
     if mode in args.profile:
         trainer.callback_handler.callbacks.insert(0, Profile(args.warmup, device))
     trainer.add_callback(Clock())
+    from torch._dynamo.utils import counters  # dynamo's own tally: graph breaks (by reason) and graphs built
+
+    breaks_before, graphs_before = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
     trainer.train()
+    breaks = {k: v - breaks_before.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks_before.get(k, 0)}
+    for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:3]:
+        print(f"{mode}: graph break x{n}: {reason.splitlines()[0][:160]}", flush=True)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     (t0, trained0, seen0), (t1, trained1, seen1) = marks[args.warmup], marks[args.warmup + args.steps]
     seconds = t1 - t0
@@ -245,7 +292,8 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "s_per_step": seconds / args.steps,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "build_s": build_s, "losses": losses, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
+        "build_s": build_s, "warmup_s": t0 - marks[0][0], "losses": losses, "graph_breaks": sum(breaks.values()),
+        "graphs": counters["stats"]["unique_graphs"] - graphs_before, "grouped_modules": grouped, "kept_mxfp4_gib": kept,
         "start_gib": start_gib, "layers": model.config.num_hidden_layers,
     }
     del trainer, model, counter
@@ -288,19 +336,23 @@ class Profile:
 
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
+            self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
         if self.prof is None or state.global_step != self.step:
             return
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.prof.__exit__(None, None, None)
+        wall = (time.perf_counter() - self.started) * 1e3
         kernels = [e for e in self.prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total = sum(e.self_device_time_total for e in kernels) / 1e3
+        total = sum(e.self_device_time_total for e in kernels) / 1e3 or 1e-9
         by_cat: dict[str, float] = {}
         for e in kernels:
             cat = kernel_category(e.key)
             by_cat[cat] = by_cat.get(cat, 0.0) + e.self_device_time_total / 1e3
-        print(f"PROFILE step {self.step}: {total:.1f} ms of kernels; " + ", ".join(
+        print(f"PROFILE step {self.step}: {total:.1f} ms of kernels in {wall:.1f} ms (profiled) wall, "
+              f"{sum(e.count for e in kernels)} kernel launches; " + ", ".join(
             f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])),
             flush=True)
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]:
@@ -320,8 +372,8 @@ def markdown(results: list[dict], args) -> str:
         f"trl {trl.__version__}; {args.steps} timed steps after {args.warmup} warmup, per-mode block and grad accum in the table",
         "",
         "| mode | layers | attention | packing | experts | tokens/step | trained tok/s | seen tok/s | s/step "
-        "| GiB at start | peak GiB (reserved) | losses |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| GiB at start | peak GiB (reserved) | graphs (breaks) | warmup s | losses |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if r["peak_mem_gib"] is not None else "n/a"
@@ -330,6 +382,7 @@ def markdown(results: list[dict], args) -> str:
             f"| {r['mode']} | {r['layers']} | {r['attention']} | {'packed' if r['packing'] else 'unpacked'} | "
             f"{r['experts']} | {r['tokens_per_step']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
             f"{r['seen_tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | {start} | {mem} | "
+            f"{r.get('graphs', 0)} ({r.get('graph_breaks', 0)}) | {r.get('warmup_s', 0):.0f} | "
             f"{', '.join(f'{x:.4f}' for x in r['losses'])} |"
         )
     if len(results) > 1 and results[0]["mode"] == "reference":

@@ -162,8 +162,6 @@ def test_vision_tower_excluded_on_vlm_classes():
     ("training.fused_ops=[rms_norm]", "training.fused_ops belongs to training.method=full (this recipe's is lora): "
                                       "leave it out (switching a recipe's method with --set: also --set "
                                       "training.fused_ops=[])"),
-    ("training.compile=regions", "training.compile: regions belongs to training.method=full; LoRA takes true (TRL "
-                                 "compiles the model) or false (got 'regions')"),
     ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is TRL's (a "
                                  "chunked LM head): leave training.loss.impl out"),
 ])

@@ -571,19 +571,15 @@ class LoraTraining(_Training):
     other_method: ClassVar[str] = "full"
     other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops")
     method: Literal["lora"] = "lora"
-    compile: bool = Field(False, description="true: TRL compiles the model (torch_compile).")
+    compile: bool | Literal["regions"] = Field(
+        False, description="true: torch.compile each decoder layer whole (LoRA linears, attention, router and "
+        "experts in one graph); regions: only the LoRA linears, norms and MoE MLP of each layer "
+        "(ftcli/features/compile.py)."
+    )
     sharding: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="LoRA: ddp keeps the whole frozen base on every GPU, fsdp shards it (FSDP2); auto: "
         "ddp where `ftcli plan` says it fits the recipe's accelerator, else fsdp. Full SFT always shards."
     )
-
-    @field_validator("compile", mode="before")
-    @classmethod
-    def _no_regions(cls, value: Any) -> Any:
-        if value == "regions":
-            raise ValueError("regions belongs to training.method=full; LoRA takes true (TRL compiles the model) or "
-                             "false")
-        return value
 
     @field_validator("loss")
     @classmethod

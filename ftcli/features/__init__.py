@@ -20,7 +20,7 @@ from ftcli.features.base import Feature, Found, Requirement
 FEATURES: dict[str, Feature] = {f.name: f for f in (float8.FEATURE, compile.FEATURE, loss.FEATURE, fused_ops.FEATURE)}
 
 __all__ = ["FEATURES", "Feature", "Found", "Requirement", "active", "checked", "load_recipe",
-           "packages", "preflight", "recipe_problems", "requirements", "speed_keys"]
+           "packages", "preflight", "prepare_lora", "recipe_problems", "requirements", "speed_keys"]
 
 
 def active(recipe) -> list[Feature]:
@@ -71,3 +71,10 @@ def preflight(recipe, device) -> None:
     for f in active(recipe):
         if f.preflight is not None:
             f.preflight(recipe, device)
+
+
+def prepare_lora(model, recipe) -> None:
+    """What the features `recipe` turns on do to a LoRA run's PEFT-wrapped model, before TRL trains it (in place)."""
+    for f in active(recipe):
+        if f.prepare_lora is not None:
+            f.prepare_lora(model, recipe)

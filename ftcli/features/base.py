@@ -12,6 +12,7 @@ loops over the features a recipe turns on; none names a feature:
     train.launch                      preflight(recipe, device) what every worker would fail on, once
     model.parallelize                 convert(model, recipe, device)   on the meta model, before sharding
                                       per_layer(layer, recipe)  each decoder layer, after checkpointing
+    train.lora.trainer                prepare_lora(model, recipe)  the PEFT-wrapped model, before TRL trains it
     train.full                        describe(model, recipe)   its start-up line
     train.launch (no GPU here)        off_without_gpu           the setting to turn off, never "install X"
 
@@ -19,8 +20,8 @@ loops over the features a recipe turns on; none names a feature:
 are called only for the features that `applies(recipe)`. Records are plain data: no dotted paths, so every
 check runs before launch. Importing a feature module does not import torch (doctor reads them).
 
-LoRA has none of them: its typed training section (config.recipe.LoraTraining) refuses a feature's keys in one
-line, so the LoRA path never asks a feature.
+LoRA has one of them, compile (`prepare_lora`); its typed training section (config.recipe.LoraTraining) refuses the
+other features' keys in one line.
 """
 
 from __future__ import annotations
@@ -70,5 +71,6 @@ class Feature:
     preflight: Callable[[Any, Any], None] | None = None  # (recipe, torch device): raise a UserError now
     convert: Callable[[Any, Any, Any], None] | None = None  # (meta model, recipe, torch device), in place
     per_layer: Callable[[Any, Any], None] | None = None  # (decoder layer, recipe), in place
+    prepare_lora: Callable[[Any, Any], None] | None = None  # (PEFT-wrapped model, recipe), in place; LoRA only
     describe: Callable[[Any, Any], str | None] = _silent  # (built model, recipe) -> the start-up line
     off_without_gpu: str | None = None  # the `--set` that turns it off, for a feature that needs a GPU

@@ -274,6 +274,9 @@ def expert_sources(experts: nn.Module, layout: ExpertLayout | None = None) -> di
             else dense(getattr(experts, name)) for name in EXPERT_PARAMS}
 
 
+# A compiled decoder layer (training.compile) calls it as it is: its expert bounds are read on the host (a graph
+# break) and torch's grouped_mm has no float32 trace.
+@torch.compiler.disable
 def grouped_experts_forward(wrapper, layout: ExpertLayout, hidden_states, router_indices=None, routing_weights=None):
     """The forward `install_grouped_experts` gives the outer module at an experts path."""
     wrappers, experts = _wrapped(wrapper)

@@ -35,7 +35,8 @@ The package, one concern a module (imports run downwards):
 
     choose.py    `decide_backends` (on a `ftcli.hardware.Machine`), `check_packing_safe` (no side effects, no torch)
     ops.py       the nine kernels, module-level functions in the table `KERNELS[op][backend]`
-    install.py   `enable_packed_kernels` / `install_backends` / `disable_packed_kernels`: puts them in place
+    install.py   `enable_packed_kernels` / `install_backends` / `disable_packed_kernels`: puts them in place;
+                 `block_masks_ahead`: flex attention's block masks built before the layers (for compiled layers)
 
 Without any packing metadata every op computes exactly what transformers computes for one sequence.
 An op that is handed the other op's metadata but not its own refuses (ValueError) instead of mixing
@@ -58,7 +59,7 @@ from ftcli.model.kernels.choose import (
 )
 
 # install.py and ops.py import torch: they load on first use, so the decision (`ftcli doctor`) stays torch-free
-_LAZY = {"ATTN_IMPLEMENTATIONS": "install", "disable_packed_kernels": "install", "enable_packed_kernels": "install",
+_LAZY = {"ATTN_IMPLEMENTATIONS": "install", "block_masks_ahead": "install", "disable_packed_kernels": "install", "enable_packed_kernels": "install",
          "install_backends": "install", "KERNELS": "ops", "causal_conv1d_reference": "ops"}
 
 
@@ -72,7 +73,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "FAMILY_OPS", "KERNELS", "MODEL_FAMILIES", "QWEN35_MODULE", "UNAVAILABLE", "Backend",
-    "Machine", "attention_backend", "backend_problems", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
+    "Machine", "attention_backend", "backend_problems", "block_masks_ahead", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
     "disable_packed_kernels", "enable_packed_kernels", "install_backends", "missing_global_problem",
     "qwen35_missing_globals",
 ]

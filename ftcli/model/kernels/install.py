@@ -26,7 +26,7 @@ from ftcli.model.kernels.choose import (
     check_packing_safe,
     decide_backends,
 )
-from ftcli.model.kernels.ops import KERNELS, MASKS, TRANSFORMERS_ORIGINALS, transformers_original
+from ftcli.model.kernels.ops import KERNELS, MASKS, TRANSFORMERS_ORIGINALS, block_masks_hook, transformers_original
 
 log = logging.getLogger("ftcli.model.kernels")
 
@@ -92,6 +92,19 @@ def install_backends(model_type: str, backends: list[Backend]) -> str:
             transformers_original(name)  # saved before the first replacement
             setattr(module, name, KERNELS[op][by_op[op].name])
     return attn_implementation
+
+
+def block_masks_ahead(model: torch.nn.Module):
+    """For a model whose attention is flex attention with sinks: build the packed block's masks (full and sliding
+    window) once per forward, before the decoder layers, and hand them to every layer (`ops.block_masks_hook`), so
+    that a compiled layer has no graph break in its attention. Returns the hook's handle, or None (another
+    attention: nothing to build)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    # the name `install_backends` registered; transformers reads the same attribute at every attention call
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATIONS["flex_sinks"]:
+        return None
+    windows = {None, getattr(config, "sliding_window", None)}
+    return model.register_forward_pre_hook(block_masks_hook(windows), with_kwargs=True)
 
 
 def disable_packed_kernels() -> None:

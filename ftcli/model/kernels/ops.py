@@ -219,7 +219,11 @@ def _dense_window(kwargs) -> int | None:
     return kwargs.get("sliding_window") or None
 
 
+# The per-segment references loop over the segment bounds (data-dependent lengths): never traced by torch.compile
+# (one graph per segment length, and inductor's dynamic-shape lowering of them failed on CPU), so a compiled layer
+# calls them as they are (`training.compile`: one graph break).
 @_segments_else(_stock_sdpa)
+@torch.compiler.disable
 def sdpa_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     return _sdpa_per_segment(query, key, value, cu, scaling, dropout, **kwargs)
 
@@ -271,6 +275,7 @@ def torch_varlen(module, query, key, value, cu, scaling=None, dropout=0.0, **kwa
 
 
 @_segments_else(_stock_eager)
+@torch.compiler.disable
 def eager_segments(module, query, key, value, cu, scaling=None, dropout=0.0, **kwargs):
     eager_attention_forward = _stock_eager()
     window = getattr(module, "sliding_window", None)
@@ -296,7 +301,10 @@ def flex_sinks(module, query, key, value, cu, scaling=None, dropout=0.0, s_aux=N
     if dropout:
         raise ValueError("flex attention has no attention dropout; set attention_dropout to 0")
     q, k, v = (_tokens(x).transpose(0, 1)[None] for x in (query, key, value))  # [1, H, B*T, D]
-    block_mask = _document_block_mask(cu, q.shape[2], getattr(module, "sliding_window", None), q.device)
+    window = getattr(module, "sliding_window", None)
+    block_mask = (kwargs.get(BLOCK_MASKS_KWARG) or {}).get(window)  # built before the layers (block_masks_hook)
+    if block_mask is None:
+        block_mask = _document_block_mask(cu, q.shape[2], window, q.device)
     out, lse = _flex(q, k, v, block_mask, scaling)
     if s_aux is not None:
         # softmax over [scores, sink]: each weight shrinks by Z / (Z + e^sink) = sigmoid(lse - sink)
@@ -309,10 +317,11 @@ _BLOCK_MASKS: dict[tuple, object] = {}
 
 
 def _flex(q, k, v, block_mask, scale):
-    """flex_attention (compiled on CUDA) returning the output and its log-sum-exp [1, H, N] in fp32."""
+    """flex_attention (compiled on CUDA, alone or with the layer that calls it) returning the output and its
+    log-sum-exp [1, H, N] in fp32."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():  # inside a compiled layer: traced with it
         fn = _FLEX.get("cuda") or _FLEX.setdefault("cuda", torch.compile(flex_attention))
     else:
         fn = flex_attention
@@ -340,6 +349,29 @@ def _document_block_mask(cu: torch.Tensor, n: int, window: int | None, device):
         _BLOCK_MASKS[key] = create_block_mask(mask_mod, None, None, n, n, device=device,
                                               _compile=torch.device(device).type == "cuda")
     return _BLOCK_MASKS[key]
+
+
+# The block masks of one packed call, built before the decoder layers (`block_masks_ahead`) and handed to every
+# layer's attention in its kwargs under this name: a compiled layer then reads no tensor's values (cu.tolist() is
+# a graph break), so flex attention compiles inside the layer's graph.
+BLOCK_MASKS_KWARG = "ftcli_block_masks"
+
+
+def block_masks_hook(windows):
+    """A forward pre-hook (`with_kwargs=True`) for a model over packed blocks: for a packed call (`cu_seq_lens_q`
+    given) the block mask of every attention window in `windows` (None: full causal) under `BLOCK_MASKS_KWARG`;
+    any other call (eval without packing metadata, decoding) is left as it is."""
+    windows = tuple(windows)
+
+    def hook(module, args, kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if cu is None or tokens is None or BLOCK_MASKS_KWARG in kwargs:
+            return None
+        n = tokens.shape[0] * tokens.shape[1]
+        return args, {**kwargs, BLOCK_MASKS_KWARG: {w: _document_block_mask(cu, n, w, tokens.device) for w in windows}}
+
+    return hook
 
 
 # ------------------------------------------------------------------------------------------------ masks

@@ -65,7 +65,7 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
         **{checkpointing_arg(): ac != "none" and not fsdp,
            f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" and not fsdp else None},
-        torch_compile=t.compile,  # LoRA's compile is true or false (regions is full SFT's)
+        torch_compile=False,  # training.compile: per decoder layer (ftcli.features.compile), not TRL's whole model
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
         # a kept-MXFP4 base's blocks and scales are buffers, the same on every rank: not re-broadcast every step

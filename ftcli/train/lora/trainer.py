@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ftcli import features
 from ftcli.config.errors import UserError
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
 from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
@@ -239,6 +240,10 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         grouped = install_grouped_experts(trainer.model)
         if grouped and args.process_index == 0:
             print(f"expert LoRA: grouped, unmerged ({grouped} experts modules, ftcli.model.moe_lora)", flush=True)
+    features.prepare_lora(trainer.model, recipe)  # training.compile: each decoder layer, in place (names unchanged)
+    for line in filter(None, (f.describe(trainer.model, recipe) for f in features.active(recipe))):
+        if args.process_index == 0:
+            print(line, flush=True)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
