@@ -93,7 +93,19 @@ def test_lora_sets_no_feature_and_the_full_path_names_each():
         load_recipe("tiny-gpt-oss-cpu", ["training.fused_ops=[rms_norm]"])
     full = load_recipe("qwen-b300", ["training.fused_ops=[swiglu,rms_norm]"])
     assert [f.name for f in features.active(full)] == ["float8", "compile", "loss", "fused_ops"]
-    assert features.speed_keys(full.training) == ("fp8", "compile=regions", "fused=rms_norm+swiglu")
+    assert features.speed_keys(full) == ("fp8", "compile=regions", "fused=rms_norm+swiglu")
+    assert features.speed_keys(load_recipe("gpt-oss-h100")) == ("compile=layers",)  # LoRA: compile alone applies
+    assert features.speed_keys(lora) == ()
+
+
+def test_a_compiled_lora_recipe_plans_with_the_compiled_step_time():
+    from ftcli.estimate import fit, memory, steptime
+
+    for sets, seconds in (([], 0.226), (["training.compile=false"], 0.374)):
+        recipe = load_recipe("gpt-oss-h100", sets)
+        shape = memory.shipped_shape(recipe.model.id)
+        st = steptime.step_time(recipe, shape, fit.setting_of(recipe, shape), "H200")
+        assert st.s_per_step == pytest.approx(seconds), st.source
 
 
 def test_importing_the_registry_imports_no_torch():

@@ -72,11 +72,11 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
                               keep=0, loss="trl", sharding=sharding,
                               expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none",
-                              merged_experts=merged_experts(recipe))
+                              merged_experts=merged_experts(recipe), speed=speed_settings(recipe))
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
-                          speed=speed_settings(t))
+                          speed=speed_settings(recipe))
 
 
 def grouped_expert_lora(recipe: Recipe) -> bool:
@@ -99,12 +99,12 @@ def merged_experts(recipe: Recipe) -> bool:
             and not grouped_expert_lora(recipe))
 
 
-def speed_settings(t) -> tuple[str, ...]:
-    """A full-SFT recipe's settings that change its step time but not its memory model, in the form of the
+def speed_settings(recipe: Recipe) -> tuple[str, ...]:
+    """A recipe's settings that change its step time but not its memory model, in the form of the
     step-time rows' `speed` field: each training feature's speed key (ftcli.features), in the registry's order."""
     from ftcli import features
 
-    return features.speed_keys(t)
+    return features.speed_keys(recipe)
 
 
 def fits_card(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estimate]:

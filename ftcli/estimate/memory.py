@@ -135,10 +135,10 @@ class Setting:
     adapter_params: int = 0  # LoRA
     sharding: str = "ddp"  # LoRA: ddp (a whole base per GPU) | fsdp (the base sharded, FSDP2)
     expert_quant: str = "none"  # LoRA: none | mxfp4 (model.quantization=mxfp4: expert weights kept at 4.25 bits)
-    # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft, or FSDP): every forward folds
+    # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft): every forward folds
     # W + s·A·B into a new expert-weight-sized tensor that autograd keeps for backward, one per stored layer
     merged_experts: bool = False
-    # full SFT speed settings (plan.speed_settings: fp8, compile, fused ops): they pick the step-time rows; the
+    # speed settings (fit.speed_settings: fp8, compile, fused ops; LoRA's compile): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
 

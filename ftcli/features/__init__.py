@@ -60,9 +60,9 @@ def checked() -> list[Feature]:
     return [f for f in FEATURES.values() if f.check is not None]
 
 
-def speed_keys(training) -> tuple[str, ...]:
-    """The step-time rows' `speed` field for full-SFT training settings `training`."""
-    return tuple(key for f in FEATURES.values() if (key := f.speed_key(training)))
+def speed_keys(recipe) -> tuple[str, ...]:
+    """The step-time rows' `speed` field for `recipe`: the speed key of each feature that applies to it."""
+    return tuple(key for f in FEATURES.values() if f.applies(recipe) and (key := f.speed_key(recipe.training)))
 
 
 def preflight(recipe, device) -> None:
