@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False, "max_position_embeddings": 40960}
 # name -> (recipe, real config, tiny config, tokenizer, layers, extra --set)
 RUNS = {
