@@ -109,8 +109,9 @@ class ChunkedLinearCE(torch.autograd.Function):
             grad_logits = logp.exp_()  # softmax, in place
             del logp
             grad_logits.scatter_add_(1, safe, -trained.to(grad_logits.dtype).unsqueeze(1))
-            grad_logits.mul_(trained.unsqueeze(1))
-            grad_logits = grad_logits.to(hidden.dtype)
+            # -100 rows to 0 and the cast to the compute dtype in one pass over the chunk's [rows, V]
+            grad_logits = torch.mul(grad_logits, trained.unsqueeze(1),
+                                    out=torch.empty(grad_logits.shape, dtype=hidden.dtype, device=hidden.device))
             if need_hidden:
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
             if need_weight:
