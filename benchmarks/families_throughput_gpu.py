@@ -39,7 +39,9 @@ H200 (one call, ~450 s estimated with every optional part):
 CPU logic check (tiny Llama at 2 and 3 layers for 4 and 8, 512-token blocks, GPU-only settings dropped):
   python benchmarks/families_throughput_gpu.py --tiny
   (torchtune: --torchtune-path DIR puts a torchtune 0.6.1 + torchao 0.10 + omegaconf site first on its
-  subprocess' path; torchtune 0.6.1 does not import with torchao 0.18, ftcli's fp8 pin.)
+  subprocess' path; torchtune 0.6.1 does not import with torchao 0.18, ftcli's fp8 pin. On the CPU dev machine its
+  imports also need sentencepiece and tiktoken: `pip install --target /tmp/tt-extra sentencepiece tiktoken` and add
+  /tmp/tt-extra to --torchtune-path. The CPU profile stands top-level aten ops in for kernels: a logic check only.)
 """
 
 from __future__ import annotations
