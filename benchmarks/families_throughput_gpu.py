@@ -21,11 +21,27 @@ Tokens/s: block tokens / step time (every block is 8,192 tokens), median over th
 GiB: torch.cuda.max_memory_allocated during the run (reset before each). Per-layer cost and the fixed part come
 from a least-squares line of s/step over the depths; the 32-layer figure is that line at 32.
 
-H200 (one call, every part with its own time check):
-  source .gpu/activate.sh && (extract .gpu-ao, .tt) && python benchmarks/families_throughput_gpu.py
-CPU logic check (tiny Llama, 512-token blocks, 2 layers):  python benchmarks/families_throughput_gpu.py --tiny
+The parts (KEY@LAYERS; VARIANTS below says what each ftcli variant sets): ftcli as llama3-8b-h100 ships it
+(`shipped`: fused_ops), `plain`, each lever alone on top of shipped (`fwd_grad`: loss.impl=chunked_fwd_grad;
+`reshard_last`: the last layer and the LM head resharded after forward as before; `liger_loss`, `full_loss`),
+`fused_regions`, `best` (fused_ops + chunked_fwd_grad + compile=regions) and `fp8` (best + fp8, measured alone),
+against TRL, torchtune and TRL + liger. One process runs the eager ftcli parts, then TRL; torchtune runs in a
+subprocess (its own torchao), the compiled ftcli parts in one more (~10 s to start: after a compiled run, later
+ftcli runs of the same process failed in the chunked loss's recompute), TRL + liger last (it patches transformers'
+classes). --parts always run; --optional ones join by priority while the estimates fit --budget-s, and every part
+is skipped at run time when what is left would not cover it and the required parts after it. shipped@4, best@4
+and TRL@4 profile their second-to-last step (torch.profiler: kernel time by category, and the time no kernel ran);
+shipped@4 takes a CUDA memory snapshot of step 3 (its peak's largest live blocks in the notes).
+
+H200 (one call, ~450 s estimated with every optional part):
+  source .gpu/activate.sh && (extract .gpu-ao, tt.tar.xz) && \
+    python benchmarks/families_throughput_gpu.py --torchtune-path /tmp/tt/site-ao:/tmp/tt/site --budget-s 480
+CPU logic check (tiny Llama at 2 and 3 layers for 4 and 8, 512-token blocks, GPU-only settings dropped):
+  python benchmarks/families_throughput_gpu.py --tiny
   (torchtune: --torchtune-path DIR puts a torchtune 0.6.1 + torchao 0.10 + omegaconf site first on its
-  subprocess' path; torchtune 0.6.1 does not import with torchao 0.18, ftcli's fp8 pin.)
+  subprocess' path; torchtune 0.6.1 does not import with torchao 0.18, ftcli's fp8 pin. On the CPU dev machine its
+  imports also need sentencepiece and tiktoken: `pip install --target /tmp/tt-extra sentencepiece tiktoken` and add
+  /tmp/tt-extra to --torchtune-path. The CPU profile stands top-level aten ops in for kernels: a logic check only.)
 """
 
 from __future__ import annotations
@@ -165,6 +181,91 @@ def cuda_peak():
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
+# ------------------------------------------------------------------------------------------------ profile
+# Kernel categories, first match wins (lower-case fragments of kernel names; on CPU of aten op names)
+KERNEL_CATEGORIES = (
+    ("comm", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "flex")),
+    ("loss", ("cross_entropy", "crossentropy", "log_softmax", "softmax", "nll_loss", "logsumexp")),
+    ("GEMM", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "matmul", "splitk", "scaled_mm", "aten::mm", "aten::addmm",
+              "aten::bmm", "aten::linear")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("reduce-norm", ("rms", "norm", "reduce", "triton_red", "triton_per", "aten::sum", "aten::mean")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter", "fill", "embedding", "split", "clone",
+              "transpose", "aten::to")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "silu", "swiglu", "mul", "add", "triton_poi", "rope",
+                     "exp", "aten::")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def kernel_table(events, wall_s: float) -> dict:
+    """Kernel time by category over one profiled step, the GPU's busy time (the union of the kernels' spans) and
+    the step's wall time; wall - busy is the time no kernel ran (host-bound: launches, syncs, Python). On CPU (the
+    --tiny check) the top-level aten ops stand in for kernels."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    source = "CUDA kernels"
+    if not kernels:
+        kernels = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+        source = "top-level CPU ops (no CUDA)"
+    by_cat: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        cat = kernel_category(e.name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+        by_name[f"{cat}: {e.name}"] = by_name.get(f"{cat}: {e.name}", 0.0) + us
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return dict(source=source, kernels=len(kernels), wall_ms=wall_s * 1e3, busy_ms=busy / 1e3,
+                categories={c: us / 1e3 for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+                top=[(n[:90], us / 1e3) for n, us in top])
+
+
+class StepProfiler:
+    """torch.profiler over step `step` (0-based) of a run: started when that step starts, stopped when the next one
+    starts (the loops sync at the end of every step); `result` is its kernel_table (or the error)."""
+
+    def __init__(self, step: int | None):
+        self.step, self.prof, self.result, self.t0 = step, None, None, 0.0
+
+    def at_step_start(self, i: int) -> None:
+        if self.step is None or self.result is not None:
+            return
+        import torch
+
+        try:
+            if i == self.step and self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize()
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.start()
+                self.t0 = time.perf_counter()
+            elif i == self.step + 1 and self.prof is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - self.t0
+                self.prof.stop()
+                self.result = kernel_table(self.prof.events(), wall)
+                self.prof = None
+        except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the run's timing
+            self.result, self.prof = {"error": f"{type(e).__name__}: {e}"[:200]}, None
+
+
 # ------------------------------------------------------------------------------------------------- ftcli
 def peak_report(snapshot: dict, top: int = 8) -> list[str]:
     """From a CUDA memory snapshot: the live blocks >= 64 MiB at the moment of the most allocated memory in the
@@ -190,7 +291,8 @@ def peak_report(snapshot: dict, top: int = 8) -> list[str]:
 
 
 def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: bool, warmup: int, extra: list[str],
-              *, root_layout: bool = False, snapshot_step: int | None = None) -> dict:
+              *, root_layout: bool = False, keep_last: bool = True, snapshot_step: int | None = None,
+              profile_step: int | None = None) -> dict:
     """ftcli's trainer in this process (one rank; `ftcli train` launches the same function in a torchrun worker)."""
     import torch
 
@@ -208,9 +310,11 @@ def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: boo
     if not torch.cuda.is_available():
         snapshot_step = None  # CUDA memory snapshots only
     report: list[str] = []
+    profiler = StepProfiler(profile_step)
 
     def feed(_stream):
         for i, b in enumerate(blocks):
+            profiler.at_step_start(i)
             if snapshot_step is not None and i == snapshot_step - 1:
                 torch.cuda.memory._record_memory_history(max_entries=400000, stacks="python")
             if snapshot_step is not None and i == snapshot_step:  # the step after: one slow step, the median keeps
@@ -225,13 +329,13 @@ def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: boo
 
     if dist.is_initialized():  # left by TRL's accelerate in this process
         dist.destroy_process_group()
-    before = parallelize.SEPARATE_EMBEDDING_UNITS
-    parallelize.SEPARATE_EMBEDDING_UNITS = not root_layout
+    before = parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED
+    parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED = not root_layout, keep_last
     base = cuda_reset()
     try:
         result = train(recipe, run_dir, None, blocks=feed)
     finally:
-        parallelize.SEPARATE_EMBEDDING_UNITS = before
+        parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED = before
     peak = cuda_peak()
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dts = [m["s_per_step"] for m in metrics][warmup:]
@@ -239,11 +343,12 @@ def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: boo
     shutil.rmtree(run_dir, ignore_errors=True)
     return dict(impl=f"ftcli {label}".strip(), layers=layers, tokens_per_s=block_len / statistics.median(dts),
                 s_per_step=statistics.median(dts), peak=peak, base=base,
-                losses=[m["loss"] for m in metrics], steps=result.steps, notes=report)
+                losses=[m["loss"] for m in metrics], steps=result.steps, notes=report, profile=profiler.result)
 
 
 # --------------------------------------------------------------------------------------------------- TRL
-def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: bool) -> dict:
+def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: bool,
+            profile_step: int | None = None) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -275,6 +380,15 @@ def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: boo
                 losses.append(logs["loss"])
                 norms.append(logs.get("grad_norm"))
 
+    profiler = StepProfiler(profile_step)
+
+    class Profile(TrainerCallback):  # after Clock: the step's end is synchronized before the profiler stops
+        def on_step_begin(self, args, state, control, **kw):
+            profiler.at_step_start(state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):
+            profiler.at_step_start(state.global_step)  # global_step is the next step's index here
+
     sft = SFTConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), max_steps=len(blocks), per_device_train_batch_size=1,
                     gradient_accumulation_steps=1, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                     adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=0.0, max_grad_norm=CLIP, bf16=not tiny,
@@ -285,7 +399,7 @@ def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: boo
                     remove_unused_columns=False)
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-llama3"))
     trainer = SFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                         callbacks=[Clock()])
+                         callbacks=[Clock(), Profile()])
     trainer.train()
     peak = cuda_peak()
     block_len = len(blocks[0].input_ids)
@@ -293,7 +407,7 @@ def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: boo
     del trainer, model
     return dict(impl="TRL + liger" if liger else "TRL", layers=layers, tokens_per_s=rate, s_per_step=block_len / rate,
                 peak=peak, base=base, losses=losses, steps=len(losses),
-                notes=[f"grad norms: {' '.join(f'{x:.3g}' for x in norms if x is not None)}"])
+                notes=[f"grad norms: {' '.join(f'{x:.3g}' for x in norms if x is not None)}"], profile=profiler.result)
 
 
 # ---------------------------------------------------------------------------------------------- torchtune
@@ -452,21 +566,167 @@ def fmt(x, spec=",.0f"):
     return format(x, spec) if isinstance(x, (int, float)) and x is not None else "-"
 
 
+# ------------------------------------------------------------------------------------------------- parts
+SHIPPED = ["training.fused_ops=[rms_norm,swiglu]"]  # ftcli/recipes/llama3-8b-h100.yaml's
+FWD_GRAD = ["training.loss.impl=chunked_fwd_grad"]
+REGIONS = ["training.compile=regions"]
+GPU_ONLY = ("training.fused_ops", "training.compile", "training.precision.fp8", "training.loss.impl=liger")
+# key: (recipe settings, run_ftcli flags, compiled, what it is). Compiled variants run in one subprocess of their
+# own (after the eager ftcli runs of this process had theirs: a compiled run in this process broke later ftcli runs'
+# chunked-loss recompute, `SystemError ... cross_entropy_loss`).
+VARIANTS = {
+    "shipped": (SHIPPED, {}, False, "as llama3-8b-h100 ships it: fused_ops rms_norm + swiglu, chunked loss"),
+    "plain": ([], {}, False, "no fused ops"),
+    "fwd_grad": (SHIPPED + FWD_GRAD, {}, False, "shipped + loss.impl=chunked_fwd_grad (no LM-head recompute)"),
+    "reshard_last": (SHIPPED, {"keep_last": False}, False,
+                     "shipped, last layer + LM head resharded after forward (the layout before this change)"),
+    "liger_loss": (SHIPPED + ["training.loss.impl=liger"], {}, False, "shipped + loss.impl=liger"),
+    "full_loss": (SHIPPED + ["training.loss.impl=full"], {}, False, "shipped + loss.impl=full (T x V fp32 logits)"),
+    "root": (SHIPPED, {"root_layout": True, "snapshot_step": 3}, False, "shipped, embeddings + LM head in the root"),
+    "bf16master": (SHIPPED + ["training.precision.master_dtype=bfloat16"], {}, False, "shipped, bf16 masters"),
+    "fused_regions": (SHIPPED + REGIONS, {}, True, "shipped + compile=regions"),
+    "best": (SHIPPED + FWD_GRAD + REGIONS, {}, True, "fused_ops + chunked_fwd_grad + compile=regions (bf16)"),
+    "fp8": (SHIPPED + FWD_GRAD + REGIONS + ["training.precision.fp8=true"], {}, True, "best + fp8 (alone: not bf16)"),
+}
+PEERS = ("trl", "torchtune", "trl_liger")
+# what runs by default, at these depths; the first list always (unless the budget is gone), the second in this order
+# of priority while the plan's estimates fit the budget
+REQUIRED = ["shipped@4", "shipped@8", "fwd_grad@4", "fwd_grad@8", "trl@4", "trl@8", "torchtune@4", "torchtune@8",
+            "best@4", "best@8", "trl_liger@4", "trl_liger@8"]
+OPTIONAL = ["fused_regions@8", "fp8@8", "plain@4", "reshard_last@4", "liger_loss@4", "plain@8", "full_loss@4",
+            "fused_regions@4", "fp8@4"]
+PROFILED = {"shipped@4", "best@4", "trl@4"}  # a kernel-time table of their second-to-last step
+SNAPSHOT = {"shipped@4": 3}  # a CUDA memory snapshot of step 3 (warm-up; its peak's live blocks in the notes)
+GROUPS = ("eager", "trl", "torchtune", "compiled", "trl_liger")  # the order they run in
+
+
+def parse_part(token: str) -> tuple[str, int]:
+    key, _, n = token.partition("@")
+    assert key in VARIANTS or key in PEERS, f"unknown part {key!r}: one of {[*VARIANTS, *PEERS]}"
+    return key, int(n)
+
+
+def group_of(key: str) -> str:
+    return key if key in PEERS else ("compiled" if VARIANTS[key][2] else "eager")
+
+
+def estimate_s(key: str, n: int, tiny: bool) -> float:
+    """Seconds a part takes on one H200, load and 10 steps (2026-12-02's call 2 ran four 8-layer parts, one of them
+    compile=regions, with the init in ~95 s; torchtune ~40 s per depth), + ~5 s for a profile or a memory snapshot."""
+    if tiny:
+        return 40.0 if key == "torchtune" else 12.0
+    extra = 5.0 if f"{key}@{n}" in PROFILED | set(SNAPSHOT) else 0.0
+    if key == "torchtune":
+        return 40.0
+    if key in ("trl", "trl_liger"):
+        return 10 + 1.0 * n + extra
+    return 10 + 1.0 * n + (3 + 0.5 * n if VARIANTS[key][2] else 0) + (3 if key == "fp8" else 0) + extra
+
+
+WORKER_START_S = 12.0  # the compiled parts' subprocess: imports, CUDA init, the blocks read from the cache
+
+
+def variant_sets(key: str, tiny: bool) -> tuple[list[str], dict]:
+    sets, flags, _, _ = VARIANTS[key]
+    if tiny:  # CPU: no Triton kernels, no compile, no fp8; the logic (and chunked_fwd_grad, keep_last) still runs
+        sets = [x for x in sets if not x.startswith(GPU_ONLY)]
+    return sets, dict(flags)
+
+
+TINY_DEPTHS = {4: 2, 8: 3}  # --tiny: the tiny model at 2 and 3 layers stands in for 4 and 8
+
+
+def as_tiny(token: str) -> str:
+    key, _, n = token.partition("@")
+    return f"{key}@{TINY_DEPTHS.get(int(n), int(n))}"
+
+
+def profile_step(token: str, tiny: bool, steps: int) -> int | None:
+    """The second-to-last step for the PROFILED parts (the last one asks for no next block, which stops it)."""
+    return steps - 2 if token in {as_tiny(t) if tiny else t for t in PROFILED} else None
+
+
+def run_variant(key: str, n: int, dirs: dict, blocks, work: Path, tiny: bool, warmup: int) -> dict:
+    sets, flags = variant_sets(key, tiny)
+    token = f"{key}@{n}"
+    snapshot = {as_tiny(t) if tiny else t: v for t, v in SNAPSHOT.items()}.get(token)
+    row = run_ftcli(key, n, dirs[n], blocks, work, tiny, warmup, sets, snapshot_step=snapshot,
+                    profile_step=profile_step(token, tiny, len(blocks)), **flags)
+    row["setting"] = " ".join(x.removeprefix("training.") for x in sets) or "-"
+    return row
+
+
+def ftcli_worker(args) -> int:
+    """In a subprocess: the compiled ftcli variants (`--worker-parts`), each skipped when it would end after
+    `--budget-s` seconds of this process; one ROW line each."""
+    work = Path(args.work)
+    _, blocks = ftcli_blocks(args.tiny, args.steps, work)
+    log(f"compiled-parts worker ready (startup {time.perf_counter() - START:.1f}s)")
+    dirs = {n: work / f"init-{n}" for n in range(1, 200) if (work / f"init-{n}").exists()}
+    warmup = 1 if args.tiny else args.warmup
+    for i, token in enumerate(args.worker_parts):
+        key, n = parse_part(token)
+        left = args.budget_s - (time.perf_counter() - START)
+        reserve = 0.0 if token in args.worker_required else sum(
+            estimate_s(*parse_part(t), args.tiny) for t in args.worker_parts[i + 1:] if t in args.worker_required)
+        if left < estimate_s(key, n, args.tiny) + reserve:
+            row = dict(impl=f"ftcli {key}", layers=n, exit=f"skipped (time: {left:.0f}s left in the worker)")
+        else:
+            log(f"start ftcli {key} {n} (worker)")
+            try:
+                row = run_variant(key, n, dirs, blocks, work, args.tiny, warmup)
+            except Exception as e:  # noqa: BLE001 - one failed part still reports the others
+                import traceback
+
+                traceback.print_exc()
+                row = dict(impl=f"ftcli {key}", layers=n, exit=f"{type(e).__name__}: {e}"[:300])
+        print("ROW", json.dumps(row), flush=True)
+    return 0
+
+
+def run_worker(tokens: list[str], required: list[str], work: Path, args, timeout: float) -> list[dict]:
+    cmd = [sys.executable, __file__, "--ftcli-worker", "--work", str(work), "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--budget-s", str(timeout - 5), "--worker-parts", *tokens, "--worker-required",
+           *required, *(["--tiny"] if args.tiny else [])]
+    started = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, err, rc = res.stdout, res.stderr, res.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, rc = f"timeout {timeout:.0f}s", None
+    for line in out.splitlines():
+        if line.startswith(("[", "done:", "packed kernels", "compile", "fp8", "float8")):  # its log, not the data lines
+            print("  worker|", line, flush=True)
+    rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+    if rc != 0 or len(rows) < len(tokens):
+        log(f"compiled-parts worker rc {rc}:\n" + (err or "")[-2500:])
+    log(f"compiled-parts worker: {time.perf_counter() - started:.0f}s for {len(tokens)} parts")
+    done = {(r["impl"], r["layers"]) for r in rows}
+    return rows + [dict(impl=f"ftcli {parse_part(t)[0]}", layers=parse_part(t)[1], exit=f"worker rc {rc}")
+                   for t in tokens if (f"ftcli {parse_part(t)[0]}", parse_part(t)[1]) not in done]
+
+
+# ---------------------------------------------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12])
-    parser.add_argument("--peer-layers", type=int, nargs="+", default=[4, 8], help="depths for TRL+liger, torchtune")
-    parser.add_argument("--lever-layers", type=int, default=8)
-    parser.add_argument("--parts", nargs="+", default=["ftcli", "root", "bf16master", "trl", "torchtune", "fused",
-                                                       "regions", "fp8", "trl_liger"],
-                        help="what runs, in this order (TRL + liger always last)")
+    parser.add_argument("--parts", nargs="+", default=REQUIRED,
+                        help="KEY@LAYERS that run whatever the plan says (KEY: a variant of VARIANTS or trl, "
+                             "torchtune, trl_liger); they run in groups: eager ftcli, TRL, torchtune (subprocess), "
+                             "compiled ftcli (one subprocess), TRL + liger (last: liger patches transformers' classes)")
+    parser.add_argument("--optional", nargs="*", default=OPTIONAL,
+                        help="KEY@LAYERS added in this order of priority while the estimates fit --budget-s")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=420.0, help="skip parts that would start after this")
+    parser.add_argument("--budget-s", type=float, default=500.0, help="the script's whole time; skip what would not fit")
     parser.add_argument("--torchtune-path", default=None)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--work", default=None)
     parser.add_argument("--torchtune-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ftcli-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-parts", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-required", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", help=argparse.SUPPRESS)  # the torchtune worker's
     parser.add_argument("--tt-init", help=argparse.SUPPRESS)
     parser.add_argument("--tt-blocks", help=argparse.SUPPRESS)
     parser.add_argument("--tt-config", help=argparse.SUPPRESS)
@@ -475,7 +735,11 @@ def main() -> int:
         return torchtune_worker(args)
     if args.tiny:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        args.layers, args.peer_layers, args.lever_layers = [2], [2], 2
+        if args.ftcli_worker:
+            return ftcli_worker(args)
+        args.parts, args.optional = [as_tiny(t) for t in args.parts], [as_tiny(t) for t in args.optional]
+    if args.ftcli_worker:
+        return ftcli_worker(args)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -484,7 +748,24 @@ def main() -> int:
     warmup = 1 if args.tiny else args.warmup
     recipe, blocks = ftcli_blocks(args.tiny, args.steps, work)
     cfg = model_config(recipe)
-    depths = sorted(set(args.layers) | set(args.peer_layers) | {args.lever_layers})
+    required = [parse_part(t) for t in args.parts]
+    optional = [parse_part(t) for t in args.optional if parse_part(t) not in required]
+
+    # ---- the plan: every required part, then optional ones by priority while the estimates fit
+    def cost(parts) -> float:
+        total = sum(estimate_s(k, n, args.tiny) for k, n in parts)
+        return total + (WORKER_START_S if any(group_of(k) == "compiled" for k, _ in parts) else 0)
+
+    chosen = list(required)
+    init_s = 10.0 if args.tiny else 20.0
+    for part_ in optional:
+        if init_s + cost(chosen + [part_]) <= args.budget_s - (time.perf_counter() - START):
+            chosen.append(part_)
+    left_out = [p_ for p_ in optional if p_ not in chosen]
+    log(f"plan (~{init_s + cost(chosen):.0f}s estimated of {args.budget_s:.0f}s): "
+        + " ".join(f"{k}@{n}" for k, n in chosen) + (f"; left out by the budget: "
+        + " ".join(f"{k}@{n}" for k, n in left_out) if left_out else ""))
+    depths = sorted({n for _, n in chosen})
     dirs = write_init(cfg, depths, work, device)
     blocks_path = work / "blocks.npz"
     save_blocks(blocks, blocks_path)
@@ -493,105 +774,150 @@ def main() -> int:
         f"{max(depths)} layers written to {work}")
 
     rows: list[dict] = []
+    by_group = {g: [(k, n) for k, n in chosen if group_of(k) == g] for g in GROUPS}
+    for g in by_group:
+        by_group[g].sort(key=lambda kn: (kn not in required, kn[1]))  # required first, shallow first
 
-    def part(name: str, fn, est: float):
-        left = args.budget_s - (time.perf_counter() - START)
-        if left < est:
-            log(f"skip {name}: {left:.0f}s left of the budget, ~{est:.0f}s needed")
-            rows.append(dict(impl=name, layers=None, exit="skipped (time)"))
-            return
-        log(f"start {name}")
-        try:
-            got = fn()
-        except Exception as e:  # noqa: BLE001 - one failed part still prints the others
-            import traceback
+    def reserve_after(group: str) -> float:
+        """What the required parts of the later groups need."""
+        later = GROUPS[GROUPS.index(group) + 1:]
+        return cost([kn for g in later for kn in by_group[g] if kn in required])
 
-            traceback.print_exc()
-            got = [dict(impl=name, layers=None, exit=f"{type(e).__name__}: {e}"[:300])]
+    def emit(got):
         for r in got if isinstance(got, list) else [got]:
             rows.append(r)
             print("ROW", json.dumps(r), flush=True)
 
-    est = 8 if args.tiny else 1
-    levers = {"regions": ("compile=regions", ["training.compile=regions"], 35),
-              "fused": ("fused_ops", ["training.fused_ops=[rms_norm,swiglu]"], 15),
-              "fp8": ("fp8+regions", ["training.precision.fp8=true", "training.compile=regions"], 40),
-              "bf16master": ("bf16-master", ["training.precision.master_dtype=bfloat16"], 15)}
-    plan = []  # in the order of --parts; TRL + liger last: liger patches transformers' classes in this process
-    for kind in sorted(args.parts, key=lambda k: k == "trl_liger"):
-        if kind == "ftcli":
-            plan += [(f"ftcli {n}", lambda n=n: run_ftcli("", n, dirs[n], blocks, work, args.tiny, warmup, []),
-                      15 * est + n) for n in sorted(args.layers)]
-        elif kind == "trl":
-            plan += [(f"TRL {n}", lambda n=n: run_trl(n, dirs[n], blocks, args.tiny, warmup, False), 12 * est + n)
-                     for n in sorted(args.layers)]
-        elif kind == "trl_liger":
-            plan += [(f"TRL+liger {n}", lambda n=n: run_trl(n, dirs[n], blocks, args.tiny, warmup, True), 12 * est + n)
-                     for n in sorted(args.peer_layers)]
-        elif kind == "root":
-            n = min(args.layers)
-            plan.append((f"ftcli root-layout {n}", lambda n=n: run_ftcli(
-                "root-layout", n, dirs[n], blocks, work, args.tiny, warmup, [], root_layout=True, snapshot_step=3),
-                15 * est + n))
-        elif kind == "torchtune":
-            plan.append(("torchtune", lambda: run_torchtune(args.peer_layers, dirs, blocks_path, cfg, work, args.steps,
-                                                            warmup, args.torchtune_path,
-                                                            max(30.0, args.budget_s - (time.perf_counter() - START))),
-                         40 * est))
-        elif kind in levers and not args.tiny:
-            label, sets, cost = levers[kind]
-            n = args.lever_layers
-            plan.append((f"ftcli {label} {n}", lambda n=n, label=label, sets=sets: run_ftcli(
-                label, n, dirs[n], blocks, work, args.tiny, warmup, sets), cost))
-    for name, fn, e in plan:
-        part(name, fn, e)
+    def fits(kn, group: str) -> bool:
+        left = args.budget_s - (time.perf_counter() - START)
+        need = estimate_s(*kn, args.tiny) + (0 if kn in required else reserve_after(group))
+        if left < need:
+            log(f"skip {kn[0]}@{kn[1]}: {left:.0f}s left, ~{need:.0f}s needed")
+            emit(dict(impl=kn[0], layers=kn[1], exit="skipped (time)"))
+            return False
+        return True
 
-    # ---- the tables
-    print(f"\nLlama-3.1-8B width{' (tiny CPU mode)' if args.tiny else ''}, {len(blocks[0].input_ids)}-token blocks, "
-          f"full activation checkpointing, {len(blocks)} steps, medians over steps > {warmup}\n")
-    ref = {r["layers"]: r for r in rows if r.get("impl") == "ftcli" and r.get("tokens_per_s")}
-    trl = {r["layers"]: r for r in rows if r.get("impl") == "TRL" and r.get("tokens_per_s")}
-    tt = {r["layers"]: r for r in rows if r.get("impl") == "torchtune" and r.get("tokens_per_s")}
-    print("| impl | layers | tokens/s | s/step | ftcli vs it | peak GiB | step-1 loss | loss step 1..N | exit |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r.get("layers") is None:
-            print(f"| {r['impl']} | - | - | - | - | - | - | - | {r.get('exit')} |")
+    def guarded(name: str, fn):
+        log(f"start {name}")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - one failed part still prints the others
+            import traceback
+
+            traceback.print_exc()
+            return dict(impl=name, layers=None, exit=f"{type(e).__name__}: {e}"[:300])
+
+    for group in GROUPS:
+        parts = by_group[group]
+        if not parts:
             continue
-        vs = "-"
-        if r.get("tokens_per_s") and r["layers"] in ref and not r["impl"].startswith("ftcli"):
-            vs = f"{ref[r['layers']]['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+        if group == "torchtune":
+            layers = [n for kn in parts if fits(kn, group) for n in [kn[1]]]
+            if layers:
+                left = args.budget_s - (time.perf_counter() - START) - reserve_after(group)
+                emit(guarded("torchtune", lambda: run_torchtune(layers, dirs, blocks_path, cfg, work, args.steps, warmup,
+                                                               args.torchtune_path, max(30.0, left))))
+        elif group == "compiled":
+            left = args.budget_s - (time.perf_counter() - START) - reserve_after(group)
+            # compile=regions with the chunked loss first: after a compiled run, a chunked-loss recompute in the same
+            # process failed before (VARIANTS' comment); the others use chunked_fwd_grad (no recompute)
+            parts.sort(key=lambda kn: kn[0] != "fused_regions")
+            tokens = [f"{k}@{n}" for k, n in parts]
+            needed = [f"{k}@{n}" for k, n in parts if (k, n) in required]
+            emit(guarded("compiled worker", lambda: run_worker(tokens, needed, work, args, max(30.0, left))))
+        else:
+            for kn in parts:
+                if not fits(kn, group):
+                    continue
+                key, n = kn
+                if group == "eager":
+                    emit(guarded(f"ftcli {key} {n}", lambda: run_variant(key, n, dirs, blocks, work, args.tiny, warmup)))
+                else:
+                    emit(guarded(f"{key} {n}", lambda: run_trl(
+                        n, dirs[n], blocks, args.tiny, warmup, key == "trl_liger",
+                        profile_step=profile_step(f"{key}@{n}", args.tiny, len(blocks)))))
+    print_tables(rows, blocks, warmup, args.tiny)
+    print(f"\ntotal {time.perf_counter() - START:.0f}s")
+    return 0
+
+
+PEER_IMPL = {"TRL": "TRL", "TRL + liger": "TRL+liger", "torchtune": "torchtune"}
+
+
+def print_tables(rows: list[dict], blocks, warmup: int, tiny: bool) -> None:
+    block_len = len(blocks[0].input_ids)
+    print(f"\nLlama-3.1-8B width{' (tiny CPU mode: GPU-only settings dropped)' if tiny else ''}, {block_len}-token "
+          f"blocks, full activation checkpointing, {len(blocks)} steps, medians over steps > {warmup}\n")
+    ok = [r for r in rows if r.get("layers") is not None and r.get("tokens_per_s")]
+    peers = {(r["impl"], r["layers"]): r for r in ok if r["impl"] in PEER_IMPL}
+    shipped = {r["layers"]: r for r in ok if r["impl"] == "ftcli shipped"}
+    print("| impl | layers | tokens/s | s/step | peak GiB | step-1 loss | loss step 1..N | exit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
         losses = r.get("losses") or []
-        print(f"| {r['impl']} | {r['layers']} | {fmt(r.get('tokens_per_s'))} | {fmt(r.get('s_per_step'), '.3f')} | "
-              f"{vs} | {fmt(r.get('peak'), '.1f')} | {fmt(losses[0] if losses else None, '.4f')} | "
-              f"{' '.join(f'{x:.3f}' for x in losses)} | {r.get('exit', 0)} |")
+        print(f"| {r['impl']} | {r.get('layers') if r.get('layers') is not None else '-'} | "
+              f"{fmt(r.get('tokens_per_s'))} | {fmt(r.get('s_per_step'), '.3f')} | {fmt(r.get('peak'), '.1f')} | "
+              f"{fmt(losses[0] if losses else None, '.4f')} | {' '.join(f'{x:.3f}' for x in losses)} | "
+              f"{' '.join(str(r.get('exit', 0)).split())[:160]} |")
+    print("\nftcli variants against the peers at the same depth (same call): tokens/s ratios, peak GiB - TRL's, "
+          "max |loss difference| over the steps:\n")
+    print("| ftcli | layers | vs shipped | vs TRL | vs TRL+liger | vs torchtune | peak - TRL | |d loss| TRL | "
+          "|d loss| shipped | setting |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(a, b):
+        return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b else "-"
+
+    def dloss(a, b):
+        if not (a and b and a.get("losses") and b.get("losses")):
+            return "-"
+        k = min(len(a["losses"]), len(b["losses"]))
+        return f"{max(abs(x - y) for x, y in zip(a['losses'][:k], b['losses'][:k])):.4f}"
+
+    for r in ok:
+        if not r["impl"].startswith("ftcli"):
+            continue
+        n = r["layers"]
+        trl = peers.get(("TRL", n))
+        peak = f"{r['peak'] - trl['peak']:+.1f}" if trl and r.get("peak") is not None and trl.get("peak") else "-"
+        print(f"| {r['impl'].removeprefix('ftcli ')} | {n} | {ratio(r, shipped.get(n))} | {ratio(r, trl)} | "
+              f"{ratio(r, peers.get(('TRL + liger', n)))} | {ratio(r, peers.get(('torchtune', n)))} | {peak} | "
+              f"{dloss(r, trl)} | {dloss(r, shipped.get(n))} | {r.get('setting', '-')} |")
     print("\nPer layer and fixed part (least squares of s/step over the depths), extrapolated to 32 layers:\n")
-    print("| impl | depths | s per layer | fixed s | s/step at 32 | tokens/s at 32 | ftcli vs it at 32 |")
-    print("|---|---|---|---|---|---|---|")
-    lines = {}
-    for impl in ("ftcli", "TRL", "TRL + liger", "torchtune"):
-        pts = [(r["layers"], r["s_per_step"]) for r in rows if r.get("impl") == impl and r.get("s_per_step")]
+    print("| impl | depths | s per layer | fixed s | s/step at 32 | tokens/s at 32 |")
+    print("|---|---|---|---|---|---|")
+    for impl in dict.fromkeys(r["impl"] for r in ok):
+        pts = [(r["layers"], r["s_per_step"]) for r in ok if r["impl"] == impl]
         line = fit_line(pts)
         if line:
-            lines[impl] = line
-    block_len = len(blocks[0].input_ids)
-    for impl, (slope, icpt) in lines.items():
-        at32 = slope * 32 + icpt
-        vs = f"{at32 / (lines['ftcli'][0] * 32 + lines['ftcli'][1]):.2f}x" if "ftcli" in lines and impl != "ftcli" else "-"
-        depths_ = sorted(r["layers"] for r in rows if r.get("impl") == impl and r.get("s_per_step"))
-        print(f"| {impl} | {depths_} | {slope:.4f} | {icpt:.3f} | {at32:.3f} | {block_len / at32:,.0f} | {vs} |")
-    print("\nLosses against ftcli's at the same depth (max |difference| over the steps; step 1 alone):\n")
-    for r in rows:
-        if r.get("losses") and r.get("layers") in ref and r is not ref[r["layers"]]:
-            a, b = r["losses"], ref[r["layers"]]["losses"]
-            k = min(len(a), len(b))
-            print(f"  {r['impl']} {r['layers']} layers: max |d| {max(abs(x - y) for x, y in zip(a[:k], b[:k])):.4f}, "
-                  f"step 1 |d| {abs(a[0] - b[0]):.4f}")
+            slope, icpt = line
+            at32 = slope * 32 + icpt
+            print(f"| {impl} | {sorted(n for n, _ in pts)} | {slope:.4f} | {icpt:.3f} | {at32:.3f} | "
+                  f"{block_len / at32:,.0f} |")
+    profiled = [r for r in ok if r.get("profile")]
+    if profiled:
+        print("\nKernel time by category over one profiled step (ms; kernels on all streams, so they can add up to "
+              "more than busy; 'no kernel' = wall - the union of kernel spans = host-bound time):\n")
+        cats = list(dict.fromkeys(c for r in profiled for c in (r["profile"].get("categories") or {})))
+        print("| category | " + " | ".join(f"{r['impl']} {r['layers']}" for r in profiled) + " |")
+        print("|---|" + "---|" * len(profiled))
+        for c in cats:
+            print(f"| {c} | " + " | ".join(fmt((r["profile"].get("categories") or {}).get(c), ".1f")
+                                           for r in profiled) + " |")
+        for label, key in (("busy (union)", "busy_ms"), ("wall", "wall_ms")):
+            print(f"| {label} | " + " | ".join(fmt(r["profile"].get(key), ".1f") for r in profiled) + " |")
+        print("| no kernel | " + " | ".join(
+            fmt(r["profile"]["wall_ms"] - r["profile"]["busy_ms"], ".1f") if "wall_ms" in r["profile"] else "-"
+            for r in profiled) + " |")
+        for r in profiled:
+            prof = r["profile"]
+            print(f"\n  top kernels, {r['impl']} {r['layers']} ({prof.get('source')}, {prof.get('kernels')} kernels"
+                  f"{', ' + prof['error'] if 'error' in prof else ''}):")
+            for name, ms in prof.get("top") or []:
+                print(f"    {ms:8.2f} ms  {name}")
     for r in rows:
         for note in r.get("notes") or []:
             print(f"  note {r['impl']} {r.get('layers')}: {note}")
-    print(f"\ntotal {time.perf_counter() - START:.0f}s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def test_fused_ops_and_compile_regions_accept_the_dense_families_recipes():
         "self_attn.q_norm", "self_attn.k_norm", "mlp", "input_layernorm", "post_attention_layernorm"]
 
 
-def shard_tiny_llama(split: bool, monkeypatch):
+def shard_tiny_llama(split: bool, monkeypatch, keep_last: bool = True, impl: str = "chunked"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
@@ -121,6 +121,7 @@ def shard_tiny_llama(split: bool, monkeypatch):
     from ftcli.train.loss import attach_loss
 
     monkeypatch.setattr(parallelize, "SEPARATE_EMBEDDING_UNITS", split)
+    monkeypatch.setattr(parallelize, "KEEP_LAST_UNITS_GATHERED", keep_last)
     model = tiny("llama3")
     recipe = SimpleNamespace(training=SimpleNamespace(
         activation_checkpointing="full", activation_checkpointing_keep=0, method="full", compile=False,
@@ -129,7 +130,7 @@ def shard_tiny_llama(split: bool, monkeypatch):
     monkeypatch.setattr(parallelize.features, "active", lambda recipe: [])
     world = SimpleNamespace(mesh=init_device_mesh("cpu", (1,)))
     parallelize.shard_model(model, recipe, world)
-    attach_loss(model, "chunked", 16)
+    attach_loss(model, impl, 16)
     units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     return model, units
 
@@ -154,6 +155,35 @@ def test_embeddings_and_lm_head_are_units_of_their_own_with_the_same_loss_and_gr
     for n in root_grads:
         torch.testing.assert_close(split_grads[n], root_grads[n], rtol=1e-5, atol=1e-7)
     assert root_grads["lm_head.weight"].abs().sum() > 0 and root_grads["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_last_units_stay_gathered_for_backward_and_the_fwd_grad_loss_gives_the_same_gradients(one_rank, monkeypatch):
+    """After forward the last decoder layer and the LM head hold their gathered (plain tensor) weights, like the
+    root, the other units their shards (DTensors); after backward every unit is sharded again. Loss and gradients are the same with
+    them resharded, and with the chunked_fwd_grad loss computed in the LM head's own unit."""
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, 30:] = -100
+    results = {}
+    for keep, impl in ((False, "chunked"), (True, "chunked"), (True, "chunked_fwd_grad")):
+        model, _ = shard_tiny_llama(True, monkeypatch, keep_last=keep, impl=impl)
+        loss = model.loss_sum(input_ids=ids, labels=labels)
+        gathered = sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+        (loss * 0.25).backward()
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        results[keep, impl] = (gathered, float(loss.detach()), grads)
+    root = ["model.norm.weight"]  # FSDP2 never reshards the root after forward
+    assert results[False, "chunked"][0] == root
+    last = sorted(["lm_head.weight", *root, *(n for n, _ in tiny("llama3").named_parameters() if ".layers.2." in n)])
+    assert results[True, "chunked"][0] == results[True, "chunked_fwd_grad"][0] == last
+    ref = results[False, "chunked"]
+    for key in ((True, "chunked"), (True, "chunked_fwd_grad")):
+        assert results[key][1] == pytest.approx(ref[1], rel=1e-6)
+        for n, want in ref[2].items():  # fp32 rounding (the fwd-grad loss sums its chunks in another order)
+            assert float((results[key][2][n] - want).norm() / want.norm()) < 1e-6, (key, n)
 
 
 def test_tied_embeddings_stay_in_the_root():

@@ -457,8 +457,10 @@ class CheckpointConfig(_Section):
 
 
 class LossConfig(_Section):
-    impl: Literal["chunked", "full", "liger"] = Field(
-        "chunked", description="chunked: never materializes full fp32 logits; full: full-vocabulary logits (the published examples' loss)."
+    impl: Literal["chunked", "chunked_fwd_grad", "full", "liger"] = Field(
+        "chunked", description="chunked: never materializes full fp32 logits; chunked_fwd_grad: the same chunks with "
+        "their gradients made in forward (no recompute: one LM-head GEMM less); full: full-vocabulary logits (the "
+        "published examples' loss)."
     )
     chunk_tokens: int = Field(4096, ge=1)
 

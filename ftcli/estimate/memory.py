@@ -130,7 +130,7 @@ class Setting:
     compute_bytes: int = 2  # param dtype (full) or model dtype (LoRA): 2 bf16, 4 fp32
     checkpointing: str = "full"  # full | selective | none
     keep: int = 0  # with full checkpointing: layers that keep their activations
-    loss: str = "chunked"  # chunked | liger | full (| trl for LoRA)
+    loss: str = "chunked"  # chunked | chunked_fwd_grad | liger | full (| trl for LoRA)
     chunk_tokens: int = 4096
     adapter_params: int = 0  # LoRA
     sharding: str = "ddp"  # LoRA: ddp (a whole base per GPU) | fsdp (the base sharded, FSDP2)
@@ -186,7 +186,7 @@ def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
 def loss_bytes(shape: ModelShape, s: Setting) -> float:
     if s.loss == "full":
         return FULL_LOGITS_BYTES * s.tokens * shape.vocab
-    if s.loss == "chunked":
+    if s.loss in ("chunked", "chunked_fwd_grad"):  # one chunk's fp32 logits (the LM head's gradient: in `grads`)
         return 4.0 * min(s.chunk_tokens, s.tokens) * shape.vocab
     if s.loss in FUSED_LINEAR_CE:  # a fused linear cross-entropy picks its own chunk (ftcli.features.loss)
         return FUSED_LINEAR_CE[s.loss].transient_bytes(s.tokens, shape.vocab, shape.hidden)

@@ -1,6 +1,7 @@
 """`training.loss.impl`: how full SFT's summed token cross-entropy is computed (ftcli.train.loss.token_loss_sum).
 
     chunked  (default) only the trained positions, `chunk_tokens` rows at a time, each chunk checkpointed
+    chunked_fwd_grad  the same chunks, their gradients made in forward (no recompute; ftcli.train.loss.ChunkedLinearCE)
     full     logits for every position at once, upcast to fp32 (the published examples' loss)
     liger    liger-kernel's fused linear cross-entropy (GPU): the LM head and the CE in one kernel, in chunks
              it picks itself

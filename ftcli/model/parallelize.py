@@ -38,6 +38,12 @@ Llama-3.1-8B width: 4.2 GB over TRL's peak, BENCHMARKS.md). As units, the LM hea
 embeddings are gathered around their lookup and reduced alone at the end. Tied embeddings (one parameter) stay
 in the root.
 
+The last decoder layer and the LM head unit stay gathered after forward (`reshard_after_forward=False`, as
+torchtitan does for its last units): backward starts with them, so resharding them would only all-gather them again
+at once (at world size 1 a cast-copy of each, exposed at the start of backward). Their bf16 copies are then held
+through the loss's forward, below the peak at the end of backward. An eval's no-grad forward leaves them gathered
+until the next backward (no optimizer step comes between; a state dict reshards first).
+
 `world` is the trainer's ftcli.train.distributed.World (its mesh, device and rank 0 flag).
 """
 
@@ -72,6 +78,7 @@ def set_activation_checkpointing(model: nn.Module, tcfg) -> list[bool]:
 
 
 SEPARATE_EMBEDDING_UNITS = True  # the module doc; benchmarks/families_throughput_gpu.py measures both
+KEEP_LAST_UNITS_GATHERED = True  # the module doc; benchmarks/families_throughput_gpu.py measures both
 
 
 def embedding_units(model: nn.Module) -> list[nn.Module]:
@@ -97,14 +104,15 @@ def shard_model(model: nn.Module, recipe, world) -> nn.Module:
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
     )
+    last_units = {id(layers[-1]), id(model.get_output_embeddings())} if KEEP_LAST_UNITS_GATHERED else set()
     for layer in layers:
-        fully_shard(layer, mesh=world.mesh, mp_policy=mp_policy)
+        fully_shard(layer, mesh=world.mesh, mp_policy=mp_policy, reshard_after_forward=id(layer) not in last_units)
     visual = vision_tower(model)
     if visual is not None:
         visual.requires_grad_(False)
         fully_shard(visual, mesh=world.mesh, mp_policy=mp_policy)
     for unit in embedding_units(model):
-        fully_shard(unit, mesh=world.mesh, mp_policy=mp_policy)
+        fully_shard(unit, mesh=world.mesh, mp_policy=mp_policy, reshard_after_forward=id(unit) not in last_units)
     fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
     return model
 
