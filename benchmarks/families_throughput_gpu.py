@@ -31,7 +31,7 @@ ftcli runs of the same process failed in the chunked loss's recompute), TRL + li
 classes). --parts always run; --optional ones join by priority while the estimates fit --budget-s, and every part
 is skipped at run time when what is left would not cover it and the required parts after it. shipped@4, best@4
 and TRL@4 profile their second-to-last step (torch.profiler: kernel time by category, and the time no kernel ran);
-shipped@4 takes a CUDA memory snapshot of step 3 (its peak's largest live blocks in the notes).
+With --snapshot, shipped@4 takes a CUDA memory snapshot of step 3 (its peak's largest live blocks in the notes).
 
 H200 (one call, ~450 s estimated with every optional part):
   source .gpu/activate.sh && (extract .gpu-ao, tt.tar.xz) && \
@@ -336,6 +336,8 @@ def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: boo
         result = train(recipe, run_dir, None, blocks=feed)
     finally:
         parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED = before
+        if snapshot_step is not None:  # a run that failed mid-way must not leave the recording on for the next ones
+            torch.cuda.memory._record_memory_history(enabled=None)
     peak = cuda_peak()
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dts = [m["s_per_step"] for m in metrics][warmup:]
@@ -572,8 +574,7 @@ FWD_GRAD = ["training.loss.impl=chunked_fwd_grad"]
 REGIONS = ["training.compile=regions"]
 GPU_ONLY = ("training.fused_ops", "training.compile", "training.precision.fp8", "training.loss.impl=liger")
 # key: (recipe settings, run_ftcli flags, compiled, what it is). Compiled variants run in one subprocess of their
-# own (after the eager ftcli runs of this process had theirs: a compiled run in this process broke later ftcli runs'
-# chunked-loss recompute, `SystemError ... cross_entropy_loss`).
+# own, after the eager ftcli runs of this process.
 VARIANTS = {
     "shipped": (SHIPPED, {}, False, "as llama3-8b-h100 ships it: fused_ops rms_norm + swiglu, chunked loss"),
     "plain": ([], {}, False, "no fused ops"),
@@ -596,7 +597,11 @@ REQUIRED = ["shipped@4", "shipped@8", "fwd_grad@4", "fwd_grad@8", "trl@4", "trl@
 OPTIONAL = ["fused_regions@8", "fp8@8", "plain@4", "reshard_last@4", "liger_loss@4", "plain@8", "full_loss@4",
             "fused_regions@4", "fp8@4"]
 PROFILED = {"shipped@4", "best@4", "trl@4"}  # a kernel-time table of their second-to-last step
-SNAPSHOT = {"shipped@4": 3}  # a CUDA memory snapshot of step 3 (warm-up; its peak's live blocks in the notes)
+SNAPSHOT = {"shipped@4": 3}  # with --snapshot: a CUDA memory snapshot of step 3 (its peak's live blocks in the notes)
+# Off by default: on the H200 (torch 2.11) the chunked loss's checkpoint recompute failed with "SystemError:
+# cross_entropy_loss returned NULL" while the memory history recorded Python stacks, and in every later chunked run
+# of the process (the recording stayed on); `ftcli train` with the same loss ran (families_train_gpu.py)
+SNAPSHOT_ON = False
 GROUPS = ("eager", "trl", "torchtune", "compiled", "trl_liger")  # the order they run in
 
 
@@ -649,7 +654,7 @@ def profile_step(token: str, tiny: bool, steps: int) -> int | None:
 def run_variant(key: str, n: int, dirs: dict, blocks, work: Path, tiny: bool, warmup: int) -> dict:
     sets, flags = variant_sets(key, tiny)
     token = f"{key}@{n}"
-    snapshot = {as_tiny(t) if tiny else t: v for t, v in SNAPSHOT.items()}.get(token)
+    snapshot = {as_tiny(t) if tiny else t: v for t, v in SNAPSHOT.items()}.get(token) if SNAPSHOT_ON else None
     row = run_ftcli(key, n, dirs[n], blocks, work, tiny, warmup, sets, snapshot_step=snapshot,
                     profile_step=profile_step(token, tiny, len(blocks)), **flags)
     row["setting"] = " ".join(x.removeprefix("training.") for x in sets) or "-"
@@ -721,6 +726,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=500.0, help="the script's whole time; skip what would not fit")
     parser.add_argument("--torchtune-path", default=None)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--snapshot", action="store_true", help="the CUDA memory snapshot of SNAPSHOT's parts")
     parser.add_argument("--work", default=None)
     parser.add_argument("--torchtune-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ftcli-worker", action="store_true", help=argparse.SUPPRESS)
@@ -731,6 +737,8 @@ def main() -> int:
     parser.add_argument("--tt-blocks", help=argparse.SUPPRESS)
     parser.add_argument("--tt-config", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global SNAPSHOT_ON
+    SNAPSHOT_ON = args.snapshot
     if args.torchtune_worker:
         return torchtune_worker(args)
     if args.tiny:
