@@ -5,6 +5,7 @@ own settings (full SFT through the FSDP2 loop, LoRA through TRL + PEFT), random 
     qwen3-8b (llama3-8b-h100) Qwen3-8B width (q/k norms) on the same full-SFT settings, 2 layers
     gemma3-12b-h100           gemma-3-12b-it (the VLM, text trained, tower frozen), full SFT, 6 layers (5 sliding + 1 global)
     qwen3-30b-a3b-lora-h100   Qwen3-30B-A3B width, LoRA on attention + experts, base sharded by FSDP2, 2 layers
+    gpt-oss-h100              gpt-oss-20b width, LoRA on attention, each decoder layer compiled (as shipped), 4 layers
     llama3-70b-lora-h100      Llama-3.3-70B width, LoRA, base sharded by FSDP2, 2 layers
 
 Each run is `python -m ftcli train` (the launcher, torchrun on the GPUs present) in its own process, `--jobs` at a
@@ -43,6 +44,8 @@ RUNS = {
     "gemma3-12b": ("gemma3-12b-h100", "models/google--gemma-3-12b-it.json", "tiny-gemma3.json", "gemma3", 6, []),
     "qwen3-30b-a3b-lora": ("qwen3-30b-a3b-lora-h100", "models/Qwen--Qwen3-30B-A3B.json", "tiny-qwen3-moe.json",
                            "qwen3", 2, []),
+    "gpt-oss-20b-lora": ("gpt-oss-h100", "models/openai--gpt-oss-20b.json", "tiny-gpt-oss.json", "gpt-oss", 4,
+                         ["model.quantization=none"]),
     "llama3-70b-lora": ("llama3-70b-lora-h100", "models/meta-llama--Llama-3.3-70B-Instruct.json", "tiny-llama3.json",
                         "llama3", 2, []),
 }
