@@ -12,8 +12,10 @@ export are the same as without fp8. It runs on the meta-built model before `full
 shards the same parameters (the all-gather stays in param_dtype). The master weights and the
 optimizer are untouched.
 
-Where: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper, Blackwell) for speed; on CPU torch
-emulates the float8 GEMM (slow, for tests only).
+Where: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper, Blackwell) for speed; on CPU (tests only)
+torchao's emulation (`emulate=True`: the same float8 values and scales, multiplied in float32), since torch's
+own CPU `_scaled_mm` is a reference loop on some CPUs (0.4 s for a 1024 x 64 x 128 product, over a minute per
+step of the tiny recipe).
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def fp8_config(recipe: str = "tensorwise"):
 FP8_RECIPES = ("tensorwise", "rowwise")
 
 
-def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int, recipe: str = "tensorwise") -> list[str]:
-    """Swap the chosen linears of `layers` (modules of `model`) for torchao Float8Linear (scaling `recipe`),
-    in place; returns their names."""
+def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int, recipe: str = "tensorwise",
+                   emulate: bool = False) -> list[str]:
+    """Swap the chosen linears of `layers` (modules of `model`) for torchao Float8Linear (scaling `recipe`;
+    `emulate`: torchao's float32 emulation of the GEMMs, for CPU), in place; returns their names."""
+    import dataclasses
+
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as e:
@@ -87,7 +92,8 @@ def convert_to_fp8(model: nn.Module, layers: list[nn.Module], hidden_size: int, 
     chosen = [n for n, m in model.named_modules() if keep(m, n)]
     # the weight-gradient GEMM's inner dimension is the tokens per micro-batch: the recipe makes it a multiple
     # of 16 (Recipe._fp8_tokens), so no operand is padded (a copy per GEMM)
-    convert_to_float8_training(model, config=fp8_config(recipe), module_filter_fn=keep)
+    config = dataclasses.replace(fp8_config(recipe), emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return chosen
 
 
@@ -142,7 +148,7 @@ def convert(model, recipe, device) -> None:
 
     check_fp8_device(device)
     convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size,
-                   recipe.training.precision.fp8_recipe)
+                   recipe.training.precision.fp8_recipe, emulate=device.type == "cpu")
 
 
 def describe(model, recipe) -> str:
