@@ -19,7 +19,7 @@ from ftcli.features.base import Feature, Found, Requirement
 
 FEATURES: dict[str, Feature] = {f.name: f for f in (float8.FEATURE, compile.FEATURE, loss.FEATURE, fused_ops.FEATURE)}
 
-__all__ = ["FEATURES", "Feature", "Found", "Requirement", "active", "checked", "load_recipe",
+__all__ = ["FEATURES", "Feature", "Found", "Requirement", "active", "checked", "describe", "load_recipe",
            "packages", "preflight", "prepare_lora", "recipe_problems", "requirements", "speed_keys"]
 
 
@@ -63,6 +63,11 @@ def checked() -> list[Feature]:
 def speed_keys(recipe) -> tuple[str, ...]:
     """The step-time rows' `speed` field for `recipe`: the speed key of each feature that applies to it."""
     return tuple(key for f in FEATURES.values() if f.applies(recipe) and (key := f.speed_key(recipe.training)))
+
+
+def describe(model, recipe) -> list[str]:
+    """What each training feature `recipe` turns on did to the built `model`: its start-up line, one each."""
+    return [line for f in active(recipe) if (line := f.describe(model, recipe)) is not None]
 
 
 def preflight(recipe, device) -> None:

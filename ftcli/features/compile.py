@@ -113,10 +113,9 @@ def _packing_metadata_dynamic(module, args, kwargs) -> None:
 def describe(model, recipe) -> str | None:
     from ftcli.model.build import decoder_layers
 
-    layers = decoder_layers(model)
+    layers, lora = decoder_layers(model), recipe.training.method == "lora"
     if recipe.training.compile != "regions":
-        return f"compiled: {len(layers)} decoder layers, each whole" if recipe.training.method == "lora" else None
-    lora = recipe.training.method == "lora"
+        return f"compiled: {len(layers)} decoder layers, each whole" if lora else None
     return f"compiled regions: {len(compile_regions(layers[0], lora=lora))} in the first decoder layer"
 
 

@@ -278,9 +278,8 @@ class FullRun:
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
         attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        for feature in features.active(recipe):  # what each training feature did, one line each
-            if (line := feature.describe(self.model, recipe)) is not None:
-                say(line)
+        for line in features.describe(self.model, recipe):  # what each training feature did, one line each
+            say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)
         # MFU convention: 6 x non-embedding params per token processed (attention scores and recomputation

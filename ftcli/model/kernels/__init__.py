@@ -59,8 +59,9 @@ from ftcli.model.kernels.choose import (
 )
 
 # install.py and ops.py import torch: they load on first use, so the decision (`ftcli doctor`) stays torch-free
-_LAZY = {"ATTN_IMPLEMENTATIONS": "install", "block_masks_ahead": "install", "disable_packed_kernels": "install", "enable_packed_kernels": "install",
-         "install_backends": "install", "KERNELS": "ops", "causal_conv1d_reference": "ops"}
+_LAZY = {"ATTN_IMPLEMENTATIONS": "install", "block_masks_ahead": "install", "disable_packed_kernels": "install",
+         "enable_packed_kernels": "install", "install_backends": "install", "KERNELS": "ops",
+         "causal_conv1d_reference": "ops"}
 
 
 def __getattr__(name: str):
@@ -73,7 +74,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "FAMILY_OPS", "KERNELS", "MODEL_FAMILIES", "QWEN35_MODULE", "UNAVAILABLE", "Backend",
-    "Machine", "attention_backend", "backend_problems", "block_masks_ahead", "causal_conv1d_reference", "check_packing_safe", "decide_backends",
+    "Machine", "attention_backend", "backend_problems", "block_masks_ahead", "causal_conv1d_reference",
+    "check_packing_safe", "decide_backends",
     "disable_packed_kernels", "enable_packed_kernels", "install_backends", "missing_global_problem",
     "qwen35_missing_globals",
 ]

@@ -241,8 +241,8 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         if grouped and args.process_index == 0:
             print(f"expert LoRA: grouped, unmerged ({grouped} experts modules, ftcli.model.moe_lora)", flush=True)
     features.prepare_lora(trainer.model, recipe)  # training.compile: each decoder layer, in place (names unchanged)
-    for line in filter(None, (f.describe(trainer.model, recipe) for f in features.active(recipe))):
-        if args.process_index == 0:
+    if args.process_index == 0:
+        for line in features.describe(trainer.model, recipe):
             print(line, flush=True)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
