@@ -474,6 +474,7 @@ class _Training(_Section):
     at its default: dumps write every key of both (so recipe.yaml and rendered workloads stay as they were, and a
     dump loads again), and loading drops them there."""
 
+    quiet_defaults: ClassVar[dict[str, Any]] = {"objective": "sft"}
     other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
     other_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -532,7 +533,7 @@ class _Training(_Section):
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": []}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
