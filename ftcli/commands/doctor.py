@@ -22,6 +22,7 @@ import importlib.metadata
 from dataclasses import dataclass, replace
 
 from ftcli.families import FAMILIES, find_family
+from ftcli.objectives import method_of
 from ftcli import features
 
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
@@ -103,7 +104,7 @@ def _is_qwen(recipe) -> bool:
 
 def _is_vlm_lora(recipe) -> bool:
     return (recipe is not None and recipe.model.model_class == "image_text_to_text"
-            and recipe.training.method == "lora")
+            and not method_of(recipe.training).trains_base)
 
 
 def check_fla_on_cpu(recipe, m, tf: Transformers) -> list[Check]:

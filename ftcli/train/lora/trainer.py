@@ -36,6 +36,7 @@ import torch
 
 from ftcli import features
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
 from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
 from ftcli.train.lora.callbacks import save_adapter
@@ -277,7 +278,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.artifacts.tracking import start_tracking
 
     run_dir = Path(run_dir)
-    if recipe.training.method != "lora":
+    if not method_of(recipe.training).writes_adapter:
         raise UserError(f"train_lora got training.method={recipe.training.method}")
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
@@ -399,7 +400,7 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record_run(recipe, run_dir, method="lora", tracker=tracker, steps=trainer.state.global_step,
+    record_run(recipe, run_dir, tracker=tracker, steps=trainer.state.global_step,
                tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
                throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
                summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,
