@@ -13,6 +13,14 @@ A run dir may be shared, or come from someone else; a symlink planted in it (`.f
                            following links; (fd, whether this call created it)
     refuse_unsafe(path)    the check alone: a link, or something that is not a regular file, or a file
                            with other hard links, is one UserError
+    refuse_links(paths)    before anything is written, renamed or deleted: the first of `paths` (files or
+                           directories ftcli will write) that is a symbolic link, or a file with other
+                           hard links, is one UserError naming it
+    remove_tree(path)      delete a file, a directory or a link without following a link: a link is
+                           unlinked (its target stays), shutil.rmtree never follows the links inside
+    replace_dir(tmp, dst)  a finished temp dir renamed over `dst` (a dir, or a link: removed, never followed)
+
+The same rule for every dir ftcli writes in: a run dir, the pack cache, an output dir of merge-lora.
 
 Pure file code: no torch, no MLflow.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import TextIO
@@ -59,6 +68,57 @@ def refuse_unsafe(path: str | Path) -> None:
     why = _refusal(path, _lstat(path))
     if why:
         raise UserError(why)
+
+
+def refuse_links(paths, where: str = "a run dir") -> None:
+    """UserError naming the first of `paths` that is a symbolic link (dangling or not), or a regular file
+    with other hard links: ftcli writes, renames and deletes there, and would reach what the link names.
+    Missing paths and real directories pass. Call it before anything is written."""
+    for path in map(Path, paths):
+        st = _lstat(path)
+        if st is None:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); ftcli does not write, rename or "
+                            f"delete through links in {where}: remove it")
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            raise UserError(f"{path} has {st.st_nlink - 1} other hard link(s); ftcli does not write or delete a file "
+                            f"shared with another path in {where}: remove it")
+
+
+def entries(path: str | Path) -> list[Path]:
+    """The entries of directory `path`, [] when it is missing, a link or not a directory (never listed through)."""
+    st = _lstat(Path(path))
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return []
+    return sorted(Path(path).iterdir())
+
+
+def remove_tree(path: str | Path) -> None:
+    """Delete `path` without following a link: a link or a file is unlinked (a link's target stays as it
+    is), a directory goes with shutil.rmtree (which unlinks the links inside it, never their targets).
+    A missing path is nothing to do."""
+    path = Path(path)
+    st = _lstat(path)
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace_dir(tmp: str | Path, dst: str | Path) -> None:
+    """Move the finished dir `tmp` to `dst`: what is at `dst` (an older dir, a link) is removed first without
+    following a link, then `tmp` is renamed in. `tmp` itself must be a real directory (a link planted there
+    meanwhile is refused, never moved into place)."""
+    tmp, dst = Path(tmp), Path(dst)
+    st = _lstat(tmp)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        refuse_links([tmp])
+        raise UserError(f"{tmp} is not a directory; ftcli expected its own temp dir there")
+    remove_tree(dst)
+    os.replace(tmp, dst)
 
 
 def _open_checked(path: Path, flags: int, mode: int = 0o644) -> int:
