@@ -198,7 +198,7 @@ def test_a_hard_linked_run_file_is_refused_before_anything_happens(tmp_path):
     os.link(victim, run_dir / "metrics.jsonl")
     res = _train(run_dir, "--force")
     assert res.exit_code == 2 and " ".join(res.output.split()) == (
-        f"error: {run_dir / 'metrics.jsonl'} has 1 other hard link(s); ftcli does not write or delete a file shared "
+        f"error: {run_dir / 'metrics.jsonl'} has 1 other hard link(s); ftcli does not write, delete or upload a file shared "
         "with another path in a run dir: remove it")
     assert victim.read_text() == VICTIM_TEXT and (run_dir / "metrics.jsonl").exists()
 

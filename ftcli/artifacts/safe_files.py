@@ -70,7 +70,7 @@ def refuse_unsafe(path: str | Path) -> None:
         raise UserError(why)
 
 
-def refuse_links(paths, where: str = "a run dir") -> None:
+def refuse_links(paths, where: str = "a run dir", fix: str = "remove it") -> None:
     """UserError naming the first of `paths` that is a symbolic link (dangling or not), or a regular file
     with other hard links: ftcli writes, renames and deletes there, and would reach what the link names.
     Missing paths and real directories pass. Call it before anything is written."""
@@ -80,10 +80,10 @@ def refuse_links(paths, where: str = "a run dir") -> None:
             continue
         if stat.S_ISLNK(st.st_mode):
             raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); ftcli does not write, rename or "
-                            f"delete through links in {where}: remove it")
+                            f"delete through links in {where}: {fix}")
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            raise UserError(f"{path} has {st.st_nlink - 1} other hard link(s); ftcli does not write or delete a file "
-                            f"shared with another path in {where}: remove it")
+            raise UserError(f"{path} has {st.st_nlink - 1} other hard link(s); ftcli does not write, delete or upload "
+                            f"a file shared with another path in {where}: {fix}")
 
 
 def entries(path: str | Path) -> list[Path]:
