@@ -123,7 +123,8 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
-    check_resume(recipe, run_dir, resume)  # before anything is written: recipe.yaml stays the run's
+    if resume is not None:  # before anything is written: recipe.yaml stays the run's
+        check_resume(recipe, run_dir, resume, world_size=_processes_per_node(recipe)[0] * int(os.environ.get("NUM_NODES", "1")))
     from ftcli.data.checks import quick_check
     from ftcli.model.checks import check_model_config
 
@@ -219,20 +220,33 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
     raise SystemExit(exit_code(signum))
 
 
-def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
+def check_resume(recipe, run_dir: Path, resume: str | None, *, world_size: int) -> None:
     """A resume continues the run it names: the recipe may change only what `ftcli.train.resume` applies,
-    and the checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s, both paths).
-    One UserError otherwise; writes nothing."""
+    compared with the recipe of the run that wrote the checkpoint (this run's, or another run's when
+    `--resume` names its checkpoint), the global batch stays the checkpoint's (full path: `world_size` ranks
+    x grad_accum), and the checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s,
+    both paths). One UserError otherwise; writes nothing."""
     if resume is None:
         return
-    if is_own_run(run_dir, recipe):
-        from ftcli.train.resume import check_resume_recipe
-
-        check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
-    from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
+    from ftcli.train.checkpoint import read_meta, resolve_resume, verify_checkpoint
+    from ftcli.train.resume import check_global_batch, check_resume_recipe
 
     kind = method_of(recipe.training).checkpoint_kind
-    verify_checkpoint(resolve_resume(run_dir, resume, kind=kind), kind=kind)
+    checkpoint = resolve_resume(run_dir, resume, kind=kind)
+    meta = read_meta(checkpoint) if kind == "dcp" else {}
+    same_batch = meta.get("blocks_per_step") == world_size * recipe.training.grad_accum
+    warn = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    written_by = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+    if kind == "dcp":
+        check_global_batch(checkpoint, meta, recipe.training.grad_accum, world_size)
+    if is_own_run(run_dir, recipe):
+        check_resume_recipe(run_dir, recipe, warn=warn, same_global_batch=same_batch)
+    if written_by is not None and written_by.resolve() != run_dir.resolve():
+        if (written_by / RECIPE_FILE).is_file():
+            check_resume_recipe(written_by, recipe, warn=warn, same_global_batch=same_batch)
+        else:
+            warn(f"warning: {written_by} holds no {RECIPE_FILE}; the recipe is not compared with the checkpoint's")
+    verify_checkpoint(checkpoint, kind=kind)
 
 
 def _preflight(recipe) -> None:
@@ -288,7 +302,7 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
         check_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: the launcher's checks
-        check_resume(recipe, run_dir, resume)
+        check_resume(recipe, run_dir, resume, world_size=int(os.environ["WORLD_SIZE"]))
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
     train = TRAINERS[recipe.training.method]

@@ -267,6 +267,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
+    from ftcli.artifacts.safe_files import refuse_links
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume, trl_save_failed
     from ftcli.train.distributed import local_device, rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
@@ -311,6 +312,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         model = load_base(recipe, run_dir, device if sharding == "ddp" else None, attn, resume=checkpoint is not None)
         if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
             built = time.perf_counter() - started
+            refuse_links([run_dir / "base"])  # the launcher checked; never written through a link
             model.save_pretrained(run_dir / "base")
             tokenizer.save_pretrained(run_dir / "base")
             print(f"random-init base: drawn in {built:.1f} s, saved to {run_dir / 'base'} in "
@@ -363,12 +365,13 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
     save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
     import shutil
 
+    from ftcli.artifacts.safe_files import remove_tree, replace_dir
     from ftcli.train.checkpoint import WRITE_ERRORS, export_not_written
 
     main = trainer.args.process_index == 0
     tmp = final.with_name(f".tmp_{final.name}")
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)  # a link planted there: unlinked, never written through
     try:
         if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
             save_adapter(trainer.model, trainer.processing_class, tmp)
@@ -380,9 +383,7 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         raise export_not_written("the adapter", final, e, needed) from None
     if main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
 
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
