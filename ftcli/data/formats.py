@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ftcli.data import sources
-from ftcli.data.validate import BadRow, Conversation, _tools, check_messages
+from ftcli.data.validate import BadRow, Conversation, _tools, check_messages, normalize_turns
 from ftcli.data.validate import conversation as messages_conversation
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -201,6 +201,35 @@ def conversation(row: Any, fmt: str, messages_field: str | None = "messages",
     conv = check_messages(messages)
     conv.tools = tools
     return conv
+
+
+def row_messages(row: Any, messages_field: str | None = "messages") -> list[dict]:
+    """Every turn a row holds, whatever its format (told by its shape, `row_format`), normalized as training
+    reads them (`validate.normalize_turns`: tool-call arguments parsed, text parts joined), nothing
+    dropped: what `generate --input` reads. A prompt/completion row's completion and an Alpaca row's
+    output are its last (assistant) turn. BadRow for a row of no known shape."""
+    if not isinstance(row, dict):
+        raise BadRow("row not an object", f"got {type(row).__name__}")
+    found = row_format(row, messages_field)
+    if found is None and messages_field in row:  # a messages field of the wrong shape: say what is wrong with it
+        return normalize_turns(row[messages_field])
+    if found is None or found[0] == "text":
+        raise BadRow("unknown format", f"fields {', '.join(map(str, row)) or 'none'} match no chat format "
+                                       f"(messages, sharegpt, alpaca, prompt_completion)")
+    fmt, field = found[0], found[1]
+    if fmt == "messages":
+        return normalize_turns(row[field])
+    if fmt == "sharegpt":
+        return normalize_turns(sharegpt_messages(row, field))
+    if fmt == "alpaca":
+        return normalize_turns(alpaca_messages(row))
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return normalize_turns(prompt + completion)
+    raise BadRow("prompt/completion types differ", f"prompt is {type(prompt).__name__}, completion is "
+                                                   f"{type(completion).__name__} (both str or both lists)")
 
 
 # ------------------------------------------------------------------------------------------ a source

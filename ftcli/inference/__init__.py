@@ -201,7 +201,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **(template_kwargs or {}))
-    except TemplateError as e:
+    except (TemplateError, TypeError) as e:  # TypeError: a value of a shape the template cannot iterate
         raise UserError(f"the chat template refused this conversation: {_first_line(e)}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers versions differ on the default
         ids = ids["input_ids"]
@@ -451,9 +451,11 @@ def without_empty_think(text: str) -> str:
     return _EMPTY_THINK.sub("", text, count=1)
 
 
-def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None) -> dict:
+def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None,
+                 like: list[dict] | None = None) -> dict:
     """An output row's reply: `completion` (the answer) and `reasoning`, and where the reply calls tools,
-    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.inference.tool_calls`), taken out of both."""
+    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.inference.tool_calls`; `like`: the
+    conversation as its file wrote it, where `messages` were normalized), taken out of both."""
     from ftcli.inference.tool_calls import openai_tool_calls, parse_tool_calls
 
     calls, rest = parse_tool_calls(completion.raw)
@@ -461,7 +463,7 @@ def reply_fields(tokenizer, messages: list[dict], completion: Completion, templa
         return {"completion": completion.text, "reasoning": completion.reasoning}
     kind = reply_kind(tokenizer, render_prompt(tokenizer, messages, template_kwargs))
     reasoning, text = split_reasoning(rest, kind, _special_strings(tokenizer))
-    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, messages)}
+    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, like if like is not None else messages)}
 
 
 # ----------------------------------------------------------------------------------- streaming

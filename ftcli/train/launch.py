@@ -231,6 +231,9 @@ def _preflight(recipe) -> None:
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
+    from ftcli.data.evalsplit import check_eval, eval_specs
+
+    check_eval(recipe, {label: data.prepare_blocks(spec, tokenizer) for label, spec in eval_specs(recipe).items()})
 
 
 def _say_data(recipe, packed) -> None:
