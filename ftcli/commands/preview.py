@@ -85,10 +85,11 @@ def run_preview(
                 f.write(json.dumps(block_to_json(block)) + "\n")
         stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)
 
-    from ftcli.data.checks import source_problems
+    from ftcli.data.checks import source_problems, source_warnings
     from ftcli.data.evalsplit import eval_problem
 
     problems = source_problems(recipe, packed.stats)  # what `train` refuses (data.allow_empty_sources)
+    problems += source_warnings(recipe, packed.stats)  # and warns about: most rows skipped for a missing field
     problems += [p for p in [eval_problem(recipe, eval_packed)] if p]  # and an empty eval split
     if as_json:
         _warn(err, problems)

@@ -36,6 +36,7 @@ class Conversation:
     completion: str | None = None
     tools: list[dict] | None = None  # function schemas, passed to the template as `tools=`
     dropped: dict[str, int] = field(default_factory=dict)  # turns dropped from the row, by reason
+    plain: bool = False  # a `text` row: no template, every token trained (continued pretraining)
 
 
 def content_text(parts: list) -> str:

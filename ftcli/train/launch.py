@@ -239,7 +239,7 @@ def _preflight(recipe) -> None:
 def _say_data(recipe, packed) -> None:
     """Each source's format (auto: which and why), then refuse a source that keeps no row (one line: the rows
     read, the top skip reasons, the likely fix) or, with data.allow_empty_sources, warn about it."""
-    from ftcli.data.checks import check_sources, source_problems
+    from ftcli.data.checks import check_sources, source_problems, source_warnings
 
     for label, st in packed.stats.sources.items():
         if st.format_why:
@@ -247,6 +247,8 @@ def _say_data(recipe, packed) -> None:
     check_sources(recipe, packed)
     for problem in source_problems(recipe, packed.stats):
         print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
+    for problem in source_warnings(recipe, packed.stats):
+        print(f"warning: {problem}", file=sys.stderr)
 
 
 def refuse_gpu_recipe_on_cpu(recipe) -> None:
