@@ -970,6 +970,18 @@ def recipe_text(name_or_path: str) -> str:
     return builtin_recipe_text(str(name_or_path))  # "no recipe file or built-in recipe named ..."
 
 
+def renamed(text: str, name: str) -> tuple[str, str | None]:
+    """A recipe's YAML text with its top-level `name:` set to `name` (the run dir is `runs/<name>`: a copy
+    that kept the original's name would train into the original's run dir), and the old name; the text
+    unchanged and None when `name` is no valid recipe name or the text has no top-level `name:` line."""
+    line = re.compile(r"^name:[ \t]*(?P<old>[^#\n]*?)[ \t]*(?P<comment>#.*)?$", re.M)
+    found = line.search(text)
+    if not NAME_RE.fullmatch(name) or found is None:
+        return text, None
+    comment = f"  {found['comment']}" if found["comment"] else ""
+    return text[:found.start()] + f"name: {name}{comment}" + text[found.end():], found["old"].strip("'\"")
+
+
 def _unknown_recipe_message(name: str) -> str:
     names = builtin_recipe_names()
     close = difflib.get_close_matches(name, names, n=1)
