@@ -18,8 +18,7 @@ def test_sharegpt_rows_read_as_messages_are_refused_with_the_fix(tmp_path):
     path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 198)
     r = recipe(tmp_path, data__path=path, data__format="messages")
     want = (f"data source '{path}' keeps 0 of the 198 rows read (messages missing 198, row 0: no 'messages' field "
-            "(fields: conversations)) [format messages]; looks like ShareGPT: set data.format=sharegpt; "
-            "data.allow_empty_sources=true trains without it")
+            "(fields: conversations)) [format messages]; looks like ShareGPT: set data.format=sharegpt")
     with pytest.raises(UserError) as quick:
         quick_check(r)
     with pytest.raises(UserError) as full:
@@ -35,7 +34,7 @@ def test_under_auto_there_is_nothing_to_set_and_unknown_rows_say_so(tmp_path):
     assert str(e.value) == (
         f"data source '{path}' keeps 0 of the 5 rows read (messages missing 5, row 0: no 'messages' field (fields: "
         "question, answer)) [format messages]; no row matches a known format (messages, sharegpt, alpaca, "
-        "prompt_completion, text); see README 'Bring your own data'; data.allow_empty_sources=true trains without it")
+        "prompt_completion, text); see docs/data.md")
     quick_check(recipe(tmp_path, data__path=write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 5), data__format="auto"))
 
 
@@ -43,8 +42,7 @@ def test_a_source_keeping_under_one_percent_is_refused_after_tokenizing(tmp_path
     path = write_jsonl(tmp_path / "d.jsonl", [MESSAGES] + [{"messages": []}] * 199)
     r = recipe(tmp_path, data__path=path)
     quick_check(r)  # one row is valid: the rows alone do not decide it
-    with pytest.raises(UserError, match=r"keeps 1 of the 200 rows read \(no messages 199, row 1\) \[format messages\]"
-                                        r"; data\.allow_empty_sources=true"):
+    with pytest.raises(UserError, match=r"keeps 1 of the 200 rows read \(no messages 199, row 1\) \[format messages\]$"):
         check_sources(r, prepare_blocks(r, tokenizer("qwen")))
 
 
@@ -165,3 +163,12 @@ def test_a_holdout_row_count_holds_out_every_copy_of_its_rows(tmp_path):
         eval_ix = [ex.index for ex in iter_examples(ev, tokenizer("qwen"))]
         assert len(eval_ix) == held and sorted(train_ix + eval_ix) == list(range(120)), count
         assert not {str(SMALL[i]) for i in train_ix} & {str(SMALL[i]) for i in eval_ix}
+
+
+def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        quick_check(recipe(tmp_path, data__path="chats/nope.jsonl"))
+    assert str(e.value) == (f"data.path 'chats/nope.jsonl' does not exist (tried {tmp_path / 'chats' / 'nope.jsonl'}: "
+                            "a relative path is read from the working directory, or from the recipe file's folder "
+                            "where it is there)")

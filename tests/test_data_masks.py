@@ -356,3 +356,21 @@ def test_each_family_trains_its_templates_own_end_of_turn_token(name, end):
             assert ids[k] == end_id and tok.decode(ids[k + 1 : last + 1]).strip() == ""
             turns += 1
     assert turns >= 12
+
+
+def test_qwen_reply_trains_the_close_of_its_empty_think_block_because_generation_writes_it():
+    """The shipped Qwen3.8 template renders `<think>\\n\\n</think>\\n\\n` before an answer without reasoning,
+    and its generation prompt ends at `<think>\\n`: the rest of the empty block is what the model must generate
+    before answering, so it is trained (pack-preview shows it green), and the prompt's prefill is not. The
+    trained text is exactly what follows the generation prompt in the full render (docs/data.md)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer-qwen"))
+    ask, answer = [{"role": "user", "content": "Hi"}], {"role": "assistant", "content": "Hello"}
+    ids, mask = ChatEncoder(tok).encode([*ask, answer])
+    ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
+    prompt = tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template([*ask, answer], tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and full.startswith(prompt)
+    assert tok.decode(ids[mask].tolist()) == full[len(prompt):] == "\n</think>\n\nHello<|im_end|>\n"
+    assert tok.decode(ids[~mask].tolist()) == prompt

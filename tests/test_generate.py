@@ -708,3 +708,21 @@ def test_generate_input_reads_every_row_train_reads(model_dirs, tmp_path):
         parsed, [{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Name the capital.\nKenya"}],
         [{"role": "user", "content": "What is 2 plus 4?"}]], Sampling(max_new_tokens=3, greedy=True))
     assert [w["completion"] for w in written] == [c.text for c in expected]
+
+
+def test_gpu_kernel_caches_persist_under_ftcli_cache_unless_the_user_set_them(tmp_path, monkeypatch):
+    """A GPU process keeps its compiled kernels and autotune results in <ftcli cache>/kernels (FTCLI_CACHE),
+    where the next process finds them; a cache dir the user set is left as it is."""
+    from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+    monkeypatch.setenv("FTCLI_CACHE", str(tmp_path / "c"))
+    env = {"TRITON_CACHE_DIR": "/mine/triton"}
+    root, warm = persistent_caches(env)
+    assert (root, warm) == (tmp_path / "c" / "kernels", False)
+    assert env == {"TRITON_CACHE_DIR": "/mine/triton", "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+                   "TILELANG_CACHE_DIR": str(root / "tilelang"), "FLA_CACHE_RESULTS": "1"}
+    assert "compiles and autotunes" in compile_notice(root, warm) and "paid once" in compile_notice(root, warm)
+    (root / "inductor").mkdir(parents=True)
+    (root / "inductor" / "kernel.so").write_bytes(b"x")
+    assert persistent_caches({})[1] is True
+    assert compile_notice(root, True).startswith(f"GPU kernels: reusing the compiled kernels and autotune results in {root}")

@@ -40,8 +40,7 @@ def _hint(src, key: str) -> str:
     except UserError:
         return ""
     if not found.matched:
-        return (f"no row matches a known format ({', '.join(formats.FORMATS[1:])}); see README "
-                "'Bring your own data'")
+        return (f"no row matches a known format ({', '.join(formats.FORMATS[1:])}); see docs/data.md")
     fix = []
     if src.format not in ("auto", found.format):
         fix.append(f"{key}.format={found.format}")
@@ -116,7 +115,9 @@ def _source_problem_shown(data, src, st: DataStats) -> bool:
 def _refuse(recipe, problems: list[str]) -> None:
     if problems and not recipe.data.allow_empty_sources:
         more = f" (and {len(problems) - 1} more source(s))" if len(problems) > 1 else ""
-        raise UserError(f"{problems[0]}{more}; data.allow_empty_sources=true trains without it")
+        # training without it is a way out only where other sources are left to train on
+        others = len(recipe.data.source_list()) > len(problems)
+        raise UserError(f"{problems[0]}{more}" + ("; data.allow_empty_sources=true trains without it" if others else ""))
 
 
 def quick_check(recipe) -> None:

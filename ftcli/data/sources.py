@@ -71,7 +71,11 @@ def _local_path(data) -> Path:
 
     path = Path(resolve_path(data.path)).expanduser()
     if not path.exists():
-        raise UserError(f"data.path {data.path!r} does not exist")
+        tried = ""
+        if not path.is_absolute():  # resolve_path found it in no recipe folder: say where it was looked for
+            tried = (f" (tried {Path.cwd() / path}: a relative path is read from the working directory, or from "
+                     "the recipe file's folder where it is there)")
+        raise UserError(f"data.path {data.path!r} does not exist{tried}")
     return path
 
 

@@ -72,7 +72,7 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
     from transformers import AutoConfig
 
     from ftcli.model.build import load_model
-    from ftcli.model.fallbacks import quiet_kernel_fallbacks
+    from ftcli.model.fallbacks import quiet_library_output
     from ftcli.config.recipe import ModelConfig
 
     from ftcli import hub
@@ -96,9 +96,11 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
                       model_class=source.model_class or _model_class(config), dtype=dtype,
                       quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
                       trust_remote_code=source.trust_remote_code)
-    notice = quiet_kernel_fallbacks(config.model_type, dev.type)
-    if notice:
-        print(notice, file=sys.stderr)
+    quiet_library_output(config.model_type, dev.type, say=lambda line: print(line, file=sys.stderr))
+    if dev.type == "cuda":  # compiled kernels and autotune results kept for the next process
+        from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+        print(compile_notice(*persistent_caches()), file=sys.stderr)
     model = load_model(cfg, device=dev)
     if source.adapter is not None:
         from peft import PeftModel

@@ -122,6 +122,10 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     nproc, unit = _processes_per_node(recipe)
     if unit == "CPU process":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    else:  # the workers' compiled kernels and autotune results, kept for the next run (ftcli.model.kernels.cache)
+        from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+        print(compile_notice(*persistent_caches()), file=sys.stderr)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("PYTHONSAFEPATH", "1")  # `-m ftcli` must not pick up a folder named ftcli in the cwd
     os.environ["FTCLI_LAUNCHED"] = "1"
@@ -139,7 +143,8 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     worker = ["-m", "ftcli", "train", "--recipe", str(run_dir / RECIPE_FILE)]
     if resume is not None:
         worker += ["--resume", resume]
-    print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {unit}(s), "
+    units = {"CPU process": "CPU processes", "GPU": "GPUs"}[unit] if nproc != 1 else unit
+    print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {units}, "
           f"run dir {run_dir}", file=sys.stderr)
 
     import logging
@@ -281,6 +286,12 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         check_resume(recipe, run_dir, resume)
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
+    import torch
+
+    from ftcli.model.fallbacks import quiet_library_output
+
+    quiet_library_output(recipe.model.model_type, "cuda" if torch.cuda.is_available() else "cpu",
+                         say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else None)
     if recipe.training.method == "lora":
         from ftcli.train.lora.trainer import train
     else:
