@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -32,15 +33,30 @@ from rich.markup import escape
 from ftcli import __version__
 from ftcli.config.errors import UserError
 
+_UsageError = typer.BadParameter.__mro__[1]  # typer's vendored click UsageError, reached through its public subclass
+
+
 class _Group(TyperGroup):
     """Turns a `UserError` raised anywhere below into one red line and exit code 2, and shows flags as flags
     in every command's help (`_flags_as_flags`)."""
+
+    def parse_args(self, ctx, args):
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:  # `ftcli recipes`: help, exit 0
+            typer.echo(ctx.get_help(), nl=False)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UserError as e:
             _fail(str(e))
+        except _UsageError as e:
+            extra = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", e.message)
+            if extra and extra[1].lower() in ("true", "false", "yes", "no", "1", "0"):  # `--force true`
+                e.message += (f"; a flag such as --force takes no value: write the flag alone to turn it on, "
+                              f"leave it out for off")
+            raise
 
     def get_command(self, ctx, cmd_name):
         command = super().get_command(ctx, cmd_name)
@@ -74,9 +90,38 @@ app.add_typer(recipes_app, name="recipes")
 console = Console()
 err_console = Console(stderr=True)
 
+# `--help` of each command ends with these (one command a line; tests/test_cli.py runs the cheap ones).
+EXAMPLES = {
+    "recipes list": ["ftcli recipes list"],
+    "recipes show": ["ftcli recipes show tiny-qwen-cpu --set training.optimizer.lr=2e-5"],
+    "recipes cp": ["ftcli recipes cp tiny-qwen-cpu my.yaml"],
+    "render-workload": ["ftcli render-workload --recipe qwen-b300 -o workload.yaml",
+                        "ftcli render-workload --check workload.yaml"],
+    "pack-preview": ["ftcli pack-preview --recipe tiny-qwen-cpu --blocks 2",
+                     "ftcli pack-preview --recipe my.yaml --set data.path=chats.jsonl --set data.format=auto"],
+    "train": ["ftcli train --recipe tiny-qwen-cpu",
+              "ftcli train --recipe my.yaml --set data.path=chats.jsonl --set data.format=auto",
+              "ftcli train --recipe tiny-qwen-cpu --resume"],
+    "merge-lora": ["ftcli merge-lora runs/tiny-gpt-oss-cpu -o runs/tiny-gpt-oss-merged"],
+    "register": ["ftcli register runs/tiny-qwen-cpu --name tiny-qwen --alias champion"],
+    "plan": ["ftcli plan --recipe qwen-b300", "ftcli plan --recipe gpt-oss-h100 --accelerator GPU_8xH200"],
+    "doctor": ["ftcli doctor", "ftcli doctor --recipe qwen-b300"],
+    "generate": ['ftcli generate runs/tiny-qwen-cpu -p "What is 2 plus 4?" --greedy',
+                 "ftcli generate runs/tiny-qwen-cpu --input prompts.jsonl --output completions.jsonl"],
+    "chat": ["ftcli chat runs/tiny-qwen-cpu"],
+}
+
+
+def _examples(command: str) -> str:
+    """The `--help` epilog of `command`: its EXAMPLES, one a line (typer keeps the lines of an epilog
+    given as separate paragraphs)."""
+    return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in EXAMPLES[command])
+
+
 RecipeOpt = typer.Option(..., "--recipe", "-r", help="Built-in recipe name or path to a recipe YAML.")
 OptionalRecipeOpt = typer.Option(None, "--recipe", "-r", help="Built-in recipe name or path to a recipe YAML.")
-SetOpt = typer.Option(None, "--set", "-s", help="Override a recipe value: dotted.key=value (repeatable).")
+SetOpt = typer.Option(None, "--set", "-s", help="Override a recipe value: dotted.key=value (repeatable), e.g. "
+                      "data.path=chats.jsonl.")
 ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
 
 
@@ -133,31 +178,37 @@ def main(
 
 
 # ------------------------------------------------------------------------------------------ recipes
-@recipes_app.command("list")
+@recipes_app.command("list", epilog=_examples("recipes list"))
 def recipes_list() -> None:
     """List the built-in recipes."""
+    from rich import box
     from rich.table import Table
 
     from ftcli.config.recipe import builtin_recipe_names
     from ftcli.features import load_recipe
 
-    table = Table()
+    # one line per recipe at 80 columns: the description is `recipes show NAME`'s first line
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=True)
     table.add_column("name", no_wrap=True)
-    table.add_column("method")
-    table.add_column("model", overflow="fold")
-    table.add_column("compute", overflow="fold")
-    table.add_column("description", overflow="fold")  # fold, never cut (tests/test_tables.py)
+    table.add_column("method", no_wrap=True)
+    table.add_column("compute", no_wrap=True)
+    table.add_column("model", overflow="fold")  # fold, never cut (tests/test_tables.py)
     for name in builtin_recipe_names():
         r = load_recipe(name)
-        model = r.model.id or f"random init ({Path(r.model.config or '').name})"
-        compute = f"{r.compute.num_accelerators} GPUs ({r.compute.accelerator_type})" if r.model.init != "random" else "CPU"
-        table.add_row(name, r.training.method, model, compute, r.description)
+        model = r.model.id or f"tiny {r.model.model_type} (random)"
+        card = r.compute.accelerator_type.removeprefix("GPU_")
+        if r.model.init == "random":
+            compute = f"CPU ({r.training.cpu_processes} proc)"
+        else:
+            compute = card if r.compute.num_nodes == 1 else f"{r.compute.num_nodes} x {card}"
+        table.add_row(name, r.training.method, compute, model)
     console.print(table)
+    console.print("ftcli recipes show NAME: what a recipe is for and every value it sets", highlight=False)
 
 
-@recipes_app.command("show")
+@recipes_app.command("show", epilog=_examples("recipes show"))
 def recipes_show(
-    name: str = typer.Argument(..., help="Built-in recipe name or path."),
+    name: str = typer.Argument(..., help="Built-in recipe name or path.", metavar="RECIPE"),
     overrides: Optional[list[str]] = SetOpt,
 ) -> None:
     """Print a recipe, fully resolved (every default shown), as YAML."""
@@ -166,25 +217,27 @@ def recipes_show(
     print(dump_recipe(_load(name, overrides)), end="")
 
 
-@recipes_app.command("cp")
+@recipes_app.command("cp", epilog=_examples("recipes cp"))
 def recipes_cp(
-    name: str = typer.Argument(..., help="Built-in recipe or recipe file to start from."),
-    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist)."),
+    name: str = typer.Argument(..., help="Built-in recipe or recipe file to start from.", metavar="RECIPE"),
+    dest: Path = typer.Argument(..., help="Where to write the new recipe YAML (its folder must exist).",
+                                metavar="DEST"),
     force: bool = ForceOpt,
 ) -> None:
     """Copy a built-in recipe (or a recipe file) to DEST to start a custom one."""
-    from ftcli.config.recipe import recipe_text
+    from ftcli.config.recipe import recipe_text, renamed
 
     if dest.is_dir():
         dest = dest / f"{Path(name).stem}.yaml"
-    text = recipe_text(name)
+    text, old = renamed(recipe_text(name), dest.stem)
     _check_output(dest, force)
     _write(dest, text)
-    console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")
+    named = f" (name: {dest.stem}, was {old}: it trains into runs/{dest.stem})" if old and old != dest.stem else ""
+    console.print(f"wrote {dest}{named}; edit it, then: ftcli train --recipe {dest}", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------- render-workload
-@app.command("render-workload")
+@app.command("render-workload", epilog=_examples("render-workload"))
 def render_workload(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
@@ -222,7 +275,7 @@ def render_workload(
 
 
 # ------------------------------------------------------------------------------------- pack-preview
-@app.command("pack-preview")
+@app.command("pack-preview", epilog=_examples("pack-preview"))
 def pack_preview(
     recipe: str = RecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
@@ -243,7 +296,7 @@ def pack_preview(
 
 
 # -------------------------------------------------------------------------------------------- train
-@app.command("train")
+@app.command("train", epilog=_examples("train"))
 def train(
     recipe: str = RecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
@@ -255,6 +308,10 @@ def train(
 ) -> None:
     """Train: full-parameter SFT (FSDP2) or LoRA (TRL + PEFT), under torchrun.
 
+    Your own data: --set data.path=FILE_OR_FOLDER --set data.format=auto (or messages, sharegpt, alpaca,
+    prompt_completion, text); `ftcli pack-preview` with the same --set shows what trains. No eval:
+    --set eval.enabled=false.
+
     SIGTERM / Ctrl-C: every rank stops at the next step with a checkpoint; exit 143 (SIGTERM) or 130 (SIGINT).
 
     A full-path checkpoint resumes on any number of processes (same ranks x grad_accum: same blocks per step)."""
@@ -265,9 +322,9 @@ def train(
 
 
 # ---------------------------------------------------------------------------------------- merge-lora
-@app.command("merge-lora")
+@app.command("merge-lora", epilog=_examples("merge-lora"))
 def merge_lora(
-    adapter_dir: Path = typer.Argument(..., help="A LoRA adapter dir (a LoRA run's output)."),
+    adapter_dir: Path = typer.Argument(..., help="A LoRA run dir or its adapter dir.", metavar="RUN_OR_ADAPTER"),
     base: Optional[str] = typer.Option(None, "--base", help="Base model id or path (default: from the adapter)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the merged model."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32."),
@@ -285,9 +342,9 @@ def merge_lora(
 
 
 # ------------------------------------------------------------------------------------------ register
-@app.command("register")
+@app.command("register", epilog=_examples("register"))
 def register(
-    model_dir: Path = typer.Argument(..., help="A run dir (with run.json) or a model dir."),
+    model_dir: Path = typer.Argument(..., help="A run dir (with run.json) or a model dir.", metavar="RUN_OR_MODEL"),
     name: str = typer.Option(..., "--name", help="Registered model name (catalog.schema.model for UC)."),
     registry_uri: Optional[str] = typer.Option(None, "--registry-uri", help="e.g. databricks-uc."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI."),
@@ -317,7 +374,7 @@ def register(
 
 
 # ---------------------------------------------------------------------------------------------- plan
-@app.command("plan")
+@app.command("plan", epilog=_examples("plan"))
 def plan(
     recipe: str = RecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
@@ -334,7 +391,7 @@ def plan(
 
 
 # -------------------------------------------------------------------------------------------- doctor
-@app.command("doctor")
+@app.command("doctor", epilog=_examples("doctor"))
 def doctor(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
@@ -414,7 +471,7 @@ def _with_decoding_options(command):
     return run
 
 
-@app.command("generate")
+@app.command("generate", epilog=_examples("generate"))
 @_with_decoding_options
 def generate(
     model: str = ModelArg,
@@ -436,7 +493,7 @@ def generate(
                  batch_size=batch_size, as_json=as_json, **decoding)
 
 
-@app.command("chat")
+@app.command("chat", epilog=_examples("chat"))
 @_with_decoding_options
 def chat(
     model: str = ModelArg,

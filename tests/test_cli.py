@@ -34,8 +34,8 @@ def test_recipes_list_shows_the_four_builtins(monkeypatch):
     res = invoke("recipes", "list")
     assert res.exit_code == 0, res.output
     for name in ("qwen-b300", "gpt-oss-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu"):
-        assert f" {name} " in res.output
-    assert "GPU_8xB300" in res.output and "openai/gpt-oss-20b" in res.output
+        assert f"{name} " in res.output
+    assert "8xB300" in res.output and "openai/gpt-oss-20b" in res.output
 
 
 @pytest.mark.parametrize("name", ["qwen-b300", "gpt-oss-h100", "tiny-qwen-cpu", "tiny-gpt-oss-cpu"])
@@ -50,14 +50,32 @@ def test_recipes_show_loads_back_to_equal_recipe(name, tmp_path):
 
 def test_recipes_cp_refuses_to_overwrite_without_force(tmp_path):
     dest = tmp_path / "mine.yaml"
+    copy = builtin_recipe_text("tiny-qwen-cpu").replace("\nname: tiny-qwen-cpu\n", "\nname: mine\n")
     assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest)).exit_code == 0
-    assert dest.read_text() == builtin_recipe_text("tiny-qwen-cpu")
+    assert dest.read_text() == copy
     dest.write_text("# edited\n")
     res = invoke("recipes", "cp", "tiny-qwen-cpu", str(dest))
     assert res.exit_code == 2 and "--force" in res.output
     assert dest.read_text() == "# edited\n"
     assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest), "--force").exit_code == 0
-    assert dest.read_text() == builtin_recipe_text("tiny-qwen-cpu")
+    assert dest.read_text() == copy
+
+
+def test_recipes_cp_renames_the_copy_so_it_trains_into_its_own_run_dir(tmp_path):
+    """The copy is named after its file (a copy keeping `name: tiny-qwen-cpu` trained into runs/tiny-qwen-cpu,
+    the original's run dir, and was refused); the rest of the text is the original's, byte for byte."""
+    from ftcli.train.launch import run_dir_of
+
+    dest = tmp_path / "my-recipe.yaml"
+    res = invoke("recipes", "cp", "tiny-qwen-cpu", str(dest))
+    assert res.exit_code == 0
+    assert _flat(res.output) == (f"wrote {dest} (name: my-recipe, was tiny-qwen-cpu: it trains into runs/my-recipe); "
+                                 f"edit it, then: ftcli train --recipe {dest}")
+    assert load_recipe(str(dest)) == load_recipe("tiny-qwen-cpu", ["name=my-recipe"])
+    assert run_dir_of(load_recipe(str(dest))).name == "my-recipe"
+    odd = tmp_path / "my recipe.yaml"  # no valid recipe name: the name is kept
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(odd)).exit_code == 0
+    assert odd.read_text() == builtin_recipe_text("tiny-qwen-cpu")
 
 
 def test_recipes_cp_into_a_folder(tmp_path):
@@ -70,11 +88,12 @@ def test_recipes_cp_accepts_a_recipe_file(tmp_path):
     mine.write_text(builtin_recipe_text("tiny-qwen-cpu").replace("  grad_accum: 1\n", "  grad_accum: 7\n"))
     res = invoke("recipes", "cp", str(mine), str(tmp_path / "other.yaml"))
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "other.yaml").read_text() == mine.read_text()
+    assert (tmp_path / "other.yaml").read_text() == mine.read_text().replace("name: tiny-qwen-cpu", "name: other")
     assert load_recipe(str(tmp_path / "other.yaml")).training.grad_accum == 7
     (tmp_path / "copies").mkdir()
     assert invoke("recipes", "cp", str(mine), str(tmp_path / "copies")).exit_code == 0
-    assert (tmp_path / "copies" / "my-recipe.yaml").read_text() == mine.read_text()
+    assert (tmp_path / "copies" / "my-recipe.yaml").read_text() == mine.read_text().replace("name: tiny-qwen-cpu",
+                                                                                          "name: my-recipe")
     broken = tmp_path / "broken.yaml"
     broken.write_text("training: {lr: 1}\n")
     res = invoke("recipes", "cp", str(broken), str(tmp_path / "x.yaml"))
@@ -157,3 +176,31 @@ def test_help_shows_flags_as_flags():
         assert "<str>" in res.output or command in ([], ["recipes"], ["doctor"]), command  # other types still shown
     train = runner.invoke(cli.app, ["train", "--help"], env={"COLUMNS": "120"}).output
     assert any(line.split()[1:3] == ["--force", "Start"] for line in train.splitlines() if "--force" in line)
+
+
+def test_every_command_help_ends_with_examples_and_names_its_arguments_one_way():
+    for command, examples in cli.EXAMPLES.items():
+        res = runner.invoke(cli.app, [*command.split(), "--help"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, command
+        text = _flat(res.output)
+        assert "Examples:" in text and all(e in text for e in examples), command
+        usage = next(line for line in res.output.splitlines() if "Usage:" in line)
+        args = [w.strip("{}[].") for w in usage.split() if w.startswith("{")]
+        assert all(a.isupper() for a in args), (command, usage)  # {RUN_OR_MODEL}, never {model_dir}
+    train = _flat(runner.invoke(cli.app, ["train", "--help"], env={"COLUMNS": "200"}).output)
+    assert "--set data.path=FILE_OR_FOLDER --set data.format=auto" in train and "eval.enabled=false" in train
+    commands = {c.name for c in __import__("typer").main.get_command(cli.app).commands.values()}
+    assert commands - {"recipes"} <= set(cli.EXAMPLES), commands - set(cli.EXAMPLES)
+
+
+def test_a_bare_group_shows_its_help_and_exits_0():
+    for args in ([], ["recipes"]):
+        res = runner.invoke(cli.app, args, env={"COLUMNS": "120"})
+        assert res.exit_code == 0 and "Usage: ftcli" in res.output and "Commands" in res.output, args
+
+
+def test_a_flag_given_a_value_says_that_flags_take_none():
+    res = runner.invoke(cli.app, ["train", "--recipe", "tiny-qwen-cpu", "--force", "true"], env={"COLUMNS": "200"})
+    assert res.exit_code == 2
+    assert ("Got unexpected extra argument(s) (true); a flag such as --force takes no value: write the flag alone "
+            "to turn it on, leave it out for off") in _flat(res.output.replace("│", ""))

@@ -205,3 +205,53 @@ def test_messages_of_a_row_in_each_format():
     assert messages_of({"text": "hi yo"}, "auto") == [{"role": "user", "content": ""},
                                                       {"role": "assistant", "content": "hi yo"}]
     assert messages_of({"question": "q"}, "auto") is None
+
+
+SHAPES = {  # one conversation (U, A) in each chat format
+    "messages": {"messages": [U, A]},
+    "sharegpt": {"conversations": [{"from": "human", "value": U["content"]}, {"from": "gpt", "value": A["content"]}]},
+    "alpaca": {"instruction": U["content"], "input": "", "output": A["content"]},
+    "prompt_completion": {"prompt": U["content"], "completion": A["content"]},
+}
+
+
+def test_auto_reads_each_row_of_a_mixed_file_in_its_own_format(tmp_path):
+    """A file mixing four row shapes keeps every row under auto (it kept 30 of 120 when auto took the most
+    common shape), each trained exactly as the same row of a file of its format alone."""
+    mixed = [SHAPES[f] for f in SHAPES] * 30
+    got, stats = _examples(tmp_path, mixed, name="mixed.jsonl", data__format="auto")
+    assert stats.examples_kept == 120 and stats.skipped == {}
+    (src,) = stats.sources.values()
+    assert (src.format, src.format_why) == ("auto", "auto, per row: the first rows are 8 OpenAI messages, 8 ShareGPT, "
+                                                    "8 Alpaca, 8 prompt/completion; each row is read in its own format")
+    alone = {f: _examples(tmp_path, [row], name=f"{f}.jsonl", data__format=f)[0][0] for f, row in SHAPES.items()}
+    assert got == [alone[f] for f in SHAPES] * 30
+
+
+def test_auto_detects_the_files_of_a_folder_apart(tmp_path):
+    """A folder holding a ShareGPT file and an Alpaca file trains both (the ShareGPT file was dropped whole)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [SHAPES["alpaca"]] * 40)
+    write_jsonl(folder / "b.jsonl", [SHAPES["sharegpt"]] * 40)
+    got, stats = _examples(tmp_path, None, path=folder, data__format="auto")
+    assert stats.examples_kept == 80 and stats.skipped == {}
+    assert stats.sources[str(folder)].format_why == (
+        "auto, per row: the first rows of 2 files are 32 Alpaca, 32 ShareGPT; each row is read in its own format")
+    one, _ = _examples(tmp_path, [SHAPES["messages"]], name="m.jsonl", data__format="messages")
+    assert got == one * 80
+
+
+def test_a_source_losing_most_rows_to_a_missing_field_says_what_its_rows_are(tmp_path):
+    from ftcli.data.checks import source_warnings
+
+    path = write_jsonl(tmp_path / "mixed.jsonl", [SHAPES[f] for f in SHAPES] * 30)
+    r = recipe(tmp_path, data__path=path, data__format="messages")
+    packed = prepare_blocks(r, tokenizer("qwen"))
+    assert packed.stats.examples_kept == 30
+    assert source_warnings(r, packed.stats) == [
+        f"data source '{path}' skips 90 of the 120 rows read for a missing field (messages missing 90, row 1: no "
+        "'messages' field (fields: conversations)) [format messages]; its rows are 30 OpenAI messages, 30 ShareGPT, "
+        "30 Alpaca, 30 prompt/completion: set data.format=auto to read each row in its own format"]
+    auto = recipe(tmp_path, data__path=path, data__format="auto")
+    assert source_warnings(auto, prepare_blocks(auto, tokenizer("qwen")).stats) == []

@@ -281,6 +281,7 @@ def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
     """A ShareGPT or Alpaca row becomes the messages it says before the template sees it: the same ids
     as the messages row, and a mask equal to the oracle's, token for token."""
     from ftcli.data.formats import conversation
+    from ftcli.data.validate import normalize_turns
 
     convert = {"sharegpt": as_sharegpt, "alpaca": as_alpaca}[fmt]
     tok = _tokenizer(name)
@@ -292,7 +293,8 @@ def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
             continue
         said += 1
         conv = conversation(row, fmt)
-        assert conv.messages == messages and conv.tools == tools and conv.first_trained == 0, case
+        # as the messages row reads (tool-call arguments given as JSON text parsed, in both)
+        assert conv.messages == normalize_turns(messages) and conv.tools == tools and conv.first_trained == 0, case
         try:
             ids, mask = enc.encode(conv.messages, tools=conv.tools)
         except Exception:  # noqa: BLE001 - the template's own raise_exception, as for the messages rows
@@ -354,3 +356,21 @@ def test_each_family_trains_its_templates_own_end_of_turn_token(name, end):
             assert ids[k] == end_id and tok.decode(ids[k + 1 : last + 1]).strip() == ""
             turns += 1
     assert turns >= 12
+
+
+def test_qwen_reply_trains_the_close_of_its_empty_think_block_because_generation_writes_it():
+    """The shipped Qwen3.8 template renders `<think>\\n\\n</think>\\n\\n` before an answer without reasoning,
+    and its generation prompt ends at `<think>\\n`: the rest of the empty block is what the model must generate
+    before answering, so it is trained (pack-preview shows it green), and the prompt's prefill is not. The
+    trained text is exactly what follows the generation prompt in the full render (docs/data.md)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer-qwen"))
+    ask, answer = [{"role": "user", "content": "Hi"}], {"role": "assistant", "content": "Hello"}
+    ids, mask = ChatEncoder(tok).encode([*ask, answer])
+    ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
+    prompt = tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template([*ask, answer], tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and full.startswith(prompt)
+    assert tok.decode(ids[mask].tolist()) == full[len(prompt):] == "\n</think>\n\nHello<|im_end|>\n"
+    assert tok.decode(ids[~mask].tolist()) == prompt

@@ -274,9 +274,8 @@ def test_cli_input_file_bad_rows_are_counted_and_the_rest_written(model_dirs, tm
     assert "Traceback" not in res.output
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert " ".join(" ".join(errors).split()) == (
-        f"error: {src}: 4 of 6 rows skipped (line 2: not valid JSON; line 3: 'messages' is not a non-empty list; "
-        "line 6: a list, not an object; line 7: the chat template refused this conversation: System message must "
-        "be at the beginning.)")
+        f"error: {src}: 4 of 6 rows skipped (line 2: not valid JSON; line 3: messages not a list (got str); "
+        "line 6: a list, not an object; line 7: system not first (system message at position 1))")
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert [w["line"] for w in written] == [1, 5]
     assert written[1]["messages"] == PROMPTS[2] and written[1]["reference"] == "Hello!"
@@ -675,3 +674,55 @@ def test_generate_input_rows_carry_parsed_tool_calls():
     assert parse_tool_calls(hermes) == ([{"name": "get_weather", "arguments": {"city": "Paris"}}], "")
     plain = generate.Completion(text="Hi.", reasoning=None, raw="\n</think>\n\nHi.")
     assert generate.reply_fields(tok, ASK, plain) == {"completion": "Hi.", "reasoning": None}
+
+
+def test_generate_input_reads_every_row_train_reads(model_dirs, tmp_path):
+    """OpenAI wire-format tool calls (arguments a JSON string), ShareGPT, Alpaca and prompt/completion rows:
+    generate reads each as training does (ftcli.data.formats.row_messages), and a call whose arguments are not
+    JSON is one reason naming the row and the field, never a traceback."""
+    wire = {**CALL, "function": {**CALL["function"], "arguments": '{"city": "Paris", "days": 3}'}}
+    tool_turns = [*ASK, {"role": "assistant", "content": "", "tool_calls": [wire]},
+                  {"role": "tool", "content": "21 C"}]
+    broken = {**CALL, "function": {**CALL["function"], "arguments": "{city: Paris"}}
+    rows = [
+        {"messages": tool_turns},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+        {"instruction": "Name the capital.", "input": "Kenya", "output": "Nairobi."},
+        {"prompt": "What is 2 plus 4?", "completion": "6"},
+        {"messages": [*ASK, {"role": "assistant", "content": "", "tool_calls": [broken]}, {"role": "tool", "content": "x"}]},
+    ]
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out),
+                                  "--greedy", "--max-new-tokens", "3"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert " ".join(res.output.split()).endswith(
+        f"error: {src}: 1 of 5 rows skipped (line 5: invalid tool call (message 1 tool_calls[0].function.arguments "
+        "is a string that is not JSON))")
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [w["line"] for w in written] == [1, 2, 3, 4]
+    assert written[0]["messages"] == tool_turns  # the row as its file wrote it
+    assert [w.get("reference") for w in written] == [None, "Hello!", "Nairobi.", "6"]
+    parsed = [*ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "21 C"}]
+    expected = generate.generate(_load(model_dirs["qwen"]), [
+        parsed, [{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Name the capital.\nKenya"}],
+        [{"role": "user", "content": "What is 2 plus 4?"}]], Sampling(max_new_tokens=3, greedy=True))
+    assert [w["completion"] for w in written] == [c.text for c in expected]
+
+
+def test_gpu_kernel_caches_persist_under_ftcli_cache_unless_the_user_set_them(tmp_path, monkeypatch):
+    """A GPU process keeps its compiled kernels and autotune results in <ftcli cache>/kernels (FTCLI_CACHE),
+    where the next process finds them; a cache dir the user set is left as it is."""
+    from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+    monkeypatch.setenv("FTCLI_CACHE", str(tmp_path / "c"))
+    env = {"TRITON_CACHE_DIR": "/mine/triton"}
+    root, warm = persistent_caches(env)
+    assert (root, warm) == (tmp_path / "c" / "kernels", False)
+    assert env == {"TRITON_CACHE_DIR": "/mine/triton", "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+                   "TILELANG_CACHE_DIR": str(root / "tilelang"), "FLA_CACHE_RESULTS": "1"}
+    assert "compiles and autotunes" in compile_notice(root, warm) and "paid once" in compile_notice(root, warm)
+    (root / "inductor").mkdir(parents=True)
+    (root / "inductor" / "kernel.so").write_bytes(b"x")
+    assert persistent_caches({})[1] is True
+    assert compile_notice(root, True).startswith(f"GPU kernels: reusing the compiled kernels and autotune results in {root}")

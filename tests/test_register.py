@@ -811,3 +811,29 @@ def test_register_reaches_no_private_mlflow_state():
                 if isinstance(root, ast.Name) and root.id == "mlflow":
                     found.append(f"{module}: mlflow...{node.attr}")
     assert found == []
+
+
+def test_mlflow_model_card_and_license_warnings_are_dropped_only_while_logging():
+    """A local model has no Hub card or license to fetch: MLflow's two warnings about it are dropped on its own
+    logger while register logs the model, and nothing else is."""
+    import logging
+
+    from ftcli.artifacts.mlflow_model import _quiet_card_lookup
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger, keep = logging.getLogger("mlflow.transformers"), Keep()
+    logger.addHandler(keep)
+    try:
+        with _quiet_card_lookup():
+            logger.warning("The model card could not be retrieved from the hub due to 404")
+            logger.warning("Unable to find license information for this model. Please verify ...")
+            logger.warning("something else")
+        logger.warning("Unable to find license information after the block")
+    finally:
+        logger.removeHandler(keep)
+    assert seen == ["something else", "Unable to find license information after the block"]

@@ -11,7 +11,7 @@ import pytest
 from _data_common import write_jsonl
 
 WIDTHS = (80, 200)
-RECIPES_LIST = ("name", "method", "model", "compute", "description")
+RECIPES_LIST = ("name", "method", "compute", "model")
 DOCTOR = ("package", "version", "model_type", "op", "backend", "why", "check", "status", "detail")
 PLAN = ("accelerator", "GPUs", "nodes", "params", "grads", "optim", "activ", "loss", "other", "total", "limit", "fits",
         "keep", "s/step", "wall", "GPU-h", "from")
@@ -36,6 +36,18 @@ def _ftcli(args: list[str], width: int) -> str:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_recipes_list_headers_whole(width):
     _assert_whole(_ftcli(["recipes", "list"], width), RECIPES_LIST, width)
+
+
+def test_recipes_list_is_one_line_per_recipe_at_80_columns():
+    """138 lines with words split mid-word before: now a row per recipe, every model id whole."""
+    from ftcli.config.recipe import builtin_recipe_names, load_recipe
+
+    lines = _ftcli(["recipes", "list"], 80).splitlines()
+    names = builtin_recipe_names()
+    assert len(lines) == len(names) + 3 and all(len(line) <= 80 for line in lines)  # header, rule, rows, the hint
+    for name, line in zip(names, lines[2:]):
+        r = load_recipe(name)
+        assert line.split()[:2] == [name, r.training.method] and (r.model.id or r.model.model_type) in line
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -9,6 +9,7 @@ of one rank and --resume (the uninterrupted run's weights) is one of the stops i
 from __future__ import annotations
 
 import json
+import re
 import math
 import time
 from pathlib import Path
@@ -193,7 +194,8 @@ def reference_run(tmp_path_factory, env):
     res = ftcli(train_args(run_dir, f"training.max_steps={STEPS}", "training.log_every=1",
                            "training.checkpoint.every_steps=2"), cwd, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return {"cwd": cwd, "run_dir": run_dir, "stdout": res.stdout, "seconds": time.perf_counter() - t0}
+    return {"cwd": cwd, "run_dir": run_dir, "stdout": res.stdout, "stderr": res.stderr,
+            "seconds": time.perf_counter() - t0}
 
 
 def test_train_end_to_end_loss_falls_and_hf_checkpoint_reloads(reference_run):
@@ -227,6 +229,38 @@ def test_train_end_to_end_loss_falls_and_hf_checkpoint_reloads(reference_run):
     assert run.data.params["training.optimizer.lr"] == "0.003" and run.data.params["name"] == "tiny-qwen-cpu"
     assert [m.step for m in client.get_metric_history(info["run_id"], "loss")] == list(range(1, STEPS + 1))
     assert {"run.json", "recipe.yaml"} <= {a.path for a in client.list_artifacts(info["run_id"])}
+
+
+def test_readme_quickstart_generates_from_the_run_it_trains(reference_run, monkeypatch):
+    """The README's second quickstart command, as written, on the run its first command trains (here under
+    the suite's 8 steps): a streamed reply and the tokens/s line, exit 0 (tests/test_docs.py pins the text)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from ftcli import cli
+    from test_docs import QUICKSTART_GENERATE
+
+    (reference_run["cwd"] / "runs").mkdir(exist_ok=True)
+    link = reference_run["cwd"] / "runs" / "tiny-qwen-cpu"
+    if not link.exists():
+        link.symlink_to(reference_run["run_dir"], target_is_directory=True)
+    monkeypatch.chdir(reference_run["cwd"])
+    res = CliRunner().invoke(cli.app, shlex.split(QUICKSTART_GENERATE)[1:])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"\b\d+ tokens in [\d.]+ s \([\d.]+ tokens/s", res.output), res.output
+    assert "Loading weights" not in res.output and "%|" not in res.output  # no library progress bars
+
+
+def test_a_cpu_run_says_its_setup_once_without_library_noise(reference_run):
+    """transformers' per-kernel fallback advice (once per rank, inside the progress line) and its progress bars
+    are replaced by ftcli's one CPU line, said once; the launcher counts its processes in words."""
+    from ftcli.model.fallbacks import FALLBACK_MESSAGE
+
+    out = reference_run["stdout"] + reference_run["stderr"]
+    assert FALLBACK_MESSAGE not in out and "Writing model shards" not in out and "%|" not in out
+    assert out.count("CPU: the fast kernels (flash-linear-attention, causal-conv1d) are GPU-only") == 1
+    assert "on 1 x 2 CPU processes, run dir" in out and "(s)" not in out
 
 
 def test_loss_same_for_1_and_2_ranks(reference_run, tmp_path, env):

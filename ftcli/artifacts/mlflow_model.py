@@ -29,6 +29,7 @@ import contextlib
 import fnmatch
 import importlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -285,7 +286,7 @@ def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: d
     import mlflow
     from mlflow.models import Model
 
-    with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision):
+    with _active_run(tracking_uri, run), _mlflow_compat(pinned_revision), _quiet_card_lookup():
         return Model.log(
             artifact_path=None, flavor=mlflow.transformers, transformers_model=transformers_model, torch_dtype=torch_dtype,
             name="model", task="llm/v1/chat", run_id=run.info.run_id,
@@ -318,6 +319,27 @@ def _active_run(tracking_uri: str, run) -> Iterator[None]:
         mlflow.set_tracking_uri(previous_uri)
         if run_id_env is not None:
             os.environ["MLFLOW_RUN_ID"] = run_id_env
+
+
+# MLflow's warnings when the model has no Hub repo to read a card or a license from (a local run's model):
+# nothing for the user to do; register lists what it logged.
+NO_HUB_CARD = ("The model card could not be retrieved from the hub", "Unable to find license information")
+
+
+class _DropNoHubCard(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(NO_HUB_CARD)
+
+
+@contextlib.contextmanager
+def _quiet_card_lookup() -> Iterator[None]:
+    """MLflow's model-card and license warnings dropped on its own logger (its public logging), for the block."""
+    logger, drop = logging.getLogger("mlflow.transformers"), _DropNoHubCard()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager

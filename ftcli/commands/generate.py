@@ -37,21 +37,20 @@ from ftcli.inference import (
 )
 from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, messages_problem, text_problem
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 # -------------------------------------------------------------------------------- prompt files
 @dataclass
 class PromptRow:
     line: int
-    messages: list[dict]
+    messages: list[dict]  # the turns to answer, normalized as training reads them (what the template renders)
     reference: str | None = None  # a trailing assistant turn of the row: the answer to compare with
+    echo: list[dict] | None = None  # the row's own messages as written (the output row repeats them), else None
 
 
 def read_prompt_file(path: Path) -> tuple[list[PromptRow], list[tuple[int, str]]]:
-    """A JSONL file of conversations -> (rows, bad rows as (line number, reason)). A row is
-    {"messages": [...]} (a trailing assistant message becomes `reference`) or {"prompt": "...",
-    "system": "..."}; blank lines are skipped."""
+    """A JSONL file of conversations -> (rows, bad rows as (line number, reason)). A row is any row
+    `ftcli train` reads (`ftcli.data.formats.row_messages`: messages, ShareGPT, Alpaca, prompt/completion;
+    a trailing assistant turn becomes `reference`) or {"prompt": "...", "system": "..."}; blank lines are
+    skipped."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
@@ -72,25 +71,14 @@ def read_prompt_file(path: Path) -> tuple[list[PromptRow], list[tuple[int, str]]
 
 
 def _prompt_row(number: int, row: Any) -> PromptRow:
+    from ftcli.data.formats import row_messages
+    from ftcli.data.validate import BadRow
+
     if not isinstance(row, dict):
         raise ValueError(f"a {type(row).__name__}, not an object")
-    if "messages" in row:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' is not a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i} is not {{'role': one of {'/'.join(ROLES)}, 'content': a string}}")
-        problem = messages_problem(messages)
-        if problem:
-            raise ValueError(problem)
-        reference = None
-        if messages[-1]["role"] == "assistant":
-            reference, messages = messages[-1]["content"], messages[:-1]
-        if not messages or messages[-1]["role"] not in ("user", "tool"):
-            raise ValueError("no user turn to answer")
-        return PromptRow(number, messages, reference)
-    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+    if isinstance(row.get("prompt"), str) and "completion" not in row:
+        if not row["prompt"].strip():
+            raise ValueError("'prompt' is empty")
         system = row.get("system")
         if system is not None and not isinstance(system, str):
             raise ValueError("'system' is not a string")
@@ -98,7 +86,22 @@ def _prompt_row(number: int, row: Any) -> PromptRow:
         if problem:
             raise ValueError(f"'prompt' or 'system' is {problem}")
         return PromptRow(number, conversation(row["prompt"], system))
-    raise ValueError("no 'messages' list or 'prompt' string")
+    try:
+        messages = row_messages(row)
+    except BadRow as e:
+        raise ValueError(f"{e.reason} ({e.detail})" if e.detail else e.reason) from None
+    problem = messages_problem(messages)
+    if problem:
+        raise ValueError(problem)
+    own = row.get("messages") if isinstance(row.get("messages"), list) else None
+    reference = None
+    if messages[-1]["role"] == "assistant":
+        last, messages = messages[-1], messages[:-1]
+        reference = last.get("content") if isinstance(last.get("content"), str) and not last.get("tool_calls") else None
+        own = own[:-1] if own else own
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise ValueError("no user turn to answer")
+    return PromptRow(number, messages, reference, own if own and len(own) == len(messages) else None)
 
 
 def _bad_rows_summary(path: Path, bad: list[tuple[int, str]], total: int, shown: int = 5) -> str:
@@ -149,7 +152,8 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         raise UserError(refused[0][1])
     bad = sorted(bad + refused)
     completions = _batched(loaded, rows, sampling, kwargs, batch_size, err)
-    lines = [json.dumps({"line": r.line, "messages": r.messages, **reply_fields(loaded.tokenizer, r.messages, c, kwargs),
+    lines = [json.dumps({"line": r.line, "messages": r.echo or r.messages,
+                         **reply_fields(loaded.tokenizer, r.messages, c, kwargs, like=r.echo),
                          **({"reference": r.reference} if r.reference is not None else {}),
                          "finish_reason": c.finish_reason, "new_tokens": len(c.token_ids)}, ensure_ascii=False)
              for r, c in zip(rows, completions)]

@@ -11,7 +11,9 @@ def run_merge(adapter_dir: Path, *, base: str | None, output: Path | None, dtype
     from rich.console import Console
 
     from ftcli.artifacts.merge import merge
+    from ftcli.model.fallbacks import quiet_library_output
 
+    quiet_library_output(None, "cpu")  # no progress bars or PEFT's FutureWarning around the one summary line
     out, report = merge(adapter_dir, base=base, output=output, dtype=dtype, recipe=recipe, force=force, fmt=fmt)
     Console(stderr=True).print(
         f"merged {report['adapter']} into {report['base']} -> {out}  "

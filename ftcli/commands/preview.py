@@ -72,7 +72,9 @@ def run_preview(
     table = data_summary(recipe, packed)
     from ftcli.data.evalsplit import eval_specs
 
-    evals = {label: data_summary(r, data.prepare_blocks(r, tokenizer)) for label, r in eval_specs(recipe).items()}
+    specs = eval_specs(recipe)
+    eval_packed = {label: data.prepare_blocks(r, tokenizer) for label, r in specs.items()}
+    evals = {label: data_summary(specs[label], p) for label, p in eval_packed.items()}
     summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
     if evals:
         summary["eval"] = {label: s.to_dict() for label, s in evals.items()}
@@ -83,9 +85,12 @@ def run_preview(
                 f.write(json.dumps(block_to_json(block)) + "\n")
         stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)
 
-    from ftcli.data.checks import source_problems
+    from ftcli.data.checks import source_problems, source_warnings
+    from ftcli.data.evalsplit import eval_problem
 
     problems = source_problems(recipe, packed.stats)  # what `train` refuses (data.allow_empty_sources)
+    problems += source_warnings(recipe, packed.stats)  # and warns about: most rows skipped for a missing field
+    problems += [p for p in [eval_problem(recipe, eval_packed)] if p]  # and an empty eval split
     if as_json:
         _warn(err, problems)
         print(json.dumps(summary, indent=1))

@@ -365,9 +365,11 @@ class EvalConfig(_Section):
     """A held-out loss: a share of the training rows (`holdout`) or separate data (`path` / `sources`),
     encoded, masked and packed by the training data path. Every source gets its own loss (ftcli.train.evaluate)."""
 
+    enabled: bool = Field(True, description="false turns eval off (the section is kept for later runs); "
+                          "`--set eval.enabled=false` on the command line.")
     holdout: float | None = Field(
-        None, gt=0, description="Training rows held out for eval: a share (<1, e.g. 0.02) or a row count per "
-        "source (>=1), picked by a hash of the row and holdout_seed; training never sees them.")
+        None, ge=0, description="Training rows held out for eval: a share (<1, e.g. 0.02) or a row count per "
+        "source (>=1), picked by a hash of the row and holdout_seed; training never sees them. 0: none.")
     holdout_seed: int = 0
     source: SourceKind = "local"
     path: str | None = Field(None, description="Separate eval data (same forms as data.path).")
@@ -390,6 +392,11 @@ class EvalConfig(_Section):
     samples_every: int = Field(1, ge=1, description="Generate the samples every N evals (and at the end).")
     samples_every_steps: int | None = Field(None, ge=1, description="Generate the samples every N steps instead.")
     samples_max_new_tokens: int = Field(32, ge=1)
+
+    @field_validator("holdout")
+    @classmethod
+    def _no_holdout(cls, v: float | None) -> float | None:
+        return None if v == 0 else v  # hold out nothing: no eval data from the training rows
 
     @model_validator(mode="after")
     def _one_source(self) -> EvalConfig:
@@ -778,6 +785,12 @@ class Recipe(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
 
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_off(cls, v: Any) -> Any:
+        """`eval.enabled: false` is no eval at all, as `eval: null` is."""
+        return None if isinstance(v, dict) and v.get("enabled") is False else v
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -963,6 +976,18 @@ def recipe_text(name_or_path: str) -> str:
         load_recipe(path)  # a broken recipe is refused here, not copied
         return read_text_file(path, "recipe")
     return builtin_recipe_text(str(name_or_path))  # "no recipe file or built-in recipe named ..."
+
+
+def renamed(text: str, name: str) -> tuple[str, str | None]:
+    """A recipe's YAML text with its top-level `name:` set to `name` (the run dir is `runs/<name>`: a copy
+    that kept the original's name would train into the original's run dir), and the old name; the text
+    unchanged and None when `name` is no valid recipe name or the text has no top-level `name:` line."""
+    line = re.compile(r"^name:[ \t]*(?P<old>[^#\n]*?)[ \t]*(?P<comment>#.*)?$", re.M)
+    found = line.search(text)
+    if not NAME_RE.fullmatch(name) or found is None:
+        return text, None
+    comment = f"  {found['comment']}" if found["comment"] else ""
+    return text[:found.start()] + f"name: {name}{comment}" + text[found.end():], found["old"].strip("'\"")
 
 
 def _unknown_recipe_message(name: str) -> str:

@@ -50,12 +50,18 @@ _ARRAYS = {
 }
 
 
+def default_cache_root() -> Path:
+    """ftcli's cache on this machine: $FTCLI_CACHE, else ~/.cache/ftcli (packed data, compiled kernels)."""
+    return Path(os.environ.get("FTCLI_CACHE") or "~/.cache/ftcli").expanduser()
+
+
 def cache_root(data) -> Path:
     """data.cache_dir, else $FTCLI_CACHE, else ~/.cache/ftcli."""
-    root = data.cache_dir or os.environ.get("FTCLI_CACHE") or "~/.cache/ftcli"
+    if not data.cache_dir:
+        return default_cache_root()
     from ftcli.config.recipe import resolve_path
 
-    return Path(resolve_path(root)).expanduser()
+    return Path(resolve_path(data.cache_dir)).expanduser()
 
 
 def cache_key(parts: dict[str, Any]) -> str:

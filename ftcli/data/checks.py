@@ -40,8 +40,7 @@ def _hint(src, key: str) -> str:
     except UserError:
         return ""
     if not found.matched:
-        return (f"no row matches a known format ({', '.join(formats.FORMATS[1:])}); see README "
-                "'Bring your own data'")
+        return (f"no row matches a known format ({', '.join(formats.FORMATS[1:])}); see docs/data.md")
     fix = []
     if src.format not in ("auto", found.format):
         fix.append(f"{key}.format={found.format}")
@@ -70,10 +69,55 @@ def source_problems(recipe, stats: DataStats) -> list[str]:
     return [p for p in found if p]
 
 
+def _missing(st: DataStats) -> int:
+    return sum(n for reason, n in st.skipped.items() if reason.endswith(" missing"))
+
+
+def _look_like(src) -> str:
+    """What the first QUICK_ROWS rows of a source look like, by format ('' when one format or none)."""
+    try:
+        found = [formats.detect(rows, src.messages_field, QUICK_ROWS) for rows in sources.sample_rows(src, QUICK_ROWS)]
+    except UserError:
+        return ""
+    seen: dict[str, int] = {}
+    for f in found:
+        for fmt, n in f.seen:
+            seen[fmt] = seen.get(fmt, 0) + n
+    return formats.shapes(seen.items()) if len(seen) > 1 else ""
+
+
+def source_warnings(recipe, stats: DataStats) -> list[str]:
+    """One line per source that keeps rows but skips most of those it read for a missing field: rows of
+    another format than the source's (a mixed file, a folder of files in different formats), with the
+    formats its rows are in and the fix."""
+    data, out = recipe.data, []
+    for k, src in enumerate(data.source_list()):
+        st = stats.sources.get(src.label)
+        if st is None or src.source == "synthetic" or _source_problem_shown(data, src, st):
+            continue
+        missing = _missing(st)
+        if 2 * missing <= st.examples_read:
+            continue
+        key = "data" if data.one_source else f"data.sources[{k}]"
+        looks = _look_like(src)
+        fix = (f"; its rows are {looks}: set {key}.format=auto to read each row in its own format"
+               if looks and src.format != "auto" else "")
+        out.append(f"data source {src.label!r} skips {missing} of the {st.examples_read} rows read for a missing "
+                   f"field ({_reasons(st)}) [format {st.format}]{fix}")
+    return out
+
+
+def _source_problem_shown(data, src, st: DataStats) -> bool:
+    """The source is refused (or warned about) by `source_problems` already."""
+    return not (st.examples_kept and st.examples_kept >= MIN_KEPT_FRACTION * st.examples_read)
+
+
 def _refuse(recipe, problems: list[str]) -> None:
     if problems and not recipe.data.allow_empty_sources:
         more = f" (and {len(problems) - 1} more source(s))" if len(problems) > 1 else ""
-        raise UserError(f"{problems[0]}{more}; data.allow_empty_sources=true trains without it")
+        # training without it is a way out only where other sources are left to train on
+        others = len(recipe.data.source_list()) > len(problems)
+        raise UserError(f"{problems[0]}{more}" + ("; data.allow_empty_sources=true trains without it" if others else ""))
 
 
 def quick_check(recipe) -> None:

@@ -8,8 +8,8 @@ that a weight repeats is held out in every copy; two identical rows land on the 
 
     u(row) = blake2b(seed, canonical JSON of the row) as a uniform [0, 1)
     holdout < 1 (a share):       the row is held out when u(row) < share
-    holdout >= 1 (a row count):  per source, the `holdout` rows of smallest u (one extra pass over the
-                                 rows read; use a share for very large data)
+    holdout >= 1 (a row count):  per source, the `holdout` rows of smallest u and every copy of them
+                                 (one extra pass over the rows read; use a share for very large data)
 
 Training keeps the rows that are not held out, the eval split the rows that are; a row that cannot be
 parsed stays with training (where it is counted as bad, once).
@@ -46,11 +46,14 @@ def split_rows(rule: Holdout | None, rows: Rows) -> Rows:
     else:
         units = sorted(row_unit(r, rule.seed) for _, r in rows() if not isinstance(r, InvalidRow))
         count = int(rule.share)
-        threshold = units[count] if count < len(units) else 2.0
+        # the `count` smallest units and every copy of them: identical rows share a unit and a side, so data
+        # whose rows repeat holds out at least `count` rows, never none
+        threshold = units[count - 1] if count <= len(units) else 2.0
 
     def kept() -> Iterator[tuple[int, Any]]:
         for index, row in rows():
-            held = not isinstance(row, InvalidRow) and row_unit(row, rule.seed) < threshold
+            unit = None if isinstance(row, InvalidRow) else row_unit(row, rule.seed)
+            held = unit is not None and (unit <= threshold if rule.share >= 1 else unit < threshold)
             if held == (rule.keep == "eval"):
                 yield index, row
 
@@ -85,3 +88,27 @@ def eval_specs(recipe) -> dict[str, DataSpec]:
         one = data.model_copy(update={"sources": [src], "packing": packing, "max_examples": ev.max_examples})
         out[src.label] = DataSpec(recipe.name, one)
     return out
+
+
+def eval_problem(recipe, packed: dict) -> str | None:
+    """Why the eval split `packed` (source label -> PackedDataset of `eval_specs`) cannot give a loss, with the
+    way out, or None. Checked before launch (the launcher) and shown by pack-preview: a held-out share of a
+    small dataset can be no row at all."""
+    if not packed or sum(int(p.block_trained.sum()) for p in packed.values()):
+        return None
+    ev = recipe.eval
+    off = "or train without eval: --set eval.enabled=false"
+    if ev.holdout is not None:
+        rows = sum(p.stats.examples_read for p in packed.values())
+        what = f"{ev.holdout:g} of the rows" if ev.holdout < 1 else f"{int(ev.holdout)} rows per source"
+        return (f"the eval split is empty: eval.holdout={ev.holdout:g} ({what}) holds out {rows} row(s) with "
+                f"no trained token; hold out a row count instead (--set eval.holdout=10), {off}")
+    return f"the eval data ({', '.join(packed)}) has no trained token; check eval.path / eval.sources, {off}"
+
+
+def check_eval(recipe, packed: dict) -> dict:
+    """`packed` when the eval split has a trained token (or there is no eval data), else UserError."""
+    problem = eval_problem(recipe, packed)
+    if problem:
+        raise UserError(problem)
+    return packed

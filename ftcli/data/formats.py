@@ -17,8 +17,10 @@ each format):
                        (input left out when empty), assistant = output (LLaMA-Factory's Alpaca)
     prompt_completion  {"prompt": ..., "completion": ...}: strings (plain text, no template) or message lists
     text               {"text": ...}: plain text, every token trained (continued pretraining), no template
-    auto               the format of the first `DETECT_ROWS` rows (the most common of them), said on screen
-                       with the reason (`pack-preview`, the train log, run.json)
+    auto               the format of the first `DETECT_ROWS` rows of each file (the most common of them), said
+                       on screen with the reason (`pack-preview`, the train log, run.json); where those rows
+                       are of several formats (a mixed file, a folder of files in different formats), every
+                       row is read in its own format
 
 Pure data code: no torch.distributed, MLflow or CLI imports.
 """
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ftcli.data import sources
-from ftcli.data.validate import BadRow, Conversation, _tools, check_messages
+from ftcli.data.validate import BadRow, Conversation, _tools, check_messages, normalize_turns
 from ftcli.data.validate import conversation as messages_conversation
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -53,10 +55,11 @@ SHAREGPT_ROLES = {
 class Detected:
     """What `auto` chose for a source: the format, the field holding its turns, and why."""
 
-    format: str
+    format: str  # "auto" when the rows disagree: each row is then read in its own format
     messages_field: str | None
     why: str
     matched: int = 0  # rows of that format among those looked at (0: none matched any format)
+    seen: tuple[tuple[str, int], ...] = ()  # (format, rows) of every format among those looked at
 
 
 # --------------------------------------------------------------------------------------- one row
@@ -190,7 +193,7 @@ def conversation(row: Any, fmt: str, messages_field: str | None = "messages",
             raise BadRow("content not a string", f"'text' is {type(text).__name__}")
         if not text.strip():
             raise BadRow("empty text")
-        return Conversation(prompt="", completion=text)
+        return Conversation(prompt="", completion=text, plain=True)
     if fmt == "sharegpt":
         messages = sharegpt_messages(row, messages_field)
     elif fmt == "alpaca":
@@ -203,16 +206,45 @@ def conversation(row: Any, fmt: str, messages_field: str | None = "messages",
     return conv
 
 
+def row_messages(row: Any, messages_field: str | None = "messages") -> list[dict]:
+    """Every turn a row holds, whatever its format (told by its shape, `row_format`), normalized as training
+    reads them (`validate.normalize_turns`: tool-call arguments parsed, text parts joined), nothing
+    dropped: what `generate --input` reads. A prompt/completion row's completion and an Alpaca row's
+    output are its last (assistant) turn. BadRow for a row of no known shape."""
+    if not isinstance(row, dict):
+        raise BadRow("row not an object", f"got {type(row).__name__}")
+    found = row_format(row, messages_field)
+    if found is None and messages_field in row:  # a messages field of the wrong shape: say what is wrong with it
+        return normalize_turns(row[messages_field])
+    if found is None or found[0] == "text":
+        raise BadRow("unknown format", f"fields {', '.join(map(str, row)) or 'none'} match no chat format "
+                                       f"(messages, sharegpt, alpaca, prompt_completion)")
+    fmt, field = found[0], found[1]
+    if fmt == "messages":
+        return normalize_turns(row[field])
+    if fmt == "sharegpt":
+        return normalize_turns(sharegpt_messages(row, field))
+    if fmt == "alpaca":
+        return normalize_turns(alpaca_messages(row))
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return normalize_turns(prompt + completion)
+    raise BadRow("prompt/completion types differ", f"prompt is {type(prompt).__name__}, completion is "
+                                                   f"{type(completion).__name__} (both str or both lists)")
+
+
 # ------------------------------------------------------------------------------------------ a source
-def detect(rows: Iterable[Any], messages_field: str | None = "messages") -> Detected:
-    """The format of most of the first DETECT_ROWS rows (the first one seen wins a tie), and why. Rows of
+def detect(rows: Iterable[Any], messages_field: str | None = "messages", limit: int = DETECT_ROWS) -> Detected:
+    """The format of most of the first `limit` rows (the first one seen wins a tie), and why. Rows of
     no known shape leave `messages`, whose skip reasons then name the fields the rows have."""
     seen: Counter = Counter()
     first: dict[tuple, str] = {}
     looked = 0
     fields: list[str] = []
     for row in rows:
-        if looked >= DETECT_ROWS:
+        if looked >= limit:
             break
         looked += 1
         found = row_format(row, messages_field)
@@ -227,18 +259,38 @@ def detect(rows: Iterable[Any], messages_field: str | None = "messages") -> Dete
         return Detected("messages", messages_field, f"auto: none of the first {looked} rows matches a format "
                                                     f"({what}); read as messages")
     best = max(seen, key=lambda k: (seen[k], -list(first).index(k)))
+    by_format: Counter = Counter()
+    for (fmt, _), n in seen.items():
+        by_format[fmt] += n
     return Detected(best[0], best[1] or messages_field,
-                    f"auto: {seen[best]} of the first {looked} rows have {first[best]}", seen[best])
+                    f"auto: {seen[best]} of the first {looked} rows have {first[best]}", seen[best],
+                    tuple(by_format.items()))
+
+
+def shapes(seen: Iterable[tuple[str, int]]) -> str:
+    """`(format, rows)` pairs as `30 OpenAI messages, 30 ShareGPT` (most first)."""
+    return ", ".join(f"{n} {NAMES[fmt]}" for fmt, n in sorted(seen, key=lambda kv: -kv[1]))
 
 
 def resolve(src) -> tuple[Any, Detected | None]:
     """A source (`SourceConfig`) with `format: auto` replaced by the detected format and its field, and what
-    was detected (None when the recipe named the format, or for synthetic data)."""
+    was detected (None when the recipe named the format, or for synthetic data). The first DETECT_ROWS rows
+    of each file are looked at (a folder's files apart); where they are of more than one format, the source
+    stays `auto` and every row is read in its own format (`conversation(row, "auto")`), said in `why`."""
     if src.source == "synthetic" or src.format != "auto":
         return src, None
-    rows, _ = sources.open_rows(src, limit=DETECT_ROWS)
-    found = detect((row for _, row in rows if not isinstance(row, sources.InvalidRow)), src.messages_field)
-    return src.model_copy(update={"format": found.format, "messages_field": found.messages_field}), found
+    found = [detect(rows, src.messages_field) for rows in sources.sample_rows(src, DETECT_ROWS)]
+    total: Counter = Counter()
+    for f in found:
+        total.update(dict(f.seen))
+    if len(total) > 1:
+        files = f" of {len(found)} files" if len(found) > 1 else ""
+        mixed = Detected("auto", src.messages_field, f"auto, per row: the first rows{files} are "
+                         f"{shapes(total.items())}; each row is read in its own format", sum(total.values()),
+                         tuple(total.items()))
+        return src.model_copy(update={"format": "auto"}), mixed
+    best = next((f for f in found if f.matched), found[0])
+    return src.model_copy(update={"format": best.format, "messages_field": best.messages_field}), best
 
 
 def messages_of(row: Any, fmt: str, messages_field: str | None = "messages") -> list[dict] | None:

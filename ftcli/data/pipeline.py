@@ -254,7 +254,7 @@ class RowEncoder:
                 raise BadRow(TOO_LONG, f"{row_chars(conv):,} characters > data.max_row_chars {self.max_row_chars:,}")
             if conv.messages is None:
                 # plain text: a `text` row (continued pretraining: no template), or no template to ask in
-                if src.format == "text" or not getattr(self.tokenizer, "chat_template", None):
+                if conv.plain or not getattr(self.tokenizer, "chat_template", None):
                     ids, mask = encode_prompt_completion_text(self.tokenizer, conv.prompt, conv.completion, self.train_on)
                     return ids, mask, {}, 0
                 conv = chat_turns(conv)

@@ -71,7 +71,11 @@ def _local_path(data) -> Path:
 
     path = Path(resolve_path(data.path)).expanduser()
     if not path.exists():
-        raise UserError(f"data.path {data.path!r} does not exist")
+        tried = ""
+        if not path.is_absolute():  # resolve_path found it in no recipe folder: say where it was looked for
+            tried = (f" (tried {Path.cwd() / path}: a relative path is read from the working directory, or from "
+                     "the recipe file's folder where it is there)")
+        raise UserError(f"data.path {data.path!r} does not exist{tried}")
     return path
 
 
@@ -126,6 +130,18 @@ def open_rows(data, limit: int | None = None) -> tuple[Iterator[tuple[int, Any]]
         total = limit if total is None else min(total, limit)
         rows = _take(rows, limit)
     return rows, total
+
+
+def sample_rows(data, limit: int, max_files: int = 64) -> list[list[Any]]:
+    """The first `limit` readable rows of each file of a local folder (its first `max_files` files, each apart:
+    a folder may hold files of different formats), else the first `limit` rows of the source."""
+    if data.source == "local" and not _is_saved_dataset(_local_path(data)):
+        files = local_files(data)
+        if len(files) > 1:
+            return [[row for _, row in _take(_file_rows([f]), limit) if not isinstance(row, InvalidRow)]
+                    for f in files[:max_files]]
+    rows, _ = open_rows(data, limit=limit)
+    return [[row for _, row in rows if not isinstance(row, InvalidRow)]]
 
 
 def _take(rows, limit):

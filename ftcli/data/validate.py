@@ -36,6 +36,7 @@ class Conversation:
     completion: str | None = None
     tools: list[dict] | None = None  # function schemas, passed to the template as `tools=`
     dropped: dict[str, int] = field(default_factory=dict)  # turns dropped from the row, by reason
+    plain: bool = False  # a `text` row: no template, every token trained (continued pretraining)
 
 
 def content_text(parts: list) -> str:
@@ -68,14 +69,42 @@ def _content(m: dict, i: int) -> dict:
     return m
 
 
-def _reasoning(m: dict) -> bool:
-    return any(isinstance(m.get(k), str) and m[k].strip() for k in ("reasoning_content", "thinking", "reasoning"))
+def tool_calls(calls: Any, i: int) -> list[dict]:
+    """A message's `tool_calls`, checked, with each call's `arguments` the object every chat template
+    iterates over: OpenAI's wire format sends it as a JSON string, which is parsed here, once, for train
+    and generate alike. A call is `{"type": "function", "function": {"name", "arguments"}}` or the flat
+    `{"name", "arguments"}`; anything else is a BadRow naming the message and the field."""
+    if not isinstance(calls, list):
+        raise BadRow("invalid tool call", f"message {i} tool_calls is {type(calls).__name__}, not a list")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"message {i} tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise BadRow("invalid tool call", f"{where} is {type(call).__name__}, not an object")
+        nested = isinstance(call.get("function"), dict)
+        fn = call["function"] if nested else call
+        field = f"{where}{'.function' if nested else ''}"
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise BadRow("invalid tool call", f"{field}.name is missing")
+        args = fn.get("arguments")
+        if args is None:
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise BadRow("invalid tool call", f"{field}.arguments is a string that is not JSON") from None
+        if not isinstance(args, dict):
+            raise BadRow("invalid tool call", f"{field}.arguments is {type(args).__name__}, not a JSON object")
+        fn = {**fn, "arguments": args}
+        out.append({**call, "function": fn} if nested else fn)
+    return out
 
 
-def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
-    """The trainable part of a conversation, or BadRow. Keeps what can be trained: an assistant turn with
-    nothing in it is dropped (the rest of the conversation stays), and so are trailing user/tool turns
-    (nothing answers them); both are counted in `Conversation.dropped`."""
+def normalize_turns(messages: Any) -> list[dict]:
+    """The messages of a row as every reader of rows takes them (training's `check_messages`, `generate
+    --input`): a list of objects with a known role, system first, content a string (text parts joined,
+    a tool result's JSON as text), tool calls checked with their arguments parsed; or BadRow."""
     if isinstance(messages, str) and messages.lstrip().startswith("["):  # CSV / Parquet string columns
         try:
             messages = json.loads(messages)
@@ -85,7 +114,7 @@ def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
         raise BadRow("messages not a list", f"got {type(messages).__name__}")
     if not messages:
         raise BadRow("no messages")
-    kept, dropped = [], {}
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRow("message not an object", f"message {i} is {type(m).__name__}")
@@ -95,6 +124,23 @@ def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
         if role == "system" and i > 0:
             raise BadRow("system not first", f"system message at position {i}")
         m = _content(m, i)
+        if m.get("tool_calls") is not None:
+            m = {**m, "tool_calls": tool_calls(m["tool_calls"], i)}
+        out.append(m)
+    return out
+
+
+def _reasoning(m: dict) -> bool:
+    return any(isinstance(m.get(k), str) and m[k].strip() for k in ("reasoning_content", "thinking", "reasoning"))
+
+
+def check_messages(messages: Any, first_trained: int = 0) -> Conversation:
+    """The trainable part of a conversation, or BadRow. Keeps what can be trained: an assistant turn with
+    nothing in it is dropped (the rest of the conversation stays), and so are trailing user/tool turns
+    (nothing answers them); both are counted in `Conversation.dropped`."""
+    kept, dropped = [], {}
+    for i, m in enumerate(normalize_turns(messages)):
+        role = m["role"]
         empty = not (m.get("content") or "").strip() and not m.get("tool_calls") and not _reasoning(m)
         if role == "assistant" and empty:
             dropped[EMPTY_ASSISTANT] = dropped.get(EMPTY_ASSISTANT, 0) + 1

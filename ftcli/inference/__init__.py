@@ -72,7 +72,7 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
     from transformers import AutoConfig
 
     from ftcli.model.build import load_model
-    from ftcli.model.fallbacks import quiet_kernel_fallbacks
+    from ftcli.model.fallbacks import quiet_library_output
     from ftcli.config.recipe import ModelConfig
 
     from ftcli import hub
@@ -96,9 +96,11 @@ def load(source: ModelSource, *, dtype: str = "auto", device: str = "auto") -> L
                       model_class=source.model_class or _model_class(config), dtype=dtype,
                       quantization="mxfp4_dequantize" if quant_method == "mxfp4" else "none",
                       trust_remote_code=source.trust_remote_code)
-    notice = quiet_kernel_fallbacks(config.model_type, dev.type)
-    if notice:
-        print(notice, file=sys.stderr)
+    quiet_library_output(config.model_type, dev.type, say=lambda line: print(line, file=sys.stderr))
+    if dev.type == "cuda":  # compiled kernels and autotune results kept for the next process
+        from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+        print(compile_notice(*persistent_caches()), file=sys.stderr)
     model = load_model(cfg, device=dev)
     if source.adapter is not None:
         from peft import PeftModel
@@ -201,7 +203,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **(template_kwargs or {}))
-    except TemplateError as e:
+    except (TemplateError, TypeError) as e:  # TypeError: a value of a shape the template cannot iterate
         raise UserError(f"the chat template refused this conversation: {_first_line(e)}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers versions differ on the default
         ids = ids["input_ids"]
@@ -451,9 +453,11 @@ def without_empty_think(text: str) -> str:
     return _EMPTY_THINK.sub("", text, count=1)
 
 
-def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None) -> dict:
+def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None,
+                 like: list[dict] | None = None) -> dict:
     """An output row's reply: `completion` (the answer) and `reasoning`, and where the reply calls tools,
-    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.inference.tool_calls`), taken out of both."""
+    `tool_calls` in the OpenAI shape the conversation uses (`ftcli.inference.tool_calls`; `like`: the
+    conversation as its file wrote it, where `messages` were normalized), taken out of both."""
     from ftcli.inference.tool_calls import openai_tool_calls, parse_tool_calls
 
     calls, rest = parse_tool_calls(completion.raw)
@@ -461,7 +465,7 @@ def reply_fields(tokenizer, messages: list[dict], completion: Completion, templa
         return {"completion": completion.text, "reasoning": completion.reasoning}
     kind = reply_kind(tokenizer, render_prompt(tokenizer, messages, template_kwargs))
     reasoning, text = split_reasoning(rest, kind, _special_strings(tokenizer))
-    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, messages)}
+    return {"completion": text, "reasoning": reasoning or None, "tool_calls": openai_tool_calls(calls, like if like is not None else messages)}
 
 
 # ----------------------------------------------------------------------------------- streaming

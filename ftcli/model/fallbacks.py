@@ -47,3 +47,20 @@ def quiet_kernel_fallbacks(model_type: str | None, device_type: str) -> str | No
         return None
     return (f"CPU: the fast kernels ({', '.join(missing)}) are GPU-only; this model runs their PyTorch reference "
             "path (same results, slower). Nothing to install here.")
+
+
+def quiet_library_output(model_type: str | None, device_type: str, say=None) -> None:
+    """What a process that loads, trains or saves a model shows of its libraries: no transformers progress
+    bars ("Loading weights", "Writing model shards": ftcli says what it loads and saves), no FutureWarning
+    about `is_gradient_checkpointing` (PEFT reads the attribute that transformers deprecates; nothing for the
+    user to change), and on CPU ftcli's one kernel line instead of transformers' advice, said through `say`
+    (None: not said, e.g. on ranks other than 0)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' public switch for its tqdm bars
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+    notice = quiet_kernel_fallbacks(model_type, device_type)
+    if notice and say is not None:
+        say(notice)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from ftcli import data
-from ftcli.data.evalsplit import eval_specs
+from ftcli.data.evalsplit import eval_problem, eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
 from ftcli.artifacts.safe_files import open_append
@@ -55,8 +55,9 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
     out = {}
     for label, r in eval_specs(recipe).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
-    if out and not sum(int(p.block_trained.sum()) for p in out.values()):
-        raise TrainingStopped("the eval data has no trained token; check eval.holdout / eval.path")  # every rank
+    problem = eval_problem(recipe, out)  # the launcher refused it before start: a worker started by hand
+    if problem:
+        raise TrainingStopped(problem)  # every rank
     return out
 
 

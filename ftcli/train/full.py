@@ -236,8 +236,8 @@ class FullRun:
         self.last_inputs: dict | None = None  # this rank's last micro-batch (the shape of its padding)
 
         say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
-            f"{world.world_size} x {world.device.type}, {self.total_steps} steps of {tcfg.grad_accum} block(s) "
-            f"per rank, run dir {run_dir}")
+            f"{world.world_size} x {world.device.type}, {self.total_steps} steps of {tcfg.grad_accum} "
+            f"block{'s' if tcfg.grad_accum != 1 else ''} per rank, run dir {run_dir}")
         self.metrics_path = run_dir / METRICS_FILE if world.is_main else None
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), console=self.console,

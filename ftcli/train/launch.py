@@ -141,6 +141,10 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     nproc, unit = _processes_per_node(recipe)
     if unit == "CPU process":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    else:  # the workers' compiled kernels and autotune results, kept for the next run (ftcli.model.kernels.cache)
+        from ftcli.model.kernels.cache import compile_notice, persistent_caches
+
+        print(compile_notice(*persistent_caches()), file=sys.stderr)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("PYTHONSAFEPATH", "1")  # `-m ftcli` must not pick up a folder named ftcli in the cwd
     os.environ["FTCLI_LAUNCHED"] = "1"
@@ -158,7 +162,8 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     worker = ["-m", "ftcli", "train", "--recipe", str(run_dir / RECIPE_FILE)]
     if resume is not None:
         worker += ["--resume", resume]
-    print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {unit}(s), "
+    units = {"CPU process": "CPU processes", "GPU": "GPUs"}[unit] if nproc != 1 else unit
+    print(f"ftcli train: {recipe.name} ({recipe.training.method}) on {num_nodes} x {nproc} {units}, "
           f"run dir {run_dir}", file=sys.stderr)
 
     import logging
@@ -260,12 +265,15 @@ def _preflight(recipe) -> None:
     tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
+    from ftcli.data.evalsplit import check_eval, eval_specs
+
+    check_eval(recipe, {label: data.prepare_blocks(spec, tokenizer) for label, spec in eval_specs(recipe).items()})
 
 
 def _say_data(recipe, packed) -> None:
     """Each source's format (auto: which and why), then refuse a source that keeps no row (one line: the rows
     read, the top skip reasons, the likely fix) or, with data.allow_empty_sources, warn about it."""
-    from ftcli.data.checks import check_sources, source_problems
+    from ftcli.data.checks import check_sources, source_problems, source_warnings
 
     for label, st in packed.stats.sources.items():
         if st.format_why:
@@ -273,6 +281,8 @@ def _say_data(recipe, packed) -> None:
     check_sources(recipe, packed)
     for problem in source_problems(recipe, packed.stats):
         print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
+    for problem in source_warnings(recipe, packed.stats):
+        print(f"warning: {problem}", file=sys.stderr)
 
 
 def refuse_gpu_recipe_on_cpu(recipe) -> None:
@@ -305,6 +315,12 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         check_resume(recipe, run_dir, resume, world_size=int(os.environ["WORLD_SIZE"]))
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
+    import torch
+
+    from ftcli.model.fallbacks import quiet_library_output
+
+    quiet_library_output(recipe.model.model_type, "cuda" if torch.cuda.is_available() else "cpu",
+                         say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else None)
     train = TRAINERS[recipe.training.method]
     try:
         train(recipe, run_dir, resume)

@@ -284,6 +284,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
     sharding, why = resolved_sharding(recipe)
+    if device.type == "cpu" and recipe.training.sharding == "auto":  # not the recipe's card that `auto` sized for
+        why = "training.sharding=auto, on CPU processes"
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
