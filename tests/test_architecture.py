@@ -223,7 +223,7 @@ LAYERS = {
     "families": 1, "hardware": 1,
     "data": 2,
     "model": 3, "features": 3,
-    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4,
+    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4, "launchers": 4,
     "commands": 5,
     "cli": 6, "__main__": 6,
 }

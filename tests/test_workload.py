@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftcli.commands import workload
+from ftcli.launchers import databricks as workload
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, builtin_recipe_names, load_recipe
 from ftcli.config.pipspec import check_pip_spec
@@ -540,8 +540,8 @@ def test_render_says_where_to_submit_from_and_that_a_relative_output_dir_is_lost
     assert workload.render_warnings(recipe, fit_check=False) == []
     monkeypatch.chdir(tmp_path)  # not an ftcli checkout
     (outside,) = workload.render_warnings(recipe, fit_check=False)
-    assert outside == (f"{tmp_path} is not an ftcli checkout, but the workload uploads the directory it is submitted "
-                       "from (code_source: root_path: .) and installs ftcli from it: run `databricks air run -f ...` "
+    assert outside == (f"{tmp_path} is not an ftcli checkout, but the job installs ftcli from the directory it is "
+                       "submitted from (compute.ftcli_spec=$CODE_SOURCE_PATH): run `databricks air run -f ...` "
                        "from the ftcli checkout, or set compute.ftcli_spec to a pip spec (e.g. 'ftcli @ git+https://...')")
     pinned = load_recipe("gpt-oss-h100", ["compute.ftcli_spec=ftcli==0.1.0"])
     assert workload.render_warnings(pinned, fit_check=False) == []  # installs from PyPI, not from the snapshot
