@@ -334,3 +334,11 @@ def test_output_force_replaces_a_link_and_leaves_its_target(launcher, tmp_path):
     assert res.exit_code == 0, res.output
     assert victim.read_text() == "VICTIM\n" and not link.is_symlink()
     assert CliRunner().invoke(cli.app, ["render-workload", "--check", str(link)]).exit_code == 0
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_non_snapshot_ftcli_spec_is_one_quoted_argument(tmp_path):
+    recipe = _recipe("gpt-oss-h100", 'compute.ftcli_spec=ftcli==0.1.0; python_version >= "3.10"',
+                     f"output.dir={tmp_path / 'run'}")
+    _, args, _ = _run_script(slurm.render(recipe), tmp_path)
+    assert args["pip"] == ["install", "--progress-bar", "off", 'ftcli==0.1.0; python_version >= "3.10"']

@@ -303,14 +303,15 @@ NOT_REQUIREMENTS = ["numpy; touch /tmp/x #", "a b", "rm -rf /", "https://evil.ex
                     "git+https://evil.example/x.git", ""]
 
 
+@pytest.mark.parametrize("launcher", ["databricks", "slurm"])
 @pytest.mark.parametrize("key", ["compute.dependencies", "compute.ftcli_spec"])
 @pytest.mark.parametrize("value", PIP_OPTIONS + NOT_REQUIREMENTS)
-def test_pip_options_and_non_requirements_are_refused_at_recipe_validation(key, value):
+def test_pip_options_and_non_requirements_are_refused_at_recipe_validation(key, value, launcher):
     from ftcli.config.recipe import RecipeError
 
     override = json.dumps([value] if key == "compute.dependencies" else value)
     with pytest.raises(RecipeError) as err:
-        load_recipe("qwen-b300", [f"{key}={override}"])
+        load_recipe("qwen-b300", [f"{key}={override}", f"compute.launcher={launcher}"])
     message = str(err.value)
     where = f"{key}.0: " if key == "compute.dependencies" else f"{key}: "
     expected = "a pip option, not a requirement" if value in PIP_OPTIONS else "neither a requirement"
@@ -341,6 +342,7 @@ HEAVY = ("torch", "transformers", "datasets", "mlflow", "trl", "peft")
 
 
 @pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"],  # `--help`: tests/test_cli.py
+                                  ["render-workload", "--recipe", "qwen-b300", "--launcher", "slurm"],
                                   ["render-workload", "--check", str(GOLDEN / "qwen-b300-1node.yaml")]])
 def test_render_workload_imports_no_heavy_modules(argv):
     code = (
