@@ -217,7 +217,7 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
 
 # ------------------------------------------------------------------------------------------ rooms
 # The rooms, bottom up. A module imports only from its own room or a lower one, lazy imports included:
-#   commands -> train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
+#   commands -> launchers / train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
 LAYERS = {
     "config": 0, "hub": 1,
     "families": 1, "hardware": 1,
