@@ -217,13 +217,13 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
 
 # ------------------------------------------------------------------------------------------ rooms
 # The rooms, bottom up. A module imports only from its own room or a lower one, lazy imports included:
-#   commands -> train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
+#   commands -> launchers / train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
 LAYERS = {
     "config": 0, "hub": 1,
     "families": 1, "hardware": 1,
     "data": 2,
     "model": 3, "features": 3, "objectives": 3,
-    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4,
+    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4, "launchers": 4,
     "commands": 5,
     "cli": 6, "__main__": 6,
 }

@@ -62,7 +62,8 @@ def test_shipped_hub_configs_give_the_published_sizes(model_id, total):
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_recipes_fit_their_accelerator_and_render_a_valid_workload(name):
-    from ftcli.commands import plan, workload
+    from ftcli.commands import plan
+    from ftcli.launchers import databricks as workload
     from ftcli.features.fused_ops import LIGER_KIND, LIGER_PIN
 
     recipe = load_recipe(name)

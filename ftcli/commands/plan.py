@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from ftcli.config.accelerators import parse_accelerator
 from ftcli.config.recipe import Recipe
 from ftcli.estimate.plan import Plan, make_plan
 from ftcli.objectives import method_of
@@ -57,7 +58,7 @@ def print_plan(plan: Plan) -> None:
     for c in plan.cards:
         e = c.estimate
         style = "bold" if c.own else None
-        per_node = int(c.accelerator.removeprefix("GPU_").split("x", 1)[0])
+        per_node = parse_accelerator(c.accelerator).gpus_per_node
         memory_table.add_row(c.accelerator, str(per_node), str(max(1, c.gpus // per_node)), *(_gib(v) for v in (
             e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)),
             "[green]yes[/]" if c.fits else "[red]no[/]", "-" if c.keep_layers is None else str(c.keep_layers),

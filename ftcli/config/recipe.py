@@ -51,14 +51,14 @@ from pydantic import (
     model_validator,
 )
 
+from ftcli.config.accelerators import Accelerator, parse_accelerator
 from ftcli.config.errors import UserError
-from ftcli.config.pipspec import check_pip_spec
+from ftcli.config.pipspec import check_env_name, check_pip_spec
 
 PKG_PREFIX = "pkg://"
-# Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
+# Shared with ftcli.launchers (experiment and workload names follow the same rules).
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
 NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
-ACCELERATOR_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")  # group 1: GPUs per node
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 MAX_BLOCK_LEN = 2**20  # tokens per packed block; past this one block's activations fit no GPU
 
@@ -671,10 +671,9 @@ class PermissionConfig(_Section):
         return self
 
 
-# Where a job runs: rules shared by `ComputeConfig` and the AI Runtime workload check (`ftcli.commands.workload`).
+# Where a job runs: rules shared by `ComputeConfig` and the launchers' file checks (`ftcli.launchers`).
 def check_accelerator_type(v: str) -> str:
-    if not ACCELERATOR_RE.fullmatch(v):
-        raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
+    parse_accelerator(v)  # a ValueError saying the form
     return v
 
 
@@ -690,16 +689,74 @@ def placement_problems(
     """Every broken rule between the compute keys, one line each. None: a key that is missing or
     already reported as bad on its own (those rules are skipped)."""
     problems = []
-    m = ACCELERATOR_RE.fullmatch(accelerator_type) if accelerator_type is not None else None
-    if m and num_accelerators is not None and num_accelerators % int(m.group(1)):
-        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {m.group(1)} GPUs per node "
+    try:
+        per_node = parse_accelerator(accelerator_type).gpus_per_node if accelerator_type is not None else None
+    except ValueError:
+        per_node = None
+    if per_node and num_accelerators is not None and num_accelerators % per_node:
+        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {per_node} GPUs per node "
                         f"of {accelerator_type}")
     if priority_class is not None and not pool_id:
         problems.append("priority_class needs pool_id (provisioned capacity)")
     return problems
 
 
+# Slurm names (partition, account, qos): letters, digits and . _ + -, so a directive holds one word and no shell
+SLURM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]], or UNLIMITED
+SLURM_TIME_RE = re.compile(r"[0-9]{1,7}(:[0-9]{1,2}){0,2}|[0-9]{1,4}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|UNLIMITED")
+
+
+def check_slurm_name(v: str) -> str:
+    if not SLURM_NAME_RE.fullmatch(v):
+        raise ValueError("use 1-64 letters, digits, '.', '_', '+' or '-' (no spaces or shell characters)")
+    return v
+
+
+def check_slurm_time(v: str) -> str:
+    if not SLURM_TIME_RE.fullmatch(v):
+        raise ValueError("a Slurm time limit: MINUTES, HH:MM:SS, D-HH, D-HH:MM:SS or UNLIMITED (e.g. 04:00:00)")
+    return v
+
+
+class SlurmConfig(_Section):
+    """`compute.slurm`: the keys only the Slurm launcher reads (ftcli.launchers.slurm). Nothing guesses a
+    site: a key left unset writes no directive, so the cluster's defaults apply."""
+
+    partition: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(
+        None, description="sbatch --partition (unset: the cluster's default partition).")
+    account: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(
+        None, description="sbatch --account (unset: your default account).")
+    qos: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(None, description="sbatch --qos.")
+    time_limit: Annotated[str, AfterValidator(check_slurm_time)] | None = Field(
+        None, description="sbatch --time, e.g. 04:00:00 or 2-00:00:00 (unset: the partition's limit).")
+    devices: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu: GPUs per node from compute.accelerator_type; cpu: training.cpu_processes per node, "
+                           "no GPU request (CPU clusters, tests).")
+    install: bool = Field(True, description="pip install ftcli (compute.ftcli_spec), the kernel pins and "
+                                            "compute.dependencies into the job's Python before training.")
+    stop_before_limit_s: int = Field(
+        600, ge=60, description="SIGTERM this many seconds before the time limit: ftcli checkpoints, the job requeues.")
+    requeue: bool = Field(True, description="Requeue after a preemption or a stop before the time limit; the "
+                                            "requeued job resumes from the checkpoint (--resume).")
+    rendezvous_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port on the first node.")
+
+
+# Keys only the Databricks launcher reads, at the values that mean "not used" (the other launchers say they ignore them)
+DATABRICKS_ONLY = {"experiment_name": None, "pool_id": None, "priority_class": None, "secrets": {},
+                   "mlflow_experiment_directory": None, "permissions": [], "timeout_minutes": None, "max_retries": 0}
+
+
 class ComputeConfig(_Section):
+    """Where a job runs. `launcher` picks who reads this section (ftcli.launchers): the card and GPUs
+    (`accelerator_type`, `num_accelerators`), `env_variables`, `dependencies` and `ftcli_spec` are every launcher's;
+    the AI Runtime keys stay at the top level (as recipes have always written them), Slurm's are under `slurm:`.
+    One recipe renders for either launcher (`render-workload --launcher`); each says which keys it ignores."""
+
+    quiet_defaults: ClassVar[dict[str, Any]] = {"launcher": "databricks", "slurm": None}
+
+    launcher: Literal["databricks", "slurm"] = Field(
+        "databricks", description="databricks: an AI Runtime workload YAML; slurm: an sbatch script.")
     accelerator_type: Annotated[str, AfterValidator(check_accelerator_type)] = Field(
         "GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
@@ -707,7 +764,7 @@ class ComputeConfig(_Section):
     environment_version: str = "databricks_ai_v6"
     dependencies: list[Annotated[str, AfterValidator(check_pip_spec)]] = Field(
         default_factory=list, description="Extra pip requirements for the job (requirements or local paths).")
-    env_variables: dict[str, str] = Field(default_factory=dict)
+    env_variables: dict[Annotated[str, AfterValidator(check_env_name)], str] = Field(default_factory=dict)
     secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
         default_factory=dict, description="NAME -> 'scope/key'.")
     timeout_minutes: int | None = Field(None, ge=1)
@@ -717,7 +774,9 @@ class ComputeConfig(_Section):
     mlflow_experiment_directory: str | None = None
     permissions: list[PermissionConfig] = Field(default_factory=list)
     ftcli_spec: Annotated[str, AfterValidator(check_pip_spec)] = Field(
-        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path).")
+        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path; "
+                                         "$CODE_SOURCE_PATH: the checkout the job is submitted from).")
+    slurm: SlurmConfig | None = Field(None, description="The Slurm launcher's keys (compute.launcher: slurm).")
 
     @field_validator("env_variables")
     @classmethod
@@ -741,12 +800,21 @@ class ComputeConfig(_Section):
         return self
 
     @property
+    def accelerator(self) -> Accelerator:
+        return parse_accelerator(self.accelerator_type)
+
+    @property
     def gpus_per_node(self) -> int:
-        return int(self.accelerator_type[4:].split("x", 1)[0])
+        return self.accelerator.gpus_per_node
 
     @property
     def num_nodes(self) -> int:
         return self.num_accelerators // self.gpus_per_node
+
+    @property
+    def slurm_keys(self) -> SlurmConfig:
+        """compute.slurm, or its defaults when the section is absent."""
+        return self.slurm or SlurmConfig()
 
 
 def max_position_embeddings(cfg: ModelConfig) -> tuple[int, str] | None:
@@ -1046,7 +1114,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------ did you mean
-# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.commands.workload`).
+# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.launchers.databricks`).
 def _sections_in(annotation: Any) -> list[type[BaseModel]]:
     """The schema sections a field holds: `X`, `X | None`, `list[X]` -> [X]."""
     args = getattr(annotation, "__args__", None)

@@ -166,3 +166,33 @@ def open_lock(path: str | Path) -> tuple[int, bool]:
         return _open_checked(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
     except FileExistsError:
         return _open_checked(path, os.O_RDWR), False
+
+
+# ------------------------------------------------------------------------------------ a command's --output
+def check_output_path(output: Path, force: bool, example: str) -> None:
+    """--output before anything runs: a file in an existing folder; an existing file or a symbolic link
+    (dangling or not: ftcli did not write it) only with --force, which replaces the link, not its target."""
+    if output.is_symlink():
+        if not force:
+            raise UserError(f"{output} is a symbolic link (to {os.readlink(output)}); pass --force to replace the "
+                            "link with the output (its target is left alone)")
+        return
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder; pass a file path, e.g. {output / example}")
+    if not output.parent.is_dir():
+        what = "is not a folder" if output.parent.exists() else "does not exist"
+        raise UserError(f"--output {output}: the folder {output.parent} {what}; create it first")
+    if output.exists() and not force:
+        raise UserError(f"{output} exists; pass --force to overwrite it")
+
+
+def write_output(output: Path, text: str) -> None:
+    """`text` into `output` (checked by check_output_path): a link there is replaced, never followed."""
+    try:
+        if output.is_symlink():
+            output.unlink()
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"--output {output}: cannot write it ({e.strerror or e})") from None

@@ -41,7 +41,7 @@ def lora_sharding(recipe: Recipe, shape: memory.ModelShape, card: str | None = N
         return chosen
     if recipe.model.quantization == "mxfp4":  # a kept-MXFP4 base runs with DDP only (ftcli.model.mxfp4_lora)
         return "ddp"
-    card = card or recipe.compute.accelerator_type.split("x", 1)[1]
+    card = card or recipe.compute.accelerator.card
     if card not in CARDS:
         return "ddp"
     fits, _ = fits_card(shape, setting_of(recipe, shape, world, sharding="ddp"), CARDS[card]["memory_gb"])
@@ -206,7 +206,7 @@ def fit_here(recipe, here) -> tuple[bool, str]:
     """Whether the plan's memory per GPU (or, without GPUs, per CPU process) fits machine `here` (a
     ftcli.hardware.Machine: `ftcli doctor` and the launcher on a machine without a GPU ask), and the figures."""
     compute = recipe.compute
-    wanted_card = compute.accelerator_type.split("x", 1)[1]
+    wanted_card = compute.accelerator.card
     world = len(here.gpus) or recipe.training.cpu_processes
     try:
         per_rank = memory_on(recipe, world).total

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import ACCELERATOR_RE, Recipe
+from ftcli.config.accelerators import accelerator_name
+from ftcli.config.accelerators import parse_accelerator as parse_name
+from ftcli.config.recipe import Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.datasize import DataSize, data_size
 from ftcli.estimate.fit import CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason, setting_of
@@ -99,20 +101,21 @@ class FitResult:
 
 
 def parse_accelerator(accelerator: str) -> tuple[int, str]:
-    m = ACCELERATOR_RE.fullmatch(accelerator)
-    if not m:
-        raise UserError(f"--accelerator {accelerator!r} is not GPU_<gpus per node>x<card> (e.g. GPU_8xH100)")
-    card = accelerator.split("x", 1)[1]
-    if card not in CARDS:
-        raise UserError(f"--accelerator {accelerator}: unknown card {card!r}; known: {', '.join(CARDS)}")
-    return int(m.group(1)), card
+    try:
+        parsed = parse_name(accelerator)
+    except ValueError:
+        raise UserError(f"--accelerator {accelerator!r} is not GPU_<gpus per node>x<card> (e.g. GPU_8xH100)") from None
+    if parsed.card not in CARDS:
+        raise UserError(f"--accelerator {accelerator}: unknown card {parsed.card!r}; known: {', '.join(CARDS)}")
+    return parsed.gpus_per_node, parsed.card
 
 
 def default_accelerators(recipe: Recipe) -> list[str]:
     own = recipe.compute.accelerator_type
     world = recipe.compute.num_accelerators
-    own_card = own.split("x", 1)[1]
-    return [own] + [f"GPU_{min(per_node, world)}x{card}" for card, per_node in GPUS_PER_NODE.items() if card != own_card]
+    own_card = recipe.compute.accelerator.card
+    return [own] + [accelerator_name(min(per_node, world), card) for card, per_node in GPUS_PER_NODE.items()
+                    if card != own_card]
 
 
 def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: DataSize,
@@ -157,7 +160,7 @@ def make_plan(recipe: Recipe, accelerators: list[str] | None = None) -> Plan:
             parse_accelerator(a)  # a typo is a one-line error
         names = [own] + [a for a in accelerators if a != own]
     notes = []
-    if own.split("x", 1)[1] not in CARDS:
+    if recipe.compute.accelerator.card not in CARDS:
         names.remove(own)
         notes.append(f"no memory figures for the recipe's {own}: cards known: {', '.join(CARDS)}")
     cards = tuple(card_plan(recipe, shape, a, data, steps) for a in names)

@@ -4,7 +4,7 @@ A family is every fact about a kind of model that more than one module asks abou
 model types belong to it, which ops a packed block goes through and how their backends are picked
 (ftcli.model.kernels), its shape from a config (ftcli.estimate.memory), the modules training.fused_ops
 swaps (ftcli.features.fused_ops), the known-bad rules that apply to it (ftcli.model.compat), the pip pins
-its workload installs (ftcli.commands.workload), and its chat format. Consumers ask `family_of(model_type)`
+its workload installs (ftcli.launchers.base), and its chat format. Consumers ask `family_of(model_type)`
 and never name a model type themselves (tests/test_architecture.py checks it).
 
 Adding a family: one module here (its `Family`), one line in ftcli/families/__init__.py, its assets
@@ -79,7 +79,7 @@ class Family:
     fused_op_targets: dict[str, str]
     # --- known-bad version rules that apply (ftcli.model.compat)
     known_bad: tuple[str, ...]
-    # --- the workload's pip pins (ftcli.commands.workload) and what the setup comment says when there are none
+    # --- the launchers' pip pins (ftcli.launchers.base) and what the setup comment says when there are none
     pins: tuple[Pin, ...]
     setup_note: str | None  # always in the workload's setup comment
     no_pins_note: str  # in the setup comment when nothing at all is installed beyond ftcli ({model_type} filled in)

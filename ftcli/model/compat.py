@@ -199,7 +199,7 @@ def gpu_notes(recipe, here: Machine) -> list[Problem]:
     """Type and count against compute.accelerator_type (a different card or fewer GPUs is not an error when
     the memory fits: the launcher uses the GPUs that are here)."""
     compute = recipe.compute
-    wanted_card = compute.accelerator_type.split("x", 1)[1]
+    wanted_card = compute.accelerator.card
     if not here.gpus:
         return [Problem("GPUs vs compute.accelerator_type", NA if recipe.model.init == "random" else WARN,
                         f"no GPU: {recipe.training.cpu_processes} CPU processes instead of {compute.accelerator_type}")]
