@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -94,6 +95,46 @@ def test_recipe_refuses_what_cannot_split():
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=3"])
     with pytest.raises(UserError, match="packing.enabled: true"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "data.packing.enabled=false"])
+
+
+# ----------------------------------------------------------------------------------- plan and memory
+LONG = ["data.packing.block_len=131072", "training.context_parallel=8"]  # qwen-b300 at 128k on one 8xB300 node
+
+
+def test_memory_of_a_cp_rank_is_a_slice_plus_the_gathered_attention():
+    from ftcli.estimate import memory
+
+    shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    whole = memory.Setting(tokens=131072, world=8, checkpointing="full", loss="liger")
+    for cp in (2, 8):
+        split, sliced = memory.estimate(shape, replace(whole, cp=cp)), memory.estimate(shape, replace(whole, tokens=131072 // cp))
+        assert (split.activations, split.loss, split.state) == (sliced.activations, sliced.loss, sliced.state)
+        q_dim, kv_dim = memory.attention_dims(shape)
+        assert (q_dim, kv_dim) == (24 * 256, 4 * 256)
+        # full checkpointing: one full-attention layer's gathered K/V and per-segment copies, and their gradient
+        assert split.other - sliced.other == pytest.approx(2 * 2 * 131072 * (q_dim + kv_dim) * 2 / memory.GiB)
+
+
+def test_plan_names_the_fewest_cp_ranks_that_fit_and_the_128k_recipe_fits_b300():
+    from ftcli.config.recipe import load_recipe
+    from ftcli.estimate import fit, memory
+    from ftcli.estimate.plan import fit_check, make_plan
+
+    recipe = load_recipe("qwen-b300", LONG)
+    assert fit_check(recipe).fits
+    plan = make_plan(recipe, ["GPU_8xH200", "GPU_8xH100"])
+    assert plan.setting.cp == 8 and plan.to_dict()["setting"]["context_parallel"] == 8
+    shape = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    for card in plan.cards:
+        n, gb = card.cp_fits, fit.CARDS[card.card]["memory_gb"]
+        s = fit.setting_of(recipe, shape, card.gpus)
+        if n is None:  # not even every GPU of the node on one block
+            assert not fit.fits_card(shape, replace(s, cp=8, keep=0), gb)[0]
+        else:
+            assert fit.fits_card(shape, replace(s, cp=n, keep=0), gb)[0]
+            assert n == 1 or not fit.fits_card(shape, replace(s, cp=n // 2, keep=0), gb)[0]
+    assert plan.steps == plan.data.blocks  # 8 GPUs, one block per step: every block its own step
+    assert fit.cp_degrees(fit.setting_of(recipe, shape)) == [1, 2, 4, 8]
 
 
 # ---------------------------------------------------------------------------------- the four families

@@ -260,7 +260,7 @@ _ACROSS = {"attention": attention_across, "gated_delta_rule": gated_delta_across
 def across_slices(op: str, kernel):
     """`kernel` (an installed packed kernel of `op`) that routes a call carrying a `CPSlice` through the op's
     context-parallel version above; any other call goes to `kernel` unchanged."""
-    across = _ACROSS[op]
+    across = torch.compiler.disable(_ACROSS[op])  # collectives and per-segment loops: eager in a compiled layer
 
     @functools.wraps(kernel)
     def wrapped(*args, **kwargs):
