@@ -29,6 +29,14 @@ on one rank and end on the next; every op that looks along the sequence then nee
 Every rank of the group runs the same collectives in every layer whatever its data (an all-gather even where no
 segment crosses), which FSDP's per-layer collectives need too.
 
+Backends: the gated-delta rule and the conv call the installed kernel (the torch references on CPU, fla /
+causal-conv1d on CUDA) for the slice's own work, so fla's kernels carry the state passing on GPU through their
+public `initial_state` / `output_final_state` (fla's own `fla.ops.cp` is not used). Attention on CUDA in half
+precision is one torch `varlen_attn` call (queries' and keys' cu_seqlens differ: FlashAttention's bottom-right
+causal alignment); everywhere else, and for gpt-oss's sinks, the per-piece references (sdpa / eager) run:
+exact, but gpt-oss's eager attention materializes heads x queries x keys per piece (benchmarks/cp_gpu.py checks
+the CUDA paths against the serial kernels on one device).
+
 The ops receive the slice as the model call's keyword argument `CP_KWARG` (a `CPSlice`), which transformers hands
 to every attention function, gated-delta rule and conv, like the block's other packing metadata.
 `across_slices(op, kernel)` wraps an installed kernel: a call with a `CPSlice` goes through the functions below
@@ -157,20 +165,32 @@ def _attention_varlen(query, keys, values, cp: CPSlice, scaling, window):
     """CUDA, half precision: one varlen call, queries' cu_seqlens over the slice's pieces and keys' over the pieces
     extended back to their segment starts; FlashAttention's causal mask is bottom-right aligned for
     seqlen_q < seqlen_k, which is the block-coordinate mask above (benchmarks/cp_gpu.py checks it)."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
+    params = inspect.signature(varlen_attn).parameters
+    if window and "window_size" not in params:
+        return None  # torch 2.10: no sliding window in varlen_attn (the caller takes the reference)
     pieces = cp.pieces()
     q = query[0].transpose(0, 1)  # [t, H, D]
     k_rows = torch.cat([keys[0, :, s:q1].transpose(0, 1) for s, _, q1 in pieces])
     v_rows = torch.cat([values[0, :, s:q1].transpose(0, 1) for s, _, q1 in pieces])
-    if k_rows.shape[1] != q.shape[1]:
+    extra = {}
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif k_rows.shape[1] != q.shape[1]:  # torch 2.11: no GQA, repeat the kv heads
         k_rows, v_rows = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k_rows, v_rows))
+    if "window_size" in params:
+        extra["window_size"] = (window - 1 if window else -1, 0)
+    else:
+        extra["is_causal"] = True
     q_lens = [q1 - q0 for _, q0, q1 in pieces]
     k_lens = [q1 - s for s, _, q1 in pieces]
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
     out = varlen_attn(q, k_rows.contiguous(), v_rows.contiguous(), cu_q, cu_k, max(q_lens), max(k_lens),
-                      scale=scaling, window_size=(window - 1 if window else -1, 0))
+                      scale=scaling, **extra)
     return out[None], None
 
 
@@ -185,9 +205,11 @@ def attention_across(kernel, module, query, key, value, attention_mask, scaling=
     if kwargs.get("softcap") is not None:
         raise ValueError("packed attention has no logit soft-capping; set attn_logit_softcapping to null")
     name = getattr(kernel, "__name__", "")
-    if query.is_cuda and not sinks and name in ("torch_varlen", "flash_attention_forward") \
-            and query.dtype in (torch.float16, torch.bfloat16) and not dropout:
-        return _attention_varlen(query, keys, values, cp, scaling, window)
+    if query.is_cuda and not sinks and name == "torch_varlen" and query.dtype in (torch.float16, torch.bfloat16) \
+            and not dropout:
+        out = _attention_varlen(query, keys, values, cp, scaling, window)
+        if out is not None:
+            return out
     return _attention_pieces(query, keys, values, cp, scaling, dropout, window, module, sinks)
 
 
