@@ -97,6 +97,17 @@ def test_recipe_refuses_what_cannot_split():
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "data.packing.enabled=false"])
 
 
+def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_starts(monkeypatch):
+    from ftcli.config.errors import UserError
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.launch import check_context_parallel
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    check_context_parallel(load_recipe("tiny-qwen-cpu", ["training.context_parallel=2"]))  # 2 CPU processes
+    with pytest.raises(UserError, match="context_parallel=4 does not divide the 2 ranks"):
+        check_context_parallel(load_recipe("tiny-qwen-cpu", ["training.context_parallel=4"]))
+
+
 # ----------------------------------------------------------------------------------- plan and memory
 LONG = ["data.packing.block_len=131072", "training.context_parallel=8"]  # qwen-b300 at 128k on one 8xB300 node
 
