@@ -30,7 +30,9 @@ def print_plan(plan: Plan) -> None:
               f", adapter {s.adapter_params / 1e6:.2f}M params, base {'sharded (fsdp)' if s.sharding == 'fsdp' else 'whole per GPU (ddp)'}")
     console.print(f"[bold]{plan.recipe}[/]: {plan.method} of {plan.model} ({plan.params / 1e9:.3g}B params{frozen}); "
                   f"{s.tokens:,} tokens per micro-batch, checkpointing {s.checkpointing}"
-                  f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}", highlight=False, soft_wrap=True)
+                  f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}"
+                  f"{f', {s.tokens // s.cp:,} per rank over {s.cp} context-parallel ranks' if s.cp > 1 else ''}",
+                  highlight=False, soft_wrap=True)
     tokens = f"{plan.data.tokens:,} tokens, {plan.data.blocks:,} blocks" if plan.data.tokens is not None else "?"
     console.print(f"data: {tokens} ({plan.data.source}); optimizer steps on the recipe's GPUs: "
                   f"{plan.steps if plan.steps is not None else '?'}", highlight=False, soft_wrap=True)
@@ -70,6 +72,10 @@ def print_plan(plan: Plan) -> None:
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
+    if method_of(plan.method).splits_blocks:
+        fits = ", ".join(f"{c.accelerator} {c.cp_fits if c.cp_fits is not None else 'none'}" for c in plan.cards)
+        console.print(f"context parallel, the fewest ranks per block that fit {s.tokens:,} tokens: {fits} (recipe: "
+                      f"training.context_parallel={s.cp})", highlight=False, soft_wrap=True)
     if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
                       + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)

@@ -474,6 +474,7 @@ class LossConfig(_Section):
 
 
 
+CP_SLICE_MULTIPLE = 64  # context-parallel slices are whole gated-delta chunks (fla's chunk: 64 tokens)
 
 class _Training(_Section):
     """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
@@ -540,7 +541,7 @@ class _Training(_Section):
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": []}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
@@ -559,6 +560,12 @@ class FullTraining(_Training):
         default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
         "(rms_norm, liger-kernel), MLP activation (swiglu, liger-kernel) and gated-delta output norm "
         "(gated_norm, fla); same parameters and checkpoints (ftcli/features/fused_ops.py)."
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Ranks that share each packed block, each training on a contiguous slice of "
+        "block_len / N tokens (attention keys gathered, the gated-delta state and the conv halo passed across the "
+        "slices: ftcli/model/kernels/cp.py); blocks per step = ranks / N x grad_accum. `ftcli plan` says which N "
+        "fits a block length."
     )
 
     @field_validator("method", mode="before")
@@ -579,7 +586,8 @@ class LoraTraining(_Training):
     """LoRA through TRL + PEFT (ftcli.train.lora.trainer): the base frozen in model.dtype, adapters in float32."""
 
     other_method: ClassVar[str] = "full"
-    other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops")
+    other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops",
+                                             "context_parallel")
     method: Literal["lora"] = "lora"
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole (LoRA linears, attention, router and "
@@ -889,6 +897,21 @@ class Recipe(_Section):
                 f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Recipe:
+        """A block splits into equal slices, each longer than a gated-delta chunk (fla's chunked kernels and the
+        conv halo work per slice)."""
+        n = getattr(self.training, "context_parallel", 1)
+        if n == 1:
+            return self
+        if not self.data.packing.enabled:
+            raise ValueError(f"training.context_parallel={n} splits packed blocks; set data.packing.enabled: true")
+        block_len = self.data.packing.block_len
+        if block_len % (n * CP_SLICE_MULTIPLE):
+            raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
+                             f"of {n * CP_SLICE_MULTIPLE} (N slices of a multiple of {CP_SLICE_MULTIPLE} tokens)")
         return self
 
     @model_validator(mode="after")

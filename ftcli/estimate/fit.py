@@ -77,7 +77,27 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
-                          speed=speed_settings(recipe))
+                          speed=speed_settings(recipe), cp=t.context_parallel)
+
+
+def cp_degrees(s: memory.Setting) -> list[int]:
+    """The context-parallel degrees a full-SFT setting can take: powers of two that divide its GPUs and split its
+    block into slices of whole gated-delta chunks (ftcli.config.recipe.CP_SLICE_MULTIPLE)."""
+    from ftcli.config.recipe import CP_SLICE_MULTIPLE
+
+    if s.method != "full":
+        return [1]
+    out, n = [], 1
+    while n <= s.world and s.world % n == 0 and s.tokens % (n * CP_SLICE_MULTIPLE) == 0:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def smallest_cp_that_fits(shape: memory.ModelShape, s: memory.Setting, card_gb: float) -> int | None:
+    """The fewest context-parallel ranks per block with which `s` fits the card, no layer keeping its activations
+    (kept layers are speed, not need); None: no degree does; LoRA: 1."""
+    return next((n for n in cp_degrees(s) if fits_card(shape, replace(s, cp=n, keep=0), card_gb)[0]), None)
 
 
 def grouped_expert_lora(recipe: Recipe) -> bool:

@@ -26,6 +26,14 @@
                      it unsharded from forward to backward) and two decoder layers (the one computing and
                      the one prefetched), in the model dtype; no base gradients exist, so no reduce phase
 
+    context parallelism (`training.context_parallel: C`): each rank holds a slice of T / C tokens, so the
+    activations and the loss are those of T / C tokens, plus the buffers the slices share (`cp_buffer_bytes`):
+    the full-attention keys and values gathered over the group (2 x T x kv_dim), their per-segment copies at the
+    query heads' width (2 x T x q_dim: torch's varlen_attn has no GQA), for every full-attention layer whose
+    activations are stored and one more set for the gradient in backward; the gated-delta state exchange
+    (C x heads x dk x (dk + dv) fp32 per layer, tens of MB) and the conv halo are left out. Modelled, not measured
+    (benchmarks/cp_gpu.py measures a slice on one GPU).
+
     T = tokens per micro-batch (block_len x per_device_batch). K and F are fitted by least squares
     (`fit`) on the measured peaks in ftcli/assets/measured.json (one H200; BENCHMARKS.md); the fitted
     values are the constants below, and tests/test_memory_model.py checks both the fit and every measured
@@ -139,6 +147,7 @@ class Setting:
     # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft): every forward folds
     # W + s·A·B into a new expert-weight-sized tensor that autograd keeps for backward, one per stored layer
     merged_experts: bool = False
+    cp: int = 1  # full SFT: context-parallel ranks sharing each block (training.context_parallel)
     # speed settings (fit.speed_settings: fp8, compile, fused ops; LoRA's compile): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
@@ -199,8 +208,29 @@ def loss_bytes(shape: ModelShape, s: Setting) -> float:
     return 0.0  # TRL's LoRA loss: inside the fitted activations (its measurements are linear in T)
 
 
+def attention_dims(shape: ModelShape) -> tuple[int, int]:
+    """(query width, key width) of a full-attention layer: o_proj's input and k_proj's output; (0, 0) without."""
+    q = max((i for _, name, i, _ in shape.linear_shapes if name == "o_proj"), default=0)
+    kv = max((o for _, name, _, o in shape.linear_shapes if name == "k_proj"), default=0)
+    return q, kv
+
+
+def cp_buffer_bytes(shape: ModelShape, s: Setting) -> float:
+    """What context parallelism adds per rank beyond the slice's own activations (the module doc)."""
+    if s.cp == 1:
+        return 0.0
+    q_dim, kv_dim = attention_dims(shape)
+    full_layers = sum(1 for kind in shape.layer_kinds if kind == "full_attention") or shape.layers
+    stored, _ = _stored_layers(shape, s)
+    live = max(1, -(-stored * full_layers // shape.layers))  # stored full-attention layers (at least the one computing)
+    return (live + 1) * 2 * s.tokens * (kv_dim + q_dim) * s.compute_bytes
+
+
 def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = None) -> Estimate:
     """Peak GiB per GPU of `shape` trained with setting `s`."""
+    if s.cp > 1:  # a slice of T / C tokens per rank, plus the buffers the slices share (module doc)
+        local = estimate(shape, replace(s, tokens=s.tokens // s.cp, cp=1), stored_layer_bytes)
+        return replace(local, other=local.other + cp_buffer_bytes(shape, s) / GiB)
     k = FAMILIES[shape.family].stored_layer_bytes if stored_layer_bytes is None else stored_layer_bytes
     u = s.tokens * shape.hidden
     stored, checkpointed = _stored_layers(shape, s)

@@ -12,7 +12,8 @@ For the recipe's own accelerator and the other known cards, per GPU:
 then fits / does not; the settings that would fit when it does not (ftcli.estimate.fit); how many layers could
 keep their activations when it fits with room; and s/step, wall time and GPU-hours for the recipe's data
 (ftcli.estimate.datasize) from the step times measured in ftcli/assets/measured.json (ftcli.estimate.steptime;
-"no measurement" where there is none).
+"no measurement" where there is none); for full SFT, the fewest context-parallel ranks per block
+(`training.context_parallel`) with which the recipe's block length fits each card.
 
 Pure data + arithmetic: no torch, no model code (model shapes come from the shipped or local config.json; token
 counts from the pack cache, the synthetic config, or a sample of a local source). `ftcli.commands.plan` renders
@@ -31,7 +32,8 @@ from ftcli.config.accelerators import parse_accelerator as parse_name
 from ftcli.config.recipe import Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.datasize import DataSize, data_size
-from ftcli.estimate.fit import CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason, setting_of
+from ftcli.estimate.fit import (CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason,
+                                setting_of, smallest_cp_that_fits)
 from ftcli.estimate.shape import model_shape
 from ftcli.estimate.steptime import StepTime, step_time
 
@@ -52,12 +54,13 @@ class CardPlan:
     wall_hours: float | None
     gpu_hours: float | None
     sharding: str = "fsdp"  # LoRA: ddp (a whole base per GPU) | fsdp; full SFT: always fsdp
+    cp_fits: int | None = 1  # full SFT: the fewest context-parallel ranks per block that fit (None: none does)
 
     def to_dict(self) -> dict[str, Any]:
         return {"accelerator": self.accelerator, "card": self.card, "gpus": self.gpus, "own": self.own,
                 "sharding": self.sharding,
                 "memory_gib": self.estimate.to_dict(), "usable_gib": round(self.usable_gib, 2), "fits": self.fits,
-                "keep_layers": self.keep_layers, "fitting_settings": [list(s.overrides) for s in self.suggestions],
+                "keep_layers": self.keep_layers, "context_parallel_fits": self.cp_fits, "fitting_settings": [list(s.overrides) for s in self.suggestions],
                 "s_per_step": None if self.step.s_per_step is None else round(self.step.s_per_step, 4),
                 "step_source": self.step.source, "step_measured": self.step.measured,
                 "step_command": self.step.command, "why": self.why or None,
@@ -85,7 +88,7 @@ class Plan:
                 "frozen_params": self.frozen_params,
                 "setting": {"tokens_per_micro_batch": s.tokens, "master": s.master, "checkpointing": s.checkpointing,
                             "keep": s.keep, "loss": s.loss, "compute_bytes": s.compute_bytes,
-                            "adapter_params": s.adapter_params, "sharding": s.sharding},
+                            "adapter_params": s.adapter_params, "sharding": s.sharding, "context_parallel": s.cp},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
                 "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
 
@@ -138,14 +141,16 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     return CardPlan(accelerator=accelerator, card=card, gpus=world, own=accelerator == recipe.compute.accelerator_type,
                     estimate=e, usable_gib=memory.usable_gib(gb), fits=fits, keep_layers=keep,
                     suggestions=suggestions, why=why, step=st, wall_hours=wall,
-                    gpu_hours=None if wall is None else wall * world, sharding=s.sharding)
+                    gpu_hours=None if wall is None else wall * world, sharding=s.sharding,
+                    cp_fits=smallest_cp_that_fits(shape, s, gb))
 
 
 def _steps(recipe: Recipe, data: DataSize, world: int) -> int | None:
     t = recipe.training
     if data.blocks is None:
         return t.max_steps
-    steps = math.ceil(data.blocks * t.epochs / (world * t.per_device_batch * t.grad_accum))
+    data_parallel = world // getattr(t, "context_parallel", 1)  # the ranks of a CP group share each block
+    steps = math.ceil(data.blocks * t.epochs / (data_parallel * t.per_device_batch * t.grad_accum))
     return min(steps, t.max_steps) if t.max_steps else steps
 
 

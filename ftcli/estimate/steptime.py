@@ -34,6 +34,8 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     commands in `command`) and every scaling applied to it: "measured: ...", "scaled from ...: ...", or "no
     measurement for ..."."""
     world = world or s.world
+    if s.cp > 1:
+        return StepTime(None, f"no measurement with context parallelism ({s.cp} ranks per block)")
     rows = [r for r in memory.measured()["step_time"]
             if memory.shipped_shape(r["model"]).family == shape.family
             and memory.shipped_shape(r["model"]).hidden == shape.hidden and r["method"] == s.method

@@ -78,3 +78,4 @@ class Method:
     picks_sharding: bool  # training.sharding picks ddp (a whole base per GPU) or fsdp; else always FSDP2-sharded
     runs_features: bool  # the full-SFT training features (ftcli.features: precision, fused kernels, fused loss) apply
     master_weights: bool  # training.precision.master_dtype sets the trained weights' dtype (else float32 adapters)
+    splits_blocks: bool  # training.context_parallel applies: a block's slices over a group of ranks (plan, schema)

@@ -15,12 +15,12 @@ from ftcli.objectives.base import Method
 FULL = Method(
     name="full", label="full", writes_adapter=False, trains_base=True, checkpoint_kind="dcp", needs_packing=True,
     checkpointing=("none", "selective", "full"), keeps_layers=True, picks_sharding=False, runs_features=True,
-    master_weights=True,
+    master_weights=True, splits_blocks=True,
 )
 LORA = Method(
     name="lora", label="LoRA", writes_adapter=True, trains_base=False, checkpoint_kind="trl", needs_packing=False,
     checkpointing=("none", "full"),  # TRL checkpoints every decoder layer or none
-    keeps_layers=False, picks_sharding=True, runs_features=False, master_weights=False,
+    keeps_layers=False, picks_sharding=True, runs_features=False, master_weights=False, splits_blocks=False,
 )
 
 METHODS = {m.name: m for m in (FULL, LORA)}

@@ -119,6 +119,17 @@ def _processes_per_node(recipe) -> tuple[int, str]:
     return recipe.training.cpu_processes, "CPU process"
 
 
+def check_context_parallel(recipe) -> None:
+    """One UserError, before the run dir is touched, when the launch's ranks do not split into whole
+    context-parallel groups (`training.context_parallel` consecutive ranks share each block)."""
+    cp = getattr(recipe.training, "context_parallel", 1)
+    nproc, unit = _processes_per_node(recipe)
+    ranks = nproc * int(os.environ.get("NUM_NODES", "1"))
+    if ranks % cp:
+        raise UserError(f"training.context_parallel={cp} does not divide the {ranks} ranks of this launch ({nproc} "
+                        f"{unit}(s) per node); use a divisor of {ranks}")
+
+
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
     if resume not in (None, "latest"):
@@ -136,6 +147,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     except KeyboardInterrupt:
         print("interrupted before training started; nothing to resume", file=sys.stderr)
         raise SystemExit(exit_code(signal.SIGINT)) from None
+    check_context_parallel(recipe)
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
     export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
     nproc, unit = _processes_per_node(recipe)
