@@ -21,6 +21,7 @@ from ftcli.config.recipe import Recipe, TRAINING_BY_METHOD, dump_recipe, load_re
 BASE = {"full": "tiny-qwen-cpu", "lora": "tiny-gpt-oss-cpu"}
 # Values the walk cannot make up from a key's type alone (a rule between keys, or a format of its own).
 HAND_VALUES: dict[str, list[Any]] = {
+    "compute.slurm.time_limit": ["04:00:00"],
     "model.id": ["org/other-model"],
     "model.revision": ["0123456789abcdef0123456789abcdef01234567"],
     "model.tokenizer": ["pkg://assets/tokenizers/qwen"],
@@ -51,6 +52,7 @@ WITH = {
 ONE_VALUE = {("full", "training.objective"), ("lora", "training.objective"), ("full", "training.optimizer.name"),
              ("lora", "training.optimizer.name"), ("lora", "training.loss.impl")}
 EVAL = {"holdout": 0.1}
+DROPS_SECTION = {"eval.enabled": "eval"}  # false turns the section off: it loads as None
 # Lists of sections, walked through their first entry: the entries each list starts from (two data sources, so
 # the list is not the one-source shorthand's normal form; the shorthand keys go back to their defaults)
 _SOURCES = [{"source": "local", "path": "pkg://assets/tiny_chat.jsonl", "format": "messages"},
@@ -169,7 +171,7 @@ def _varied(method: str, key: str, annotation: Any, default: Any) -> tuple[Recip
             recipe = Recipe.model_validate(data)
         except Exception:
             continue
-        return recipe, _attr(recipe, key)
+        return recipe, value if key in DROPS_SECTION else _attr(recipe, key)
     if (method, key) in ONE_VALUE:
         return Recipe.model_validate(base), _plain(default)
     return None
@@ -206,7 +208,7 @@ def test_every_schema_key_round_trips_through_run_recipe_and_workload(method, ke
     """Set the key to a value other than its default, then read it back from <run>/recipe.yaml (written as the
     launcher writes it, ftcli.artifacts.rundir.prepare_run_dir) and from a rendered workload's parameters."""
     from ftcli.artifacts.rundir import prepare_run_dir
-    from ftcli.commands.workload import build_workload
+    from ftcli.launchers.databricks import build_workload
 
     varied = _varied(method, key, annotation, default)
     assert varied is not None, f"{key}: no value other than the default validates; add one to HAND_VALUES"
@@ -216,13 +218,17 @@ def test_every_schema_key_round_trips_through_run_recipe_and_workload(method, ke
     in_tmp = recipe.model_copy(update={"output": recipe.output.model_copy(update={"dir": str(tmp_path / "run")})})
     run_dir = prepare_run_dir(in_tmp)
     reloaded = load_recipe(str(run_dir / "recipe.yaml"))
+    parameters = yaml.safe_load(yaml.safe_dump(build_workload(recipe)))["parameters"]
+    shown = Recipe.model_validate(yaml.safe_load(dump_recipe(recipe)))  # `ftcli recipes show`
+    if key in DROPS_SECTION:
+        assert _attr(recipe, DROPS_SECTION[key]) is None
+        assert [_attr(r, DROPS_SECTION[key]) for r in (reloaded, Recipe.model_validate(parameters), shown)] == [None] * 3
+        return
     if key not in MASKED_IN_RUN_DIR:
         assert _attr(reloaded, key) == value
-
-    parameters = yaml.safe_load(yaml.safe_dump(build_workload(recipe)))["parameters"]
     if key not in MASKED_IN_WORKLOAD:
         assert _attr(Recipe.model_validate(parameters), key) == value
-    assert _attr(Recipe.model_validate(yaml.safe_load(dump_recipe(recipe))), key) == value  # `ftcli recipes show`
+    assert _attr(shown, key) == value
 
 
 def test_the_walk_covers_every_training_key_of_both_methods():

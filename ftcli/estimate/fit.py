@@ -85,7 +85,7 @@ def cp_degrees(s: memory.Setting) -> list[int]:
     block into slices of whole gated-delta chunks (ftcli.config.recipe.CP_SLICE_MULTIPLE)."""
     from ftcli.config.recipe import CP_SLICE_MULTIPLE
 
-    if s.method != "full":
+    if not method_of(s.method).splits_blocks:
         return [1]
     out, n = [], 1
     while n <= s.world and s.world % n == 0 and s.tokens % (n * CP_SLICE_MULTIPLE) == 0:
