@@ -675,3 +675,21 @@ def test_generate_input_rows_carry_parsed_tool_calls():
     assert parse_tool_calls(hermes) == ([{"name": "get_weather", "arguments": {"city": "Paris"}}], "")
     plain = generate.Completion(text="Hi.", reasoning=None, raw="\n</think>\n\nHi.")
     assert generate.reply_fields(tok, ASK, plain) == {"completion": "Hi.", "reasoning": None}
+
+
+def test_each_chat_format_parses_its_own_tool_calls():
+    """A reply's tool calls are parsed by its template's chat format only (ChatML's text in a harmony reply stays
+    text); without a known format, by every format's parsers."""
+    from ftcli.chat_formats import CHAT_FORMATS
+    from ftcli.inference.tool_calls import parse_tool_calls
+
+    hermes = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    harmony = ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    call = [{"name": "f", "arguments": {"a": 1}}]
+    assert parse_tool_calls(hermes, CHAT_FORMATS["chatml"]) == (call, "")
+    assert parse_tool_calls(hermes, CHAT_FORMATS["harmony"]) == ([], hermes)
+    assert parse_tool_calls(harmony, CHAT_FORMATS["harmony"]) == (call, "<|call|>")
+    assert parse_tool_calls(harmony, CHAT_FORMATS["chatml"]) == ([], harmony)
+    assert parse_tool_calls(hermes + harmony) == (call + call, "<|call|>")
+    completion = generate.Completion(text=hermes, reasoning=None, raw="<|channel|>final<|message|>" + hermes)
+    assert generate.reply_fields(_tokenizer("gpt-oss"), ASK, completion) == {"completion": hermes, "reasoning": None}
