@@ -358,30 +358,27 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
 
 
 def save_final_adapter(trainer, final: Path, sharding: str) -> None:
-    """The adapter + tokenizer + chat template into `final`, written beside it and renamed in (main process): a
-    save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
-    import shutil
-
+    """The adapter + tokenizer + chat template into `final`, written in place with its record last (main process;
+    ftcli.artifacts.publish: no rename): a save that an OSError stops (a full disk) leaves no partial `final` and is
+    one line (`export_not_written`)."""
+    from ftcli.artifacts.publish import begin_export, publish_export, remove_export
     from ftcli.train.checkpoint import WRITE_ERRORS, export_not_written
 
     main = trainer.args.process_index == 0
-    tmp = final.with_name(f".tmp_{final.name}")
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        begin_export(final)
     try:
         if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
-            save_adapter(trainer.model, trainer.processing_class, tmp)
+            save_adapter(trainer.model, trainer.processing_class, final)
         else:
-            trainer.save_model(str(tmp))  # main process
+            trainer.save_model(str(final))  # main process
     except WRITE_ERRORS as e:
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_export(final)
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         raise export_not_written("the adapter", final, e, needed) from None
     if main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_export(final)
 
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
