@@ -269,8 +269,22 @@ CODE_SOURCE_VARS = ("${CODE_SOURCE_PATH}", "$CODE_SOURCE_PATH")
 _HOPPER = {"H100", "H200", "H800", "H20", "GH200"}
 
 
+DELTALAKE = "deltalake==1.6.6"  # the `databricks` extra's reader of `source: delta` (ftcli.data.delta)
+
+
+def data_requirements(recipe: Recipe) -> list[tuple[str, str]]:
+    """(pip requirement, why) for the readers of the recipe's data (training and eval) beyond ftcli's own."""
+    ev = recipe.eval
+    kinds = {s.source for s in recipe.data.source_list()}
+    if ev is not None:
+        kinds |= {ev.source} if ev.path else set()
+        kinds |= {s.source for s in ev.sources or []}
+    return [(DELTALAKE, "data.source=delta reads the Delta table with delta-rs")] if "delta" in kinds else []
+
+
 def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
-    """(pip requirement, why) for the kernels this recipe needs beyond ftcli's own dependencies.
+    """(pip requirement, why) for the kernels (and the data readers: `data_requirements`) this recipe needs beyond
+    ftcli's own dependencies.
 
     Setup is paid at the start of every run, so only wheels: no CUDA source builds.
     """
@@ -281,7 +295,7 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     from ftcli import features
 
     reqs += features.requirements(recipe)  # the training features' pins (ftcli.features)
-    return reqs
+    return reqs + data_requirements(recipe)
 
 
 def _shell_spec(spec: str) -> tuple[str, bool]:
