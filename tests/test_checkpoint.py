@@ -200,6 +200,23 @@ def test_a_checkpoint_under_volumes_goes_through_the_vendors_dcp_storage():
     assert type(local) is FileSystemWriter and type(dcp_storage(Path("/tmp/x"), "reader")) is FileSystemReader
 
 
+def test_a_link_planted_at_a_checkpoint_or_export_path_is_unlinked_never_written_through(tmp_path, one_rank):
+    from ftcli.artifacts.publish import EXPORT_RECORD, begin_export
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "meta.json").write_text("keep")
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step_00000001").symlink_to(victim)
+    path = _save(root, 1)
+    assert not path.is_symlink() and json.loads((path / "meta.json").read_text())["step"] == 1
+    (tmp_path / "final").symlink_to(victim)
+    begin_export(tmp_path / "final")
+    assert not (tmp_path / "final").is_symlink() and (tmp_path / "final" / EXPORT_RECORD).is_file()
+    assert [p.name for p in victim.iterdir()] == ["meta.json"] and (victim / "meta.json").read_text() == "keep"
+
+
 def test_a_save_killed_before_its_commit_is_never_listed_or_resumed_and_is_removed_at_the_next_start(
         tmp_path, one_rank, monkeypatch):
     """A kill after every shard is on disk but before meta.json (the commit) leaves step_N with its shards and no

@@ -28,8 +28,11 @@ EXPORT_RECORD = "ftcli_export.json"
 
 def begin_export(out_dir: Path) -> None:
     """Before the first file of an export is written: `out_dir` exists, holds only a record that says
-    incomplete (an earlier export there is unpublished, then removed)."""
+    incomplete (an earlier export there is unpublished, then removed; a link planted there is unlinked, never
+    written through)."""
     out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        out_dir.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / EXPORT_RECORD, json.dumps({"complete": False}) + "\n")  # unpublished before anything goes
     for entry in sorted(out_dir.iterdir()):
@@ -51,6 +54,9 @@ def publish_export(out_dir: Path) -> None:
 
 def remove_export(out_dir: Path) -> None:
     """An export that failed: its record first (so what is left is never taken as whole), then the dir."""
+    if Path(out_dir).is_symlink():
+        Path(out_dir).unlink()
+        return
     (Path(out_dir) / EXPORT_RECORD).unlink(missing_ok=True)
     shutil.rmtree(out_dir, ignore_errors=True)
 

@@ -233,7 +233,10 @@ def save_checkpoint(
 
 def _unpublish_and_remove(ckpt_dir: Path) -> None:
     """Remove a checkpoint dir, its meta.json first: a removal that stops half-way (a kill) leaves a dir that is
-    never listed as committed (and the next start removes it)."""
+    never listed as committed (and the next start removes it). A link planted there is unlinked, never followed."""
+    if ckpt_dir.is_symlink():
+        ckpt_dir.unlink()
+        return
     (ckpt_dir / "meta.json").unlink(missing_ok=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
