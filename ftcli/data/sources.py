@@ -114,18 +114,21 @@ def fingerprint(data) -> dict[str, Any]:
     return {"source": "local", "path": str(root.resolve()), "split": data.split, "files": files}
 
 
-def origin(data) -> dict[str, Any]:
-    """Where a source's rows come from, as run.json and MLflow's dataset inputs record it: kind, path (a delta
-    table's URI or Unity Catalog name as given), revision (a hub commit, the delta version read; None: unpinned
+def origin(data, holdout=None) -> dict[str, Any]:
+    """Where a source's rows come from, as run.json and MLflow's dataset inputs record it: kind, path (a local
+    file or dir made absolute; a hub id, a delta table's path or Unity Catalog name as given), revision (a hub commit, the delta version read; None: unpinned
     hub data, files), split, and a digest of `fingerprint` (what the pack cache key holds: the files' names,
-    sizes and times, a table's version), so two runs that read the same rows have the same digest."""
+    sizes and times, a table's version) and of `holdout` (ftcli.data.spec.Holdout: the training side and the eval
+    side of eval.holdout are two datasets), so two runs that read the same rows have the same digest."""
     import hashlib
 
     key = fingerprint(data)
+    hashed = {**key, "holdout": vars(holdout)} if holdout is not None else key
     revision = key.get("version", data.revision if data.source == "hub" else None)
-    return {"kind": data.source, "path": data.path if data.source != "synthetic" else None,
+    path = key["path"] if data.source == "local" else data.path  # a local path made absolute (pkg:// resolved)
+    return {"kind": data.source, "path": path if data.source != "synthetic" else None,
             "revision": None if revision is None else str(revision), "split": data.split,
-            "digest": hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}
+            "digest": hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:16]}
 
 
 def open_rows(data, limit: int | None = None) -> tuple[Iterator[tuple[int, Any]], int | None]:

@@ -302,7 +302,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
         summary = data.data_summary(recipe, data.open_prepared(recipe, tokenizer))
         evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
-        announce_data(summary, evaluator, tracker=tracker,
+        announce_data(recipe, summary, evaluator, tracker=tracker,
                       say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
