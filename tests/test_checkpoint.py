@@ -28,7 +28,8 @@ def _trl(root, step):
 
 def test_resume_resolves_latest_a_dir_or_a_folder_of_checkpoints(tmp_path):
     """Both kinds: None -> fresh start; "latest" and a checkpoints/ folder -> the newest complete one; a
-    checkpoint dir -> itself. An unfinished save (.tmp_ dir, no meta.json) is never picked."""
+    checkpoint dir -> itself. An unfinished save (a step dir without meta.json, an older ftcli's .tmp_ dir) is never
+    picked."""
     from ftcli.train.checkpoint import resolve_resume
 
     for kind, make in (("dcp", _dcp), ("trl", _trl)):
@@ -36,6 +37,8 @@ def test_resume_resolves_latest_a_dir_or_a_folder_of_checkpoints(tmp_path):
         root = run / "checkpoints"
         older, newer = make(root, 2), make(root, 10)
         (root / ".tmp_step_00000012").mkdir()
+        (root / "step_00000014").mkdir()  # a save in progress: its shards, no meta.json yet
+        (root / "step_00000014" / "__0_0.distcp").write_bytes(b"partial")
         assert resolve_resume(run, None, kind=kind) is None
         assert resolve_resume(run, "latest", kind=kind) == newer
         assert resolve_resume(run, str(root), kind=kind) == newer
@@ -125,7 +128,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_last_checkpoint_survives(tm
         _save(root, 2)
     message = str(err.value)
     assert message.startswith("the checkpoint of step 2 could not be saved: No space left on device "
-                              f"({root}/.tmp_step_00000002/")
+                              f"({root}/step_00000002/")
     assert message.endswith(
         f"[errno 28]; the last good checkpoint, step 1 ({good}), is intact: free space, then resume with "
         f"`ftcli train --recipe {tmp_path}/recipe.yaml --resume`")
@@ -134,6 +137,117 @@ def test_disk_full_during_a_save_is_one_line_and_the_last_checkpoint_survives(tm
     assert sorted(p.name for p in good.iterdir()) == good_files
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # the half-written save is gone
     assert "Traceback" not in capsys.readouterr().err
+
+
+def _count_renames(monkeypatch) -> list[tuple[str, int]]:
+    """(destination name, bytes moved) of every rename from here on (os.rename, os.replace, Path.rename: what
+    a UC Volume's FUSE mount turns into a server-side copy of that many bytes)."""
+    import os
+
+    moved, rename, replace = [], os.rename, os.replace
+
+    def size(path) -> int:
+        path = Path(path)
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+    def counted(real):
+        def move(src, dst, *args, **kwargs):
+            moved.append((Path(dst).name, size(src)))
+            return real(src, dst, *args, **kwargs)
+        return move
+
+    monkeypatch.setattr(os, "rename", counted(rename))
+    monkeypatch.setattr(os, "replace", counted(replace))
+    return moved
+
+
+def test_a_commit_renames_only_its_two_small_markers(tmp_path, one_rank, monkeypatch):
+    """Shards are written at their final paths; a commit renames DCP's .metadata and ftcli's meta.json (written
+    last) and nothing else: the bytes renamed per checkpoint are those two files' sizes, whatever the model size.
+    Rotation (keep_last) removes the oldest only after the newest is committed."""
+    from ftcli.train.checkpoint import list_checkpoints
+
+    root = tmp_path / "checkpoints"
+    moved = _count_renames(monkeypatch)
+    first = _save(root, 1)
+    assert sorted(name for name, _ in moved) == [".metadata", "meta.json"]
+    markers = (first / ".metadata").stat().st_size + (first / "meta.json").stat().st_size
+    assert sum(n for _, n in moved) == markers
+    shards = sum(p.stat().st_size for p in first.iterdir() if p.name not in (".metadata", "meta.json"))
+    assert shards > 0 and markers < 8192  # the markers do not grow with the model
+    for step in (2, 3, 4):
+        moved.clear()
+        _save(root, step)
+        assert sorted(name for name, _ in moved) == [".metadata", "meta.json"]
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000002", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+def test_a_checkpoint_under_volumes_goes_through_the_vendors_dcp_storage():
+    """Under /Volumes, DCP writes and reads through databricks-sdk-air's UCVolumeWriter / UCVolumeReader (the
+    `databricks` extra); elsewhere through torch's FileSystemWriter / Reader. (Constructing them touches no
+    Volume: writing to one needs a workspace.)"""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from ftcli.train.checkpoint import dcp_storage
+
+    air = pytest.importorskip("databricks.air.data")
+    volume = Path("/Volumes/main/ml/ckpts/run/checkpoints/step_00000200")
+    writer, reader = dcp_storage(volume, "writer"), dcp_storage(volume, "reader")
+    assert (type(writer), type(reader)) == (air.UCVolumeWriter, air.UCVolumeReader)
+    assert str(writer.path) == str(volume) and writer.validate_checkpoint_id(volume)
+    local = dcp_storage(Path("/tmp/run/checkpoints/step_00000200"), "writer")
+    assert type(local) is FileSystemWriter and type(dcp_storage(Path("/tmp/x"), "reader")) is FileSystemReader
+
+
+def test_a_link_planted_at_a_checkpoint_or_export_path_is_unlinked_never_written_through(tmp_path, one_rank):
+    from ftcli.artifacts.publish import EXPORT_RECORD, begin_export
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "meta.json").write_text("keep")
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step_00000001").symlink_to(victim)
+    path = _save(root, 1)
+    assert not path.is_symlink() and json.loads((path / "meta.json").read_text())["step"] == 1
+    (tmp_path / "final").symlink_to(victim)
+    begin_export(tmp_path / "final")
+    assert not (tmp_path / "final").is_symlink() and (tmp_path / "final" / EXPORT_RECORD).is_file()
+    assert [p.name for p in victim.iterdir()] == ["meta.json"] and (victim / "meta.json").read_text() == "keep"
+
+
+def test_a_save_killed_before_its_commit_is_never_listed_or_resumed_and_is_removed_at_the_next_start(
+        tmp_path, one_rank, monkeypatch):
+    """A kill after every shard is on disk but before meta.json (the commit) leaves step_N with its shards and no
+    meta.json: not listed, not resumed from, `--resume <it>` refused; the previous checkpoint is intact; the next
+    start removes it. (SystemExit stands for the kill: nothing of the save runs after it.)"""
+    import ftcli.train.checkpoint as ckpt
+
+    root = tmp_path / "run" / "checkpoints"
+    good = _save(root, 1)
+    real = ckpt.write_atomic
+
+    def killed_at_commit(path, text):
+        if Path(path).name == "meta.json":
+            raise SystemExit(137)
+        real(path, text)
+
+    monkeypatch.setattr(ckpt, "write_atomic", killed_at_commit)
+    with pytest.raises(SystemExit):
+        _save(root, 2)
+    monkeypatch.setattr(ckpt, "write_atomic", real)
+    partial = root / "step_00000002"
+    assert sorted(p.name for p in partial.iterdir()) == [".metadata", "__0_0.distcp", "rank_00000.json",
+                                                         "rank_00000.safetensors"]
+    assert ckpt.list_checkpoints(root) == [good]
+    assert ckpt.resolve_resume(tmp_path / "run", "latest") == good
+    with pytest.raises(UserError, match="not a complete ftcli checkpoint"):
+        ckpt.resolve_resume(tmp_path / "run", str(partial))
+    ckpt.verify_checkpoint(good)  # every file as its save wrote it
+    assert ckpt.remove_interrupted_saves(root) == [partial]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+    assert _save(root, 2) == partial and ckpt.list_checkpoints(root) == [good, partial]
 
 
 def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path, one_rank, monkeypatch):
@@ -156,8 +270,8 @@ def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path
 
 def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export(tmp_path, one_rank, monkeypatch):
     """ENOSPC while save_pretrained writes the export (an OSError, or safetensors' own error): one UserError naming
-    the file, the space the export needs and the space free; the half-written .tmp_final is removed and an earlier
-    final/ is left as it was."""
+    the file, the space the export needs and the space free; the half-written final/ is removed (the export is
+    written in place: an earlier final/ there was unpublished and removed first, never mixed with the new files)."""
     import errno
     import os
     import shutil
@@ -187,10 +301,9 @@ def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export
     needed = sum(t.numel() * 4 for t in model.state_dict().values()) / 2**20
     assert str(err.value) == (
         f"the Hugging Face export to {out} could not be written: No space left on device "
-        f"({tmp_path / '.tmp_final' / 'model.safetensors'}) [errno 28]; it needs about {needed:,.1f} MiB, 1.5 MiB are "
+        f"({out / 'model.safetensors'}) [errno 28]; it needs about {needed:,.1f} MiB, 1.5 MiB are "
         "free there: free space; nothing half-written is left in its place")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp_final
-    assert (out / "model.safetensors").read_bytes() == b"an earlier export"
+    assert list(tmp_path.iterdir()) == []  # no partial final/, no .tmp_final
 
     from safetensors import SafetensorError
 
@@ -205,7 +318,49 @@ def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export
         f"the Hugging Face export to {out} could not be written: Error while serializing: I/O error: No space left "
         f"on device (os error 28); it needs about {needed:,.1f} MiB, 1.5 MiB are free there: free space; nothing "
         "half-written is left in its place")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_hf_export_is_written_in_place_and_published_by_its_record(tmp_path, one_rank, monkeypatch):
+    """The export renames only its small record (ftcli_export.json: "incomplete" first, the file list last); an
+    earlier export at that path is unpublished before its files go; a reader (`locate`) refuses an export whose
+    record says incomplete or whose file has another size, and reads a dir without a record as before."""
+    import json as json_
+
+    import torch
+
+    from ftcli.artifacts.publish import EXPORT_RECORD
+    from ftcli.artifacts.resolve import locate
+    from ftcli.config.recipe import load_recipe
+    from ftcli.model.build import build_empty_model, load_model
+    from ftcli.data.chat import load_tokenizer
+    from ftcli.train.checkpoint import save_hf_checkpoint
+
+    recipe = load_recipe("tiny-qwen-cpu")
+    model = load_model(recipe.model, dtype=torch.float32)
+    out = tmp_path / "final"
+    out.mkdir()
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"an earlier export's shard")
+    moved = _count_renames(monkeypatch)
+    save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32), load_tokenizer(recipe),
+                       out, torch.float32)
+    assert {name for name, _ in moved} == {EXPORT_RECORD}
+    assert sum(n for _, n in moved) < 4096
+    record = json_.loads((out / EXPORT_RECORD).read_text())
+    assert record["complete"] is True and "model-00009-of-00009.safetensors" not in record["files"]
+    assert record["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size
+    assert sorted(record["files"]) == sorted(p.name for p in out.iterdir() if p.name != EXPORT_RECORD)
+    assert locate(out).model_dir == out
+
+    (out / "config.json").write_text((out / "config.json").read_text() + " ")
+    with pytest.raises(UserError, match=rf"^{out} is not a whole model export: config.json has \d+ bytes, the "
+                                        r"export wrote \d+; export it again"):
+        locate(out)
+    (out / EXPORT_RECORD).write_text(json_.dumps({"complete": False}))
+    with pytest.raises(UserError, match="says the export is incomplete"):
+        locate(out)
+    (out / EXPORT_RECORD).unlink()  # an older ftcli's export, or a model from elsewhere
+    assert locate(out).kind == "checkpoint"
 
 
 def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one(tmp_path, capsys):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ftcli import hardware
 
 
@@ -21,6 +23,21 @@ def test_one_card_table_serves_the_plan_and_the_mfu():
     assert hardware.card_of("NVIDIA H100 80GB HBM3").bf16_flops == 989e12
     assert hardware.card_of("NVIDIA A10G").name == "A10" and hardware.card_of("NVIDIA L4").bf16_flops == 121e12
     assert hardware.card_of("AMD Instinct MI300X") is None
+
+
+def test_accelerator_types_are_the_vendors():
+    """ftcli's AI Runtime accelerator types are databricks-sdk-air's `AcceleratorType`, name for name, with the same
+    GPUs per node; each names a card ftcli plans for, and each matches the recipe's accelerator_type form. This
+    fails when the vendor adds a type ftcli does not know."""
+    from ftcli.config.recipe import ACCELERATOR_RE
+
+    compute = pytest.importorskip("databricks.air.compute")  # the `databricks` and `dev` extras install it
+    vendor = {t.value: t.gpus_per_node for t in compute.AcceleratorType}
+    ours = {name: gpus for name, (_, gpus) in hardware.ACCELERATOR_TYPES.items()}
+    assert ours == vendor, f"the vendor's accelerator types differ: theirs {vendor}, ftcli's {ours}"
+    for name, (card, gpus) in hardware.ACCELERATOR_TYPES.items():
+        assert hardware.CARDS[card].memory_gb and int(ACCELERATOR_RE.fullmatch(name).group(1)) == gpus
+        assert card.lower() in compute.AcceleratorType(name).gpu_type.value  # a10, h100_80gb, b300
 
 
 def test_reading_the_cpu_machine_imports_no_torch_and_keeps_the_callers_packages():

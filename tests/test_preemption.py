@@ -70,12 +70,12 @@ def test_interrupted_saves_are_removed_and_committed_ones_kept(tmp_path):
     from ftcli.train.checkpoint import checkpoint_step, rank_state_source, remove_interrupted_saves
 
     root = tmp_path / "checkpoints"
-    for name in ("step_00000004", ".tmp_step_00000006", ".tmp_step_00000008"):
+    for name in ("step_00000004", ".tmp_step_00000006", "step_00000008"):  # .tmp_: an older ftcli's save
         (root / name).mkdir(parents=True)
         (root / name / "__0_0.distcp").write_bytes(b"x")
     (root / "step_00000004" / "meta.json").write_text("{}")
     removed = remove_interrupted_saves(root)
-    assert [p.name for p in removed] == [".tmp_step_00000006", ".tmp_step_00000008"]
+    assert [p.name for p in removed] == [".tmp_step_00000006", "step_00000008"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
     assert remove_interrupted_saves(tmp_path / "none") == []
     assert checkpoint_step(root / "step_00000004") == 4 and checkpoint_step(Path("x/checkpoint-12")) == 12
@@ -179,7 +179,7 @@ def test_every_way_a_run_stops_leaves_a_resumable_run_and_resume_reproduces_it(u
     assert proc.returncode == 143, err[-3000:]
     first = stop_line(out, err, run_dir)
     assert 2 <= first < STEPS - 8
-    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the stop's checkpoint, no .tmp
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the stop's checkpoint, committed
     assert logged_steps(run_dir) == list(range(1, first + 1))
     assert not (run_dir / "run.json").exists()
 
@@ -187,8 +187,8 @@ def test_every_way_a_run_stops_leaves_a_resumable_run_and_resume_reproduces_it(u
     # a line cut short, a half-written checkpoint
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": first + 1, "loss": 0.0}) + '\n{"step": ')
-    (ckpts / f".tmp_step_{first + 1:08d}").mkdir()
-    (ckpts / f".tmp_step_{first + 1:08d}" / "__0_0.distcp").write_bytes(b"partial")
+    (ckpts / f"step_{first + 1:08d}").mkdir()  # shards at their final paths, no meta.json: not committed
+    (ckpts / f"step_{first + 1:08d}" / "__0_0.distcp").write_bytes(b"partial")
 
     # 2. --resume; while it trains a second `ftcli train` on the run dir is refused; then SIGKILL to the
     # launcher's process group: every worker is gone within 5 s and nothing writes after
@@ -214,7 +214,7 @@ def test_every_way_a_run_stops_leaves_a_resumable_run_and_resume_reproduces_it(u
     killed_at = max(logged_steps(run_dir))
     time.sleep(1.5)
     assert logged_steps(run_dir) == list(range(1, killed_at + 1))  # truncated at `first`, then each step once
-    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the planted .tmp removed
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{first:08d}"]  # the planted partial save removed
 
     # 3. --resume, then Ctrl-C (SIGINT to the launcher's process group) once it trains past the killed run
     proc = start(resume, tmp_path, env)

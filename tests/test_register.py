@@ -36,6 +36,13 @@ HUB_BASE = "openai/gpt-oss-20b"
 HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 SECRET_VALUE = "s3cr3t-value-never-logged"
 CHAT = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}
+RECIPE_DIGEST = "0123456789abcdef"
+DATA_SOURCES = [  # run.json's lineage, as ftcli.train.lifecycle.data_sources writes it
+    {"label": "main.sft.chats", "context": "training", "kind": "delta", "path": "main.sft.chats", "revision": "12",
+     "split": "train", "digest": "aaaabbbbccccdddd", "rows_read": 40, "rows_kept": 39},
+    {"label": "pkg://assets/tiny_chat.jsonl", "context": "eval", "kind": "local", "path": "pkg://assets/tiny_chat.jsonl",
+     "revision": None, "split": "validation", "digest": "eeeeffff00001111", "rows_read": 8, "rows_kept": 8},
+]
 
 
 # ------------------------------------------------------------------------------------- fixtures
@@ -114,6 +121,7 @@ def _write_run_json(run_dir: Path, method: str, recipe: dict, mlflow_info: dict 
         "ftcli_version": "0.1.0", "method": method, "recipe": recipe, "model_dir": "final",
         "base_model": base_model, "mlflow": mlflow_info, "steps": 3, "tokens": {"trained": 300, "seen": 900},
         "final_loss": 2.5, "throughput": {"tokens_per_s": 1000.0, "s_per_step": 0.3}, "status": "completed",
+        "recipe_digest": RECIPE_DIGEST, "data_sources": DATA_SOURCES,
     }
     (run_dir / "run.json").write_text(json.dumps(run))
 
@@ -411,7 +419,16 @@ def test_alias_is_moved_only_with_force(tmp_path, tiny_full_final, sqlite_uri):
 
     moved = reg.run_register(run_dir, name="q", alias="champion", force=True)
     assert (moved.version, moved.previous_alias_version) == ("2", "1")
-    assert str(client.get_model_version_by_alias("q", "champion").version) == "2"
+    version = client.get_model_version_by_alias("q", "champion")
+    assert str(version.version) == "2"
+    # lineage on the version: which data, which recipe, which base (run.json's data_sources and recipe digest)
+    lineage = {k: v for k, v in version.tags.items() if k.startswith(("ftcli.data", "ftcli.recipe", "ftcli.base"))}
+    assert lineage == {
+        "ftcli.data.training.0": "delta main.sft.chats@12 (train) rows 40 read, 39 kept, digest aaaabbbbccccdddd",
+        "ftcli.data.eval.0": "local pkg://assets/tiny_chat.jsonl (validation) rows 8 read, 8 kept, digest eeeeffff00001111",
+        "ftcli.data.training.count": "1", "ftcli.data.eval.count": "1",
+        "ftcli.recipe": "tiny-qwen-cpu", "ftcli.recipe_digest": RECIPE_DIGEST, "ftcli.base": "random init (qwen3_5_text)",
+    }
 
 
 # ------------------------------------------------------------------------------ errors, no MLflow

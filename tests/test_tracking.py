@@ -112,3 +112,66 @@ def test_a_run_that_exits_without_finishing_is_failed_in_mlflow_not_finished(tmp
     stopped, failed = res.stdout.split()
     client = MlflowClient(uri)
     assert (client.get_run(stopped).info.status, client.get_run(failed).info.status) == ("KILLED", "FAILED")
+
+
+def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_version(tmp_path):
+    """A run over a Delta table (version 1 of 2) logs it as an MLflow dataset input: a Delta source with the
+    table's path and the version read, the digest run.json records, rows read and kept as input tags; the recipe
+    digest as a run tag. `registry.lineage_tags` turns the run record into the model version's tags, which a
+    registered version on the same local store reads back (which data, which recipe, which base)."""
+    import sys
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+    from mlflow import MlflowClient
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _data_common import recipe as data_recipe, tokenizer
+
+    from ftcli.artifacts import registry
+    from ftcli.artifacts.rundir import RunRecord, new_run_record, recipe_digest
+    from ftcli.artifacts.tracking import start_tracking
+    from ftcli.data import data_summary, prepare_blocks
+    from ftcli.train.lifecycle import announce_data, data_sources
+
+    table = tmp_path / "chats"
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(12)]
+    write_deltalake(str(table), pa.Table.from_pylist(rows[:8]))
+    write_deltalake(str(table), pa.Table.from_pylist(rows[8:]), mode="append")
+    write_deltalake(str(table), pa.Table.from_pylist(rows[:2]), mode="append")  # version 2: not read
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = data_recipe(tmp_path, data__source="delta", data__path=table, data__revision=1,
+                         tracking__tracking_uri=uri, tracking__log_system_metrics="false")
+    summary = data_summary(recipe, prepare_blocks(recipe, tokenizer("qwen")))
+    tracker = start_tracking(recipe, run_dir=tmp_path / "run")
+    announce_data(recipe, summary, SimpleNamespace(packed={}), say=lambda line: None, tracker=tracker)
+    tracker.finish()
+
+    (source,) = data_sources(recipe, summary, SimpleNamespace(packed={}))
+    assert (source.kind, source.path, source.revision, source.rows_read, source.rows_kept) == \
+        ("delta", str(table), "1", 12, 12)
+    client = MlflowClient(uri)
+    run = client.get_run(tracker.info["run_id"])
+    (logged,) = run.inputs.dataset_inputs
+    assert (logged.dataset.name, logged.dataset.digest, logged.dataset.source_type) == (str(table), source.digest,
+                                                                                       "delta_table")
+    assert json.loads(logged.dataset.source) == {"path": str(table), "delta_table_version": 1}
+    tags = {t.key: t.value for t in logged.tags}
+    assert tags == {"mlflow.data.context": "training", "ftcli.split": "train", "ftcli.rows_read": "12",
+                    "ftcli.rows_kept": "12", "ftcli.kind": "delta", "ftcli.revision": "1"}
+    assert run.data.tags["ftcli.recipe_digest"] == recipe_digest(recipe)
+
+    record = RunRecord.model_validate_json(new_run_record(
+        recipe, method="full", mlflow=tracker.info, recipe_digest=recipe_digest(recipe),
+        data_sources=[source]).model_dump_json())  # as run.json holds it
+    client.create_registered_model("tiny")
+    (tmp_path / "model").mkdir()
+    version = client.create_model_version("tiny", source=str(tmp_path / "model"), run_id=run.info.run_id,
+                                          tags=registry.lineage_tags(record))
+    got = client.get_model_version("tiny", version.version).tags
+    assert got["ftcli.data.training.0"] == f"delta {table}@1 (train) rows 12 read, 12 kept, digest {source.digest}"
+    assert got["ftcli.data.training.count"] == "1" and got["ftcli.recipe_digest"] == recipe_digest(recipe)
+    assert got["ftcli.recipe"] == "tiny-qwen-cpu" and got["ftcli.method"] == "full"
+    assert got["ftcli.base"] == f"random init from {recipe.model.config}"

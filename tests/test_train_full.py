@@ -229,6 +229,22 @@ def test_train_end_to_end_loss_falls_and_hf_checkpoint_reloads(reference_run):
     assert run.data.params["training.optimizer.lr"] == "0.003" and run.data.params["name"] == "tiny-qwen-cpu"
     assert [m.step for m in client.get_metric_history(info["run_id"], "loss")] == list(range(1, STEPS + 1))
     assert {"run.json", "recipe.yaml"} <= {a.path for a in client.list_artifacts(info["run_id"])}
+    # lineage: the data source as the run's dataset inputs, its training side and the rows eval.holdout keeps apart
+    # (two datasets: two digests), with rows read and kept; the recipe digest as a tag
+    training, held_out = summary["data_sources"]
+    assert (training["context"], held_out["context"], training["kind"], held_out["kind"]) == ("training", "eval", "local", "local")
+    assert training["rows_kept"] == summary["data"]["examples"]["kept"] and training["digest"] != held_out["digest"]
+    assert 0 < held_out["rows_kept"] <= held_out["rows_read"] and 0 < training["rows_kept"] <= training["rows_read"]
+    from ftcli.config.recipe import resolve_path
+
+    assert training["path"] == str(Path(resolve_path("pkg://assets/tiny_chat.jsonl")).resolve())
+    logged = {i.dataset.digest: i for i in run.inputs.dataset_inputs}
+    for source in (training, held_out):
+        tags = {t.key: t.value for t in logged[source["digest"]].tags}
+        assert (logged[source["digest"]].dataset.name, logged[source["digest"]].dataset.source_type) == (source["label"], "local")
+        assert (tags["mlflow.data.context"], tags["ftcli.rows_read"], tags["ftcli.rows_kept"]) == \
+            (source["context"], str(source["rows_read"]), str(source["rows_kept"]))
+    assert run.data.tags["ftcli.recipe_digest"] == summary["recipe_digest"] and len(summary["recipe_digest"]) == 16
 
 
 def test_readme_quickstart_generates_from_the_run_it_trains(reference_run, monkeypatch):

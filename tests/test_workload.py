@@ -588,3 +588,26 @@ def test_render_workload_cli_fit_check_and_override(tmp_path):
     assert "error: qwen-b300 does not fit GPU_8xH100: 211.4 GiB per GPU" in refused.output
     forced = runner.invoke(app, [*argv, "--no-fit-check", "-o", str(tmp_path / "w.yaml")])
     assert forced.exit_code == 0 and (tmp_path / "w.yaml").is_file()
+
+
+def test_a_recipe_reading_a_delta_table_renders_a_workload_that_passes_check(tmp_path):
+    """`source: delta` by Unity Catalog name at a pinned version: the job installs deltalake beside ftcli, the
+    resolved recipe in `parameters` keeps the table and version, and the file passes `render-workload --check`."""
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    recipe, text, rendered = _render("qwen-b300", ["data.source=delta", "data.path=main.sft.chats", "data.revision=12",
+                                                   "data.columns=[messages]",
+                                                   "output.dir=/Volumes/main/sft/ckpts/qwen-b300"])
+    assert rendered["parameters"]["data"]["source"] == "delta"
+    assert (rendered["parameters"]["data"]["path"], rendered["parameters"]["data"]["revision"]) == ("main.sft.chats", "12")
+    pip = next(line for line in rendered["command"].splitlines() if line.startswith("pip install"))
+    assert pip.split()[-1] == workload.DELTALAKE == "deltalake==1.6.6"
+    assert "deltalake==1.6.6: data.source=delta reads the Delta table with delta-rs." in " ".join(text.split())
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    assert workload.check_workload_file(path) == []
+    ok = CliRunner().invoke(app, ["render-workload", "--check", str(path)])
+    assert ok.exit_code == 0 and "valid AI Runtime workload" in " ".join(ok.output.split())
+    assert workload.data_requirements(load_recipe("qwen-b300")) == []

@@ -114,6 +114,33 @@ def alias_version(client, name: str, alias: str) -> str | None:
         raise
 
 
+MAX_TAG_VALUE = 1000  # characters: within what a Unity Catalog tag value and an OSS registry tag hold
+MAX_SOURCE_TAGS = 20
+
+
+def lineage_tags(run) -> dict[str, str]:
+    """A model version's lineage tags from the training run's record (RunRecord; None: no run, none): the recipe
+    (name, digest), the base it trained from, and each data source it read, one tag per source
+    (`ftcli.data.training.0`: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest ...`). With the
+    version's run (its MLflow dataset inputs), the registry answers which data, which recipe, which base."""
+    if run is None:
+        return {}
+    tags = {"ftcli.recipe": str(run.recipe.get("name", "")), "ftcli.method": run.method}
+    if run.recipe_digest:
+        tags["ftcli.recipe_digest"] = run.recipe_digest
+    base = run.base_model
+    tags["ftcli.base"] = (f"{base.id}@{base.revision}" if base.id and base.revision else base.id) or \
+        (f"{base.init} init from {base.config}" if base.config else f"{base.init} init ({base.model_type})")
+    counts: dict[str, int] = {}
+    for src in run.data_sources:
+        n = counts.get(src.context, 0)
+        counts[src.context] = n + 1
+        if n < MAX_SOURCE_TAGS:
+            tags[f"ftcli.data.{src.context}.{n}"] = src.describe()[:MAX_TAG_VALUE]
+    tags.update({f"ftcli.data.{context}.count": str(n) for context, n in counts.items()})
+    return {k: v for k, v in tags.items() if v}
+
+
 def create_version(client, name: str, info, tags: dict[str, str]):
     """A new version of `name` (created on first use) from the logged model `info`."""
     from mlflow.exceptions import MlflowException

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ftcli.artifacts.publish import export_problem
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE, RUN_JSON, RunRecord, read_run_record
 from ftcli.config.errors import UserError
 from ftcli.objectives import method_of
@@ -109,18 +110,27 @@ def locate(path: Path, *, checkpoint: Literal["last", "best"] = "last", complete
             if completed and run.status != "completed":
                 raise UserError(f"{run_dir}: the run is {run.status!r}, not completed; its final model is written "
                                 "when training ends")
-            return _target_of_run(path, run_dir, run, checkpoint)
+            return _whole(_target_of_run(path, run_dir, run, checkpoint))
     if checkpoint == "best":
         raise UserError(f"--checkpoint best takes a run dir (with run.json); {path} is not one")
     if (path / RECIPE_FILE).is_file() or (path / CHECKPOINTS).is_dir():
         raise UserError(f"{path} is a run that has not finished (no run.json yet: it is still training, or it "
                         f"stopped early; `ftcli train --recipe {path / RECIPE_FILE} --resume` continues it)")
     if (path / "adapter_config.json").is_file():
-        return Target(model_dir=path, kind="adapter")
+        return _whole(Target(model_dir=path, kind="adapter"))
     if (path / "config.json").is_file():
-        return Target(model_dir=path, kind="checkpoint")
+        return _whole(Target(model_dir=path, kind="checkpoint"))
     raise UserError(f"{path} holds no model: expected run.json (a run dir), config.json (a model dir) or "
                     "adapter_config.json (a LoRA adapter)")
+
+
+def _whole(target: Target) -> Target:
+    """`target` when its model dir is a whole export (ftcli.artifacts.publish), else one UserError."""
+    problem = export_problem(target.model_dir)
+    if problem is not None:
+        raise UserError(f"{target.model_dir} is not a whole model export: {problem}; export it again (or resume "
+                        "the run that writes it)")
+    return target
 
 
 def _target_of_run(path: Path, run_dir: Path, run: RunRecord, checkpoint: str) -> Target:

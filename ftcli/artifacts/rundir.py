@@ -185,6 +185,16 @@ def saved_recipe(recipe) -> dict[str, Any]:
     return mask_env_values(mask_recipe_uris(recipe.to_dict()))
 
 
+def recipe_digest(recipe) -> str:
+    """sha256 (16 hex digits) of the resolved recipe as run.json stores it, output.dir left out: one recipe run
+    into two dirs has one digest (MLflow's run and model version tags carry it)."""
+    import hashlib
+
+    resolved = saved_recipe(recipe)
+    resolved.get("output", {}).pop("dir", None)
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
     """The refusal rule (module doc). Writes nothing; returns the run dir."""
     run_dir = run_dir_of(recipe)
@@ -295,6 +305,27 @@ class Throughput(_Record):
     s_per_step: float | None = None
 
 
+class DataSourceRecord(_Record):
+    """One data source a run read: run.json's `data_sources`, the run's MLflow dataset inputs
+    (`MlflowTracking.log_lineage`) and, through `register`, its model version's tags."""
+
+    label: str
+    context: Literal["training", "eval"] = "training"
+    kind: str  # hub, local, delta, synthetic (recipe data.source)
+    path: str | None = None  # hub id, file or dir, table path or Unity Catalog name
+    revision: str | None = None  # hub commit, Delta table version read; None: unpinned hub data, files
+    split: str | None = None
+    digest: str | None = None  # of what identifies the rows (ftcli.data.sources.origin)
+    rows_read: int = 0
+    rows_kept: int = 0
+
+    def describe(self) -> str:
+        """One line: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest 0123abcd...`."""
+        at = f"@{self.revision}" if self.revision else ""
+        return (f"{self.kind} {self.path or self.label}{at} ({self.split}) rows {self.rows_read} read, "
+                f"{self.rows_kept} kept, digest {self.digest}")
+
+
 class RunRecord(_Record):
     """run.json: the one typed record of a training run. Both trainers write it; merge-lora, register and
     generate read it (through `read_run_record`), never as a raw dict."""
@@ -319,6 +350,8 @@ class RunRecord(_Record):
     best_checkpoint: str | None = None  # its checkpoint, kept by training.checkpoint.keep_best
     best_model_dir: str | None = None  # relative to the run dir: the best eval's model (final or best)
     stopped_early: str | None = None  # why eval.early_stop ended the run
+    recipe_digest: str | None = None  # `recipe_digest`: the same recipe (wherever its output dir) has the same
+    data_sources: list[DataSourceRecord] = Field(default_factory=list)  # what the run read (training, then eval)
 
     def best_model_path(self, run_dir: Path) -> Path | None:
         return Path(run_dir) / self.best_model_dir if self.best_model_dir else None

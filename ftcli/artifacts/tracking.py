@@ -215,6 +215,38 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def dataset_of(src):
+    """An MLflow dataset (name, digest, source) for a DataSourceRecord, with the source type MLflow has for its
+    kind: a Delta table (path or Unity Catalog name, and version), a Hugging Face dataset (id, split, revision), a
+    local file or dir, or code (synthetic rows)."""
+    import warnings
+
+    from mlflow.data.meta_dataset import MetaDataset
+
+    if src.kind == "delta":
+        from mlflow.data.delta_dataset_source import DeltaDatasetSource
+
+        uc_name = src.path is not None and "/" not in src.path and src.path.count(".") == 2
+        version = int(src.revision) if src.revision is not None else None
+        source = DeltaDatasetSource(delta_table_name=src.path, delta_table_version=version) if uc_name else \
+            DeltaDatasetSource(path=src.path, delta_table_version=version)
+    elif src.kind == "hub":
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        source = HuggingFaceDatasetSource(src.path, split=src.split, revision=src.revision)
+    elif src.kind == "local":
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both readings are the local one
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(src.path)
+    else:
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+
+        source = CodeDatasetSource({"ftcli.kind": src.kind})
+    return MetaDataset(source, name=src.label, digest=src.digest)
+
+
 class NoTracking:
     """Tracking turned off, or a rank other than 0: every call does nothing."""
 
@@ -227,6 +259,9 @@ class NoTracking:
         pass
 
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        pass
+
+    def log_lineage(self, sources: list, recipe_digest: str) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:
@@ -270,6 +305,25 @@ class MlflowTracking(NoTracking):
         """Rows of equal keys as an MLflow table artifact (e.g. the training samples)."""
         columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
         self._call(self._mlflow.log_table, data=columns, artifact_file=artifact_file)
+
+    def log_lineage(self, sources: list, recipe_digest: str) -> None:
+        """Each data source (ftcli.artifacts.rundir.DataSourceRecord) as an MLflow dataset input of this run, in
+        its context (training, eval), tagged with its split, revision and rows read and kept; the recipe digest as
+        the run's tag `ftcli.recipe_digest`. The MLflow UI lists them under the run's "Datasets used"."""
+        def log() -> None:
+            self._mlflow.set_tag("ftcli.recipe_digest", recipe_digest)
+            for src in sources:
+                tags = {"ftcli.split": str(src.split), "ftcli.rows_read": str(src.rows_read),
+                        "ftcli.rows_kept": str(src.rows_kept), "ftcli.kind": src.kind}
+                if src.revision is not None:
+                    tags["ftcli.revision"] = src.revision
+                try:
+                    self._mlflow.log_input(dataset_of(src), context=src.context, tags=tags)
+                except Exception as e:  # noqa: BLE001 - one source MLflow cannot describe: the rest is logged
+                    print(f"warning: MLflow dataset input for {src.label} not logged ({first_line(e)}); run.json "
+                          "records it", file=sys.stderr)
+
+        self._call(log)
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run: FINISHED, FAILED (an error) or KILLED (stopped by SIGTERM / SIGINT)."""

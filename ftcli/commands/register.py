@@ -278,7 +278,9 @@ def _run_to_log_into(client, source: Source, name: str) -> tuple[object, bool]:
     }
     run = create_run(
         client, (recipe.get("tracking") or {}).get("experiment") or recipe.get("name") or "ftcli-register",
-        run_name=f"register-{name}"[:250], tags={"ftcli.command": "register"}, params=recipe_params(recipe),
+        run_name=f"register-{name}"[:250], params=recipe_params(recipe),
+        tags={"ftcli.command": "register", **({"ftcli.recipe_digest": record.recipe_digest}
+                                               if record is not None and record.recipe_digest else {})},
         metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
     )
     return run, False
@@ -358,7 +360,7 @@ def log_and_register(
         if uc:
             registry.require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
-            tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()}
+            tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()} | registry.lineage_tags(source.run)
             version = str(registry.create_version(client, name, info, tags).version)
         if alias:
             client.set_registered_model_alias(name, alias, version)

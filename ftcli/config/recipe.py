@@ -39,6 +39,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -209,7 +210,19 @@ class SyntheticData(_Section):
     seed: int = 0
 
 
-SourceKind = Literal["hub", "local", "synthetic"]
+SourceKind = Literal["hub", "local", "synthetic", "delta"]  # delta: ftcli.data.delta
+
+
+def _revision_text(value: Any) -> Any:
+    """YAML reads `revision: 12` as an int and an unquoted timestamp as a datetime: both kept as text."""
+    import datetime
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value.isoformat() if isinstance(value, (datetime.datetime, datetime.date)) else value
+
+
+Revision = Annotated[str | None, BeforeValidator(_revision_text)]  # a hub commit; a delta version or timestamp
 SpecialTokensInText = Literal["keep", "escape", "error"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # ftcli.data.formats
 
@@ -220,11 +233,14 @@ class SourceConfig(_Section):
     name: str | None = Field(None, description="Label in pack-preview and run.json; default: the path.")
     source: SourceKind = "hub"
     path: str | None = Field(
-        None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow; a UC volume is a path)."
+        None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow; a UC volume is a path); "
+        "delta: a table path or a Unity Catalog name catalog.schema.table."
     )
-    revision: str | None = None
+    revision: Revision = Field(None, description="hub: a commit; delta: a table version (12) or an ISO-8601 "
+                               "timestamp (2026-12-01T00:00:00Z).")
     split: str = "train"
     streaming: bool = False
+    columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
     format: DataFormat | None = None
     messages_field: str | None = None
     tools_field: str | None = None
@@ -239,6 +255,7 @@ class SourceConfig(_Section):
     def _path(self) -> SourceConfig:
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"a data.sources entry with source={self.source} needs a path")
+        _check_delta_keys(self)
         return self
 
     @property
@@ -246,15 +263,45 @@ class SourceConfig(_Section):
         return self.name or (self.path if self.source != "synthetic" else "synthetic")
 
 
+def parse_delta_revision(revision: str | int | None):
+    """A delta source's `revision` (ftcli.data.delta): a table version (an integer >= 0, as int) or an ISO-8601
+    timestamp with its time zone (as datetime); None: the newest version. Else ValueError."""
+    from datetime import datetime
+
+    if revision is None:
+        return None
+    text = str(revision).strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"revision {revision!r} of a delta source: a table version (12) or an ISO-8601 timestamp "
+                         "(2026-12-01T00:00:00Z)") from None
+    if when.tzinfo is None:
+        raise ValueError(f"revision {revision!r} of a delta source: give the timestamp's time zone (...Z or +00:00)")
+    return when
+
+
+def _check_delta_keys(src) -> None:
+    """A delta source's revision is a version or a timestamp; `columns` belongs to delta sources only."""
+    if src.source == "delta":
+        parse_delta_revision(src.revision)
+    elif src.columns is not None:
+        raise ValueError(f"columns is for source=delta (a Delta table's columns), not source={src.source}")
+
+
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
                                                 "sources": None, "mix_seed": 0, "allow_empty_sources": False,
-                                                "max_row_chars": None}
+                                                "max_row_chars": None, "columns": None}
     source: SourceKind = "hub"
-    path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow).")
-    revision: str | None = None
+    path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow); "
+                             "delta: a table path or a Unity Catalog name catalog.schema.table.")
+    revision: Revision = Field(None, description="hub: a commit; delta: a table version or an ISO-8601 timestamp.")
     split: str = "train"
     streaming: bool = False
+    columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
     format: DataFormat = Field(
         "auto", description="Row format: auto (detected from the first rows), messages, sharegpt, alpaca, "
         "prompt_completion, text (ftcli.data.formats)."
@@ -293,7 +340,7 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
 
     # The one-source shorthand: these keys describe the single entry of `sources` (`shorthand_source`).
-    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "synthetic")
+    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "columns", "synthetic")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -327,7 +374,7 @@ class DataConfig(_Section):
     def shorthand_source(self) -> SourceConfig:
         """The `sources` entry the one-source keys describe."""
         return SourceConfig(source=self.source, path=self.path, revision=self.revision, split=self.split,
-                            streaming=self.streaming, synthetic=self.synthetic)
+                            streaming=self.streaming, columns=self.columns, synthetic=self.synthetic)
 
     @property
     def one_source(self) -> bool:

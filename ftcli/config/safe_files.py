@@ -10,6 +10,8 @@ A run dir may be shared, or come from someone else; a symlink planted in it (`.f
                            (O_CREAT | O_EXCL | O_NOFOLLOW) renamed over `path`; a `path` that is a link or
                            not a regular file is refused (a rename would replace the link, not follow it,
                            but a link there is not ours to replace)
+    write_new(path, t)     a file of a dir that a marker written last commits (a checkpoint's rank_N.json):
+                           created (O_CREAT | O_EXCL | O_NOFOLLOW) and written in place, no rename
     open_lock(path)        .ftcli.lock: created with O_EXCL, or an existing regular file opened without
                            following links; (fd, whether this call created it)
     refuse_unsafe(path)    the check alone: a link, or something that is not a regular file, or a file
@@ -155,6 +157,14 @@ def write_atomic(path: str | Path, text: str) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def write_new(path: str | Path, text: str) -> None:
+    """Create `path` (it must not exist) and write `text` into it, without a rename: for a file whose dir is
+    committed by a marker written after it, where a rename would only cost (a copy on a UC Volume)."""
+    fd = _open_checked(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def open_lock(path: str | Path) -> tuple[int, bool]:

@@ -331,7 +331,7 @@ def iter_examples(spec, tokenizer, stats: DataStats | None = None) -> Iterator[E
 # The modules whose code decides a cache entry (its blocks and its counts): their source text is part of
 # the cache key, so any change to the masking (or validation, truncation, packing, counting) code
 # invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
-ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
+ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "delta.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
                    "evalsplit.py", "formats.py", "spec.py")
 
 

@@ -1,5 +1,6 @@
 """Where rows come from: hub datasets (id + revision + split, streamed or not), local JSONL / Parquet /
-CSV / Arrow files or directories (a Unity Catalog volume is a local path), or `datasets.save_to_disk` dirs.
+CSV / Arrow files or directories (a Unity Catalog volume is a local path), `datasets.save_to_disk` dirs, or
+Delta tables (`source: delta`, ftcli.data.delta: by path or Unity Catalog name, at a version).
 `data` below is one source (`ftcli.config.recipe.SourceConfig`: the same keys as the single-source `data`).
 
 Local files are read directly (json / pyarrow), not through `datasets`: each row arrives exactly as
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ftcli.config.errors import UserError
+from ftcli.data import delta
 
 BOM = b"\xef\xbb\xbf"
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
@@ -107,6 +109,8 @@ def fingerprint(data) -> dict[str, Any]:
         return {"source": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":
         return {"source": "hub", "path": data.path, "revision": data.revision, "split": data.split}
+    if data.source == "delta":
+        return delta.fingerprint(data)
     root = _local_path(data)
     files = []
     for f in local_files(data):
@@ -115,10 +119,29 @@ def fingerprint(data) -> dict[str, Any]:
     return {"source": "local", "path": str(root.resolve()), "split": data.split, "files": files}
 
 
+def origin(data, holdout=None) -> dict[str, Any]:
+    """Where a source's rows come from, as run.json and MLflow's dataset inputs record it: kind, path (a local
+    file or dir made absolute; a hub id, a delta table's path or Unity Catalog name as given), revision (a hub commit, the delta version read; None: unpinned
+    hub data, files), split, and a digest of `fingerprint` (what the pack cache key holds: the files' names,
+    sizes and times, a table's version) and of `holdout` (ftcli.data.spec.Holdout: the training side and the eval
+    side of eval.holdout are two datasets), so two runs that read the same rows have the same digest."""
+    import hashlib
+
+    key = fingerprint(data)
+    hashed = {**key, "holdout": vars(holdout)} if holdout is not None else key
+    revision = key.get("version", data.revision if data.source == "hub" else None)
+    path = key["path"] if data.source == "local" else data.path  # a local path made absolute (pkg:// resolved)
+    return {"kind": data.source, "path": path if data.source != "synthetic" else None,
+            "revision": None if revision is None else str(revision), "split": data.split,
+            "digest": hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:16]}
+
+
 def open_rows(data, limit: int | None = None) -> tuple[Iterator[tuple[int, Any]], int | None]:
     """(iterator of (row index, row), total rows if known cheaply)."""
     if data.source == "hub":
         rows, total = _hub_rows(data)
+    elif data.source == "delta":
+        rows, total = delta.delta_rows(data)
     else:
         path = _local_path(data)
         if _is_saved_dataset(path):

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ftcli.data import sources
 from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 
@@ -35,6 +36,8 @@ class SourceSummary:
     special_tokens_in_text: int
     format: str = ""  # the row format read (auto: the detected one)
     format_why: str = ""  # auto: why
+    origin: dict[str, Any] | None = None  # where the rows come from (ftcli.data.sources.origin): kind, path, revision,
+    # split, digest; what run.json's data_sources and MLflow's dataset inputs record
 
 
 @dataclass
@@ -141,8 +144,8 @@ def short_labels(labels) -> dict[str, str]:
     return out
 
 
-def _source_summary(st: DataStats) -> SourceSummary:
-    return SourceSummary(
+def _source_summary(st: DataStats, origin: dict[str, Any] | None) -> SourceSummary:
+    return SourceSummary(origin=origin,
         rows_read=st.examples_read, kept=st.examples_kept, skipped=st.examples_skipped,
         skipped_by_reason=dict(sorted(st.skipped.items())), truncated=st.truncated, tokens=st.tokens,
         trained_tokens=st.trained_tokens, trained_tokens_lost=st.trained_tokens_lost,
@@ -160,6 +163,7 @@ def data_summary(spec, packed) -> DataSummary:
     capacity = n * packed.block_len if packed.block_len else stats.tokens
     trained = int(packed.block_trained.sum()) if n else 0
     data = spec.data
+    origins = {src.label: sources.origin(src, spec.holdout) for src in data.source_list()}
     return DataSummary(
         recipe=spec.name,
         cache=str(packed.path),
@@ -195,7 +199,7 @@ def data_summary(spec, packed) -> DataSummary:
             "strings": stats.special_tokens_in_text, "rows": stats.rows_with_special_tokens,
             "mode": data.special_tokens_in_text,
         },
-        sources={label: _source_summary(st) for label, st in stats.sources.items()},
+        sources={label: _source_summary(st, origins.get(label)) for label, st in stats.sources.items()},
         pipeline_seconds=round(stats.seconds, 3),
         tokens_per_second=round(stats.tokens_per_second, 1),
         blocks_without_trained=stats.blocks_without_trained,

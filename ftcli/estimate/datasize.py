@@ -55,7 +55,7 @@ def _source_size(recipe: Recipe, src, block: int | None) -> DataSize:
         tokens = int(syn.num_examples * _clipped_lognormal_mean(syn.mean_tokens, syn.max_tokens))
         return DataSize(tokens, _blocks(tokens, block, syn.num_examples),
                         "computed: expected length of the synthetic log-normal x num_examples")
-    if src.source == "local":
+    if src.source in ("local", "delta"):  # a Delta table is sampled like files (its row count is metadata)
         return _sample_local(recipe, src)
     published = PUBLISHED_TOKENS.get((src.path, src.split))
     if published:

@@ -83,9 +83,23 @@ def fit_warnings(recipe: Recipe, *, fit_check: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ install step
+DELTALAKE = "deltalake==1.6.6"  # the `databricks` extra's reader of `source: delta` (ftcli.data.delta)
+
+
+def data_requirements(recipe: Recipe) -> list[tuple[str, str]]:
+    """(pip requirement, why) for the readers of the recipe's data (training and eval) beyond ftcli's own."""
+    ev = recipe.eval
+    kinds = {s.source for s in recipe.data.source_list()}
+    if ev is not None:
+        kinds |= {ev.source} if ev.path else set()
+        kinds |= {s.source for s in ev.sources or []}
+    return [(DELTALAKE, "data.source=delta reads the Delta table with delta-rs")] if "delta" in kinds else []
+
+
 def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
-    """(pip requirement, why) for the kernels this recipe needs beyond ftcli's own dependencies: the pins of
-    its family and of its training features. Setup is paid at the start of every run, so only wheels."""
+    """(pip requirement, why) for what this recipe needs beyond ftcli's own dependencies: the pins of its family,
+    of its training features and of its data readers (`data_requirements`). Setup is paid at the start of every
+    run, so only wheels."""
     card = recipe.compute.accelerator.card
     family = find_family(recipe.model.model_type)  # a model ftcli has no family for trains unpacked, with no pins
     reqs = [(pin.requirement, pin.why) for pin in (family.pins if family else ())
@@ -93,7 +107,7 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
     from ftcli import features
 
     reqs += features.requirements(recipe)  # the training features' pins (ftcli.features)
-    return reqs
+    return reqs + data_requirements(recipe)
 
 
 def shell_spec(spec: str, source_dir: str = '"$ftcli_src"') -> tuple[str, bool]:

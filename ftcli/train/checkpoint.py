@@ -1,19 +1,26 @@
 """Resumable sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export.
 
-One checkpoint is one directory, committed by a rename:
+One checkpoint is one directory, written where it stays and committed by its small meta.json, written last:
 
     <run>/checkpoints/
-      step_00000200/            committed: `latest_checkpoint` only ever returns one of these
+      step_00000200/            committed (meta.json present): `latest_checkpoint` only ever returns one of these
         .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: model + optimizer, each rank writes its shards
         rank_00000.json, rank_00000.safetensors, ...   per-rank trainer state: data position, RNG, ...
         meta.json                                      step, world size, token counts, each file's size
                                                        and CRC32 (written last; checked before a resume)
-      .tmp_step_00000250/       a save in progress, or one a crash interrupted: never resumed from
+      step_00000250/            no meta.json: a save in progress, or one a crash interrupted: never listed,
+                                never resumed from (an older ftcli's `.tmp_step_*` dirs are the same)
 
-Every rank writes into the .tmp dir; after a barrier rank 0 writes meta.json and renames the dir, so a
-crash (kill -9 of any rank) at any point leaves either the old set of checkpoints or the new one. Then
-rank 0 deletes all but the newest `keep_last`. The checkpoint dir must be on a filesystem every rank
-sees (one node, or a shared filesystem across nodes).
+Every rank writes its shards at their final paths; after a barrier rank 0 writes meta.json (a temp file
+renamed over it: the only large-file-free rename of the commit besides DCP's own `.metadata`), so a crash
+(kill -9 of any rank) at any point leaves either the old set of checkpoints or the new one. No directory
+is renamed: on a Unity Catalog Volume (`/Volumes/...`, a FUSE mount over object storage) a rename is a
+server-side copy whose cost scales with the bytes moved, so renaming a 320 GB checkpoint dir would copy
+320 GB; here a commit moves meta.json and `.metadata` only (`tests/test_checkpoint.py` counts the bytes).
+Under /Volumes, DCP writes through databricks-sdk-air's `UCVolumeWriter` when it is installed (each shard
+staged on local disk and copied once, with retries; `dcp_storage`). Then rank 0 deletes all but the
+newest `keep_last`, only after the new one is committed. The checkpoint dir must be on a filesystem every
+rank sees (one node, or a shared filesystem across nodes).
 
 Model and optimizer state go through `get_state_dict` / `set_state_dict`, so the sharded DTensors are
 saved as shards; DCP reshards them on load, so a checkpoint written by N ranks resumes on M. The rest
@@ -24,14 +31,18 @@ rank. Only the RNG state is per rank: on M != N, rank r takes rank r's state whe
 nothing they compute. With the same global batch (ranks x grad_accum) the resumed run takes the same
 blocks per optimizer step as the uninterrupted one.
 
-A save that a SIGKILL interrupted leaves a `.tmp_step_*` dir: `remove_interrupted_saves` (rank 0,
-at the next start) deletes those.
+A save that a SIGKILL interrupted leaves a `step_*` dir without meta.json: `remove_interrupted_saves`
+(rank 0, at the next start) deletes those.
 
 Loading never runs code from the checkpoint dir (a run dir may come from anywhere): ftcli's own state is
 JSON plus a safetensors file (`write_rank_state` / `read_rank_state`; an older ftcli's rank_*.pt is read
 with torch.load(weights_only=True)), DCP's pickled `.metadata` is unpickled first with an allowlist of
 DCP's own record classes (`check_dcp_metadata`), and DCP's non-tensor items load through
 torch.load(weights_only=True) (`SafeLoadPlanner`). A file that fails these is one UserError naming it.
+
+The Hugging Face export (`save_hf_checkpoint`) follows the same rule: its files are written in `final/`
+itself and ftcli_export.json, written first as "incomplete" and replaced last by the file list with sizes and
+CRC32s, says whether it is whole (`export_state`; readers refuse an incomplete one).
 """
 
 from __future__ import annotations
@@ -53,11 +64,12 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.artifacts.publish import begin_export, publish_export, remove_export
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
-from ftcli.artifacts.safe_files import remove_tree, replace_dir, write_atomic
+from ftcli.artifacts.safe_files import write_atomic, write_new
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
+_TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")  # an older ftcli's save in progress
 
 
 def step_dir_name(step: int) -> str:
@@ -184,23 +196,22 @@ def save_checkpoint(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp_{final.name}"
     if rank == 0:
-        remove_tree(tmp)  # left by a crashed save of this same step (a link: unlinked, never followed)
-        tmp.mkdir(parents=True)
+        _unpublish_and_remove(final)  # a crashed save of this step, or a committed one from before a --resume
+        final.mkdir(parents=True)
     dist.barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
     problem = None
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        write_rank_state(tmp, rank, rank_state)
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp_storage(final, "writer"))
+        write_rank_state(final, rank, rank_state)
     except (OSError, CheckpointException) as e:
         problem = _os_error(e)
         if problem is None:
             raise
-    _raise_if_not_saved(root, step, tmp, _gathered(problem))  # a barrier: every rank's files are on disk
-    sums = file_checksums(tmp, files_hashed_by(tmp, rank, world_size))  # each rank its own files
+    _raise_if_not_saved(root, step, final, _gathered(problem))  # a barrier: every rank's files are on disk
+    sums = file_checksums(final, files_hashed_by(final, rank, world_size))  # each rank its own files
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(sums, gathered, dst=0)
 
@@ -209,16 +220,43 @@ def save_checkpoint(
             files = {name: entry for part in gathered for name, entry in part.items()}
             meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
                     CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
-            write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-            replace_dir(tmp, final)  # re-saving a step (a resumed run): replaces it
+            write_atomic(final / "meta.json", json.dumps(meta, indent=2) + "\n")  # the commit
         except OSError as e:
             problem = e
         kept = {Path(p).resolve() for p in protect}
         for old in list_checkpoints(root)[:-keep_last] if problem is None else []:
             if old.resolve() not in kept:
-                shutil.rmtree(old, ignore_errors=True)
-    _raise_if_not_saved(root, step, tmp, _broadcast(problem))  # a barrier: committed, or not on every rank
+                _unpublish_and_remove(old)
+    _raise_if_not_saved(root, step, final, _broadcast(problem))  # a barrier: committed, or not on every rank
     return final
+
+
+def _unpublish_and_remove(ckpt_dir: Path) -> None:
+    """Remove a checkpoint dir, its meta.json first: a removal that stops half-way (a kill) leaves a dir that is
+    never listed as committed (and the next start removes it). A link planted there is unlinked, never followed."""
+    if ckpt_dir.is_symlink():
+        ckpt_dir.unlink()
+        return
+    (ckpt_dir / "meta.json").unlink(missing_ok=True)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def dcp_storage(ckpt_dir: Path, role: Literal["writer", "reader"]):
+    """DCP's storage writer or reader for `ckpt_dir`. Both writers write each shard at its final path and
+    publish only the small `.metadata` by a rename: under /Volumes databricks-sdk-air's UCVolumeWriter when it
+    is installed (the `databricks` extra: a shard is staged on local disk, then copied to the Volume once, with
+    retries; UCVolumeReader reads through a local cache), else torch's FileSystemWriter / FileSystemReader (the
+    same protocol, straight to the FUSE mount)."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    if str(ckpt_dir).startswith("/Volumes/"):
+        try:
+            from databricks.air.data import UCVolumeReader, UCVolumeWriter
+        except ImportError:
+            pass
+        else:
+            return (UCVolumeWriter if role == "writer" else UCVolumeReader)(ckpt_dir)
+    return (FileSystemWriter if role == "writer" else FileSystemReader)(ckpt_dir)
 
 
 # ------------------------------------------------------------------------------------ checksums
@@ -418,14 +456,14 @@ def _broadcast(problem: OSError | None) -> str | None:
     return shared[0]
 
 
-def _raise_if_not_saved(root: Path, step: int, tmp: Path, problem: str | None) -> None:
+def _raise_if_not_saved(root: Path, step: int, partial: Path, problem: str | None) -> None:
     """CheckpointNotSaved on every rank when any rank's `problem` is set: which step, that the last
     committed checkpoint is intact (the half-written save is removed, it is never resumed from), and
     how to go on. Nothing when there is no problem."""
     if problem is None:
         return
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # gives back the space the partial save took
+        _unpublish_and_remove(partial)  # gives back the space the partial save took
     raise _not_saved(step, problem, latest_checkpoint(root), root.parent / RECIPE_FILE)
 
 
@@ -465,12 +503,14 @@ def rank_state_source(saved_world_size: int, rank: int) -> int:
 
 
 def remove_interrupted_saves(root: Path) -> list[Path]:
-    """Delete the `.tmp_step_*` dirs under `root` (saves a crash or a second kill interrupted; never
-    resumed from). Rank 0, before the run's first save; returns what was removed."""
+    """Delete the saves a crash or a second kill interrupted under `root`: `step_*` dirs without meta.json (and an
+    older ftcli's `.tmp_step_*` dirs); never resumed from. Rank 0, before the run's first save; returns what was
+    removed."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = sorted(p for p in root.iterdir() if p.is_dir() and _TMP_STEP_DIR.match(p.name))
+    found = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and (
+        _TMP_STEP_DIR.match(p.name) or (_STEP_DIR.match(p.name) and not (p / "meta.json").is_file())))
     for p in found:
         shutil.rmtree(p, ignore_errors=True)
     return found
@@ -498,7 +538,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     rank_state = read_rank_state(path, rank)
     check_dcp_metadata(path)
     try:
-        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=dcp_storage(path, "reader"), planner=SafeLoadPlanner())
     except CheckpointException as e:  # DCP wraps what each rank raised; ours is one line
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
         if refused:
@@ -552,7 +592,7 @@ def write_rank_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(state, tensors)
     save_file(tensors, str(Path(ckpt_dir) / f"rank_{rank:05d}.safetensors"))
-    write_atomic(Path(ckpt_dir) / f"rank_{rank:05d}.json", json.dumps(encoded) + "\n")
+    write_new(Path(ckpt_dir) / f"rank_{rank:05d}.json", json.dumps(encoded) + "\n")  # the commit is meta.json
 
 
 def read_rank_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
@@ -672,7 +712,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=dcp_storage(path, "reader"))
     set_model_state_dict(model, state["model"])
 
 
@@ -692,16 +732,15 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     assert not [k for k in missing if k in dict(export.named_parameters())], f"missing: {missing[:5]}"
     export.to(dtype)
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp_{out_dir.name}")
-    remove_tree(tmp)  # a link planted there: unlinked, never written through
+    begin_export(out_dir)  # written in place, its record last (ftcli.artifacts.publish): no large file renamed
     try:
-        export.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        export.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
     except WRITE_ERRORS as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # never left as if complete; gives the space back
+        remove_export(out_dir)  # never left as if complete; gives the space back
         needed = sum(t.numel() * t.element_size() for t in export.state_dict().values())
         raise export_not_written("the Hugging Face export", out_dir, e, needed) from None
-    replace_dir(tmp, out_dir)
+    publish_export(out_dir)
 
 
 def export_not_written(what: str, out_dir: Path, e: BaseException, needed_bytes: int | None) -> UserError:

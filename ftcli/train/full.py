@@ -270,7 +270,7 @@ class FullRun:
         self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
         self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
             if recipe.eval is not None else CheckpointSchedule(False, None, None)
-        announce_data(self.data_summary, self.evaluator, say=say, tracker=self.tracker)
+        announce_data(recipe, self.data_summary, self.evaluator, say=say, tracker=self.tracker)
         self.stop_reason: str | None = None  # set by early stopping
         self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
         self.last_sample_step: int | None = None

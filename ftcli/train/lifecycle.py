@@ -2,7 +2,8 @@
 trainer ran it:
 
     start   `announce_data`   the data summary and each eval split, one line each, and the summary's metrics
-                              logged at step 0
+                              logged at step 0; every data source as an MLflow dataset input with the recipe
+                              digest (`data_sources`: what run.json records too)
     ...     (the trainer's own loop: FSDP2 steps, or TRL's)
     end     `record_run`      run.json (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data,
                               every eval, the best one and where its model is), logged to MLflow with recipe.yaml
@@ -16,10 +17,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ftcli.artifacts.rundir import RECIPE_FILE, new_run_record, write_run_record
+from ftcli.artifacts.rundir import (RECIPE_FILE, DataSourceRecord, new_run_record, recipe_digest,
+                                   write_run_record)
 
 
-def announce_data(summary, evaluator, *, say: Callable[[str], Any], tracker) -> None:
+def data_sources(recipe, summary, evaluator) -> list[DataSourceRecord]:
+    """Every source the run read: the training data's, then each eval split's (eval.path / sources, or the rows
+    eval.holdout kept apart), with where the rows come from and how many were read and kept."""
+    from ftcli.train.evaluate import eval_summaries
+
+    parts = [("training", summary), *(("eval", s) for s in eval_summaries(recipe, evaluator.packed).values())]
+    records = []
+    for context, part in parts:
+        for label, src in part.sources.items():
+            origin = src.origin or {"kind": "unknown"}
+            records.append(DataSourceRecord(label=label, context=context, rows_read=src.rows_read,
+                                            rows_kept=src.kept, **origin))
+    return records
+
+
+def announce_data(recipe, summary, evaluator, *, say: Callable[[str], Any], tracker) -> None:
     """The lines a run starts with about its data (every rank calls it; `say` prints on rank 0 only)."""
     for line in summary.lines():
         say(f"data {line}")
@@ -27,6 +44,8 @@ def announce_data(summary, evaluator, *, say: Callable[[str], Any], tracker) -> 
         say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
             f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
     tracker.log_metrics(summary.metrics(), step=0)
+    if tracker.info is not None:  # rank 0 with tracking on
+        tracker.log_lineage(data_sources(recipe, summary, evaluator), recipe_digest(recipe))
 
 
 def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, int],
@@ -44,6 +63,7 @@ def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, 
         eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
         best_step=evals.best_step if evals else None, best_eval_loss=evals.best_loss if evals else None,
         best_checkpoint=best_checkpoint, best_model_dir=best_model_dir, stopped_early=stopped_early,
+        recipe_digest=recipe_digest(recipe), data_sources=data_sources(recipe, summary, evaluator),
     )
     path = write_run_record(run_dir, record)
     tracker.log_artifact(path)

@@ -13,7 +13,7 @@
 
 A signal that arrives while the run is already stopping is ignored: the save in progress finishes (a
 platform follows SIGTERM with SIGKILL after its grace period; a save killed that way leaves a
-`.tmp_step_*` dir, which the next start removes: `ftcli.train.checkpoint.remove_interrupted_saves`).
+`step_*` dir without meta.json, which the next start removes: `ftcli.train.checkpoint.remove_interrupted_saves`).
 """
 
 from __future__ import annotations

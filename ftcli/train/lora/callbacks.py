@@ -19,7 +19,6 @@ the model is accelerate's FSDP root: the eval loss and the samples are forwards 
 from __future__ import annotations
 
 import json
-import os
 import time
 import types
 from pathlib import Path
@@ -31,8 +30,9 @@ from ftcli.train.checkpoint import CheckpointSchedule, record_trl_checksums
 from ftcli.train.distributed import all_reduce, local_device, rank0_decides
 from ftcli.config.errors import UserError
 from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
+from ftcli.artifacts.publish import begin_export, publish_export
 from ftcli.artifacts.rundir import BEST, FINAL
-from ftcli.artifacts.safe_files import refuse_links, remove_tree, replace_dir, write_atomic
+from ftcli.artifacts.safe_files import refuse_links, remove_tree, write_atomic
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)
@@ -278,13 +278,14 @@ class EvalCallback(TrainerCallback):
         return result
 
     def save_best(self) -> None:
-        """The adapter of the best eval so far into <run>/best (replaced atomically by rank 0)."""
-        best, tmp = self.run_dir / BEST, self.run_dir / f".tmp_{BEST}"
+        """The adapter of the best eval so far into <run>/best (rank 0; in place, its record last:
+        ftcli.artifacts.publish)."""
+        best = self.run_dir / BEST
         if self.is_main:
-            remove_tree(tmp)  # a link planted there: unlinked, never written through
-        save_adapter(self.model, self.tokenizer, tmp)
+            begin_export(best)
+        save_adapter(self.model, self.tokenizer, best)
         if self.is_main:
-            replace_dir(tmp, best)
+            publish_export(best)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded

@@ -306,7 +306,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
         summary = data.data_summary(recipe, data.open_prepared(recipe, tokenizer))
         evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
-        announce_data(summary, evaluator, tracker=tracker,
+        announce_data(recipe, summary, evaluator, tracker=tracker,
                       say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
@@ -363,29 +363,27 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
 
 
 def save_final_adapter(trainer, final: Path, sharding: str) -> None:
-    """The adapter + tokenizer + chat template into `final`, written beside it and renamed in (main process): a
-    save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
-    import shutil
-
-    from ftcli.artifacts.safe_files import remove_tree, replace_dir
+    """The adapter + tokenizer + chat template into `final`, written in place with its record last (main process;
+    ftcli.artifacts.publish: no rename): a save that an OSError stops (a full disk) leaves no partial `final` and is
+    one line (`export_not_written`)."""
+    from ftcli.artifacts.publish import begin_export, publish_export, remove_export
     from ftcli.train.checkpoint import WRITE_ERRORS, export_not_written
 
     main = trainer.args.process_index == 0
-    tmp = final.with_name(f".tmp_{final.name}")
     if main:
-        remove_tree(tmp)  # a link planted there: unlinked, never written through
+        begin_export(final)
     try:
         if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
-            save_adapter(trainer.model, trainer.processing_class, tmp)
+            save_adapter(trainer.model, trainer.processing_class, final)
         else:
-            trainer.save_model(str(tmp))  # main process
+            trainer.save_model(str(final))  # main process
     except WRITE_ERRORS as e:
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_export(final)
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         raise export_not_written("the adapter", final, e, needed) from None
     if main:
-        replace_dir(tmp, final)
+        publish_export(final)
 
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:

@@ -1,0 +1,83 @@
+"""A model dir published in place: its files written where they stay, one small record last.
+
+    final/                    (or best/, an adapter dir)
+      ftcli_export.json       {"complete": false} first; replaced last (a small temp file renamed over it) by
+                              {"complete": true, "files": {name: size}}
+      config.json, model-00001-of-00002.safetensors, ...   written in place, never renamed
+
+No large file is renamed: on a Unity Catalog Volume (`/Volumes/...`, a FUSE mount over object storage) a
+rename is a server-side copy whose cost scales with the bytes moved, so the old way (write `.tmp_final/`,
+rename it to `final/`) copied the whole model once more. An earlier export at the same path loses its
+record first, then its files: a kill at any point leaves a dir whose record says incomplete, which every
+reader refuses (`export_problem`), never a mix that looks whole. A dir without the record (an older ftcli,
+a model from elsewhere) is read as before.
+
+Pure file code: no torch, no MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ftcli.artifacts.safe_files import write_atomic
+
+EXPORT_RECORD = "ftcli_export.json"
+
+
+def begin_export(out_dir: Path) -> None:
+    """Before the first file of an export is written: `out_dir` exists, holds only a record that says
+    incomplete (an earlier export there is unpublished, then removed; a link planted there is unlinked, never
+    written through)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        out_dir.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / EXPORT_RECORD, json.dumps({"complete": False}) + "\n")  # unpublished before anything goes
+    for entry in sorted(out_dir.iterdir()):
+        if entry.name == EXPORT_RECORD:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def publish_export(out_dir: Path) -> None:
+    """The export's last write: the record with every file's size (relative paths), marked complete."""
+    out_dir = Path(out_dir)
+    files = {p.relative_to(out_dir).as_posix(): p.stat().st_size for p in sorted(out_dir.rglob("*"))
+             if p.is_file() and p.name != EXPORT_RECORD and not p.name.startswith(f".{EXPORT_RECORD}")}
+    write_atomic(out_dir / EXPORT_RECORD, json.dumps({"complete": True, "files": files}, indent=1) + "\n")
+
+
+def remove_export(out_dir: Path) -> None:
+    """An export that failed: its record first (so what is left is never taken as whole), then the dir."""
+    if Path(out_dir).is_symlink():
+        Path(out_dir).unlink()
+        return
+    (Path(out_dir) / EXPORT_RECORD).unlink(missing_ok=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def export_problem(model_dir: Path) -> str | None:
+    """Why `model_dir` is not a whole export, as a phrase, or None: its record says incomplete (a save in
+    progress, or one a crash stopped), or a file it lists is missing or has another size. A dir without the
+    record is not checked."""
+    path = Path(model_dir) / EXPORT_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"its {EXPORT_RECORD} cannot be read ({e})"
+    if not isinstance(record, dict) or record.get("complete") is not True or not isinstance(record.get("files"), dict):
+        return f"its {EXPORT_RECORD} says the export is incomplete (a save in progress, or one a crash stopped)"
+    for name, size in record["files"].items():
+        file = Path(model_dir) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the export wrote {size}"
+    return None

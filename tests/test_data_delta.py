@@ -1,0 +1,137 @@
+"""`source: delta` (ftcli.data.delta): rows from Delta tables the tests write with deltalake (no mock of the
+table): every row format packs exactly as the same rows in a JSONL file, a version or a timestamp pins what is
+read, a schema change between versions, the version in the pack cache key."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from _data_common import recipe, tokenizer, write_jsonl
+
+from ftcli.config.errors import UserError
+from ftcli.config.recipe import RecipeError
+from ftcli.data import prepare_blocks
+from ftcli.data.pipeline import recipe_cache_parts
+from ftcli.data.summary import data_summary
+
+pa = pytest.importorskip("pyarrow")
+deltalake = pytest.importorskip("deltalake")
+
+U = {"role": "user", "content": "What is 7 plus 6?"}
+
+FORMATS = {
+    "messages": lambda i: {"messages": [U, {"role": "assistant", "content": f"answer {i}"}]},
+    "sharegpt": lambda i: {"conversations": [{"from": "human", "value": f"question {i}"},
+                                             {"from": "gpt", "value": f"reply {i}"}]},
+    "alpaca": lambda i: {"instruction": f"Add {i} and 1.", "input": "" if i % 2 else f"{i}", "output": f"{i + 1}"},
+    "prompt_completion": lambda i: {"prompt": f"Count to {i}:", "completion": " ".join(map(str, range(i % 5 + 1)))},
+}
+
+
+def _blocks(packed):
+    return [(b.input_ids.tolist(), b.labels.tolist()) for b in (packed.block(i) for i in range(len(packed)))]
+
+
+def _write(path, rows, **kwargs):
+    deltalake.write_deltalake(str(path), pa.Table.from_pylist(rows), **kwargs)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_delta_table_packs_like_the_same_rows_in_a_jsonl_file(tmp_path, fmt):
+    """Two appends (two files, version 1) read in order: blocks, labels, format detection and counts equal the
+    JSONL file's; the summary records the source as delta."""
+    rows = [FORMATS[fmt](i) for i in range(24)]
+    table = tmp_path / "table"
+    _write(table, rows[:10])
+    _write(table, rows[10:], mode="append")
+    tok = tokenizer("qwen")
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    by_file = recipe(tmp_path / "f", data__path=jsonl, data__format="auto", data__packing__block_len=128)
+    by_table = recipe(tmp_path / "d", data__source="delta", data__path=table, data__format="auto",
+                      data__packing__block_len=128)
+    from_file, from_table = prepare_blocks(by_file, tok), prepare_blocks(by_table, tok)
+    assert len(from_table) > 1 and _blocks(from_table) == _blocks(from_file)
+    file_sum, table_sum = data_summary(by_file, from_file), data_summary(by_table, from_table)
+    assert table_sum.examples == file_sum.examples and table_sum.examples["kept"] == 24
+    (only,) = table_sum.sources.values()
+    assert only.format == fmt and only.rows_read == 24
+
+
+def test_version_and_timestamp_pin_the_rows_across_a_schema_change(tmp_path):
+    """v0: 3 rows; v1: 2 appended; v2: overwritten with a new column (schema change) and 4 rows. A version, or
+    the timestamp of a commit, reads that version; unset reads the newest; `columns` reads a subset, and a column
+    the version does not have is one line. The version read is in the cache key."""
+    from ftcli.data import delta, sources
+
+    table = tmp_path / "table"
+    _write(table, [FORMATS["messages"](i) for i in range(3)])
+    _write(table, [FORMATS["messages"](i) for i in range(3, 5)], mode="append")
+    _write(table, [{**FORMATS["messages"](i), "score": i} for i in range(10, 14)], mode="overwrite",
+           schema_mode="overwrite")
+    stamps = {h["version"]: h["timestamp"] for h in deltalake.DeltaTable(str(table)).history()}
+
+    def read(revision=None, columns=None):
+        src = recipe(tmp_path, data__source="delta", data__path=table,
+                     **({"data__revision": revision} if revision is not None else {}),
+                     **({"data__columns": json.dumps(columns)} if columns else {})).data.source_list()[0]
+        rows, total = sources.open_rows(src)
+        return [row for _, row in rows], total, sources.fingerprint(src)
+
+    v0, total0, key0 = read(0)
+    assert [r["messages"][1]["content"] for r in v0] == ["answer 0", "answer 1", "answer 2"] and total0 == 3
+    assert set(v0[0]) == {"messages"} and key0["version"] == 0
+    v1, _, key1 = read(1)
+    assert sorted(r["messages"][1]["content"] for r in v1) == [f"answer {i}" for i in range(5)]
+    from datetime import datetime, timezone
+
+    when = datetime.fromtimestamp(stamps[1] / 1000, tz=timezone.utc).isoformat()
+    delta._RESOLVED.clear()
+    assert read(when)[2]["version"] == 1
+    newest, total, key = read()
+    assert key["version"] == 2 and total == 4
+    assert [(r["messages"][1]["content"], r["score"]) for r in newest] == [(f"answer {i}", i) for i in range(10, 14)]
+    assert [set(r) for r in read(columns=["messages"])[0]] == [{"messages"}] * 4
+    with pytest.raises(UserError, match=r"^Delta table .* \(version 0\) has no column score \(it has messages\); fix "):
+        read(0, columns=["score"])
+
+    parts = [recipe_cache_parts(recipe(tmp_path, data__source="delta", data__path=table, data__revision=v))
+             for v in (0, 1)]
+    assert parts[0]["sources"][0]["rows"]["version"] == 0 and parts[1]["sources"][0]["rows"]["version"] == 1
+    assert {**parts[0]["sources"][0]["rows"], "version": 1} == parts[1]["sources"][0]["rows"]
+    with pytest.raises(UserError, match=r"^cannot read Delta table .* at revision 7: "):
+        read(7)
+
+
+def test_delta_source_keys_are_checked_in_the_recipe(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError, match="revision 'last week' of a delta source: a table version"):
+        recipe(tmp_path, data__source="delta", data__path=tmp_path, data__revision="'last week'")
+    with pytest.raises(RecipeError, match="give the timestamp's time zone"):
+        recipe(tmp_path, data__source="delta", data__path=tmp_path, data__revision="2026-12-01T00:00:00")
+    with pytest.raises(RecipeError, match="columns is for source=delta"):
+        recipe(tmp_path, data__columns="[messages]")
+
+    from ftcli.data import delta
+
+    assert delta.is_uc_name("main.sft.chats") and not delta.is_uc_name("s3://b/t") and not delta.is_uc_name(
+        str(tmp_path))
+    monkeypatch.setitem(sys.modules, "databricks.sdk", None)  # the SDK not installed
+    src = recipe(tmp_path, data__source="delta", data__path="main.sft.chats").data.source_list()[0]
+    with pytest.raises(UserError, match=r"^data.path 'main.sft.chats' is a Unity Catalog table name; resolving it "
+                                        r"needs the Databricks SDK \(pip install databricks-sdk"):
+        delta.open_table(src)
+
+
+def test_plan_sizes_a_delta_source_from_its_rows_as_it_does_files(tmp_path):
+    """`ftcli plan`'s data size reads a Delta table's first rows and its row count like a JSONL file's: the same
+    estimate for the same rows."""
+    from ftcli.estimate.datasize import data_size
+
+    rows = [FORMATS["messages"](i) for i in range(40)]
+    _write(tmp_path / "table", rows)
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    by_table = data_size(recipe(tmp_path / "d", data__source="delta", data__path=tmp_path / "table"))
+    by_file = data_size(recipe(tmp_path / "f", data__path=jsonl))
+    assert by_table.tokens == by_file.tokens > 0 and by_table.blocks == by_file.blocks
+    assert by_table.source.startswith("estimate: first 40 of 40 rows")
