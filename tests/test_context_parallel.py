@@ -90,11 +90,17 @@ def test_recipe_refuses_what_cannot_split():
     from ftcli.config.errors import UserError
     from ftcli.config.recipe import load_recipe
 
+    from ftcli.config.recipe import CP_SLICE_MULTIPLE
+    from ftcli.data.collate import FLA_CHUNK
+
+    assert CP_SLICE_MULTIPLE == FLA_CHUNK  # the config's copy of the data code's constant (the config imports no torch)
     assert load_recipe("tiny-qwen-cpu", ["training.context_parallel=2"]).training.context_parallel == 2
     with pytest.raises(UserError, match="multiple of 192"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=3"])
     with pytest.raises(UserError, match="packing.enabled: true"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "data.packing.enabled=false"])
+    with pytest.raises(UserError, match="compile: regions or false"):
+        load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "training.compile=true"])
 
 
 def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_starts(monkeypatch):
@@ -180,7 +186,7 @@ def test_context_parallel_equals_the_whole_block(cp_report, name):
 def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
     """2 ranks x CP=2 (one block per step, in two slices) for 4 steps, checkpoint at step 2; the step-2 checkpoint
     resumed on 1 rank without CP trains steps 3 and 4 with the same losses, grad norms and token counts."""
-    common = ["training.max_steps=4", "training.grad_accum=2", "data.packing.block_len=512",
+    common = ["training.max_steps=4", "training.grad_accum=2", "data.packing.block_len=256", "eval=null",
               "training.checkpoint.every_steps=2", "training.checkpoint.save_final_hf=false", *FAST]
     cp_run = tmp_path / "cp2"
     res = ftcli(train_args(cp_run, "training.cpu_processes=2", "training.context_parallel=2", *common), tmp_path, env)
