@@ -5,8 +5,8 @@ block whole (ftcli.model.kernels.cp, ftcli.data.collate.slice_model_inputs, the 
                              ranks carry a gated-delta state in, the loss of T/N + 1 labels
     one 4-rank launch        tiny Qwen3.5, Llama, Gemma 3 and gpt-oss: CP=2 and CP=4 against the whole block,
                              activation checkpointing off and on (tests/_cp_worker.py)
-    two training launches    CP=2 on 2 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1 rank
-                             (CP=1): steps 3 and 4 agree
+    two training launches    2 x CP=2 on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
+                             rank (CP=1): steps 3 and 4 agree
 """
 
 from __future__ import annotations
@@ -184,16 +184,17 @@ def test_context_parallel_equals_the_whole_block(cp_report, name):
 
 # ------------------------------------------------------------------------------------- the training loop
 def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
-    """2 ranks x CP=2 (one block per step, in two slices) for 4 steps, checkpoint at step 2; the step-2 checkpoint
-    resumed on 1 rank without CP trains steps 3 and 4 with the same losses, grad norms and token counts."""
-    common = ["training.max_steps=4", "training.grad_accum=2", "data.packing.block_len=256", "eval=null",
-              "training.checkpoint.every_steps=2", "training.checkpoint.save_final_hf=false", *FAST]
+    """4 ranks as 2 data-parallel groups x CP=2 (two blocks per step, each in two slices) for 4 steps, checkpoint at
+    step 2; the step-2 checkpoint resumed on 1 rank without CP (grad_accum 2: the same two blocks per step) trains
+    steps 3 and 4 with the same losses, grad norms and token counts."""
+    common = ["training.max_steps=4", "data.packing.block_len=256", "eval=null", "training.checkpoint.every_steps=2",
+              "training.checkpoint.save_final_hf=false", *FAST]
     cp_run = tmp_path / "cp2"
-    res = ftcli(train_args(cp_run, "training.cpu_processes=2", "training.context_parallel=2", *common), tmp_path, env)
+    res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2", *common), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
-    assert "steps of 2 block(s) per group of 2 context-parallel ranks" in res.stdout
+    assert "steps of 1 block(s) per group of 2 context-parallel ranks" in res.stdout
     resumed = tmp_path / "cp1"
-    res = ftcli([*train_args(resumed, "training.cpu_processes=1", *common),
+    res = ftcli([*train_args(resumed, "training.cpu_processes=1", "training.grad_accum=2", *common),
                  "--resume", str(cp_run / "checkpoints" / "step_00000002")], tmp_path, env)
     assert res.returncode == 0, output_tail(res)
     assert "blocks per optimizer step" not in res.stdout  # the same 2 blocks per step: no warning
