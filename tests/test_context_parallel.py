@@ -114,6 +114,33 @@ def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_s
         check_context_parallel(load_recipe("tiny-qwen-cpu", ["training.context_parallel=4"]))
 
 
+@pytest.mark.parametrize("window", [16, None])
+def test_gpt_oss_flex_attention_across_slices_equals_the_eager_reference(window):
+    """gpt-oss's CUDA path under CP (flex attention with a block-coordinate mask, then the sinks), run here on CPU
+    (forward only: flex attention has no CPU backward; benchmarks/cp_gpu.py checks its gradients on the GPU),
+    against the per-piece eager reference with the sinks."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+    from ftcli.model.kernels import cp as cp_ops
+
+    torch.manual_seed(0)
+    config = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    module = GptOssAttention(config, layer_idx=0 if window else 1)
+    assert module.sliding_window == window
+    q, k, v = (torch.randn(1, h, 128, 16) for h in (4, 2, 2))
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 1.0)
+        for n in (2, 4):
+            for r in range(n):
+                s = CPSlice.of([0, 70, 73, 74, 94, 128], r, n, None)
+                local = q[:, :, s.start:s.end]
+                eager, _ = cp_ops._attention_pieces(local, k, v, s, 0.25, 0.0, window, module, True)
+                flex, _ = cp_ops._attention_flex_sinks(local, k, v, s, 0.25, window, module.sinks)
+                assert (eager - flex).abs().max() < 1e-5
+
+
 # ----------------------------------------------------------------------------------- plan and memory
 LONG = ["data.packing.block_len=131072", "training.context_parallel=8"]  # qwen-b300 at 128k on one 8xB300 node
 
