@@ -31,7 +31,8 @@ segment crosses), which FSDP's per-layer collectives need too.
 
 Backends: the gated-delta rule and the conv call the installed kernel (the torch references on CPU, fla /
 causal-conv1d on CUDA) for the slice's own work, so fla's kernels carry the state passing on GPU through their
-public `initial_state` / `output_final_state` (fla's own `fla.ops.cp` is not used). Attention on CUDA in half
+public `initial_state` / `output_final_state`. (fla 0.6's `fla.ops.cp` computes the same (F, A) with dedicated
+kernels behind its own context object; it is not used here: it needs several GPUs to check.) Attention on CUDA in half
 precision is one torch `varlen_attn` call (queries' and keys' cu_seqlens differ: FlashAttention's bottom-right
 causal alignment), gpt-oss's is flex attention under a block mask in block coordinates with the sinks applied
 after it (as `ops.flex_sinks`); elsewhere (CPU, float32) the per-piece references (sdpa / eager) run
