@@ -7,7 +7,7 @@ virtual rank and records what it hands the all-gather; pass 2 runs every rank ag
 of the recorded pieces, as the all-gather would. Gradients flow through the recorded pieces to the rank that made
 them, so the summed backward of pass 2 is the CP backward. Each op, at the real width of Qwen3.8-27B
 (gated delta: 16 key / 48 value heads of 128; conv: 10,240 channels, width 4; attention: 24 query / 4 key-value
-heads of 256), on one packed block of --tokens tokens whose segments cross every slice boundary (one segment runs
+heads of 256; gpt-oss-20b's attention: 64 / 8 heads of 64 with learned sinks, full and window 128), on one packed block of --tokens tokens whose segments cross every slice boundary (one segment runs
 through a whole slice), for N in --cp:
 
     out, grads   ||cp - serial|| / ||serial|| of the output and of every input gradient (bf16 kernels on CUDA;
@@ -17,7 +17,8 @@ through a whole slice), for N in --cp:
 
 Backends: what `decide_backends` picks here (fla's chunked gated-delta rule, causal-conv1d or fla's conv, torch
 varlen_attn for attention: the CP attention calls varlen_attn with the keys' cu_seqlens reaching back to each
-segment's start, which relies on FlashAttention's bottom-right-aligned causal mask; this checks it).
+segment's start, which relies on FlashAttention's bottom-right-aligned causal mask, this checks it; gpt-oss: flex
+attention with the sinks, the CP version under a block-coordinate mask).
 
 Memory (--memory): one full-attention layer's CP attention (queries of one slice of T/N tokens, keys and values of
 all T) forward + backward, the measured peak above the layer's inputs against the memory model's per-layer term
@@ -34,6 +35,7 @@ CPU logic check (fp32 torch references, tiny widths, the same code path):
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -198,6 +200,43 @@ def check_attention(kernel, w, tokens, n, dtype, device, seed=2):
                    lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1)
 
 
+class _SinksAttn(torch.nn.Module):
+    """gpt-oss's attention module as the attention functions read it: sinks and the sliding window."""
+
+    is_causal = True
+
+    def __init__(self, heads: int, kv_heads: int, window: int | None, device):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(heads, device=device))
+        self.sliding_window = window
+        self.num_key_value_groups = heads // kv_heads  # read by gpt-oss's eager attention (the CPU reference)
+
+
+def check_sinks_attention(kernel, w, tokens, n, dtype, device, seed=3, window=None):
+    """gpt-oss-20b's attention (64 query / 8 key-value heads of 64, learned sinks; window 128 on sliding layers)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    heads, kv_heads, d = (4, 2, 16) if w is WIDTH[True] else (64, 8, 64)
+    module = _SinksAttn(heads, kv_heads, window, device)
+    q = torch.randn(1, heads, tokens, d, generator=g).to(device, dtype).requires_grad_()
+    k = torch.randn(1, kv_heads, tokens, d, generator=g).to(device, dtype).requires_grad_()
+    v = torch.randn(1, kv_heads, tokens, d, generator=g).to(device, dtype).requires_grad_()
+    cu = [0, *torch.tensor(segments(tokens, n)).cumsum(0).tolist()]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    grad_out = torch.randn(1, tokens, heads, d, generator=g).to(device, dtype)
+
+    def serial():
+        out, _ = kernel(module, q, k, v, None, scaling=d ** -0.5, cu_seq_lens_q=cu_t, s_aux=module.sinks)
+        out.backward(grad_out)
+        return out
+
+    def attention(kernel, query, key, value, **kw):
+        return cp_ops.attention_across(kernel, module, query, key, value, None, scaling=d ** -0.5,
+                                       s_aux=module.sinks, **kw)
+
+    return compare(serial, dict(query=q, key=k, value=v), grad_out, cu, n, device, attention, kernel,
+                   lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1, more={"sinks": module.sinks})
+
+
 def compare(serial, leaves, grad_out, cu, n, device, op, kernel, extra, dims, out_dim, more=None):
     """(out rel err, worst input-grad rel err, serial ms, CP slowest-rank ms)."""
     more = more or {}
@@ -266,9 +305,13 @@ def main() -> int:
     attention_name = backends["attention"].name
     if attention_name == "flash_attn_varlen":  # CP calls torch's varlen_attn instead (install.cp_backend)
         attention_name = "torch_varlen"
+    sinks_name = {b.op: b for b in kernels.decide_backends("gpt_oss", device)}["attention"].name
     chosen = {"gated delta": ("gated_delta_rule", backends["gated_delta_rule"].name, check_gated_delta),
               "causal conv": ("causal_conv1d", backends["causal_conv1d"].name, check_conv),
-              "attention": ("attention", attention_name, check_attention)}
+              "attention": ("attention", attention_name, check_attention),
+              "gpt-oss attention, sinks": ("attention", sinks_name, check_sinks_attention),
+              "gpt-oss attention, sinks, window 128": ("attention", sinks_name,
+                                                       functools.partial(check_sinks_attention, window=128))}
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
           f"{args.tokens:,} tokens, torch {torch.__version__}")
     print("| op | backend | CP | out rel err | worst grad rel err | serial fwd+bwd ms | CP ms per rank (slowest forward + backward / N) | ok |")

@@ -5,8 +5,8 @@ block whole (ftcli.model.kernels.cp, ftcli.data.collate.slice_model_inputs, the 
                              ranks carry a gated-delta state in, the loss of T/N + 1 labels
     one 4-rank launch        tiny Qwen3.5, Llama, Gemma 3 and gpt-oss: CP=2 and CP=4 against the whole block,
                              activation checkpointing off and on (tests/_cp_worker.py)
-    two training launches    CP=2 on 2 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1 rank
-                             (CP=1): steps 3 and 4 agree
+    two training launches    2 x CP=2 on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
+                             rank (CP=1): steps 3 and 4 agree
 """
 
 from __future__ import annotations
@@ -90,11 +90,17 @@ def test_recipe_refuses_what_cannot_split():
     from ftcli.config.errors import UserError
     from ftcli.config.recipe import load_recipe
 
+    from ftcli.config.recipe import CP_SLICE_MULTIPLE
+    from ftcli.data.collate import FLA_CHUNK
+
+    assert CP_SLICE_MULTIPLE == FLA_CHUNK  # the config's copy of the data code's constant (the config imports no torch)
     assert load_recipe("tiny-qwen-cpu", ["training.context_parallel=2"]).training.context_parallel == 2
     with pytest.raises(UserError, match="multiple of 192"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=3"])
     with pytest.raises(UserError, match="packing.enabled: true"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "data.packing.enabled=false"])
+    with pytest.raises(UserError, match="compile: regions or false"):
+        load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "training.compile=true"])
 
 
 def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_starts(monkeypatch):
@@ -106,6 +112,33 @@ def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_s
     check_context_parallel(load_recipe("tiny-qwen-cpu", ["training.context_parallel=2"]))  # 2 CPU processes
     with pytest.raises(UserError, match="context_parallel=4 does not divide the 2 ranks"):
         check_context_parallel(load_recipe("tiny-qwen-cpu", ["training.context_parallel=4"]))
+
+
+@pytest.mark.parametrize("window", [16, None])
+def test_gpt_oss_flex_attention_across_slices_equals_the_eager_reference(window):
+    """gpt-oss's CUDA path under CP (flex attention with a block-coordinate mask, then the sinks), run here on CPU
+    (forward only: flex attention has no CPU backward; benchmarks/cp_gpu.py checks its gradients on the GPU),
+    against the per-piece eager reference with the sinks."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+    from ftcli.model.kernels import cp as cp_ops
+
+    torch.manual_seed(0)
+    config = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    module = GptOssAttention(config, layer_idx=0 if window else 1)
+    assert module.sliding_window == window
+    q, k, v = (torch.randn(1, h, 128, 16) for h in (4, 2, 2))
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 1.0)
+        for n in (2, 4):
+            for r in range(n):
+                s = CPSlice.of([0, 70, 73, 74, 94, 128], r, n, None)
+                local = q[:, :, s.start:s.end]
+                eager, _ = cp_ops._attention_pieces(local, k, v, s, 0.25, 0.0, window, module, True)
+                flex, _ = cp_ops._attention_flex_sinks(local, k, v, s, 0.25, window, module.sinks)
+                assert (eager - flex).abs().max() < 1e-5
 
 
 # ----------------------------------------------------------------------------------- plan and memory
@@ -178,16 +211,17 @@ def test_context_parallel_equals_the_whole_block(cp_report, name):
 
 # ------------------------------------------------------------------------------------- the training loop
 def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
-    """2 ranks x CP=2 (one block per step, in two slices) for 4 steps, checkpoint at step 2; the step-2 checkpoint
-    resumed on 1 rank without CP trains steps 3 and 4 with the same losses, grad norms and token counts."""
-    common = ["training.max_steps=4", "training.grad_accum=2", "data.packing.block_len=512",
-              "training.checkpoint.every_steps=2", "training.checkpoint.save_final_hf=false", *FAST]
+    """4 ranks as 2 data-parallel groups x CP=2 (two blocks per step, each in two slices) for 4 steps, checkpoint at
+    step 2; the step-2 checkpoint resumed on 1 rank without CP (grad_accum 2: the same two blocks per step) trains
+    steps 3 and 4 with the same losses, grad norms and token counts."""
+    common = ["training.max_steps=4", "data.packing.block_len=256", "eval=null", "training.checkpoint.every_steps=2",
+              "training.checkpoint.save_final_hf=false", *FAST]
     cp_run = tmp_path / "cp2"
-    res = ftcli(train_args(cp_run, "training.cpu_processes=2", "training.context_parallel=2", *common), tmp_path, env)
+    res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2", *common), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
-    assert "steps of 2 block(s) per group of 2 context-parallel ranks" in res.stdout
+    assert "steps of 1 block(s) per group of 2 context-parallel ranks" in res.stdout
     resumed = tmp_path / "cp1"
-    res = ftcli([*train_args(resumed, "training.cpu_processes=1", *common),
+    res = ftcli([*train_args(resumed, "training.cpu_processes=1", "training.grad_accum=2", *common),
                  "--resume", str(cp_run / "checkpoints" / "step_00000002")], tmp_path, env)
     assert res.returncode == 0, output_tail(res)
     assert "blocks per optimizer step" not in res.stdout  # the same 2 blocks per step: no warning

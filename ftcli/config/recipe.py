@@ -521,7 +521,8 @@ class LossConfig(_Section):
 
 
 
-CP_SLICE_MULTIPLE = 64  # context-parallel slices are whole gated-delta chunks (fla's chunk: 64 tokens)
+# context-parallel slices are whole gated-delta chunks: ftcli.data.collate.FLA_CHUNK (that module imports torch)
+CP_SLICE_MULTIPLE = 64
 
 class _Training(_Section):
     """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
@@ -959,6 +960,9 @@ class Recipe(_Section):
         if block_len % (n * CP_SLICE_MULTIPLE):
             raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
                              f"of {n * CP_SLICE_MULTIPLE} (N slices of a multiple of {CP_SLICE_MULTIPLE} tokens)")
+        if self.training.compile is True:  # a whole compiled layer would trace the slice's metadata (not checked)
+            raise ValueError(f"training.context_parallel={n} runs with training.compile: regions or false, not true "
+                             "(whole compiled layers are not checked with context parallelism)")
         return self
 
     @model_validator(mode="after")

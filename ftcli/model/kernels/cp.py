@@ -31,11 +31,12 @@ segment crosses), which FSDP's per-layer collectives need too.
 
 Backends: the gated-delta rule and the conv call the installed kernel (the torch references on CPU, fla /
 causal-conv1d on CUDA) for the slice's own work, so fla's kernels carry the state passing on GPU through their
-public `initial_state` / `output_final_state` (fla's own `fla.ops.cp` is not used). Attention on CUDA in half
+public `initial_state` / `output_final_state`. (fla 0.6's `fla.ops.cp` computes the same (F, A) with dedicated
+kernels behind its own context object; it is not used here: it needs several GPUs to check.) Attention on CUDA in half
 precision is one torch `varlen_attn` call (queries' and keys' cu_seqlens differ: FlashAttention's bottom-right
-causal alignment); everywhere else, and for gpt-oss's sinks, the per-piece references (sdpa / eager) run:
-exact, but gpt-oss's eager attention materializes heads x queries x keys per piece (benchmarks/cp_gpu.py checks
-the CUDA paths against the serial kernels on one device).
+causal alignment), gpt-oss's is flex attention under a block mask in block coordinates with the sinks applied
+after it (as `ops.flex_sinks`); elsewhere (CPU, float32) the per-piece references (sdpa / eager) run
+(benchmarks/cp_gpu.py checks the CUDA paths against the serial kernels on one device).
 
 The ops receive the slice as the model call's keyword argument `CP_KWARG` (a `CPSlice`), which transformers hands
 to every attention function, gated-delta rule and conv, like the block's other packing metadata.
@@ -194,6 +195,33 @@ def _attention_varlen(query, keys, values, cp: CPSlice, scaling, window):
     return out[None], None
 
 
+def _attention_flex_sinks(query, keys, values, cp: CPSlice, scaling, window, sinks):
+    """gpt-oss on CUDA: flex attention of this rank's queries over the keys up to the slice's end, under a block mask
+    in block coordinates (same segment, causal, window), then the sinks as `ops.flex_sinks` applies them."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ftcli.model.kernels.ops import _flex
+
+    cu = torch.tensor(cp.cu_seqlens, dtype=torch.long, device=query.device)
+    doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=query.device), cu[1:] - cu[:-1])
+    start = cp.start
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q = q_idx + start
+        keep = (doc[q] == doc[kv_idx]) & (kv_idx <= q)
+        if window:
+            keep = keep & (q - kv_idx < window)
+        return keep
+
+    t, end = query.shape[2], cp.end
+    block_mask = create_block_mask(mask_mod, None, None, t, end, device=query.device,
+                                   _compile=query.device.type == "cuda")
+    out, lse = _flex(query, keys[:, :, :end].contiguous(), values[:, :, :end].contiguous(), block_mask, scaling)
+    if sinks is not None:  # softmax over [scores, sink]: each weight shrinks by sigmoid(lse - sink)
+        out = out.float() * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]
+    return out.to(query.dtype).transpose(1, 2), None
+
+
 def attention_across(kernel, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An attention function's call over this rank's slice: queries [1, H, t, D] local, keys and values gathered."""
     cp: CPSlice = kwargs.pop(CP_KWARG)
@@ -210,6 +238,8 @@ def attention_across(kernel, module, query, key, value, attention_mask, scaling=
         out = _attention_varlen(query, keys, values, cp, scaling, window)
         if out is not None:
             return out
+    if query.is_cuda and sinks and name == "flex_sinks" and not dropout:
+        return _attention_flex_sinks(query, keys, values, cp, scaling, window, kwargs.get("s_aux"))
     return _attention_pieces(query, keys, values, cp, scaling, dropout, window, module, sinks)
 
 
