@@ -18,7 +18,6 @@ from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
 
 
 def main(out: Path, accepts_loss_kwargs: bool) -> None:
-    import datasets
     from peft import get_peft_model
     from transformers import AutoTokenizer, GptOssForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -26,7 +25,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     from ftcli.model.kernels import enable_packed_kernels
     from ftcli.train.loss import count_trained_tokens
     from ftcli.config.recipe import resolve_path
-    from ftcli.train.lora.trainer import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
+    from ftcli.train.lora.trainer import BlockCollator, block_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
     from test_lora_loss import _token_mean_grads
 
     if not accepts_loss_kwargs:
@@ -40,10 +39,9 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     model = tiny_model(attn=attn)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, data_collator=collate_rows, processing_class=tok,
+    trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(rows), data_collator=BlockCollator(rows), processing_class=tok,
                          peft_config=lora_config(recipe, model))
     normalize_loss_by_tokens(trainer)
     torch.manual_seed(1)  # the same nonzero adapters on both ranks

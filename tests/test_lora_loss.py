@@ -24,22 +24,20 @@ def _rows():
 
 
 def _trainer(tmp_path, rows, model):
-    import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from ftcli.train.lora.trainer import collate_rows, lora_config, sft_config_kwargs
+    from ftcli.train.lora.trainer import BlockCollator, block_rows, lora_config, sft_config_kwargs
 
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
     kwargs = sft_config_kwargs(recipe, tmp_path)
     kwargs.update(disable_tqdm=True, logging_first_step=False)
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     from transformers import AutoTokenizer
 
     from ftcli.config.recipe import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
-    return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=ds, data_collator=collate_rows,
+    return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=block_rows(rows), data_collator=BlockCollator(rows),
                       processing_class=tok, peft_config=lora_config(recipe, model))
 
 
@@ -57,12 +55,12 @@ def _reference_copy(trainer, attn):
 
 def _token_mean_grads(model, rows):
     """Reference: one backward of sum over both rows of token NLL / total trained tokens."""
-    from ftcli.train.lora.trainer import collate_rows
+    from ftcli.train.lora.trainer import collate_blocks
 
     model.zero_grad()
     total_loss, total_tokens = 0.0, 0
     for row in rows:
-        batch = collate_rows([row])
+        batch = collate_blocks([row])
         labels = batch.pop("labels")
         logits = model(**batch).logits[0, :-1].float()
         target = labels[0, 1:]
