@@ -43,7 +43,13 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     model = tiny_model(attn=attn)
     trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(rows), data_collator=BlockCollator(rows), processing_class=tok,
                          peft_config=lora_config(recipe, model))
-    normalize_loss_by_tokens(trainer)
+    normalize_loss_by_tokens(trainer)  # and ftcli's loss, as build_trainer
+    from ftcli.objectives import OBJECTIVES
+    from ftcli.train.lora.callbacks import ObjectiveLoss
+    from ftcli.train.lora.trainer import use_objective_loss
+
+    use_objective_loss(trainer, OBJECTIVES["sft"])
+    trainer.add_callback(ObjectiveLoss(64, OBJECTIVES["sft"]))
     torch.manual_seed(1)  # the same nonzero adapters on both ranks
     for p in trainer.model.parameters():
         if p.requires_grad:
@@ -67,7 +73,9 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
         ref_model.load_state_dict(state)
         ref = _token_mean_grads(ref_model, rows)
         worst = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
-        (out / "result.json").write_text(json.dumps({"max_rel_diff": worst, "rank0_trained_tokens": trained}))
+        logged = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]  # one step: its loss
+        (out / "result.json").write_text(json.dumps({"max_rel_diff": worst, "rank0_trained_tokens": trained,
+                                                     "logged_loss": logged, "token_mean_loss": _token_mean_grads.loss}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ run of tests/_lora_fsdp_eval_worker.py) or a spec of `step` (default fp32). Rank
 full tensors under FSDP2), OUT/adapter-TAG.pt, the adapter after the run, OUT/sharded-TAG.json, whether each base
 weight was sharded, and OUT/loss-TAG.json: the logged losses, how many forwards went through the grouped expert
 GEMMs (`GroupedLoraMatmul`) and, for bf16 (the model and the run bfloat16: FSDP2 mixed precision, one step), ftcli's
-eval loss sum after the step (`attach_eval_loss`) on each of the four blocks."""
+eval loss sum after the step (`attach_loss_sum`) on each of the four blocks."""
 
 from __future__ import annotations
 
@@ -108,10 +108,10 @@ def step(out: Path, sharding: str, spec: str) -> None:
                for n, p in trainer.model.named_parameters() if p.requires_grad}
     evals = []
     if dtype == "bf16":  # the eval loss after the step, on every block, every rank taking part (FSDP gathers)
-        from ftcli.train.lora.callbacks import attach_eval_loss
+        from ftcli.train.lora.callbacks import attach_loss_sum
         from ftcli.train.lora.trainer import collate_blocks
 
-        attach_eval_loss(trainer.model, 64)
+        attach_loss_sum(trainer.model, 64)
         with torch.no_grad():
             sums = [trainer.model.loss_sum(**collate_blocks([r])) for r in rows]
         evals = [{"dtype": str(x.dtype), "value": float(x)} for x in sums]
