@@ -52,10 +52,14 @@ def training_blocks(recipe: Recipe, tokenizer, first=lambda f, then=None: f()):
     `first`: ftcli.train.distributed.rank0_first under torchrun (rank 0 fills the cache, then the others open it)."""
     from ftcli.objectives import objective_of
 
-    packed = objective_of(recipe.training).units(recipe, tokenizer, first)
-    if not len(packed):
+    return require_units(recipe, objective_of(recipe.training).units(recipe, tokenizer, first))
+
+
+def require_units(recipe: Recipe, units):
+    """`units`, or a one-line UserError when the data gave none."""
+    if not len(units):
         raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
-    return packed
+    return units
 
 
 def block_rows(blocks):
@@ -308,16 +312,13 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     """One LoRA run under torchrun; see the module docstring."""
     from trl import SFTConfig
 
-    from ftcli import data
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume, trl_save_failed
-    from ftcli.train.distributed import local_device, rank0_first
-    from ftcli.train.evaluate import Evaluator, prepare_eval
-    from ftcli.train.lifecycle import announce_data
+    from ftcli.train.distributed import local_device
     from ftcli.train.metrics import truncate_metrics
     from ftcli.estimate.fit import resolved_sharding
     from ftcli.train.preempt import Stopped
+    from ftcli.train.session import RunSession
     from ftcli.artifacts.rundir import METRICS_FILE
-    from ftcli.artifacts.tracking import start_tracking
 
     run_dir = Path(run_dir)
     if not method_of(recipe.training).writes_adapter:
@@ -333,20 +334,19 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         for message in ignored_settings(recipe, sharding):
             print(f"warning: {message}", flush=True)
 
-    # MLflow (rank 0): ftcli.artifacts.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
-    # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
-    tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
+    # tracking, tokenizer, data, eval data and run.json: the run session every trainer shares (ftcli.train.session);
+    # the step-line callback logs the metrics into its tracker
+    say = (lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None)
+    session = RunSession.start(recipe, run_dir, rank=args.process_index, world_size=args.world_size, device=device,
+                               resume=checkpoint is not None, say=say)
+    tracker = session.tracker
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
     step_log = None
     try:
         attn = _attn_implementation(recipe, device)
-        tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        blocks = training_blocks(recipe, tokenizer, rank0_first)  # rank 0 fills the cache, then the others open it
-        summary = data.data_summary(recipe, blocks)
-        evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
-        announce_data(summary, evaluator, tracker=tracker,
-                      say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
+        session.open_data()  # rank 0 fills the caches, then the others open them
+        tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe, session.units), session.evaluator
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
         started = time.perf_counter()
@@ -385,13 +385,12 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"
             raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
-        finish(recipe, run_dir, trainer, step_log, tracker=tracker, summary=summary, evaluator=evaluator,
-               sharding=sharding)
-        tracker.finish()
+        finish(recipe, run_dir, trainer, step_log, session=session, sharding=sharding)
+        session.end()
     except BaseException as e:
         if step_log is not None:
             step_log.close()  # the progress bar gives the terminal back
-        tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
+        session.end(e)
         raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
@@ -427,10 +426,9 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
         os.replace(tmp, final)
 
 
-def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
+def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, session, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
     from ftcli.artifacts.rundir import FINAL
-    from ftcli.train.lifecycle import record_run
 
     save_final_adapter(trainer, run_dir / FINAL, sharding)
     if trainer.args.process_index != 0:
@@ -442,10 +440,10 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record_run(recipe, run_dir, tracker=tracker, steps=trainer.state.global_step,
-               tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
-               throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
-               summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,
-               stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
-               base_path="base" if recipe.model.init == "random" else None)
+    session.record(steps=trainer.state.global_step, tokens={"trained": step_log.trained, "seen": step_log.seen},
+                   final_loss=losses[-1] if losses else None,
+                   throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+                   evals=tracked, best_model_dir=best_model_dir,
+                   stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
+                   base_path="base" if recipe.model.init == "random" else None)
     print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
