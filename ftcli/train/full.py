@@ -59,7 +59,8 @@ from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.evaluate import (EvalResult, EvalTracker, best_model_location, evaluate_now, publish_eval,
                                   sample_now, samples_due)
 from ftcli import features
-from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
+from ftcli.objectives import OBJECTIVES, objective_of
+from ftcli.train.loss import IGNORE_INDEX, attach_loss, token_loss_sum
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -89,11 +90,13 @@ from ftcli.train.session import RunSession
 # unevenly the trained tokens are spread. Averaging per-block means instead would weight a block
 # with 3 trained tokens like one with 3,000, and an all-masked block would give 0/0 = NaN. A step
 # with N = 0 (every block masked: padding at the end of the data) is skipped on every rank.
-def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int):
-    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss."""
+def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int,
+                     loss_sum_of: Callable = OBJECTIVES["sft"].loss_sum):
+    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss. `loss_sum_of`:
+    the objective's summed loss of one micro-batch (ftcli.objectives; S above), its count being N's terms."""
     summed_loss = torch.zeros((), dtype=torch.float64)
     for inputs in micro_batches:
-        loss_sum = model.loss_sum(**inputs)
+        loss_sum = loss_sum_of(model, inputs)
         (loss_sum * (world_size / global_valid_tokens)).backward()
         summed_loss += loss_sum.detach().double().cpu()
     return float(summed_loss)
@@ -200,6 +203,7 @@ class FullRun:
         self.recipe, self.run_dir, self.world = recipe, run_dir, world
         self.stop_flag = stop_flag()  # SIGTERM / SIGINT from here on: stop at the next step boundary
         tcfg = self.tcfg = recipe.training
+        self.objective = objective_of(tcfg)  # what the steps minimize: its count and summed loss (ftcli.objectives)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(highlight=False, soft_wrap=True)
 
@@ -336,7 +340,7 @@ class FullRun:
             micro_batches.append(_padding_inputs(self.last_inputs, world.device))
 
         # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
-        num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
+        num_valid_tokens = sum(self.objective.count(b) for b in blocks)  # the objective's count (SFT: trained tokens)
         num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
         global_valid_tokens, global_seen_tokens = map(
             int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
@@ -350,7 +354,8 @@ class FullRun:
 
         # 6c. forward + backward, grad norm, then step or skip
         lr = self.scheduler.get_last_lr()[0]
-        summed_loss = forward_backward(self.model, micro_batches, global_valid_tokens, world.world_size)
+        summed_loss = forward_backward(self.model, micro_batches, global_valid_tokens, world.world_size,
+                                       self.objective.loss_sum)
         (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
         loss = global_loss_sum / global_valid_tokens
         grad_norm = grad_norm_and_clip(self.model, tcfg.grad_clip)

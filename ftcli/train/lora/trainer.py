@@ -52,13 +52,13 @@ def training_blocks(recipe: Recipe, tokenizer, first=lambda f, then=None: f()):
     `first`: ftcli.train.distributed.rank0_first under torchrun (rank 0 fills the cache, then the others open it)."""
     from ftcli.objectives import objective_of
 
-    return require_units(recipe, objective_of(recipe.training).units(recipe, tokenizer, first))
+    return require_units(recipe.data, objective_of(recipe.training).units(recipe, tokenizer, first))
 
 
-def require_units(recipe: Recipe, units):
-    """`units`, or a one-line UserError when the data gave none."""
+def require_units(data_cfg, units):
+    """`units`, or a one-line UserError naming `data_cfg`'s sources (the recipe's data section) when they gave none."""
     if not len(units):
-        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
+        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in data_cfg.sources)}")
     return units
 
 
@@ -346,7 +346,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     try:
         attn = _attn_implementation(recipe, device)
         session.open_data()  # rank 0 fills the caches, then the others open them
-        tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe, session.units), session.evaluator
+        tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe.data, session.units), session.evaluator
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
         started = time.perf_counter()
