@@ -10,7 +10,8 @@ schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
    dataset holds only block indices (`skip_prepare_dataset`) and a collator hands the model each block as one
    padding-free row, so TRL neither tokenizes, packs nor stores the tokens;
 3. the recipe -> SFTConfig / LoraConfig mapping (`ftcli.train.lora.config`, pure, tested value by value);
-4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`);
+4. the loss: ftcli's, the objective's summed loss over the step's global count, the full loop's algebra, for every
+   model class (`use_objective_loss`, `normalize_loss_by_tokens`); train and eval report the same loss;
 
 and, as TRL callbacks (`ftcli.train.lora.callbacks`), what TRL does not know: ftcli's step line and token counts,
 time-based saves, stopping on a signal, and ftcli's own eval (`ftcli.train.evaluate`, the functions the full loop
@@ -108,15 +109,15 @@ def collate_blocks(blocks: list) -> dict[str, Any]:
 def normalize_loss_by_tokens(trainer) -> None:
     """Make every optimizer step minimize (sum of token losses) / (trained tokens of the whole step).
 
-    TRL computes the loss with its fused LM head as `-sum(log p) / num_items_in_batch`, where
-    `num_items_in_batch` is the trained-token count of all micro-batches of the step, all-gathered over
-    ranks (`average_tokens_across_devices`), and multiplies by the world size to undo DDP's gradient
-    mean. Summed over accumulation and averaged by DDP, that is exactly the token mean of the step.
+    The loss (`use_objective_loss`) is `sum(token CE) / num_items_in_batch`, where `num_items_in_batch` is the
+    trained-token count of all micro-batches of the step, all-gathered over ranks
+    (`average_tokens_across_devices`), times the world size to undo DDP's gradient mean. Summed over
+    accumulation and averaged by DDP, that is exactly the token mean of the step.
 
     transformers only counts `num_items_in_batch` when the model class "accepts loss kwargs"; classes
     that declare `accepts_loss_kwargs = False` (Qwen3_5ForConditionalGeneration) would get a mean per
     micro-batch, averaged over accumulation steps, so a short block weighs as much as a long one. The
-    flag is about the model's own loss, which TRL's fused head never calls, so it is safe to set it
+    flag is about the model's own loss, which ftcli's loss never calls, so it is safe to set it
     for the trainer; the loss is then already scaled for accumulation.
     """
     trainer.model_accepts_loss_kwargs = True
