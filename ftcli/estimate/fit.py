@@ -65,7 +65,8 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                sharding: str | None = None) -> memory.Setting:
     t = recipe.training
     block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
-    common = dict(method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
+    common = dict(method=t.method, objective=t.objective, tokens=block * t.per_device_batch,
+                  world=world or recipe.compute.num_accelerators,
                   checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
                   adapter_params=adapter_params(recipe, shape))
     # LoRA: adapters in float32 over a base in model.dtype; every layer checkpointed or none. Its loss term: the
