@@ -162,8 +162,8 @@ def test_vision_tower_excluded_on_vlm_classes():
     ("training.fused_ops=[rms_norm]", "training.fused_ops belongs to training.method=full (this recipe's is lora): "
                                       "leave it out (switching a recipe's method with --set: also --set "
                                       "training.fused_ops=[])"),
-    ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is TRL's (a "
-                                 "chunked LM head): leave training.loss.impl out"),
+    ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is the chunked one "
+                                 "(ftcli's, as the eval's): leave training.loss.impl out"),
 ])
 def test_a_full_sft_setting_in_a_lora_recipe_is_one_line_naming_its_method(override, line):
     from ftcli.config.errors import UserError
@@ -214,14 +214,14 @@ def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_pa
 
     from ftcli.data import load_tokenizer
     from ftcli.train.full import lr_factor
-    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
 
     steps = 30
     recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
                          f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
     tokenizer = load_tokenizer(recipe)
     args = SFTConfig(**{**sft_config_kwargs(recipe, tmp_path / "run"), "disable_tqdm": True}, use_cpu=True)
-    trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_rows(recipe, tokenizer), args)
+    trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_blocks(recipe, tokenizer), args)
     trainer.create_optimizer_and_scheduler(num_training_steps=steps)
     peak = recipe.training.optimizer.lr
     full = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak),

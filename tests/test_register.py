@@ -37,7 +37,7 @@ HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 SECRET_VALUE = "s3cr3t-value-never-logged"
 CHAT = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}
 RECIPE_DIGEST = "0123456789abcdef"
-DATA_SOURCES = [  # run.json's lineage, as ftcli.train.lifecycle.data_sources writes it
+DATA_SOURCES = [  # run.json's lineage, as ftcli.train.session.data_sources writes it
     {"label": "main.sft.chats", "context": "training", "kind": "delta", "path": "main.sft.chats", "revision": "12",
      "split": "train", "digest": "aaaabbbbccccdddd", "rows_read": 40, "rows_kept": 39},
     {"label": "pkg://assets/tiny_chat.jsonl", "context": "eval", "kind": "local", "path": "pkg://assets/tiny_chat.jsonl",

@@ -133,7 +133,7 @@ def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_versi
     from ftcli.artifacts.rundir import RunRecord, new_run_record, recipe_digest
     from ftcli.artifacts.tracking import start_tracking
     from ftcli.data import data_summary, prepare_blocks
-    from ftcli.train.lifecycle import announce_data, data_sources
+    from ftcli.train.session import announce_data, data_sources
 
     table = tmp_path / "chats"
     rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}

@@ -54,7 +54,7 @@ from typing import Any
 from ftcli.families import FAMILIES, find_family, model_types
 from ftcli.families.base import layer_types
 from ftcli.features.loss import FUSED_LINEAR_CE
-from ftcli.objectives import Method, method_of
+from ftcli.objectives import Method, method_of, objective_of
 
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
@@ -133,6 +133,7 @@ class Setting:
     """The recipe knobs that move memory (what `ftcli plan` varies to find a setting that fits)."""
 
     method: str = "full"  # full | lora
+    objective: str = "sft"  # training.objective (ftcli.objectives): its memory terms (a frozen reference model)
     tokens: int = 32768  # per micro-batch: block_len x per_device_batch
     world: int = 8
     master: str = "fp32"  # fp32 | bf16 (full SFT)
@@ -260,11 +261,16 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
                         activations=activations / GiB, loss=loss / GiB, other=0.0)
     master = 4 if s.master == "fp32" else 2
     p, w = shape.total_params, s.world
+    # an objective with a frozen reference model (ftcli.objectives: `reference_model`) keeps it beside the trained
+    # model, in the compute dtype, sharded like it (an adapter's reference is its base with the adapter off: nothing
+    # more). Not measured yet; SFT has none
+    reference = (p + shape.frozen_params) * s.compute_bytes if objective_of(s.objective).reference_model else 0
     bf16_grads = 2 * shape.root_params if s.master == "bf16" else 0
     reduce_phase = 4 * shape.root_params + bf16_grads
     step_phase = activations + loss + bf16_grads
     other = bf16_grads + max(0.0, reduce_phase - step_phase)
-    return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes) / w / GiB, grads=p * master / w / GiB,
+    return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes + reference) / w / GiB,
+                    grads=p * master / w / GiB,
                     optimizer=2 * p * master / w / GiB, activations=activations / GiB, loss=loss / GiB,
                     other=other / GiB)
 
