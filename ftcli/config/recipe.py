@@ -482,7 +482,7 @@ class _Training(_Section):
     other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
     other_keys: ClassVar[tuple[str, ...]] = ()
 
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=100_000)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
     per_device_batch: int = Field(1, ge=1)

@@ -59,7 +59,7 @@ def _refusal(path: Path, st: os.stat_result | None) -> str | None:
 def _lstat(path: Path) -> os.stat_result | None:
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: nothing there either
         return None
 
 
