@@ -179,7 +179,12 @@ def recipes_cp(
         dest = dest / f"{Path(name).stem}.yaml"
     text = recipe_text(name)
     _check_output(dest, force)
-    _write(dest, text)
+    from ftcli.config.safe_files import replace_file
+
+    try:
+        replace_file(dest, text)  # a link at DEST (--force) is replaced, never written through
+    except OSError as e:
+        _fail(f"cannot write {dest}: {e.strerror or e}")
     console.print(f"wrote {dest}; edit it, then: ftcli train --recipe {dest}")
 
 

@@ -157,3 +157,17 @@ def test_help_shows_flags_as_flags():
         assert "<str>" in res.output or command in ([], ["recipes"], ["doctor"]), command  # other types still shown
     train = runner.invoke(cli.app, ["train", "--help"], env={"COLUMNS": "120"}).output
     assert any(line.split()[1:3] == ["--force", "Start"] for line in train.splitlines() if "--force" in line)
+
+
+def test_recipes_cp_force_onto_a_link_replaces_the_link_not_its_target(tmp_path):
+    """#47 item 15: --force onto a link writes a new file in its place (as generate -o --force does); the file
+    the link pointed at keeps its content."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM\n")
+    dest = tmp_path / "mine.yaml"
+    dest.symlink_to(victim)
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest)).exit_code == 2  # exists: --force needed
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest), "--force").exit_code == 0
+    assert not dest.is_symlink() and "name: tiny-qwen-cpu" in dest.read_text()
+    assert victim.read_text() == "VICTIM\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml", "victim.txt"]

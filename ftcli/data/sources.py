@@ -72,6 +72,9 @@ def _local_path(data) -> Path:
     path = Path(resolve_path(data.path)).expanduser()
     if not path.exists():
         raise UserError(f"data.path {data.path!r} does not exist")
+    if not (path.is_file() or path.is_dir()):  # a FIFO, a device, a socket: rows are read from files
+        raise UserError(f"data.path {path} is not a regular file or a directory (a pipe or a device); write the "
+                        "rows to a file and point data.path at it")
     return path
 
 
