@@ -231,7 +231,12 @@ def recipes_cp(
         dest = dest / f"{Path(name).stem}.yaml"
     text, old = renamed(recipe_text(name), dest.stem)
     _check_output(dest, force)
-    _write(dest, text)
+    from ftcli.config.safe_files import replace_file
+
+    try:
+        replace_file(dest, text)  # a link at DEST (--force) is replaced, never written through
+    except OSError as e:
+        _fail(f"cannot write {dest}: {e.strerror or e}")
     named = f" (name: {dest.stem}, was {old}: it trains into runs/{dest.stem})" if old and old != dest.stem else ""
     console.print(f"wrote {dest}{named}; edit it, then: ftcli train --recipe {dest}", soft_wrap=True)
 

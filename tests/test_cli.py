@@ -204,3 +204,17 @@ def test_a_flag_given_a_value_says_that_flags_take_none():
     assert res.exit_code == 2
     assert ("Got unexpected extra argument(s) (true); a flag such as --force takes no value: write the flag alone "
             "to turn it on, leave it out for off") in _flat(res.output.replace("│", ""))
+
+
+def test_recipes_cp_force_onto_a_link_replaces_the_link_not_its_target(tmp_path):
+    """#47 item 15: --force onto a link writes a new file in its place (as generate -o --force does); the file
+    the link pointed at keeps its content."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM\n")
+    dest = tmp_path / "mine.yaml"
+    dest.symlink_to(victim)
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest)).exit_code == 2  # exists: --force needed
+    assert invoke("recipes", "cp", "tiny-qwen-cpu", str(dest), "--force").exit_code == 0
+    assert not dest.is_symlink() and "name: mine" in dest.read_text()
+    assert victim.read_text() == "VICTIM\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml", "victim.txt"]

@@ -385,3 +385,39 @@ def test_register_names_must_be_printable(flag, value, shown, tmp_path, monkeypa
     alias = ["--alias", value] if flag == "--alias" else []
     stderr = assert_one_error(invoke("register", str(tmp_path), "--name", name, *alias))
     assert stderr.startswith(f"error: {flag} {shown}")
+
+
+# ------------------------------------------------------------------------------------ #47 items 11, 12
+def test_output_dir_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("keep")
+    res = runner.invoke(cli.app, ["train", "--recipe", "tiny-qwen-cpu", "--set", f"output.dir={tmp_path / 'afile'}",
+                                  "--set", "tracking.enabled=false"])
+    assert assert_one_error(res) == f"error: output dir {tmp_path / 'afile'} is a file; set output.dir to a directory\n"
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_epochs_beyond_any_run_is_refused_by_the_schema():
+    res = runner.invoke(cli.app, ["recipes", "show", "tiny-qwen-cpu", "--set", "training.epochs=1e300"])
+    assert "training.epochs" in assert_one_error(res) and "100000" in res.stderr
+
+
+@pytest.mark.parametrize("setting, problem", [
+    ("model.config_overrides.hidden_size=abc", "model pkg://assets/tiny-qwen3_5.json: hidden_size is 'abc'; it must "
+                                               "be a whole number >= 1 (model.config or model.config_overrides)"),
+    ("model.config_overrides.hidden_size=128.5", "model pkg://assets/tiny-qwen3_5.json: hidden_size is 128.5; it must "
+                                                 "be a whole number >= 1 (model.config or model.config_overrides)"),
+    ("model.config=/nonexistent/config.json", "model.config /nonexistent/config.json: cannot read it (No such file or "
+                                              "directory)"),
+])
+def test_a_config_that_builds_no_model_is_refused_alike_by_plan_doctor_and_train(setting, problem, tmp_path):
+    """One validation (ftcli.estimate.shape) for the three: plan and train refuse in one line, doctor says
+    `fits here: no` with the same words and exits 1 (it said `yes` and train refused 6-10 s later)."""
+    plan = runner.invoke(cli.app, ["plan", "--recipe", "tiny-qwen-cpu", "--set", setting])
+    assert assert_one_error(plan) == f"error: {problem}\n"
+    train = runner.invoke(cli.app, ["train", "--recipe", "tiny-qwen-cpu", "--set", setting, "--set",
+                                    f"output.dir={tmp_path / 'run'}", "--set", "tracking.enabled=false"])
+    assert assert_one_error(train) == f"error: recipe tiny-qwen-cpu cannot run here: {problem}\n"
+    assert not (tmp_path / "run").exists()
+    doctor = runner.invoke(cli.app, ["doctor", "--recipe", "tiny-qwen-cpu", "--set", setting, "--json"])
+    report = json.loads(doctor.stdout)
+    assert doctor.exit_code == 1 and (report["fits_here"], report["fits_detail"]) == (False, problem)

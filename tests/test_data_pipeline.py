@@ -427,3 +427,14 @@ def test_num_workers_give_the_same_blocks_and_counts(tmp_path):
     for i in range(len(serial)):
         assert parallel.block(i).input_ids.tolist() == serial.block(i).input_ids.tolist()
         assert parallel.block(i).labels.tolist() == serial.block(i).labels.tolist()
+
+
+def test_a_fifo_or_device_as_data_path_is_named_for_what_it_is(tmp_path):
+    """#47 item 15: it said "no ... files in this directory"."""
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null")):
+        with pytest.raises(UserError) as err:
+            prepare(recipe(tmp_path, data__path=str(path)), tokenizer("qwen"))
+        assert str(err.value) == (f"data.path {path} is not a regular file or a directory (a pipe or a device); "
+                                  "write the rows to a file and point data.path at it")

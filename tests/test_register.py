@@ -854,3 +854,36 @@ def test_mlflow_model_card_and_license_warnings_are_dropped_only_while_logging()
     finally:
         logger.removeHandler(keep)
     assert seen == ["something else", "Unable to find license information after the block"]
+
+
+def test_an_alias_set_by_another_register_meanwhile_is_a_clash_not_a_silent_overwrite(tmp_path, sqlite_uri):
+    """Two registers with --alias prod and no --force (#47): the one that finds the alias taken when it claims
+    it (another set it while this one logged its model) says so in one line and leaves it; one whose claim is
+    overwritten at the same moment (read back: another version) says that; --force moves it."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_uri, registry_uri=sqlite_uri)
+    client.create_registered_model("m")
+    v1, v2, v3 = (str(client.create_model_version("m", source=str(tmp_path / f"v{i}")).version) for i in (1, 2, 3))
+    client.set_registered_model_alias("m", "prod", v1)  # the other register's claim, after this one started
+    with pytest.raises(UserError) as err:
+        registry.claim_alias(client, "m", "prod", v2, expected=None, force=False)
+    assert str(err.value) == ("alias 'prod' of m was set to version 1 by another register while this one ran; "
+                              "version 2 is registered without the alias: pass --force to move it to 2")
+    assert registry.alias_version(client, "m", "prod") == v1
+
+    class Racing:  # another register sets the alias right after this one did
+        def __getattr__(self, attr):
+            return getattr(client, attr)
+
+        def set_registered_model_alias(self, name, alias, version):
+            client.set_registered_model_alias(name, alias, version)
+            client.set_registered_model_alias(name, alias, v3)
+
+    with pytest.raises(UserError) as err:
+        registry.claim_alias(Racing(), "m", "prod", v2, expected=v1, force=False)
+    assert str(err.value) == ("alias 'prod' of m points at version 3: another register set it at the same time; "
+                              "version 2 is registered without the alias")
+    registry.claim_alias(client, "m", "prod", v2, expected=v1, force=True)
+    assert registry.alias_version(client, "m", "prod") == v2
+

@@ -298,6 +298,21 @@ def _log(transformers_model, torch_dtype, *, run, tracking_uri: str, metadata: d
 
 
 @contextlib.contextmanager
+def fluent_tracking_uri(tracking_uri: str) -> Iterator[None]:
+    """MLflow's fluent (global) tracking URI is `tracking_uri` for the block, the old one afterwards (set_tracking_uri
+    exports it as $MLFLOW_TRACKING_URI, so that variable's old value is the old URI). Model.log opens the store
+    there, and so does the registry's create_model_version to find a logged model (a client of its own)."""
+    import mlflow
+
+    previous_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous_uri)
+
+
+@contextlib.contextmanager
 def _active_run(tracking_uri: str, run) -> Iterator[None]:
     """`run` as MLflow's active run at `tracking_uri`, for the block. log_model takes no client:
     Model.log opens the store at the fluent tracking URI and files the LoggedModel under the active
@@ -309,14 +324,13 @@ def _active_run(tracking_uri: str, run) -> Iterator[None]:
     import mlflow
     from mlflow import MlflowClient
 
-    previous_uri, run_id_env = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")
-    mlflow.set_tracking_uri(tracking_uri)
-    try:
-        with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=False):
-            yield
-    finally:
-        MlflowClient(tracking_uri).set_terminated(run.info.run_id, run.info.status, run.info.end_time)
-        mlflow.set_tracking_uri(previous_uri)
+    run_id_env = os.environ.get("MLFLOW_RUN_ID")
+    with fluent_tracking_uri(tracking_uri):
+        try:
+            with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=False):
+                yield
+        finally:
+            MlflowClient(tracking_uri).set_terminated(run.info.run_id, run.info.status, run.info.end_time)
         if run_id_env is not None:
             os.environ["MLFLOW_RUN_ID"] = run_id_env
 

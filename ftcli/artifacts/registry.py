@@ -4,11 +4,22 @@ registry and Unity Catalog), the fail-fast check that it answers, the alias look
 Unity Catalog (`--registry-uri databricks-uc`): a name is `catalog.schema.model`, each part under UC's
 object-name rules (at most 255 characters; no period, space, '/', ASCII control character or DEL),
 stored lowercase; a version needs a signature with inputs and outputs.
+
+Concurrent registers: MLflow has no compare-and-set for an alias, so `claim_alias` re-reads the alias right
+before it sets it (still where it was when this register started, else a clash is reported unless --force)
+and once after (another register that set it at the same time is reported, not silently outlived). On a
+local sqlite store both happen under an exclusive lock on the store's directory (`sqlite_store_lock`), which
+also serializes the first use of a new store (MLflow creates its tables then; two processes doing it at
+once die in alembic).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 from ftcli.config.errors import UserError
 from ftcli.config.redact import mask_uri
@@ -100,6 +111,42 @@ def check_registry(client, registry_uri: str, timeout_s: float) -> None:
             denied = isinstance(e, MlflowException) and e.error_code in _DENIED
             reason = "not authorized" if denied else first_line(e)
             raise UserError(f"cannot use the model registry at {mask_uri(registry_uri)} ({reason}); {fix}") from None
+
+
+@contextlib.contextmanager
+def sqlite_store_lock(*uris: str | None) -> Iterator[None]:
+    """An exclusive flock on the directory of each local sqlite store among `uris` (one process at a time
+    creates or claims there); nothing for other stores."""
+    import fcntl
+
+    dirs = sorted({Path(u[len("sqlite:///"):]).resolve().parent for u in uris if u and u.startswith("sqlite:///")})
+    fds = []
+    try:
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds.append(fd)
+            with contextlib.suppress(OSError):  # no flock on this filesystem: as before, unserialized
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def claim_alias(client, name: str, alias: str, version: str, *, expected: str | None, force: bool) -> None:
+    """Point `alias` at `version`: refused (UserError) when another register moved it since this one found it
+    at `expected` (unless `force`), and reported when, read back, it points at another version (another
+    register set it at the same moment). Hold `sqlite_store_lock` around it for a local store."""
+    now = alias_version(client, name, alias)
+    if now != expected and not force:
+        raise UserError(f"alias '{alias}' of {name} was set to version {now} by another register while this one ran; "
+                        f"version {version} is registered without the alias: pass --force to move it to {version}")
+    client.set_registered_model_alias(name, alias, version)
+    after = alias_version(client, name, alias)
+    if after != version:
+        raise UserError(f"alias '{alias}' of {name} points at version {after}: another register set it at the same "
+                        f"time; version {version} is registered without the alias")
 
 
 def alias_version(client, name: str, alias: str) -> str | None:

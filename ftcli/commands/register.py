@@ -334,8 +334,10 @@ def log_and_register(
     from mlflow import MlflowClient
 
     check_reachable(tracking_uri, fix="start it or pass --tracking-uri", timeout_s=PROBE_TIMEOUT_S)
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
-    registry.check_registry(client, registry_uri, PROBE_TIMEOUT_S)
+    with registry.sqlite_store_lock(tracking_uri, registry_uri):  # a new store's tables: one process at a time
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+        client.search_experiments(max_results=1)
+        registry.check_registry(client, registry_uri, PROBE_TIMEOUT_S)
     previous = registry.alias_version(client, name, alias) if alias else None
     if previous is not None and not force:
         raise UserError(f"alias '{alias}' of {name} already points at version {previous}; "
@@ -361,9 +363,11 @@ def log_and_register(
             registry.require_uc_signature(info.signature)
         with err_console.status(f"registering {name} in {mask_uri(registry_uri)}"):
             tags = {k.replace("ftcli_", "ftcli.", 1): v for k, v in metadata.items()} | registry.lineage_tags(source.run)
-            version = str(registry.create_version(client, name, info, tags).version)
+            with mlflow_model.fluent_tracking_uri(tracking_uri):  # MLflow finds the logged model there
+                version = str(registry.create_version(client, name, info, tags).version)
         if alias:
-            client.set_registered_model_alias(name, alias, version)
+            with registry.sqlite_store_lock(registry_uri):
+                registry.claim_alias(client, name, alias, version, expected=previous, force=force)
     client.set_tag(run.info.run_id, "ftcli.registered_model", f"{name}/{version}")
     return Result(
         name=name, version=version, model_uri=f"models:/{name}/{version}",

@@ -539,7 +539,7 @@ class _Training(_Section):
     objective: Literal["sft"] = Field(
         "sft", description="What is optimized (ftcli/objectives/): sft, next-token cross-entropy on the trained "
         "tokens. Separate from training.method (full | lora: how the parameters train and what the run writes).")
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=100_000)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
     per_device_batch: int = Field(1, ge=1)

@@ -65,8 +65,10 @@ Template quirks, and what ftcli does:
 from __future__ import annotations
 
 import bisect
+import contextvars
 import json
 import re
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
@@ -78,6 +80,10 @@ from ftcli.data.validate import BadRow, content_text
 from ftcli.config.errors import UserError
 
 TEMPLATE_DATE = datetime(2025, 1, 1)
+# A chat template is code from a model repo: one render is bounded in time and size (a loop that never ends, an
+# output of gigabytes), one line naming the template otherwise (`BoundedTemplate`).
+RENDER_SECONDS = 10.0
+RENDER_MAX_CHARS = 64 * 2**20
 # Bump when a change to this module (or to validate.py) changes which tokens are trained: it is part of
 # the cache key, so blocks masked by older code are never served again.
 ENCODER_VERSION = 3  # 3: plain-text prompt/completion rows go through the chat template
@@ -121,6 +127,7 @@ def load_tokenizer(recipe):
                 tokenizer.chat_template = f.read()
         except OSError as e:
             raise UserError(f"data.chat_template: cannot read {path}: {e.strerror}") from None
+        tokenizer.ftcli_chat_template_file = str(path)  # named in its errors (`template_name`)
     return tokenizer
 
 
@@ -138,15 +145,92 @@ def _first_line(e: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------ template
-def compile_template(template: str, date: datetime = TEMPLATE_DATE):
+def compile_template(template: str, date: datetime | None = TEMPLATE_DATE, name: str = "the chat template"):
     """Compile a chat template in transformers' sandbox (same filters, globals and `{% generation %}`
-    support as `apply_chat_template`), with `strftime_now` pinned to `date`."""
+    support as `apply_chat_template`), with `strftime_now` pinned to `date` (None: today's), as a
+    `BoundedTemplate` named `name` in its errors."""
     from transformers.utils import chat_template_utils as ctu
 
     compile_fn = getattr(ctu, "_cached_compile_jinja_template", None) or ctu._compile_jinja_template.__wrapped__
     compiled = compile_fn(template)  # a fresh environment: pinning the date leaves transformers' alone
-    compiled.environment.globals["strftime_now"] = lambda fmt: date.strftime(fmt)
-    return compiled
+    if date is not None:
+        compiled.environment.globals["strftime_now"] = lambda fmt: date.strftime(fmt)
+    compiled.environment.globals["range"] = _bounded_range(compiled.environment.globals["range"])
+    return BoundedTemplate(compiled, name)
+
+
+_RENDERING: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ftcli_render", default=None)
+
+
+def _bounded_range(safe_range):
+    """The sandbox's `range` (at most 100,000 items), checking the render's deadline as it goes: nested loops
+    of empty bodies yield no output to check between."""
+    def bounded(*args):
+        for k, value in enumerate(safe_range(*args)):
+            if k % 1024 == 0 and (rendering := _RENDERING.get()) is not None and time.monotonic() > rendering[0]:
+                raise _too_slow(rendering[1])
+            yield value
+    return bounded
+
+
+class TemplateBoundExceeded(UserError):
+    """A render that ran out of time or size: the template's fault, not the row's, so it ends the command
+    (every row would cost the same) rather than being counted as a bad row."""
+
+
+def _too_slow(name: str) -> TemplateBoundExceeded:
+    return TemplateBoundExceeded(f"{name} did not finish rendering one conversation in {RENDER_SECONDS:.0f} s (a loop that does "
+                     "not end?); fix or replace the template (data.chat_template)")
+
+
+class BoundedTemplate:
+    """A compiled chat template whose `render` stops with one UserError naming the template after RENDER_SECONDS
+    or RENDER_MAX_CHARS characters of output (checked between output chunks and in every `range` loop)."""
+
+    def __init__(self, compiled, name: str):
+        self.compiled, self.name = compiled, name
+
+    def render(self, **context) -> str:
+        deadline = time.monotonic() + RENDER_SECONDS
+        token = _RENDERING.set((deadline, self.name))
+        try:
+            chunks, size = [], 0
+            for chunk in self.compiled.generate(**context):
+                size += len(chunk)
+                if size > RENDER_MAX_CHARS:
+                    raise TemplateBoundExceeded(f"{self.name} rendered more than {RENDER_MAX_CHARS:,} characters for one "
+                                    "conversation; fix or replace the template (data.chat_template)")
+                if time.monotonic() > deadline:
+                    raise _too_slow(self.name)
+                chunks.append(chunk)
+            return "".join(chunks)
+        finally:
+            _RENDERING.reset(token)
+
+
+def template_name(tokenizer) -> str:
+    """How errors name a tokenizer's chat template: data.chat_template's file when it replaced it."""
+    source = getattr(tokenizer, "ftcli_chat_template_file", None)
+    if source:
+        return f"the chat template {source}"
+    return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
+
+
+def check_render(tokenizer, messages: list[dict], **context) -> None:
+    """Render `messages` with the tokenizer's chat template under the bounds of `BoundedTemplate` (one line
+    naming the template when it loops or floods): what `apply_chat_template` is about to do, checked first."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    if not isinstance(template, str):
+        return
+    try:
+        compile_template(template, None, template_name(tokenizer)).render(
+            messages=messages, documents=None, **{"tools": None, **dict(tokenizer.special_tokens_map), **context})
+    except TemplateBoundExceeded:
+        raise
+    except Exception:  # noqa: BLE001 - TemplateError and the rest: apply_chat_template raises them again, and its caller handles them
+        pass
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
@@ -239,7 +323,7 @@ class ChatEncoder:
         self.template = template
         self.date = date
         self.special_tokens_in_text = special_tokens_in_text
-        self._compiled = compile_template(template, date)
+        self._compiled = compile_template(template, date, template_name(tokenizer))
         self._kwargs = dict(tokenizer.special_tokens_map)
         self._backend = tokenizer.backend_tokenizer
         self._split, self._added = _piecewise_split(tokenizer)
@@ -271,6 +355,8 @@ class ChatEncoder:
             base = self.render([user])
             prompt = self.render([user], add_generation_prompt=True)
             full = self.render([user, reply])
+        except TemplateBoundExceeded:
+            raise
         except Exception:  # noqa: BLE001 - a template that needs more than this probe
             self.format = self.grammar = None
             return
@@ -414,6 +500,8 @@ class ChatEncoder:
     def _build_skeleton(self, shaped: list[dict], slots: list[tuple[int, str]]) -> _Skeleton:
         try:
             full = self.render(shaped)
+        except TemplateBoundExceeded:
+            raise
         except Exception:  # noqa: BLE001 - the real text decides (the per-turn path raises its own error)
             return _Skeleton([], [], None)
         pieces = _SENTINEL_RE.split(full)  # literal, slot id, literal, slot id, ..., literal
@@ -438,6 +526,8 @@ class ChatEncoder:
 
         try:
             raw = self._turn_spans(shaped, full, anchor)
+        except TemplateBoundExceeded:
+            raise
         except Exception:  # noqa: BLE001 - the real conversation will raise the same error with its text
             return _Skeleton(literals, order, None)
         spans = []

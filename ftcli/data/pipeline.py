@@ -34,7 +34,7 @@ from ftcli.data import formats, sources
 from ftcli.config.safe_files import refuse_links, remove_tree
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root, entry_problem
 from ftcli.data.evalsplit import split_rows
-from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
+from ftcli.data.chat import ChatEncoder, TemplateBoundExceeded, describe, encode_prompt_completion_text, pad_token_id
 from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_split
 from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
@@ -268,6 +268,8 @@ class RowEncoder:
             return ids, mask, dropped, info["special_tokens_in_text"]
         except BadRow as e:
             return (e,)
+        except TemplateBoundExceeded:
+            raise  # the template's fault: every row would take as long
         except UserError as e:
             return (BadRow("template error", str(e)),)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, odd field types, ...

@@ -78,6 +78,9 @@ def _local_path(data) -> Path:
             tried = (f" (tried {Path.cwd() / path}: a relative path is read from the working directory, or from "
                      "the recipe file's folder where it is there)")
         raise UserError(f"data.path {data.path!r} does not exist{tried}")
+    if not (path.is_file() or path.is_dir()):  # a FIFO, a device, a socket: rows are read from files
+        raise UserError(f"data.path {path} is not a regular file or a directory (a pipe or a device); write the "
+                        "rows to a file and point data.path at it")
     return path
 
 

@@ -106,6 +106,7 @@ def _sample_local(recipe: Recipe, src) -> DataSize:
     the tokenizer is a local directory; else characters / 4 + CHAT_TEMPLATE_TOKENS per message), scaled to all
     rows."""
     from ftcli.data import formats, sources
+    from ftcli.data.chat import TemplateBoundExceeded
 
     d = recipe.data
     try:
@@ -124,6 +125,8 @@ def _sample_local(recipe: Recipe, src) -> DataSize:
             continue
         try:
             n = count([m for m in messages if isinstance(m, dict)])
+        except TemplateBoundExceeded:
+            raise  # the template's fault: every row would take as long
         except Exception:  # noqa: BLE001 - a row the template refuses is skipped (train counts it as invalid)
             continue
         tokens += min(n, d.max_length) if d.max_length else n
@@ -141,9 +144,9 @@ def _local_counter(recipe: Recipe):
     """A function messages -> token count, and how it counts."""
     folder = Path(resolve_path(recipe.model.tokenizer or recipe.model.id) or "")
     template_file = resolve_path(recipe.data.chat_template) if recipe.data.chat_template else None
-    source = None
+    source, name = None, f"the chat template of {folder}"
     if template_file and Path(template_file).is_file():
-        source = Path(template_file).read_text()
+        source, name = Path(template_file).read_text(), f"the chat template {template_file}"
     elif (folder / "chat_template.jinja").is_file():
         source = (folder / "chat_template.jinja").read_text()
     elif (folder / "tokenizer_config.json").is_file():
@@ -155,7 +158,7 @@ def _local_counter(recipe: Recipe):
 
     from ftcli.data.chat import compile_template
 
-    template = compile_template(source)  # the sandbox the data path renders with (pinned date)
+    template = compile_template(source, name=name)  # the sandbox the data path renders with (pinned date), bounded
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     return (lambda messages: len(tokenizer.encode(template.render(messages=messages, add_generation_prompt=False),
                                                   add_special_tokens=False).ids),

@@ -12,7 +12,7 @@ from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
 from ftcli.families import FAMILIES, find_family
-from ftcli.estimate.shape import adapter_params, model_shape
+from ftcli.estimate.shape import InvalidModelConfig, adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
 from ftcli.objectives import method_of
 
@@ -234,6 +234,8 @@ def fit_here(recipe, here) -> tuple[bool, str]:
     world = len(here.gpus) or recipe.training.cpu_processes
     try:
         per_rank = memory_on(recipe, world).total
+    except InvalidModelConfig as e:
+        return False, str(e)  # builds no model: refused here as by plan and train
     except UserError as e:
         return True, f"not checked: {e}"
     if not here.gpus:

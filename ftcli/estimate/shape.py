@@ -13,13 +13,19 @@ from ftcli.estimate import memory
 from ftcli.objectives import method_of
 
 
+class InvalidModelConfig(UserError):
+    """The model's config cannot build a model (a shape number that is not a whole number >= 1, an unreadable
+    model.config): every command that sizes the model refuses it ("fits here: no"), unlike a config that is
+    merely not on this machine ("not checked")."""
+
+
 def model_shape(recipe: Recipe) -> memory.ModelShape:
     """The model's shape from its config: random init reads model.config; a pretrained id reads the shipped
     shape (ftcli/assets/models), a local directory's config.json, or the Hugging Face cache."""
     m = recipe.model
     cfg: dict[str, Any] | None = None
     if m.init == "random":
-        cfg = json.loads(Path(resolve_path(m.config)).read_text())
+        cfg = _read_config(resolve_path(m.config) if m.config else None, "model.config")
     elif m.id and memory.shipped_shape_path(m.id):
         cfg = json.loads(memory.shipped_shape_path(m.id).read_text())
     elif m.id and (Path(m.id).expanduser() / "config.json").is_file():
@@ -30,10 +36,49 @@ def model_shape(recipe: Recipe) -> memory.ModelShape:
         raise UserError(f"plan needs {m.id}'s config.json: not shipped with ftcli, not a local directory and not in "
                         f"the Hugging Face cache (download it once: hf download {m.id} config.json)")
     cfg = {**cfg, **m.config_overrides}
+    check_shape_numbers(cfg, f"model {m.id or m.config}")
     try:
         return memory.shape_from_config(cfg)
-    except (KeyError, ValueError) as e:
-        raise UserError(f"plan cannot size model {m.id or m.config}: {e}") from None
+    except (KeyError, ValueError, TypeError, ZeroDivisionError) as e:
+        raise InvalidModelConfig(f"plan cannot size model {m.id or m.config}: {e}") from None
+
+
+# the config numbers every family's shape is computed from: whole numbers, at least 1 (plan, doctor and train's fit
+# check all size the model here, so a config that builds no model is refused by all three in the same words)
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts")
+
+
+def check_shape_numbers(cfg: dict[str, Any], what: str) -> None:
+    """UserError naming the first shape number of `cfg` (and of its text_config) that is not a whole number >= 1."""
+    for part, where in ((cfg, ""), (cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {},
+                                    "text_config.")):
+        for key in _POSITIVE:
+            value = part.get(key)
+            if value is None and key in ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                                         "num_local_experts", "intermediate_size"):
+                continue
+            if value is None and not where and isinstance(cfg.get("text_config"), dict):
+                continue  # a VLM: its text_config holds the number
+            if value is None and where:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidModelConfig(f"{what}: {where}{key} is {value!r}; it must be a whole number >= 1 "
+                                "(model.config or model.config_overrides)")
+
+
+def _read_config(path: str | None, what: str) -> dict[str, Any]:
+    if not path:
+        raise InvalidModelConfig(f"{what} is not set; model.init=random builds the model from a config.json: set {what}")
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InvalidModelConfig(f"{what} {path}: cannot read it ({e.strerror})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidModelConfig(f"{what} {path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidModelConfig(f"{what} {path}: not a JSON object")
+    return cfg
 
 
 def _hub_cached_config(model_id: str | None, revision: str | None) -> dict[str, Any] | None:

@@ -178,6 +178,9 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
                 ids.append(tid)
 
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    from ftcli.data.chat import check_render
+
+    check_render(tokenizer, probe)  # bounded: a template that loops is one line, not a hang
     try:
         text = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that needs more than a plain turn: eos ids only
@@ -205,6 +208,9 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
     """The conversation as prompt token ids, ending in the template's generation prompt."""
     from jinja2 import TemplateError
 
+    from ftcli.data.chat import check_render
+
+    check_render(tokenizer, messages, add_generation_prompt=True, **(template_kwargs or {}))  # bounded first
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **(template_kwargs or {}))
