@@ -4,7 +4,7 @@ Each subcommand's work lives in one module, imported only when that command runs
 `ftcli --help` and `ftcli render-workload` never import torch:
 
     recipes          ftcli.config.recipe       (schema, built-ins, overrides)
-    render-workload  ftcli.commands.workload     (Databricks AI Runtime YAML)
+    render-workload  ftcli.commands.workload     (ftcli.launchers: AI Runtime YAML, sbatch script)
     pack-preview     ftcli.commands.preview      (over ftcli.data: tokenize, mask, pack)
     train            ftcli.train.launch       (torchrun) -> ftcli.train.full (FSDP2) | ftcli.train.lora.trainer (TRL)
     merge-lora       ftcli.commands.merge
@@ -241,37 +241,43 @@ def recipes_cp(
 def render_workload(
     recipe: Optional[str] = OptionalRecipeOpt,
     overrides: Optional[list[str]] = SetOpt,
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the YAML here (default: stdout); its folder must exist."),
-    check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML instead."),
+    launcher: Optional[str] = typer.Option(
+        None, "--launcher", "-l", help="databricks (AI Runtime YAML) or slurm (sbatch script); default: the "
+                                       "recipe's compute.launcher."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the file here (default: stdout); its folder must exist."),
+    check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML or sbatch script instead."),
     no_fit_check: bool = typer.Option(False, "--no-fit-check", help="Render even when the plan says it does not fit."),
-    force: bool = ForceOpt,
+    force: bool = typer.Option(False, "--force", help="Overwrite the output file (a link there is replaced, not followed)."),
 ) -> None:
-    """Render a Databricks AI Runtime workload YAML (`databricks air run -f ...`) for a recipe."""
+    """Render the file a cluster runs for a recipe: a Databricks AI Runtime workload YAML (`databricks air run -f`)
+    or a Slurm sbatch script (`sbatch`)."""
+    from ftcli.artifacts.safe_files import check_output_path, write_output
     from ftcli.commands import workload
 
     if check is not None:
-        problems = workload.check_workload_file(check)
+        what, problems = workload.check_file(check)
         if len(problems) == 1:
             _fail(f"{check}: {problems[0]}")
         if problems:
             _fail(f"{check}: {len(problems)} problems\n" + "\n".join(f"  - {p}" for p in problems))
-        console.print(f"{check}: valid AI Runtime workload")
+        console.print(f"{check}: valid {what}")
         return
+    if launcher is not None:
+        overrides = [*(overrides or []), f"compute.launcher={launcher}"]
     r = _load(recipe, overrides)
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
     if output is not None:
-        _check_output(output, force)
-    text = workload.render_workload(r, fit_check=not no_fit_check)
-    warnings = workload.render_warnings(r, fit_check=not no_fit_check)
+        check_output_path(output, force, "workload.yaml" if r.compute.launcher == "databricks" else "job.sbatch")
+    rendered = workload.render(r, fit_check=not no_fit_check)
     if output is None:
-        print(text, end="")
+        print(rendered.text, end="")
     else:
-        _write(output, text)
-    for warning in warnings:  # after the YAML: the last lines on screen
+        write_output(output, rendered.text)
+    for warning in rendered.warnings:  # after the file: the last lines on screen
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is not None:
-        err_console.print(f"wrote {output}; submit with: databricks air run -f {output}")
+        err_console.print(f"wrote {output}; submit with: {rendered.submit.format(path=output)}")
 
 
 # ------------------------------------------------------------------------------------- pack-preview

@@ -46,7 +46,8 @@ def one_rank(tmp_path_factory):
 # is one unit of work on one worker; xdist would hand them out by test count, which sends these few-test heavy
 # modules out last, where one of them then runs alone on one worker while the other idles. Run first, the many
 # light modules fill the end evenly (pyproject's addopts says --no-loadscope-reorder so this order is kept).
-HEAVY_FIRST = ["test_train_full", "test_preemption", "test_lora_fsdp", "test_register", "test_lora_train", "test_eval",
+HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "test_preemption", "test_lora_fsdp",
+               "test_register", "test_lora_train", "test_eval",
                "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",

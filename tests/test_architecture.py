@@ -118,7 +118,7 @@ def test_every_family_has_every_field_filled():
     """Each registered family states every fact its consumers ask (no field left empty where it has a value)."""
     import dataclasses
 
-    from ftcli.data.chat import GRAMMARS
+    from ftcli.chat_formats import CHAT_FORMATS
     from ftcli.families import BY_MODEL_TYPE, FAMILIES
     from ftcli.families import base
 
@@ -134,7 +134,7 @@ def test_every_family_has_every_field_filled():
         assert f.name == name and f.model_types and f.attention in (base.DENSE, base.SINKS)
         assert f.packed_ops[0] == "attention" and set(f.module_globals) <= set(f.packed_ops)
         assert bool(f.module_globals) <= bool(f.kernel_module)
-        assert set(f.known_bad) <= rules and f.chat_format in GRAMMARS
+        assert set(f.known_bad) <= rules and f.chat_format in CHAT_FORMATS
         assert set(f.vlm_classes) == set(f.model_types)  # doctor's recorded VLM classes cover every model type
         assert set(f.vlm_text_types) <= set(f.model_types) and set(f.vlm_text_types.values()) <= set(f.model_types)
         assert f.setup_note or f.no_pins_note  # the workload's setup comment has something to say
@@ -151,6 +151,52 @@ def test_estimates_and_trainers_import_no_command():
     upward = {n: sorted(m for m in _imports(n, modules[n], set(modules)) if m.startswith("ftcli.commands"))
               for n in below}
     assert {n: up for n, up in upward.items() if up} == {}
+
+
+# ------------------------------------------------------------------------------------- chat formats have a room
+def _code_strings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string literal of `source` that is not a docstring (docstrings teach, code acts)."""
+    tree = ast.parse(source)
+    docs = {id(body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and (body := node.body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs]
+
+
+def format_mentions(name: str, source: str, words: set[str]) -> list[str]:
+    return [f"{name}:{line}: {text[:60]!r}" for line, text in _code_strings(source) if any(w in text for w in words)]
+
+
+def test_no_module_outside_chat_formats_names_a_chat_marker():
+    """The marker strings of every chat format (its template's markers, end of turn, stop tokens, what its
+    templates are detected by) and the think block are written in ftcli/chat_formats/ only: the masks, the stop
+    tokens, reply splitting and tool-call parsing ask the format (docstrings and comments may show them)."""
+    from ftcli.chat_formats import CHAT_FORMATS
+
+    words = {"<think>", "</think>", "<tool_call>"}
+    for f in CHAT_FORMATS.values():
+        words |= {*f.markers, *f.detect, f.end_of_turn, *f.stop_tokens}
+    found = [hit for name, path in _modules().items() if not name.startswith("ftcli.chat_formats")
+             for hit in format_mentions(name, path.read_text(), words)]
+    assert found == []
+    assert len(words) >= 15  # the walk had something to look for
+
+
+def test_chat_formats_are_pure_string_code():
+    """ftcli.data (no torch) and ftcli.inference share the chat formats: importing them loads no torch, transformers
+    or numpy."""
+    import subprocess
+    import sys
+
+    probe = "import sys, ftcli.chat_formats; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_chat_marker_walker_skips_docstrings_only():
+    source = 'def f(x):\n    """Splits at </think>."""\n    return x.split("</think>")\n'
+    assert format_mentions("m", source, {"</think>"}) == ["m:3: '</think>'"]
 
 
 # ------------------------------------------------------------------------------ training features have a room
@@ -217,13 +263,14 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
 
 # ------------------------------------------------------------------------------------------ rooms
 # The rooms, bottom up. A module imports only from its own room or a lower one, lazy imports included:
-#   commands -> train / inference / estimate / artifacts -> model / features -> data -> families / hardware -> config
+#   commands -> launchers / train / inference / estimate / artifacts -> model / features -> data -> families /
+#   hardware / chat_formats -> config
 LAYERS = {
     "config": 0, "hub": 1,
-    "families": 1, "hardware": 1,
+    "families": 1, "hardware": 1, "chat_formats": 1,
     "data": 2,
-    "model": 3, "features": 3,
-    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4,
+    "model": 3, "features": 3, "objectives": 3,
+    "artifacts": 4, "estimate": 4, "inference": 4, "train": 4, "launchers": 4,
     "commands": 5,
     "cli": 6, "__main__": 6,
 }
@@ -261,3 +308,48 @@ def test_nothing_imports_a_command_but_the_cli():
                  if _room(name) not in ("commands", "cli", "__main__")
                  for target in _imports(name, path, known) if _room(target) == "commands"]
     assert offenders == []
+
+
+# ------------------------------------------------------------------ objectives and methods have a room
+# Where `method` / `objective` may still be compared with a name, and why: the schema (config/ is the bottom of the
+# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining, and a rule
+# between sections (model.quantization=mxfp4 needs LoRA).
+BRANCHING_ALLOWED = {"ftcli.config.recipe"}
+AXES = ("method", "objective")
+
+
+def _axis(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in AXES) or (isinstance(node, ast.Attribute) and node.attr in AXES)
+
+
+def _names_a_value(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return True
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_value(e) for e in node.elts)
+
+
+def axis_branches(name: str, source: str) -> list[str]:
+    """'module:line' wherever `source` compares a training method or objective with a name (`x.method == "lora"`,
+    `objective in ("dpo", ...)`, either side) instead of asking its record (ftcli.objectives)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_axis(s) for s in sides) and any(_names_a_value(s) for s in sides):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_the_rooms_branches_on_method_or_objective():
+    """Every consumer asks the Method / Objective record (writes_adapter, trains_base, checkpoint_kind, count, ...);
+    only ftcli/objectives/ and the schema compare the names."""
+    found = [hit for name, path in _modules().items()
+             if not name.startswith("ftcli.objectives") and name not in BRANCHING_ALLOWED
+             for hit in axis_branches(name, path.read_text())]
+    assert found == []
+
+
+def test_axis_walker_sees_comparisons_either_side():
+    source = ('a = recipe.training.method == "lora"\nb = "full" != run.method\nc = objective in ("sft", "dpo")\n'
+              'd = quant_method == "mxfp4"\ne = method_of(t).writes_adapter\n')
+    assert axis_branches("m", source) == ["m:1", "m:2", "m:3"]

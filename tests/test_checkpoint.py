@@ -226,21 +226,21 @@ def test_a_damaged_lora_checkpoint_file_is_one_line_naming_it_and_the_intact_one
     recorded = json.loads((newer / TRL_CHECKSUMS).read_text())["files"]
     assert sorted(recorded) == ["adapter_model.safetensors", "optimizer_0/__0_0.distcp", "trainer_state.json"]
     recipe = load_recipe("tiny-gpt-oss-cpu", [f"output.dir={tmp_path / 'run'}"])
-    check_resume(recipe, tmp_path / "run", "latest")  # intact: nothing said
+    check_resume(recipe, tmp_path / "run", "latest", world_size=1)  # intact: nothing said
     assert capsys.readouterr().err == ""
 
     damaged = bytearray((newer / "optimizer_0" / "__0_0.distcp").read_bytes())
     damaged[7] ^= 0xFF  # one flipped byte, the size unchanged
     (newer / "optimizer_0" / "__0_0.distcp").write_bytes(bytes(damaged))
     with pytest.raises(UserError) as err:
-        check_resume(recipe, tmp_path / "run", "latest")
+        check_resume(recipe, tmp_path / "run", "latest", world_size=1)
     assert str(err.value) == (
         f"checkpoint {newer}: optimizer_0/__0_0.distcp does not match the checksum taken at save (damaged since); "
         f"the previous intact checkpoint is {older} (resume from it with --resume {older})")
-    check_resume(recipe, tmp_path / "run", str(older))
+    check_resume(recipe, tmp_path / "run", str(older), world_size=1)
 
     (older / TRL_CHECKSUMS).unlink()
-    check_resume(recipe, tmp_path / "run", str(older))
+    check_resume(recipe, tmp_path / "run", str(older), world_size=1)
     assert capsys.readouterr().err == (f"warning: checkpoint {older} has no checksums (saved by an older ftcli); "
                                        "resuming from it unverified\n")
 

@@ -337,11 +337,12 @@ def test_string_prompt_completion_rows_are_trained_in_the_chat_format(name):
 def test_each_family_trains_its_templates_own_end_of_turn_token(name, end):
     """Every assistant turn's trained span ends with the template's own end-of-turn token (the family's fact and the
     shipped tokenizer's eos), followed by at most the newline before the next header."""
+    from ftcli.chat_formats import format_named
     from ftcli.families import family_of
 
     model_type = {"llama3@tiny": "llama", "qwen3@tiny": "qwen3", "gemma3@tiny": "gemma3_text"}[name]
     tok = _tokenizer(name)
-    assert family_of(model_type).end_of_turn == tok.eos_token == end
+    assert format_named(family_of(model_type).chat_format).end_of_turn == tok.eos_token == end
     end_id = tok.convert_tokens_to_ids(end)
     enc = ChatEncoder(tok)
     turns = 0
@@ -374,3 +375,75 @@ def test_qwen_reply_trains_the_close_of_its_empty_think_block_because_generation
     assert prompt.endswith("<|im_start|>assistant\n<think>\n") and full.startswith(prompt)
     assert tok.decode(ids[mask].tolist()) == full[len(prompt):] == "\n</think>\n\nHello<|im_end|>\n"
     assert tok.decode(ids[~mask].tolist()) == prompt
+
+
+# ------------------------------------------------------------------------------- a chat format is one module
+# Phi-4's template (microsoft/phi-4's tokenizer_config.json; TRL ships none): ChatML's markers, but `<|im_sep|>` after
+# the role where ChatML writes a newline, and no newline between turns.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+
+
+def _phi4_format():
+    """What a module ftcli/chat_formats/phi4.py would hold: the whole of a new header-style format."""
+    from ftcli.chat_formats.base import THINK_BLOCKS, ChatFormat, header_grammar
+
+    return ChatFormat(name="phi4", title="Phi-4", detect=("<|im_start|>", "<|im_sep|>"),
+                      grammar=header_grammar("phi4", "<|im_start|>", r"<\|im_sep\|>", r"<\|im_end\|>",
+                                             markers=("<|im_sep|>", "<|im_end|>")),
+                      end_of_turn="<|im_end|>", replies=THINK_BLOCKS, tool_call_parsers=(), reasoning="none",
+                      tool_calls="none in the template (tool messages are not rendered)")
+
+
+def _phi4_tokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer-qwen"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_sep|>"]})
+    tok.chat_template = PHI4_TEMPLATE
+    return tok
+
+
+def test_template_with_a_formats_markers_that_does_not_parse_as_it_is_refused():
+    """Phi-4's template writes ChatML's `<|im_start|>` but is not ChatML: with no format of its own registered,
+    ftcli refuses it with one line instead of masking it by re-rendered turns."""
+    from ftcli.config.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        ChatEncoder(_phi4_tokenizer())
+    assert str(e.value) == (
+        "the chat template writes ChatML markers (<|im_start|>) but its turns do not parse as the 'chatml' chat "
+        "format (generation prompt '<|im_start|>assistant<|im_sep|>'): ftcli has no chat format for it; add one in "
+        "ftcli/chat_formats/ (a module and a line in CHAT_FORMATS), or give data.chat_template a template of a known "
+        "format (chatml, llama3, gemma, harmony)")
+
+
+def test_a_registered_format_masks_equal_structural_oracle(monkeypatch):
+    """A new format is one record and one registry line: registered, Phi-4's template is detected as it (more of
+    its markers than ChatML's), ChatML templates stay ChatML, and every mask equals the oracle's."""
+    from ftcli.chat_formats import CHAT_FORMATS, detect
+
+    phi4 = _phi4_format()
+    monkeypatch.setitem(CHAT_FORMATS, phi4.name, phi4)
+    tok = _tokenizer("qwen3_8")
+    assert detect(PHI4_TEMPLATE) is phi4 and detect(tok.chat_template) is CHAT_FORMATS["chatml"]
+    tok = _phi4_tokenizer()
+    enc = ChatEncoder(tok, date=datetime.now())
+    assert enc.format is phi4 and enc.prefill == ""
+    rendered = trained = 0
+    for case, messages, tools in CORPUS:
+        try:
+            ids, mask = enc.encode(messages, tools=tools)
+        except Exception:  # noqa: BLE001 - the template's own errors (a tool call's missing content)
+            continue
+        want = _header_oracle(tok, ids.tolist(), "<|im_start|>", "<|im_sep|>", "assistant", "")
+        assert (mask == want).all(), (case, tok.decode(ids[mask & ~want]), tok.decode(ids[want & ~mask]))
+        rendered, trained = rendered + 1, trained + int(want.sum())
+    assert enc.calls["structural"] == rendered and enc.calls["fallback"] == 0
+    assert (rendered, trained) == (46, 959)  # every shape renders (tool turns are left out by the template)

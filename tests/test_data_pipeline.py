@@ -167,6 +167,14 @@ def test_cache_key_follows_local_file_changes(tmp_path):
     os.utime(path, ns=(1, 2))
     after = prepare(r, tokenizer("qwen"))
     assert after != before and open_prepared(r, tokenizer("qwen")).stats.examples_read == 2
+    # an edit that keeps the size, with its mtime put back (as `touch -d` does): its ctime changed
+    st = path.stat()
+    text = path.read_text()
+    path.write_text(text.replace("13", "31"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    edited = prepare(r, tokenizer("qwen"))
+    assert edited not in (before, after)
 
 
 def test_other_ranks_read_what_rank0_prepared(tmp_path):
@@ -178,14 +186,136 @@ def test_other_ranks_read_what_rank0_prepared(tmp_path):
 
 
 def test_concurrent_cache_writes_keep_one_complete_entry(tmp_path):
-    final = tmp_path / "entry"
+    from ftcli.data.cache import cache_key
+
+    parts = {"format_version": 1, "data": "x"}
+    final = tmp_path / cache_key(parts)
     writers = [BlockWriter(final) for _ in range(2)]
     for k, w in enumerate(writers):
         w.add(np.array([1, 2, 3], np.int32) + k, np.ones(3, bool), [3])
     for k, w in enumerate(writers):
-        assert w.commit({"format_version": 1, "key": "entry", "writer": k}) == final
+        assert w.commit({"format_version": 1, "key": final.name, "key_parts": parts, "writer": k}) == final
     assert json.loads((final / "meta.json").read_text())["writer"] == 0  # the first rename won
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # the loser's temp dir is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]  # the loser's temp dir is gone
+
+
+# ------------------------------------------------------------------ a cache entry is checked before it is used
+def _blocks(packed) -> list[list[int]]:
+    return [packed.block(i).input_ids.tolist() for i in range(len(packed))]
+
+
+def _damage_shuffle(entry: Path) -> None:
+    ids = np.fromfile(entry / "input_ids.bin", dtype=np.int32)
+    np.random.default_rng(0).permutation(ids).tofile(entry / "input_ids.bin")  # same size, other order
+
+
+def _damage_truncate(entry: Path) -> None:
+    os.truncate(entry / "loss_mask.bin", 5)
+
+
+def _damage_garble_meta(entry: Path) -> None:
+    (entry / "meta.json").write_text('{"format_version": 1, "key": ')
+
+
+def _damage_remove_meta(entry: Path) -> None:
+    (entry / "meta.json").unlink()
+
+
+def _damage_edit_counts(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, "num_blocks": meta["num_blocks"] + 5}))
+
+
+@pytest.mark.parametrize("damage, why", [
+    (_damage_shuffle, "input_ids.bin does not match the checksum taken when it was written (changed since)"),
+    (_damage_truncate, "loss_mask.bin has 5 bytes, "),
+    (_damage_garble_meta, "its meta.json is unreadable"),
+    (_damage_remove_meta, "it has no meta.json"),
+    (_damage_edit_counts, "its meta.json's block and token counts do not match its files"),
+])
+def test_a_damaged_cache_entry_is_rebuilt_with_one_line(tmp_path, capsys, damage, why):
+    """Shuffled ids (same size), a truncated file, a garbled or removed meta.json, edited counts: the next
+    prepare says why in one line, rebuilds the entry in place (the same blocks as before) and leaves no
+    temp dir; the other ranks' open refuses in one line instead of training on it. A removed meta.json used to
+    wedge every later run (`Directory not empty`, one more .tmp-* each time)."""
+    r = recipe(tmp_path, data__max_examples=60)
+    tok = tokenizer("qwen")
+    first = prepare_blocks(r, tok)
+    want, entry = _blocks(first), first.path
+    del first
+    damage(entry)
+    if damage is not _damage_shuffle:  # the other ranks check the sizes (rank 0 has just checked the checksums)
+        with pytest.raises(UserError) as err:
+            open_prepared(r, tok)
+        assert str(err.value).startswith(f"the pack cache entry {entry} is not usable: {why}")
+    capsys.readouterr()
+    builds = pipeline.BUILDS["count"]
+    again = prepare_blocks(r, tok)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"note: the pack cache entry {entry} is not used: {why}")
+    assert lines[0].endswith("; rebuilding it")
+    assert pipeline.BUILDS["count"] == builds + 1 and again.path == entry and _blocks(again) == want
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
+    assert _blocks(prepare_blocks(r, tok)) == want and pipeline.BUILDS["count"] == builds + 1  # trusted again
+
+
+def test_another_tokenizers_entry_under_this_key_is_never_used(tmp_path, capsys):
+    """An entry written for another tokenizer, copied under this spec's key: its key_parts do not hash to the
+    name, so it is rebuilt (the blocks are this tokenizer's), never trained on."""
+    import shutil
+
+    r = recipe(tmp_path, data__max_examples=60)
+    qwen, llama = tokenizer("qwen"), tokenizer("llama3")
+    want = _blocks(prepare_blocks(r, qwen))
+    mine, other = pipeline.entry_path(r, qwen), prepare(r, llama)
+    assert other != mine
+    shutil.rmtree(mine)
+    shutil.copytree(other, mine)
+    capsys.readouterr()
+    assert _blocks(prepare_blocks(r, qwen)) == want
+    assert "it was written for other data or another tokenizer" in capsys.readouterr().err
+
+
+def test_a_link_at_the_cache_entry_is_refused_and_its_target_untouched(tmp_path):
+    r = recipe(tmp_path, data__max_examples=20)
+    tok = tokenizer("qwen")
+    entry = pipeline.entry_path(r, tok)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "meta.json").write_text("VICTIM")
+    entry.parent.mkdir(parents=True)
+    entry.symlink_to(victim)
+    with pytest.raises(UserError) as err:
+        prepare_blocks(r, tok)
+    assert str(err.value) == (f"{entry} is a symbolic link (to {victim}); ftcli does not write, rename or delete "
+                              "through links in the pack cache: remove it or set data.cache_dir elsewhere")
+    assert sorted(p.name for p in victim.iterdir()) == ["meta.json"] and (victim / "meta.json").read_text() == "VICTIM"
+
+
+def test_a_full_disk_while_caching_is_one_line_and_leaves_no_temp_dir(tmp_path, monkeypatch):
+    """An OSError out of a cache write (ENOSPC), also when closing the files fails too (the flush of a full
+    disk): one UserError, the temp dir removed; the next run builds the entry."""
+    import errno
+
+    r = recipe(tmp_path, data__max_examples=60)
+    tok = tokenizer("qwen")
+    real_add, real_close = BlockWriter.add, BlockWriter._close
+
+    def full(self, *a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BlockWriter, "add", full)
+    monkeypatch.setattr(BlockWriter, "_close", full)
+    with pytest.raises(UserError) as err:
+        prepare_blocks(r, tok)
+    entry = pipeline.entry_path(r, tok)
+    assert re.fullmatch(rf"the pack cache entry {re.escape(str(entry))} could not be written: No space left on "
+                        r"device \([\d,.]+ MiB free there\); nothing half-written is left: free space or set "
+                        r"data.cache_dir elsewhere", str(err.value))
+    assert list(entry.parent.iterdir()) == []
+    monkeypatch.setattr(BlockWriter, "add", real_add)
+    monkeypatch.setattr(BlockWriter, "_close", real_close)
+    assert len(prepare_blocks(r, tok)) > 0
 
 
 def test_local_jsonl_parquet_arrow_and_directory_give_the_same_rows(tmp_path):

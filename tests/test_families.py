@@ -62,7 +62,8 @@ def test_shipped_hub_configs_give_the_published_sizes(model_id, total):
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_recipes_fit_their_accelerator_and_render_a_valid_workload(name):
-    from ftcli.commands import plan, workload
+    from ftcli.commands import plan
+    from ftcli.launchers import databricks as workload
     from ftcli.features.fused_ops import LIGER_KIND, LIGER_PIN
 
     recipe = load_recipe(name)
@@ -201,19 +202,33 @@ def test_lora_mfu_counts_qwen3_moe_experts_at_top_k():
                                               ("llama", "tokenizer-llama3"), ("qwen3", "tokenizer-qwen3"),
                                               ("qwen3_moe", "tokenizer-qwen3"), ("gemma3_text", "tokenizer-gemma3")])
 def test_family_chat_facts_match_its_shipped_template(model_type, asset):
-    """A family's chat format is the marker grammar ftcli detects in its template, its end-of-turn token is the
-    tokenizer's eos, and `system_role` says whether the template renders a system turn of its own."""
+    """A family's chat format is the one ftcli detects in its template (and the one the masks parse it by), the
+    format's end-of-turn token is the tokenizer's eos and the first stop token of generation, and `system_role`
+    says whether the template renders a system turn of its own."""
     from transformers import AutoTokenizer
 
-    from ftcli.data.chat import detect_grammar
+    from ftcli.chat_formats import detect, format_named
+    from ftcli.data.chat import ChatEncoder
+    from ftcli.inference import stop_token_ids
 
     family = family_of(model_type)
+    fmt = format_named(family.chat_format)
     tok = AutoTokenizer.from_pretrained(resolve_path(f"pkg://assets/{asset}"))
-    assert detect_grammar(tok.chat_template).name == family.chat_format
-    assert tok.eos_token == family.end_of_turn
+    assert detect(tok.chat_template) is fmt and ChatEncoder(tok).grammar is fmt.grammar
+    assert tok.eos_token == fmt.end_of_turn
+    assert stop_token_ids(tok) == [tok.convert_tokens_to_ids(t) for t in (fmt.end_of_turn, *fmt.stop_tokens)]
     text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
                                    tokenize=False)
     own_turn = {"chatml": "<|im_start|>system\n", "harmony": "<|start|>developer",
                 "llama3": "<|start_header_id|>system<|end_header_id|>", "gemma": "<start_of_turn>system"}
-    assert (own_turn[family.chat_format] in text) == family.system_role
+    assert (own_turn[fmt.name] in text) == fmt.system_role
     assert "Be brief." in text  # Gemma: folded into the first user turn by the template itself
+
+
+def test_an_unregistered_chat_format_name_is_refused_with_one_line():
+    from ftcli.chat_formats import format_named
+
+    with pytest.raises(UserError) as e:
+        format_named("phi4")
+    assert str(e.value) == ("ftcli has no chat format 'phi4' (known: chatml, gemma, harmony, llama3); add a module "
+                            "under ftcli/chat_formats/ and a line in CHAT_FORMATS")

@@ -63,7 +63,7 @@ def test_requirements_one_line_per_package_in_the_workload():
     gated_only = load_recipe("qwen-b300", ["training.fused_ops=[gated_norm]", "training.loss.impl=chunked",
                                            "training.precision.fp8=false"])
     assert features.requirements(gated_only) == []  # fla is the Qwen3.5 family's own pin
-    from ftcli.commands.workload import render_command
+    from ftcli.launchers.databricks import render_command
 
     assert "torchao==0.18.0" in render_command(both) and "torchao" not in render_command(gated_only)
 

@@ -726,3 +726,21 @@ def test_gpu_kernel_caches_persist_under_ftcli_cache_unless_the_user_set_them(tm
     (root / "inductor" / "kernel.so").write_bytes(b"x")
     assert persistent_caches({})[1] is True
     assert compile_notice(root, True).startswith(f"GPU kernels: reusing the compiled kernels and autotune results in {root}")
+
+
+def test_each_chat_format_parses_its_own_tool_calls():
+    """A reply's tool calls are parsed by its template's chat format only (ChatML's text in a harmony reply stays
+    text); without a known format, by every format's parsers."""
+    from ftcli.chat_formats import CHAT_FORMATS
+    from ftcli.inference.tool_calls import parse_tool_calls
+
+    hermes = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    harmony = ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    call = [{"name": "f", "arguments": {"a": 1}}]
+    assert parse_tool_calls(hermes, CHAT_FORMATS["chatml"]) == (call, "")
+    assert parse_tool_calls(hermes, CHAT_FORMATS["harmony"]) == ([], hermes)
+    assert parse_tool_calls(harmony, CHAT_FORMATS["harmony"]) == (call, "<|call|>")
+    assert parse_tool_calls(harmony, CHAT_FORMATS["chatml"]) == ([], harmony)
+    assert parse_tool_calls(hermes + harmony) == (call + call, "<|call|>")
+    completion = generate.Completion(text=hermes, reasoning=None, raw="<|channel|>final<|message|>" + hermes)
+    assert generate.reply_fields(_tokenizer("gpt-oss"), ASK, completion) == {"completion": hermes, "reasoning": None}

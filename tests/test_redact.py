@@ -89,3 +89,38 @@ def test_register_tracking_merge_imports_have_no_circle():
         return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in edges[start])
 
     assert [m for m in sorted(group) if reaches(m, m, set())] == []
+
+
+def test_what_a_library_prints_or_logs_goes_out_masked(capfd):
+    """register runs MLflow inside masked_output: its print to stdout (`View run ... at: <url>`), a write to
+    stderr and a logging line (a handler that looks sys.stderr up, as MLflow's and logging's last resort do)
+    come out with the URL's password masked."""
+    import logging
+    import sys
+
+    from ftcli.config.redact import masked_output
+
+    class StderrAtCallTime:  # what MLflow's MlflowLoggingStream does
+        def write(self, text):
+            sys.stderr.write(text)
+
+        def flush(self):
+            sys.stderr.flush()
+
+    logger = logging.getLogger("mlflow.test_masked")
+    handler = logging.StreamHandler(StderrAtCallTime())
+    logger.addHandler(handler)
+    logger.propagate = False
+    url = "http://user:hunter2@host:5000/#/experiments/1"
+    try:
+        with masked_output(stdout=sys.stderr):
+            print(f"View run train at: {url}")
+            sys.stderr.write(f"retrying {url}?token=abc\n")
+            logger.warning("cannot reach %s", url)
+    finally:
+        logger.removeHandler(handler)
+    out, err = capfd.readouterr()
+    assert out == "" and "hunter2" not in err and "abc" not in err
+    assert err.splitlines() == ["View run train at: http://***@host:5000/#/experiments/1",
+                                "retrying http://***@host:5000/#/experiments/1?token=***",
+                                "cannot reach http://***@host:5000/#/experiments/1"]

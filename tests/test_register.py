@@ -216,8 +216,14 @@ def test_full_run_on_server_loads_back_by_alias_with_identical_weights(tmp_path,
     client = MlflowClient(mlflow_server)
     before = client.get_run(training["run_id"]).info
 
-    result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "tiny-qwen", "--alias", "champion", "--json"])
+    # a password in the tracking URI (--tracking-uri; the server ignores it): never printed, MLflow's own
+    # `View run ... at: <url>` line included (#47)
+    with_password = mlflow_server.replace("http://", f"http://u:{SECRET_VALUE}@")
+    result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "tiny-qwen", "--alias", "champion", "--json",
+                                      "--tracking-uri", with_password])
     assert result.exit_code == 0, result.output
+    assert SECRET_VALUE not in result.output + result.stderr
+    assert f"View run train at: http://***@{mlflow_server[len('http://'):]}/#/experiments/" in result.stderr
     # logged through the training run, which keeps its own status and end time; no fluent state is left
     after = client.get_run(training["run_id"]).info
     assert (after.status, after.end_time) == (before.status, before.end_time) == ("FINISHED", before.end_time)
@@ -489,6 +495,20 @@ def test_select_model_files_keeps_the_allow_list_and_names_the_rest(tmp_path):
     assert files.skipped == [".env", "additional_chat_templates/x.sh", "checkpoints/", "id_rsa", "modeling_custom.py"]
     (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_custom.MyLM"}}))
     assert "modeling_custom.py" in mlflow_model.select_model_files(tmp_path, tmp_path).keep  # custom code: needed
+
+
+def test_a_hard_linked_model_file_is_not_uploaded(tmp_path):
+    """A file of final/ with another hard link (to a file anywhere on the filesystem) is one line before any
+    upload: what leaves the machine is what the run dir owns (#47)."""
+    (tmp_path / "config.json").write_text("{}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET_VALUE)
+    os.link(secret, tmp_path / "tokenizer.json")
+    with pytest.raises(UserError) as err:
+        mlflow_model.select_model_files(tmp_path, tmp_path)
+    assert str(err.value) == (f"{tmp_path / 'tokenizer.json'} has 1 other hard link(s); ftcli does not write, delete "
+                              "or upload a file shared with another path in what register uploads: replace it with a "
+                              "copy (cp, not ln)")
 
 
 def test_model_dir_or_model_file_resolving_outside_the_run_dir_is_refused(tmp_path, tiny_full_final):

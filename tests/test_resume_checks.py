@@ -26,7 +26,7 @@ def _save(root, step):
     model(torch.randn(3, 64)).square().sum().backward()
     optimizer.step()
     return save_checkpoint(root, step, model, optimizer, {"data": {"consumed": step}, "rng": rng_state()},
-                           {"result": {}}, keep_last=3)
+                           {"result": {}, "blocks_per_step": 2}, keep_last=3)  # tiny-qwen-cpu: 2 ranks x 1
 
 
 @pytest.fixture
@@ -45,6 +45,12 @@ def _resume(run_dir, *sets):
     from ftcli import cli
 
     return CliRunner().invoke(cli.app, [*train_args(run_dir, *SETS, *sets), "--resume", "latest"])
+
+
+def _refusal(res) -> str:
+    """The one line a refused command printed (exit code 2)."""
+    assert res.exit_code == 2, res.output
+    return " ".join(res.output.split())
 
 
 def test_save_records_size_and_crc32_of_every_file(run_dir):
@@ -154,3 +160,49 @@ def test_cadence_and_tracking_edits_are_applied_on_resume_with_one_warning(run_d
                              "data.path"]) == (["tracking.experiment"], ["training.schedule.warmup",
                                                                          "training.max_steps"],
                                                ["lora.r", "data.path"])
+
+
+def test_resume_from_another_runs_checkpoint_compares_with_that_runs_recipe(run_dir, tmp_path):
+    """`--resume <run>/checkpoints/step_N` into a new dir: the recipe is compared with the recipe the checkpoint
+    was written with (<run>/recipe.yaml), as for one's own run; nothing is written in the new dir."""
+    from ftcli import cli
+
+    new = tmp_path / "new"
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    res = CliRunner().invoke(cli.app, [*train_args(new, *SETS, "training.optimizer.lr=0.01"), "--resume", str(ckpt)])
+    assert _refusal(res) == (
+        f"error: --resume: the recipe differs from the run's {run_dir / 'recipe.yaml'} at training.optimizer.lr (its "
+        "optimizer state and schedule were saved with the old values; ftcli does not change them on resume); undo "
+        "these edits to resume, or train them as a new run (another output.dir)")
+    assert not new.exists()
+
+
+def test_resume_on_fewer_ranks_proposes_the_grad_accum_that_keeps_the_global_batch(run_dir):
+    """A checkpoint of 2 ranks x grad_accum 1 (2 blocks per step): `--resume` on 1 process alone is refused with
+    the fix; 1 process x grad_accum 2 passes the recipe comparison (grad_accum applied, said in one line)."""
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.launch import check_resume
+
+    before = (run_dir / "recipe.yaml").read_bytes()
+    assert _refusal(_resume(run_dir, "training.cpu_processes=1")) == (
+        f"error: --resume: {run_dir / 'checkpoints' / 'step_00000002'} was trained with 2 blocks per optimizer step "
+        "(1 rank x training.grad_accum 2), this launch takes 1 (1 rank x 1); resuming on 1 rank: set "
+        "training.grad_accum=2 to keep 2 blocks per step")
+    assert _refusal(_resume(run_dir, "training.cpu_processes=3", "training.grad_accum=1")).endswith(
+        "no training.grad_accum keeps 2 blocks per step on 3 ranks; resume on a number of ranks that divides 2")
+    assert (run_dir / "recipe.yaml").read_bytes() == before
+
+    said = []
+    recipe = load_recipe("tiny-qwen-cpu", [f"output.dir={run_dir}", *SETS, "training.cpu_processes=1",
+                                           "training.grad_accum=2"])
+    import sys
+
+    from unittest import mock
+
+    with mock.patch.object(sys.stderr, "write", side_effect=said.append):
+        check_resume(recipe, run_dir, "latest", world_size=1)
+    assert "".join(said) == ("warning: resuming with changed training.cpu_processes, training.grad_accum "
+                             "(applied from here on)\n")
+    with pytest.raises(UserError, match="this launch takes 4 .2 ranks x 2.; resuming on 2 ranks: set "
+                                        "training.grad_accum=1 to keep 2 blocks per step"):
+        check_resume(recipe, run_dir, "latest", world_size=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_common import REPO, env, metrics, output_tail, recipe_file, torchrun  # noqa: F401 (env: a fixture)
+from _run_common import REPO, env, ftcli, metrics, output_tail, recipe_file, torchrun  # noqa: F401 (env: a fixture)
 
 STEPS, STOP, STOP2 = 8, 4, 6
 WORKER = REPO / "tests" / "_preempt_worker.py"
@@ -75,6 +75,8 @@ def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterr
         assert (meta["world_size"], meta["blocks_per_step"]) == (ranks, 2)
         assert sorted(p.name for p in ckpt.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(ranks)]
         legs.append((grad_accum, first_step, pulled))
+        if tag == "first":
+            branch_from_step_4_as_a_user_types_it(tmp_path, run_dir, uninterrupted, env)
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{STOP:08d}", f"step_{STOP2:08d}"]
 
     third = run_worker(tmp_path, 2, "third", run_dir, 1, "--resume", "latest", env=env)
@@ -97,3 +99,29 @@ def test_resume_on_another_world_size_trains_the_same_blocks_and_losses(uninterr
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert got[:STOP] == want[:STOP]  # the first leg is the uninterrupted run's layout: bit for bit
+
+
+def branch_from_step_4_as_a_user_types_it(tmp_path: Path, run_dir: Path, uninterrupted: dict, env: dict) -> None:
+    """The CLI leg (#47): `ftcli train --resume <run>/checkpoints/step_4` (2 ranks x grad_accum 1) into a new dir on 1
+    process. Alone, `--set training.cpu_processes=1` is refused with the fix; with the grad_accum it proposes, the
+    recipe is compared with the checkpoint's run recipe (only cpu_processes and grad_accum differ: applied), and
+    steps 5..8 are the uninterrupted run's."""
+    (run_dir / "recipe.yaml").write_text((tmp_path / "first.yaml").read_text())  # the recipe the checkpoint came from
+    ckpt, branch = run_dir / "checkpoints" / f"step_{STOP:08d}", tmp_path / "branch"
+    args = ["train", "--recipe", "tiny-qwen-cpu", "--resume", str(ckpt), "--set", f"output.dir={branch}",
+            "--set", "training.cpu_processes=1"] + [a for s in COMMON for a in ("--set", s)]
+    refused = ftcli(args, tmp_path, env)
+    assert refused.returncode == 2 and " ".join(refused.stderr.split()) == (
+        f"error: --resume: {ckpt} was trained with 2 blocks per optimizer step (2 ranks x training.grad_accum 1), "
+        "this launch takes 1 (1 rank x 1); resuming on 1 rank: set training.grad_accum=2 to keep 2 blocks per step")
+    res = ftcli([*args, "--set", "training.grad_accum=2"], tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    assert "warning: resuming with changed training.cpu_processes, training.grad_accum (applied from here on)" in \
+        res.stderr
+    got, want = numbers(branch), uninterrupted["metrics"][STOP:]
+    assert [m["step"] for m in got] == list(range(STOP + 1, STEPS + 1))
+    for a, b in zip(got, want):
+        assert (a["lr"], a["tokens_trained"], a["tokens_seen"]) == (b["lr"], b["tokens_trained"], b["tokens_seen"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    (run_dir / "recipe.yaml").unlink()

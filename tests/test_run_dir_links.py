@@ -136,3 +136,102 @@ def test_output_dir_through_a_dangling_link_is_refused(tmp_path):
         f"error: output dir {link / 'q' / 'r'}: {link} is a symlink to {tmp_path / 'gone' / 'deeper'}, which does "
         "not exist; ftcli does not create directories through it: set output.dir elsewhere")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+# ------------------------------------------------------- links planted where a run writes, renames or deletes
+def _finished_run(tmp_path):
+    """A finished ftcli run dir of tiny-qwen-cpu (its marker, recipe, run.json, a checkpoint, final/)."""
+    import json
+
+    from ftcli.artifacts.rundir import prepare_run_dir
+    from ftcli.config.recipe import load_recipe
+
+    run_dir = tmp_path / "run"
+    prepare_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={run_dir}"]))
+    (run_dir / "run.json").write_text(json.dumps({"method": "full", "status": "completed", "steps": 3}))
+    (run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000003" / "meta.json").write_text("{}")
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    return run_dir
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.is_symlink()) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("planted", [".tmp_final", "base", "checkpoints", "final", "best", ".tmp_best",
+                                     "checkpoints/.tmp_step_00000006", "checkpoints/step_00000006", "run.json"])
+@pytest.mark.parametrize("how", [["--force"], ["--resume", "latest"]], ids=["force", "resume"])
+def test_a_link_where_a_run_writes_is_refused_before_anything_happens(tmp_path, planted, how):
+    """The run dir of a finished run with a link planted where train writes, renames or deletes (the temp
+    export dirs, LoRA's random-init base, checkpoints/, final/, best/, a checkpoint's dir or its temp dir):
+    `train --force` and `train --resume` are one line naming the link; the victim and the run dir stay
+    exactly as they were (no checkpoint of another run deleted, nothing written into the victim)."""
+    run_dir = _finished_run(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "config.json").write_text("VICTIM\n")
+    (victim / "step_00000001").mkdir()  # another run's checkpoints, if the link stands for checkpoints/
+    target = victim / "config.json" if planted == "run.json" else victim
+    path = run_dir / planted
+    if path.is_dir():
+        import shutil
+
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    path.symlink_to(target)
+    before, victim_before = _tree(run_dir), _tree(victim)
+    res = _train(run_dir, "--set", "training.max_steps=6", *how)
+    assert res.exit_code == 2, res.output
+    assert " ".join(res.output.split()) == (
+        f"error: {path} is a symbolic link (to {target}); ftcli does not write, rename or delete through links in "
+        "a run dir: remove it")
+    assert _tree(run_dir) == before and _tree(victim) == victim_before
+    assert (victim / "config.json").read_text() == "VICTIM\n"
+
+
+def test_a_hard_linked_run_file_is_refused_before_anything_happens(tmp_path):
+    run_dir = _finished_run(tmp_path)
+    victim = _victim(tmp_path)
+    os.link(victim, run_dir / "metrics.jsonl")
+    res = _train(run_dir, "--force")
+    assert res.exit_code == 2 and " ".join(res.output.split()) == (
+        f"error: {run_dir / 'metrics.jsonl'} has 1 other hard link(s); ftcli does not write, delete or upload a file shared "
+        "with another path in a run dir: remove it")
+    assert victim.read_text() == VICTIM_TEXT and (run_dir / "metrics.jsonl").exists()
+
+
+def test_removing_and_replacing_never_follow_a_link(tmp_path):
+    """What every writer uses when a link turns up after the launcher's check: remove_tree unlinks a link
+    (dangling or not) and leaves its target; replace_dir puts the new dir in place of a link, never into it,
+    and refuses a temp dir that is a link."""
+    from ftcli.artifacts.safe_files import remove_tree, replace_dir
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("keep")
+    link = tmp_path / ".tmp_final"
+    link.symlink_to(victim)
+    remove_tree(link)
+    assert not os.path.lexists(link) and (victim / "keep.txt").read_text() == "keep"
+
+    tree = tmp_path / "tree"  # a real dir holding a link: the link goes, its target stays
+    tree.mkdir()
+    (tree / "inner").symlink_to(victim)
+    remove_tree(tree)
+    assert not tree.exists() and (victim / "keep.txt").read_text() == "keep"
+
+    final, tmp = tmp_path / "final", tmp_path / ".tmp_new"
+    final.symlink_to(victim)
+    tmp.mkdir()
+    (tmp / "config.json").write_text("new")
+    replace_dir(tmp, final)
+    assert not final.is_symlink() and (final / "config.json").read_text() == "new"
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+
+    tmp.symlink_to(victim)
+    with pytest.raises(UserError, match=r"\.tmp_new is a symbolic link"):
+        replace_dir(tmp, final)
+    assert (final / "config.json").read_text() == "new" and sorted(p.name for p in victim.iterdir()) == ["keep.txt"]

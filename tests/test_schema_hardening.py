@@ -134,7 +134,8 @@ def _alias_bomb() -> str:
     return builtin_recipe_text(TINY).replace("model:\n", f"model:\n  config_overrides:\n{overrides}\n", 1)
 
 
-@pytest.mark.parametrize("command", [["recipes", "show"], ["render-workload", "--recipe"]])
+@pytest.mark.parametrize("command", [["recipes", "show"], ["render-workload", "--recipe"],
+                                     ["render-workload", "--launcher", "slurm", "--recipe"]])
 def test_alias_bomb_fails_fast_in_one_line(command, tmp_path):
     text = _alias_bomb()
     assert 1200 < len(text.encode()) - len(builtin_recipe_text(TINY).encode()) < 1700

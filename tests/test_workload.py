@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftcli.commands import workload
+from ftcli.launchers import databricks as workload
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, builtin_recipe_names, load_recipe
 from ftcli.config.pipspec import check_pip_spec
@@ -303,14 +303,15 @@ NOT_REQUIREMENTS = ["numpy; touch /tmp/x #", "a b", "rm -rf /", "https://evil.ex
                     "git+https://evil.example/x.git", ""]
 
 
+@pytest.mark.parametrize("launcher", ["databricks", "slurm"])
 @pytest.mark.parametrize("key", ["compute.dependencies", "compute.ftcli_spec"])
 @pytest.mark.parametrize("value", PIP_OPTIONS + NOT_REQUIREMENTS)
-def test_pip_options_and_non_requirements_are_refused_at_recipe_validation(key, value):
+def test_pip_options_and_non_requirements_are_refused_at_recipe_validation(key, value, launcher):
     from ftcli.config.recipe import RecipeError
 
     override = json.dumps([value] if key == "compute.dependencies" else value)
     with pytest.raises(RecipeError) as err:
-        load_recipe("qwen-b300", [f"{key}={override}"])
+        load_recipe("qwen-b300", [f"{key}={override}", f"compute.launcher={launcher}"])
     message = str(err.value)
     where = f"{key}.0: " if key == "compute.dependencies" else f"{key}: "
     expected = "a pip option, not a requirement" if value in PIP_OPTIONS else "neither a requirement"
@@ -341,6 +342,7 @@ HEAVY = ("torch", "transformers", "datasets", "mlflow", "trl", "peft")
 
 
 @pytest.mark.parametrize("argv", [["render-workload", "--recipe", "qwen-b300"],  # `--help`: tests/test_cli.py
+                                  ["render-workload", "--recipe", "qwen-b300", "--launcher", "slurm"],
                                   ["render-workload", "--check", str(GOLDEN / "qwen-b300-1node.yaml")]])
 def test_render_workload_imports_no_heavy_modules(argv):
     code = (
@@ -540,8 +542,8 @@ def test_render_says_where_to_submit_from_and_that_a_relative_output_dir_is_lost
     assert workload.render_warnings(recipe, fit_check=False) == []
     monkeypatch.chdir(tmp_path)  # not an ftcli checkout
     (outside,) = workload.render_warnings(recipe, fit_check=False)
-    assert outside == (f"{tmp_path} is not an ftcli checkout, but the workload uploads the directory it is submitted "
-                       "from (code_source: root_path: .) and installs ftcli from it: run `databricks air run -f ...` "
+    assert outside == (f"{tmp_path} is not an ftcli checkout, but the job installs ftcli from the directory it is "
+                       "submitted from (compute.ftcli_spec=$CODE_SOURCE_PATH): run `databricks air run -f ...` "
                        "from the ftcli checkout, or set compute.ftcli_spec to a pip spec (e.g. 'ftcli @ git+https://...')")
     pinned = load_recipe("gpt-oss-h100", ["compute.ftcli_spec=ftcli==0.1.0"])
     assert workload.render_warnings(pinned, fit_check=False) == []  # installs from PyPI, not from the snapshot

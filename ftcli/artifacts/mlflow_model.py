@@ -39,6 +39,7 @@ from typing import Iterator
 from ftcli import __version__
 from ftcli.config.errors import UserError
 from ftcli.artifacts.resolve import BaseRef
+from ftcli.artifacts.safe_files import refuse_links
 from ftcli.artifacts.tracking import first_line
 
 
@@ -190,6 +191,7 @@ def select_model_files(model_dir: Path, root: Path) -> ModelFiles:
         if not target.is_relative_to(root):
             raise UserError(f"{path} links outside {root} (to {target}); register uploads only files inside "
                             "the run dir: copy the file in (cp -L) or remove the link")
+        refuse_links([target], where="what register uploads", fix="replace it with a copy (cp, not ln)")
         keep.append(name)
     return ModelFiles(keep=keep, skipped=skipped)
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ftcli.artifacts.safe_files import entries, refuse_links, remove_tree
 from ftcli.artifacts.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
 from ftcli.config.errors import UserError
 
@@ -49,6 +49,17 @@ OWNER_FILE = ".ftcli-run"  # written when ftcli makes a run dir: proof the dir i
 LOCK_FILE = ".ftcli.lock"  # ftcli.train.launch's one-writer lock; never counts as content
 _RUN_OUTPUTS = (FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
 _CHECKPOINT_NAME = re.compile(r"^(\.tmp_)?step_\d{8}$")
+# every name a run writes, renames or deletes in its dir (besides the lock file, opened with O_NOFOLLOW), the
+# temp names of the exports included: none may be a link (`check_run_dir`, ftcli.artifacts.safe_files.refuse_links)
+_WRITTEN = (OWNER_FILE, RECIPE_FILE, "tracking.json", METRICS_FILE, SAMPLES_FILE, RUN_JSON, CHECKPOINTS, FINAL, BEST,
+            "base", f".tmp_{FINAL}", f".tmp_{BEST}", f".old_{FINAL}", ".tmp_base")
+
+
+def written_paths(run_dir: Path) -> list[Path]:
+    """The paths a run writes, renames or deletes in `run_dir`: its files and dirs, and each entry of
+    checkpoints/ (step_*, .tmp_step_*, TRL's checkpoint-N)."""
+    run_dir = Path(run_dir)
+    return [run_dir / name for name in _WRITTEN] + entries(run_dir / CHECKPOINTS)
 
 
 def run_dir_of(recipe) -> Path:
@@ -97,8 +108,7 @@ def _contents(run_dir: Path) -> list[str]:
 
 
 def _checkpoint_entries(run_dir: Path) -> list[Path]:
-    ckpts = Path(run_dir) / CHECKPOINTS
-    return [p for p in ckpts.iterdir() if _CHECKPOINT_NAME.match(p.name)] if ckpts.is_dir() else []
+    return [p for p in entries(Path(run_dir) / CHECKPOINTS) if _CHECKPOINT_NAME.match(p.name)]
 
 
 def _has_outputs(run_dir: Path) -> bool:
@@ -107,17 +117,14 @@ def _has_outputs(run_dir: Path) -> bool:
 
 def _clear_outputs(run_dir: Path) -> None:
     """--force in an ftcli run dir: remove what a run writes, nothing else (a user's notes stay)."""
+    refuse_links(written_paths(run_dir))  # check_run_dir did; a link planted since is not followed either
     for path in _checkpoint_entries(run_dir):
-        shutil.rmtree(path)
+        remove_tree(path)
     ckpts = run_dir / CHECKPOINTS
-    if ckpts.is_dir() and not any(ckpts.iterdir()):
+    if ckpts.is_dir() and not ckpts.is_symlink() and not any(ckpts.iterdir()):
         ckpts.rmdir()
     for name in _RUN_OUTPUTS:
-        target = run_dir / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
+        remove_tree(run_dir / name)
 
 
 # what a start writes before its first step (the LoRA path saves a random-init base to base/)
@@ -150,10 +157,7 @@ def remove_failed_start(run_dir: Path, before: set[str] | None) -> list[str]:
         target = run_dir / name
         if name in (before or set()) or not (target.exists() or target.is_symlink()):
             continue
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
+        remove_tree(target)
         removed.append(name)
     if before is None and not any(run_dir.iterdir()):
         run_dir.rmdir()
@@ -195,6 +199,7 @@ def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> 
         shown = ", ".join(contents[:3]) + (", ..." if len(contents) > 3 else "")
         raise UserError(f"output dir {run_dir} holds files that are not an ftcli run ({shown}); ftcli never "
                         "deletes or writes there: set output.dir to a new or empty dir")
+    refuse_links(written_paths(run_dir))  # before anything is written, renamed or deleted there
     other = (saved_recipe_name(run_dir) or recipe.name) if contents else recipe.name
     if other != recipe.name:
         if resume is not None:
@@ -295,7 +300,8 @@ class RunRecord(_Record):
     generate read it (through `read_run_record`), never as a raw dict."""
 
     ftcli_version: str | None = None
-    method: Literal["full", "lora"]
+    method: Literal["full", "lora"]  # how it trained (ftcli.objectives.METHODS: method_of(run.method) says the rest)
+    objective: str = "sft"  # what it optimized (ftcli.objectives.OBJECTIVES); run.json of older runs: SFT
     recipe: dict[str, Any] = Field(default_factory=dict)  # the resolved recipe, secrets masked
     model_dir: str | None = FINAL  # relative to the run dir; None when no final model was exported
     base_model: BaseModelRecord = Field(default_factory=BaseModelRecord)
@@ -356,6 +362,7 @@ def new_run_record(recipe, *, method: Literal["full", "lora"], mlflow: dict | No
     m = recipe.model
     base = BaseModelRecord(id=m.id, revision=m.revision, init=m.init, config=m.config, model_type=m.model_type,
                            model_class=m.model_class, path=base_path)
-    return RunRecord(ftcli_version=__version__, method=method, recipe=saved_recipe(recipe), base_model=base,
+    return RunRecord(ftcli_version=__version__, method=method, objective=recipe.training.objective,
+                     recipe=saved_recipe(recipe), base_model=base,
                      mlflow=mlflow, **fields)
 

@@ -12,7 +12,6 @@ Multi-turn chat (`ftcli chat`) is ftcli.commands.chat, over `ftcli.inference.str
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.artifacts.resolve import model_source
+from ftcli.artifacts.safe_files import check_output_path, write_output
 from ftcli.config.errors import UserError
 from ftcli.inference import (
     LoadedModel,
@@ -126,7 +126,7 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
     if output is not None and input_path is None:
         raise UserError("--output goes with --input FILE.jsonl")
     if output is not None:
-        check_output_path(output, force)
+        check_output_path(output, force, "completions.jsonl")
     if prompt is not None and text_problem(prompt):  # e.g. bytes of the command line that are not UTF-8
         raise UserError(f"--prompt is {text_problem(prompt)}")
     if batch_size < 1:
@@ -165,35 +165,6 @@ def run_generate(ref: str, *, prompt: str | None, system: str | None, input_path
         err.print(f"wrote {len(lines)} completions to {output}")
     if bad:
         raise UserError(_bad_rows_summary(input_path, bad, total))
-
-
-def check_output_path(output: Path, force: bool) -> None:
-    """--output before anything runs: a file in an existing folder; an existing file or a symbolic link
-    (dangling or not: ftcli did not write it) only with --force, which replaces the link, not its target."""
-    if output.is_symlink():
-        if not force:
-            raise UserError(f"{output} is a symbolic link (to {os.readlink(output)}); pass --force to replace the "
-                            "link with the output (its target is left alone)")
-        return
-    if output.is_dir():
-        raise UserError(f"--output {output} is a folder; pass a file path, e.g. {output / 'completions.jsonl'}")
-    if not output.parent.is_dir():
-        what = "is not a folder" if output.parent.exists() else "does not exist"
-        raise UserError(f"--output {output}: the folder {output.parent} {what}; create it first")
-    if output.exists() and not force:
-        raise UserError(f"{output} exists; pass --force to overwrite it")
-
-
-def write_output(output: Path, text: str) -> None:
-    """`text` into `output` (checked by check_output_path): a link there is replaced, never followed."""
-    try:
-        if output.is_symlink():
-            output.unlink()
-        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        raise UserError(f"--output {output}: cannot write it ({e.strerror or e})") from None
 
 
 def _renderable(tokenizer, rows: list[PromptRow], kwargs: dict,

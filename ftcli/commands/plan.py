@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+from ftcli.config.accelerators import parse_accelerator
 from ftcli.config.recipe import Recipe
 from ftcli.estimate.plan import Plan, make_plan
+from ftcli.objectives import method_of
 
 
 # ------------------------------------------------------------------------------------------- render
@@ -25,11 +27,13 @@ def print_plan(plan: Plan) -> None:
     console = Console()
     s = plan.setting
     frozen = f" + {plan.frozen_params / 1e9:.2f}B frozen" if plan.frozen_params else ""
-    master = (f", master {s.master}" if plan.method == "full" else
+    master = (f", master {s.master}" if method_of(plan.method).master_weights else
               f", adapter {s.adapter_params / 1e6:.2f}M params, base {'sharded (fsdp)' if s.sharding == 'fsdp' else 'whole per GPU (ddp)'}")
     console.print(f"[bold]{plan.recipe}[/]: {plan.method} of {plan.model} ({plan.params / 1e9:.3g}B params{frozen}); "
                   f"{s.tokens:,} tokens per micro-batch, checkpointing {s.checkpointing}"
-                  f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}", highlight=False)
+                  f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}"
+                  f"{f', {s.tokens // s.cp:,} per rank over {s.cp} context-parallel ranks' if s.cp > 1 else ''}",
+                  highlight=False)
     tokens = f"{plan.data.tokens:,} tokens, {plan.data.blocks:,} blocks" if plan.data.tokens is not None else "?"
     console.print(f"data: {tokens} ({plan.data.source}); optimizer steps on the recipe's GPUs: "
                   f"{plan.steps if plan.steps is not None else '?'}", highlight=False)
@@ -57,7 +61,7 @@ def print_plan(plan: Plan) -> None:
     for c in plan.cards:
         e = c.estimate
         style = "bold" if c.own else None
-        per_node = int(c.accelerator.removeprefix("GPU_").split("x", 1)[0])
+        per_node = parse_accelerator(c.accelerator).gpus_per_node
         memory_table.add_row(c.accelerator, str(per_node), str(max(1, c.gpus // per_node)), *(_gib(v) for v in (
             e.params, e.grads, e.optimizer, e.activations, e.loss, e.other, e.total, c.usable_gib)),
             "[green]yes[/]" if c.fits else "[red]no[/]", "-" if c.keep_layers is None else str(c.keep_layers),
@@ -69,7 +73,11 @@ def print_plan(plan: Plan) -> None:
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
-    if plan.method == "lora":
+    if method_of(plan.method).splits_blocks:
+        fits = ", ".join(f"{c.accelerator} {c.cp_fits if c.cp_fits is not None else 'none'}" for c in plan.cards)
+        console.print(f"context parallel, the fewest ranks per block that fit {s.tokens:,} tokens: {fits} (recipe: "
+                      f"training.context_parallel={s.cp})", highlight=False, soft_wrap=True)
+    if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
                       + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)
     for c in plan.cards:  # one setting a line (a line of them all ran 300 characters)

@@ -66,7 +66,7 @@ from ftcli.artifacts import registry
 from ftcli.config.errors import UserError
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, resolve_base
 from ftcli.artifacts.merge import default_output, is_newer_merge, merge_lora
-from ftcli.config.redact import mask_uri
+from ftcli.config.redact import mask_uri, masked_output
 from ftcli.artifacts.rundir import RunRecord, read_run_record
 from ftcli.artifacts.tracking import check_reachable, create_run, first_line, http_settings, recipe_params, resolve_tracking_uri
 
@@ -402,8 +402,8 @@ def run_register(
     # A short retry budget for the work itself (MLflow's default retries for minutes); the probes
     # use none. A value the user exported wins.
     retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-    try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr
-        with contextlib.redirect_stdout(sys.stderr), http_settings(max_retries=retries):
+    try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr, URLs masked
+        with masked_output(stdout=sys.stderr), http_settings(max_retries=retries):
             result = log_and_register(source, mode, name=name, alias=alias, force=force, tracking_uri=tracking_uri,
                                       registry_uri=registry_uri or tracking_uri, uc=uc)
     except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)

@@ -41,3 +41,28 @@ def check_pip_spec(spec: str) -> str:
         return spec
     hint = "; write a URL as 'name @ url'" if "://" in spec else ""
     raise ValueError(f"neither a requirement (name[extras]<version>, 'name @ url') nor a local path or wheel{hint}")
+
+
+# Environment variables that change what the job's `pip install` fetches or what its shell and Python load
+# before ftcli runs: pip reads every PIP_<OPTION> as that option (PIP_INDEX_URL is --index-url), bash sources
+# $BASH_ENV, the loader preloads $LD_PRELOAD, Python imports from $PYTHONPATH. A recipe sets none of them.
+_LOADER_VARS = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "LD_PRELOAD", "LD_AUDIT", "PYTHONPATH",
+                          "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONINSPECT"})
+
+
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env_name(name: str) -> str:
+    """`name` if it is a variable name, and not a pip option (PIP_*) nor a variable the shell, the loader or
+    Python acts on at start."""
+    if not _VAR_NAME.fullmatch(name):
+        raise ValueError(f"{name[:40]!r} is not a valid environment variable name (letters, digits, '_'; "
+                         "no leading digit)")
+    if name.upper().startswith("PIP_"):
+        raise ValueError(f"{name} is a pip option (pip reads PIP_<OPTION> as --<option>); the job's pip install "
+                         "takes requirements only: list them in compute.dependencies")
+    if name in _LOADER_VARS:
+        raise ValueError(f"{name} makes the job's shell, loader or Python run other code before ftcli; "
+                         "a recipe does not set it")
+    return name

@@ -51,14 +51,14 @@ from pydantic import (
     model_validator,
 )
 
+from ftcli.config.accelerators import Accelerator, parse_accelerator
 from ftcli.config.errors import UserError
-from ftcli.config.pipspec import check_pip_spec
+from ftcli.config.pipspec import check_env_name, check_pip_spec
 
 PKG_PREFIX = "pkg://"
-# Shared with ftcli.commands.workload (experiment and workload names, accelerator types follow the same rules).
+# Shared with ftcli.launchers (experiment and workload names follow the same rules).
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,100}")
 NAME_RULE = "use 1-100 letters, digits, '-' or '_'"
-ACCELERATOR_RE = re.compile(r"GPU_([1-9][0-9]*)x[A-Za-z0-9]+")  # group 1: GPUs per node
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 MAX_BLOCK_LEN = 2**20  # tokens per packed block; past this one block's activations fit no GPU
 
@@ -474,11 +474,7 @@ class LossConfig(_Section):
 
 
 
-# The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`).
-TRAINING_KEYS = ("method", "epochs", "max_steps", "grad_accum", "per_device_batch", "optimizer", "schedule", "precision",
-                 "grad_clip", "activation_checkpointing", "activation_checkpointing_keep", "compile", "fused_ops",
-                 "sharding", "loss", "seed", "log_every", "checkpoint", "max_bad_steps", "cpu_processes")
-
+CP_SLICE_MULTIPLE = 64  # context-parallel slices are whole gated-delta chunks (fla's chunk: 64 tokens)
 
 class _Training(_Section):
     """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
@@ -486,9 +482,15 @@ class _Training(_Section):
     at its default: dumps write every key of both (so recipe.yaml and rendered workloads stay as they were, and a
     dump loads again), and loading drops them there."""
 
+    quiet_defaults: ClassVar[dict[str, Any]] = {"objective": "sft"}
     other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
     other_keys: ClassVar[tuple[str, ...]] = ()
 
+    # declared here first so that every dump starts with them (each method's class narrows `method` to its name)
+    method: str = "full"
+    objective: Literal["sft"] = Field(
+        "sft", description="What is optimized (ftcli/objectives/): sft, next-token cross-entropy on the trained "
+        "tokens. Separate from training.method (full | lora: how the parameters train and what the run writes).")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
@@ -533,13 +535,13 @@ class _Training(_Section):
             default = other.model_fields[key].get_default(call_default_factory=True)
             out[key] = default.model_dump(mode=info.mode) if isinstance(default, BaseModel) else default
         out = other._without_quiet_defaults(out)
-        return {k: out[k] for k in TRAINING_KEYS if k in out}
+        return {k: out[k] for k in training_keys() if k in out}
 
 
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
@@ -558,6 +560,12 @@ class FullTraining(_Training):
         default_factory=list, description="Full SFT on CUDA: fused Triton kernels for Qwen3.5's decoder norms "
         "(rms_norm, liger-kernel), MLP activation (swiglu, liger-kernel) and gated-delta output norm "
         "(gated_norm, fla); same parameters and checkpoints (ftcli/features/fused_ops.py)."
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Ranks that share each packed block, each training on a contiguous slice of "
+        "block_len / N tokens (attention keys gathered, the gated-delta state and the conv halo passed across the "
+        "slices: ftcli/model/kernels/cp.py); blocks per step = ranks / N x grad_accum. `ftcli plan` says which N "
+        "fits a block length."
     )
 
     @field_validator("method", mode="before")
@@ -578,7 +586,8 @@ class LoraTraining(_Training):
     """LoRA through TRL + PEFT (ftcli.train.lora.trainer): the base frozen in model.dtype, adapters in float32."""
 
     other_method: ClassVar[str] = "full"
-    other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops")
+    other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops",
+                                             "context_parallel")
     method: Literal["lora"] = "lora"
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole (LoRA linears, attention, router and "
@@ -600,6 +609,13 @@ class LoraTraining(_Training):
 
 
 TRAINING_BY_METHOD: dict[str, type[_Training]] = {"full": FullTraining, "lora": LoraTraining}
+
+
+def training_keys() -> tuple[str, ...]:
+    """The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`): taken
+    from the schema, so a new key is dumped without being listed anywhere: the keys both methods share in their
+    declaration order (`_Training`'s), then each method's own keys (full's, then lora's)."""
+    return tuple(dict.fromkeys(k for cls in TRAINING_BY_METHOD.values() for k in cls.model_fields))
 
 
 def _training_method(value: Any) -> str:
@@ -663,10 +679,9 @@ class PermissionConfig(_Section):
         return self
 
 
-# Where a job runs: rules shared by `ComputeConfig` and the AI Runtime workload check (`ftcli.commands.workload`).
+# Where a job runs: rules shared by `ComputeConfig` and the launchers' file checks (`ftcli.launchers`).
 def check_accelerator_type(v: str) -> str:
-    if not ACCELERATOR_RE.fullmatch(v):
-        raise ValueError("expected GPU_<gpus per node>x<model> (case-sensitive), e.g. GPU_8xH100")
+    parse_accelerator(v)  # a ValueError saying the form
     return v
 
 
@@ -682,16 +697,74 @@ def placement_problems(
     """Every broken rule between the compute keys, one line each. None: a key that is missing or
     already reported as bad on its own (those rules are skipped)."""
     problems = []
-    m = ACCELERATOR_RE.fullmatch(accelerator_type) if accelerator_type is not None else None
-    if m and num_accelerators is not None and num_accelerators % int(m.group(1)):
-        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {m.group(1)} GPUs per node "
+    try:
+        per_node = parse_accelerator(accelerator_type).gpus_per_node if accelerator_type is not None else None
+    except ValueError:
+        per_node = None
+    if per_node and num_accelerators is not None and num_accelerators % per_node:
+        problems.append(f"num_accelerators={num_accelerators} is not a multiple of the {per_node} GPUs per node "
                         f"of {accelerator_type}")
     if priority_class is not None and not pool_id:
         problems.append("priority_class needs pool_id (provisioned capacity)")
     return problems
 
 
+# Slurm names (partition, account, qos): letters, digits and . _ + -, so a directive holds one word and no shell
+SLURM_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]], or UNLIMITED
+SLURM_TIME_RE = re.compile(r"[0-9]{1,7}(:[0-9]{1,2}){0,2}|[0-9]{1,4}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|UNLIMITED")
+
+
+def check_slurm_name(v: str) -> str:
+    if not SLURM_NAME_RE.fullmatch(v):
+        raise ValueError("use 1-64 letters, digits, '.', '_', '+' or '-' (no spaces or shell characters)")
+    return v
+
+
+def check_slurm_time(v: str) -> str:
+    if not SLURM_TIME_RE.fullmatch(v):
+        raise ValueError("a Slurm time limit: MINUTES, HH:MM:SS, D-HH, D-HH:MM:SS or UNLIMITED (e.g. 04:00:00)")
+    return v
+
+
+class SlurmConfig(_Section):
+    """`compute.slurm`: the keys only the Slurm launcher reads (ftcli.launchers.slurm). Nothing guesses a
+    site: a key left unset writes no directive, so the cluster's defaults apply."""
+
+    partition: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(
+        None, description="sbatch --partition (unset: the cluster's default partition).")
+    account: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(
+        None, description="sbatch --account (unset: your default account).")
+    qos: Annotated[str, AfterValidator(check_slurm_name)] | None = Field(None, description="sbatch --qos.")
+    time_limit: Annotated[str, AfterValidator(check_slurm_time)] | None = Field(
+        None, description="sbatch --time, e.g. 04:00:00 or 2-00:00:00 (unset: the partition's limit).")
+    devices: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu: GPUs per node from compute.accelerator_type; cpu: training.cpu_processes per node, "
+                           "no GPU request (CPU clusters, tests).")
+    install: bool = Field(True, description="pip install ftcli (compute.ftcli_spec), the kernel pins and "
+                                            "compute.dependencies into the job's Python before training.")
+    stop_before_limit_s: int = Field(
+        600, ge=60, description="SIGTERM this many seconds before the time limit: ftcli checkpoints, the job requeues.")
+    requeue: bool = Field(True, description="Requeue after a preemption or a stop before the time limit; the "
+                                            "requeued job resumes from the checkpoint (--resume).")
+    rendezvous_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port on the first node.")
+
+
+# Keys only the Databricks launcher reads, at the values that mean "not used" (the other launchers say they ignore them)
+DATABRICKS_ONLY = {"experiment_name": None, "pool_id": None, "priority_class": None, "secrets": {},
+                   "mlflow_experiment_directory": None, "permissions": [], "timeout_minutes": None, "max_retries": 0}
+
+
 class ComputeConfig(_Section):
+    """Where a job runs. `launcher` picks who reads this section (ftcli.launchers): the card and GPUs
+    (`accelerator_type`, `num_accelerators`), `env_variables`, `dependencies` and `ftcli_spec` are every launcher's;
+    the AI Runtime keys stay at the top level (as recipes have always written them), Slurm's are under `slurm:`.
+    One recipe renders for either launcher (`render-workload --launcher`); each says which keys it ignores."""
+
+    quiet_defaults: ClassVar[dict[str, Any]] = {"launcher": "databricks", "slurm": None}
+
+    launcher: Literal["databricks", "slurm"] = Field(
+        "databricks", description="databricks: an AI Runtime workload YAML; slurm: an sbatch script.")
     accelerator_type: Annotated[str, AfterValidator(check_accelerator_type)] = Field(
         "GPU_8xH100", description="GPU_<gpus per node>x<model>, e.g. GPU_8xB300.")
     num_accelerators: int = Field(8, ge=1, description="Total GPUs (a multiple of GPUs per node).")
@@ -699,7 +772,7 @@ class ComputeConfig(_Section):
     environment_version: str = "databricks_ai_v6"
     dependencies: list[Annotated[str, AfterValidator(check_pip_spec)]] = Field(
         default_factory=list, description="Extra pip requirements for the job (requirements or local paths).")
-    env_variables: dict[str, str] = Field(default_factory=dict)
+    env_variables: dict[Annotated[str, AfterValidator(check_env_name)], str] = Field(default_factory=dict)
     secrets: dict[str, Annotated[str, AfterValidator(check_secret_ref)]] = Field(
         default_factory=dict, description="NAME -> 'scope/key'.")
     timeout_minutes: int | None = Field(None, ge=1)
@@ -709,7 +782,9 @@ class ComputeConfig(_Section):
     mlflow_experiment_directory: str | None = None
     permissions: list[PermissionConfig] = Field(default_factory=list)
     ftcli_spec: Annotated[str, AfterValidator(check_pip_spec)] = Field(
-        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path).")
+        "$CODE_SOURCE_PATH", description="pip spec that installs ftcli in the job (a requirement or a local path; "
+                                         "$CODE_SOURCE_PATH: the checkout the job is submitted from).")
+    slurm: SlurmConfig | None = Field(None, description="The Slurm launcher's keys (compute.launcher: slurm).")
 
     @field_validator("env_variables")
     @classmethod
@@ -733,12 +808,21 @@ class ComputeConfig(_Section):
         return self
 
     @property
+    def accelerator(self) -> Accelerator:
+        return parse_accelerator(self.accelerator_type)
+
+    @property
     def gpus_per_node(self) -> int:
-        return int(self.accelerator_type[4:].split("x", 1)[0])
+        return self.accelerator.gpus_per_node
 
     @property
     def num_nodes(self) -> int:
         return self.num_accelerators // self.gpus_per_node
+
+    @property
+    def slurm_keys(self) -> SlurmConfig:
+        """compute.slurm, or its defaults when the section is absent."""
+        return self.slurm or SlurmConfig()
 
 
 def max_position_embeddings(cfg: ModelConfig) -> tuple[int, str] | None:
@@ -813,6 +897,21 @@ class Recipe(_Section):
                 f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit[0]} "
                 f"({limit[1]}); lower block_len or raise model.config_overrides.max_position_embeddings"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Recipe:
+        """A block splits into equal slices, each longer than a gated-delta chunk (fla's chunked kernels and the
+        conv halo work per slice)."""
+        n = getattr(self.training, "context_parallel", 1)
+        if n == 1:
+            return self
+        if not self.data.packing.enabled:
+            raise ValueError(f"training.context_parallel={n} splits packed blocks; set data.packing.enabled: true")
+        block_len = self.data.packing.block_len
+        if block_len % (n * CP_SLICE_MULTIPLE):
+            raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
+                             f"of {n * CP_SLICE_MULTIPLE} (N slices of a multiple of {CP_SLICE_MULTIPLE} tokens)")
         return self
 
     @model_validator(mode="after")
@@ -1038,7 +1137,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------ did you mean
-# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.commands.workload`).
+# One helper for every schema here: recipes (`Recipe`) and AI Runtime workloads (`ftcli.launchers.databricks`).
 def _sections_in(annotation: Any) -> list[type[BaseModel]]:
     """The schema sections a field holds: `X`, `X | None`, `list[X]` -> [X]."""
     args = getattr(annotation, "__args__", None)

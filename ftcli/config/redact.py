@@ -7,6 +7,9 @@
                                                    (what <run>/recipe.yaml and run.json hold)
     scrub_recipe(recipe_dict)                   -> that, and compute.secrets / compute.env_variables
                                                    values replaced by "***" (MLflow params)
+    with masked_output(): ...                   -> what a library prints meanwhile (stdout, stderr, logging
+                                                   that writes to them) goes out with URLs masked: MLflow's
+                                                   `View run ... at: http://user:password@host/...` lines
 
 Secret values have no place in a recipe at all: `compute.env_variables` refuses names that look secret
 (`looks_secret`: *TOKEN*, *_KEY, *_SECRET*, *_PASS*, *_AUTH, *_CREDENTIALS, *PROXY* but NO_PROXY, ...) and
@@ -18,8 +21,12 @@ as $MLFLOW_TRACKING_URI (ftcli.artifacts.tracking). Plain data code: no MLflow, 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+import sys
+from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 SCRUBBED = "***"
@@ -43,6 +50,42 @@ def mask_uri(text: str) -> str:
     if "?" not in text:
         return text
     return _QUERY_PARAM.sub(lambda m: f"{m[1]}={SCRUBBED}" if m[2] and _secret_param(m[1]) else m[0], text)
+
+
+class MaskedStream(io.TextIOBase):
+    """A text stream that passes what is written to `target` with every URL's credentials masked (`mask_uri`,
+    per write: a library writes a line at a time)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def write(self, text: str) -> int:
+        self.target.write(mask_uri(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.target, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def masked_output(stdout=None) -> Iterator[None]:
+    """Within the block, sys.stdout (or `stdout` in its place) and sys.stderr go through `MaskedStream`: what
+    MLflow, alembic or urllib3 print or log there (handlers that look sys.stderr up when they write) never
+    shows a password or token in a URL."""
+    with contextlib.redirect_stdout(MaskedStream(stdout or sys.stdout)), \
+            contextlib.redirect_stderr(MaskedStream(sys.stderr)):
+        yield
 
 
 def _secret_param(name: str) -> bool:

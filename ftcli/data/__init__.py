@@ -6,6 +6,7 @@
     prepare(...) / open_prepared(...)        the same split for distributed runs: rank 0, barrier, others
     BlockStream(packed, rank, world_size)    each rank's equal, disjoint, resumable share of the blocks
     block_to_model_inputs(block)             Block -> the packed model-call kwargs (torch; ftcli.data.collate)
+    slice_model_inputs(block, rank, size)    one rank's slice of them (context parallelism)
     iter_examples(recipe, tokenizer)         unpacked examples (as the published gpt-oss example trains)
     data_summary(recipe, packed)             the data summary (pack-preview, train log, run.json, MLflow)
     check_sources(recipe, packed)            refuse a source that keeps no row (ftcli.data.checks)
@@ -31,6 +32,13 @@ def block_to_model_inputs(block, device="cpu"):
     return impl(block, device)
 
 
+def slice_model_inputs(block, rank: int, size: int, device="cpu"):
+    """See ftcli.data.collate (imported lazily: torch is only needed by the trainers)."""
+    from ftcli.data.collate import slice_model_inputs as impl
+
+    return impl(block, rank, size, device)
+
+
 __all__ = [
     "IGNORE_INDEX",
     "Block",
@@ -53,4 +61,5 @@ __all__ = [
     "prepare",
     "prepare_blocks",
     "reference_encode",
+    "slice_model_inputs",
 ]

@@ -13,6 +13,13 @@ Layout of one entry, `<cache root>/packed/<key>/` (key = sha256 of everything th
 Writers fill a private temp dir next to the entry and `rename` it into place: readers see a complete
 entry or none, and when several ranks race, the first rename wins and the others discard their copy.
 Readers `np.memmap` the files, so a 27B-scale dataset costs page cache, not process memory.
+
+An entry is trusted only after it passed `entry_problem` (as a checkpoint is checked before a resume):
+meta.json readable, its key and the hash of its key_parts both the entry's name (an entry copied under
+another key, another tokenizer's, is not this one), and every .bin file of the size and CRC32 meta.json
+records (`files`, taken at commit: truncated, garbled or shuffled ids are caught). `prepare` rebuilds an
+entry that fails, with one line saying why; a dir left without meta.json is removed, never a wedge. Paths
+in the cache are never written or removed through a link (ftcli.artifacts.safe_files).
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ftcli.config.safe_files import refuse_links, remove_tree
+from ftcli.config.errors import UserError
 from ftcli.data.packing import Block, make_block, num_trained
 from ftcli.data.stats import DataStats
 
@@ -60,15 +69,68 @@ def cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def file_crc32(path: Path, chunk_bytes: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def entry_problem(path: Path, *, checksums: bool = True) -> str | None:
+    """Why the cache entry at `path` cannot be trusted (module doc), or None. `checksums=False`: sizes only
+    (the ranks that open what rank 0 has just checked)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "it has no meta.json"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"its meta.json is unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("format_version") != DATA_FORMAT_VERSION:
+        return f"its meta.json is not data format {DATA_FORMAT_VERSION}"
+    parts = meta.get("key_parts")
+    if meta.get("key") != path.name or not isinstance(parts, dict) or cache_key(parts) != path.name:
+        return "it was written for other data or another tokenizer (its key_parts do not hash to its name)"
+    files = meta.get("files")
+    if not isinstance(files, dict) or sorted(files) != sorted(f"{n}.bin" for n in _ARRAYS):
+        return "its meta.json records no sizes and checksums"
+    for name, recorded in sorted(files.items()):
+        f = path / name
+        if not isinstance(recorded, list) or len(recorded) != 2:
+            return f"meta.json's entry for {name} is malformed"
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if not f.is_file() or f.is_symlink():
+            return f"{name} is not a regular file"
+        if st.st_size != recorded[0]:
+            return f"{name} has {st.st_size} bytes, {recorded[0]} were written"
+        if checksums and file_crc32(f) != recorded[1]:
+            return f"{name} does not match the checksum taken when it was written (changed since)"
+    n, tokens = meta.get("num_blocks"), meta.get("num_tokens")
+    if not isinstance(n, int) or not isinstance(tokens, int) or files["block_tokens.bin"][0] != 8 * (n + 1) or \
+            files["block_trained.bin"][0] != 4 * n or files["input_ids.bin"][0] != 4 * tokens:
+        return "its meta.json's block and token counts do not match its files"
+    return None
+
+
 class BlockWriter:
-    """Streams packed blocks into a temp dir; `commit` renames it into place."""
+    """Streams packed blocks into a temp dir; `commit` renames it into place (`abort` removes it)."""
 
     def __init__(self, final: Path):
         self.final = final
+        refuse_links([final], where="the pack cache", fix="remove it or set data.cache_dir elsewhere")
         final.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
-        self._files = {name: open(self.tmp / f"{name}.bin", "wb") for name in ("input_ids", "loss_mask", "seg_lens")}
+        self._files = {}
+        try:
+            for name in ("input_ids", "loss_mask", "seg_lens"):
+                self._files[name] = open(self.tmp / f"{name}.bin", "wb")
+        except BaseException:
+            self.abort()
+            raise
         self.block_tokens, self.block_segs, self.block_trained = [0], [0], []
 
     def add(self, ids: np.ndarray, mask: np.ndarray, seg_lens: list[int]) -> int:
@@ -82,28 +144,55 @@ class BlockWriter:
         return trained
 
     def commit(self, meta: dict[str, Any]) -> Path:
-        for f in self._files.values():
-            f.close()
-        for name, values in (
-            ("block_tokens", self.block_tokens),
-            ("block_segs", self.block_segs),
-            ("block_trained", self.block_trained),
-        ):
-            np.asarray(values, dtype=_ARRAYS[name]).tofile(self.tmp / f"{name}.bin")
-        meta = {**meta, "num_blocks": len(self.block_trained), "num_tokens": self.block_tokens[-1]}
-        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+        """Close the files, record their sizes and CRC32s in meta.json, rename the entry into place. Any error:
+        the temp dir is removed (`abort`) and the error raised."""
         try:
-            os.rename(self.tmp, self.final)
-        except OSError:
-            if not (self.final / "meta.json").exists():
-                raise
-            shutil.rmtree(self.tmp, ignore_errors=True)  # another rank/process won the race: same bytes
+            self._close()
+            for name, values in (
+                ("block_tokens", self.block_tokens),
+                ("block_segs", self.block_segs),
+                ("block_trained", self.block_trained),
+            ):
+                np.asarray(values, dtype=_ARRAYS[name]).tofile(self.tmp / f"{name}.bin")
+            files = {f"{n}.bin": [(self.tmp / f"{n}.bin").stat().st_size, file_crc32(self.tmp / f"{n}.bin")]
+                     for n in _ARRAYS}
+            meta = {**meta, "num_blocks": len(self.block_trained), "num_tokens": self.block_tokens[-1], "files": files}
+            (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+            self._rename()
+        except BaseException:
+            self.abort()
+            raise
         return self.final
 
-    def abort(self) -> None:
+    def _rename(self) -> None:
+        try:
+            os.rename(self.tmp, self.final)
+            return
+        except OSError:
+            if entry_problem(self.final, checksums=False) is None:
+                remove_tree(self.tmp)  # another rank/process won the race: same bytes
+                return
+        remove_tree(self.final)  # a damaged entry (no meta.json, ...) in the way: never a wedge
+        os.rename(self.tmp, self.final)
+
+    def _close(self) -> None:
+        """Close every file, also when one close fails (a full disk fails at the flush): the first error raised."""
+        problem = None
         for f in self._files.values():
-            f.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+            try:
+                f.close()
+            except OSError as e:
+                problem = problem or e
+        if problem is not None:
+            raise problem
+
+    def abort(self) -> None:
+        """Remove the temp dir, whatever closing the files says (a full disk): nothing half-written is left."""
+        try:
+            self._close()
+        except OSError:
+            pass
+        remove_tree(self.tmp)
 
 
 class PackedDataset:

@@ -9,20 +9,23 @@ role headers, nor the generation prompt's prefill (Qwen3's `<think>\n`, which th
 
 How ftcli finds it (`ChatEncoder`):
 
-* Structurally, for templates of a known marker family (ChatML: Qwen 2.5-3.8; harmony: gpt-oss;
-  Llama-3; Gemma): render the whole conversation once and parse each message by the template's own
-  markers (`HeaderGrammar`, `HarmonyGrammar`). This is right by construction where a template rewrites
-  earlier turns once later ones exist (gpt-oss drops earlier analysis and stores earlier final answers
-  with `<|end|>`, Qwen3.5 drops earlier think blocks). Message text cannot fake a marker: special-token
-  and marker strings in the text are swapped for private-use placeholders before rendering and
-  tokenized as plain text afterwards (`special_tokens_in_text`). tests/test_data_masks.py checks every
-  mask against an independent token-level oracle on 45 edge-case conversations and 7 real templates.
-* For other templates, the published example's definition: for assistant turn i, the text that
-  `render(messages[:i+1])` adds after `render(messages[:i], add_generation_prompt=True)`. ftcli computes
-  it once per conversation *shape* (roles, which fields are set) on a skeleton with sentinel strings in
-  place of the text (`skeleton_spans`), checks the filled skeleton equals the real render, and
-  otherwise re-renders per turn on the real text (`rerender_spans`, also the comparison method; it is
-  wrong wherever a template rewrites earlier turns: tests/test_data_masks.py counts it on gpt-oss).
+* Structurally, for templates of a registered chat format (ftcli.chat_formats: ChatML, Qwen 2.5-3.8;
+  harmony, gpt-oss; Llama-3 headers; Gemma turns): render the whole conversation once and parse each
+  message by the template's own markers (the format's `grammar`). This is right by construction where
+  a template rewrites earlier turns once later ones exist (gpt-oss drops earlier analysis and stores
+  earlier final answers with `<|end|>`, Qwen3.5 drops earlier think blocks). A template that writes a
+  format's markers but does not parse as it (Phi-4's `<|im_sep|>`) is refused with one line
+  (`_fit_format`), never masked by a guess. Message text cannot fake a marker: special-token and marker
+  strings in the text are swapped for private-use placeholders before rendering and tokenized as plain
+  text afterwards (`special_tokens_in_text`). tests/test_data_masks.py checks every mask against an
+  independent token-level oracle on 46 edge-case conversations and 7 real templates.
+* For templates of no registered format's markers, the published example's definition: for assistant
+  turn i, the text that `render(messages[:i+1])` adds after `render(messages[:i], add_generation_prompt=True)`.
+  ftcli computes it once per conversation *shape* (roles, which fields are set) on a skeleton with
+  sentinel strings in place of the text (`skeleton_spans`), checks the filled skeleton equals the real
+  render, and otherwise re-renders per turn on the real text (`rerender_spans`, also the comparison
+  method; it is wrong wherever a template rewrites earlier turns: tests/test_data_masks.py counts it on
+  gpt-oss).
 * `reference_encode` is the published method verbatim (token-count differences of per-turn renders);
   kept as an oracle for prefix-preserving templates and the benchmark baseline.
 
@@ -70,6 +73,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ftcli import chat_formats
 from ftcli.data.validate import BadRow, content_text
 from ftcli.config.errors import UserError
 
@@ -193,105 +197,11 @@ def _lcp(a: str, b: str) -> int:
 
 
 # ------------------------------------------------------------------------------------ turn grammars
-# The templates of the families below delimit every message with their own marker tokens, so the full
-# render alone says where each assistant message starts and ends: ftcli parses it once (no per-turn
-# re-renders, which are wrong wherever a template rewrites earlier turns). Message text never contains
-# a marker while it is parsed: `ChatEncoder` swaps marker and special-token strings in the text for
-# private-use placeholders first (see `special_tokens_in_text`).
-@dataclass(frozen=True)
-class HeaderGrammar:
-    """`<start>role<sep> body <end>`-style templates (ChatML, Llama-3, Gemma). An assistant message trains
-    from after its header (and after the generation prompt's prefill, e.g. Qwen3's `<think>\\n`) through
-    its end token and the whitespace that follows it up to the next header (Qwen's `\\n`, as the
-    published example trains it)."""
-
-    name: str
-    header: re.Pattern  # one message header; group "role"
-    end: re.Pattern  # end-of-message token(s)
-    assistant: frozenset
-    markers: tuple[str, ...]
-
-    def spans(self, text: str, prefill: str) -> list[tuple[int, int]]:
-        heads = list(self.header.finditer(text))
-        out = []
-        for k, h in enumerate(heads):
-            if h["role"] not in self.assistant:
-                continue
-            start = h.end()
-            if prefill and text.startswith(prefill, start):
-                start += len(prefill)
-            nxt = heads[k + 1].start() if k + 1 < len(heads) else len(text)
-            ends = list(self.end.finditer(text, start, nxt))
-            end = nxt
-            if ends and text[ends[-1].end() : nxt].strip():
-                end = ends[-1].end()  # something other than whitespace follows the end token: not the turn's
-            out.append((start, max(start, end)))
-        return out
-
-
-class HarmonyGrammar:
-    """gpt-oss (harmony): `<|start|>role[ to=recipient]<|channel|>channel[ type]<|message|>body` closed by
-    `<|end|>`, `<|call|>` or `<|return|>`. One assistant *generation* can hold several messages: after
-    an analysis (or commentary preamble) message's `<|end|>` the model itself writes the next
-    `<|start|>assistant`, so that header is trained; the header after a user/tool message is the
-    generation prompt, and so is the one after a final answer. An earlier final answer is stored with
-    `<|end|>` where the model emitted `<|return|>`: that `<|end|>` is history formatting, not trained."""
-
-    name = "harmony"
-    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>")
-    _message = re.compile(r"<\|start\|>(?P<head>.*?)<\|message\|>.*?(?P<end><\|end\|>|<\|call\|>|<\|return\|>)", re.S)
-    _channel = re.compile(r"<\|channel\|>(\w+)")
-    _prompt = "<|start|>assistant"
-
-    def spans(self, text: str, prefill: str = "") -> list[tuple[int, int]]:
-        out: list[list[int]] = []
-        prev_open = False  # the previous message was the assistant's and its generation goes on
-        for m in self._message.finditer(text):
-            head = m["head"]
-            role = re.split(r"[ <]", head, maxsplit=1)[0]
-            channel = (self._channel.search(head) or [None, ""])[1]
-            if role != "assistant":
-                prev_open = False
-                continue
-            start = m.start() if prev_open else m.start() + len(self._prompt)
-            end = m.start("end") if (m["end"] == "<|end|>" and channel == "final") else m.end()
-            if prev_open and out and out[-1][1] == m.start():
-                out[-1][1] = end  # one generation: analysis<|end|><|start|>assistant...
-            else:
-                out.append([start, end])
-            prev_open = m["end"] == "<|end|>" and channel != "final"
-        return [(s, e) for s, e in out]
-
-
-def _header_grammar(name, start, sep, end, assistant, markers) -> HeaderGrammar:
-    return HeaderGrammar(
-        name,
-        re.compile(re.escape(start) + r"(?P<role>[^\n<>|]*)" + sep),
-        re.compile(end),
-        frozenset(assistant),
-        markers,
-    )
-
-
-GRAMMARS = {
-    "chatml": _header_grammar("chatml", "<|im_start|>", r"\n", r"<\|im_end\|>", {"assistant"},
-                              ("<|im_start|>", "<|im_end|>")),
-    "llama3": _header_grammar("llama3", "<|start_header_id|>", r"<\|end_header_id\|>\n\n", r"<\|eot_id\|>|<\|eom_id\|>",
-                              {"assistant"}, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>")),
-    "gemma": _header_grammar("gemma", "<start_of_turn>", r"\n", r"<end_of_turn>", {"model", "assistant"},
-                             ("<start_of_turn>", "<end_of_turn>")),
-    "harmony": HarmonyGrammar(),
-}
-
-
-def detect_grammar(template: str):
-    """The marker family a chat template uses, or None (ftcli then measures turns by re-rendering)."""
-    if "<|start|>" in template and "<|channel|>" in template:
-        return GRAMMARS["harmony"]
-    for name, marker in (("chatml", "<|im_start|>"), ("llama3", "<|start_header_id|>"), ("gemma", "<start_of_turn>")):
-        if marker in template:
-            return GRAMMARS[name]
-    return None
+# The templates of a registered chat format (ftcli.chat_formats: ChatML, Llama-3, Gemma, harmony) delimit every
+# message with their own marker tokens, so the full render alone says where each assistant message starts and ends:
+# ftcli parses it once with the format's grammar (no per-turn re-renders, which are wrong wherever a template
+# rewrites earlier turns). Message text never contains a marker while it is parsed: `ChatEncoder` swaps marker and
+# special-token strings in the text for private-use placeholders first (see `special_tokens_in_text`).
 
 
 @dataclass
@@ -336,7 +246,8 @@ class ChatEncoder:
         self._plain = None  # the tokenizer without added tokens, built when text first needs it
         self._skeletons: dict[tuple, _Skeleton] = {}
         self.calls = {"encode": 0, "structural": 0, "skeleton": 0, "fallback": 0}
-        self.grammar = detect_grammar(template)
+        self.format = chat_formats.detect(template)  # None: no registered format's markers (turns by re-rendering)
+        self.grammar = self.format.grammar if self.format else None
         self._special = {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
         self._special.discard("")
         protected = sorted(self._special | set(self.grammar.markers if self.grammar else ()), key=len, reverse=True)
@@ -345,31 +256,35 @@ class ChatEncoder:
         self._original = {c: t for t, c in self._placeholder.items()}
         self._placeholder_re = re.compile("[" + "".join(self._original) + "]") if protected else None
         self.prefill = ""
-        if self.grammar is not None and not self._grammar_fits():
-            self.grammar = None  # an unusual member of the family: measure turns by re-rendering
+        if self.format is not None:
+            self._fit_format()
 
-    def _grammar_fits(self) -> bool:
-        """The grammar parses this template's own probe render: one assistant span holding the reply, and
-        a generation prompt that is a header (+ prefill, e.g. Qwen3's `<think>\n`)."""
+    def _fit_format(self) -> None:
+        """Check that the format's grammar parses this template's own probe render (one assistant span holding
+        the reply, and a generation prompt that is the format's assistant header + prefill, e.g. Qwen3's
+        `<think>\n`) and keep the prefill. A template that writes the format's markers but does not parse as it
+        (Phi-4's `<|im_start|>assistant<|im_sep|>`) is refused: its masks would be a guess. One that cannot render
+        the probe at all (it needs more than a plain exchange) is measured by re-rendering turns."""
+        fmt = self.format
         user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
         try:
             base = self.render([user])
             prompt = self.render([user], add_generation_prompt=True)
             full = self.render([user, reply])
         except Exception:  # noqa: BLE001 - a template that needs more than this probe
-            return False
-        if not prompt.startswith(base):
-            return False
-        head = prompt[len(base) :]
-        if isinstance(self.grammar, HeaderGrammar):
-            m = self.grammar.header.match(head)
-            if m is None or m["role"] not in self.grammar.assistant:
-                return False
-            self.prefill = head[m.end() :]
-        elif head != HarmonyGrammar._prompt:
-            return False
-        spans = self.grammar.spans(full, self.prefill)
-        return len(spans) == 1 and "Hello" in full[spans[0][0] : spans[0][1]]
+            self.format = self.grammar = None
+            return
+        head = prompt[len(base) :] if prompt.startswith(base) else prompt
+        prefill = fmt.grammar.prefill(head) if prompt.startswith(base) else None
+        spans = fmt.grammar.spans(full, prefill) if prefill is not None else []
+        if not (len(spans) == 1 and "Hello" in full[spans[0][0] : spans[0][1]]):
+            raise UserError(
+                f"the chat template writes {fmt.title} markers ({', '.join(fmt.detect)}) but its turns do not parse "
+                f"as the {fmt.name!r} chat format (generation prompt {head[:60]!r}): ftcli has no chat format for it; "
+                "add one in ftcli/chat_formats/ (a module and a line in CHAT_FORMATS), or give data.chat_template a "
+                f"template of a known format ({', '.join(chat_formats.CHAT_FORMATS)})"
+            )
+        self.prefill = prefill
 
     # -- rendering
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
@@ -638,10 +553,11 @@ class ChatEncoder:
     def _calls_not_rendered(self, messages: list[dict], text: str) -> int:
         """Tool calls of the messages missing from the render, where the render shows each one by a
         marker (harmony: `<|call|>`; placeholders keep message text from faking one)."""
-        if not isinstance(self.grammar, HarmonyGrammar):
+        marker = self.format.call_marker if self.format else None
+        if marker is None:
             return 0
         calls = sum(len(m["tool_calls"]) for m in messages if isinstance(m.get("tool_calls"), list))
-        return max(0, calls - text.count("<|call|>"))
+        return max(0, calls - text.count(marker))
 
     def encode_text(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Tokenize `text` once; a token is trained iff its first character lies in one of `spans`.

@@ -69,3 +69,45 @@ def block_to_model_inputs(block: Block, device="cpu") -> dict:
         "fla_chunk_indices": tensor(fla_chunk_indices(block.cu_seqlens), np.int64),
         "trained_positions": tensor(trained_positions(block.labels), np.int64),
     }
+
+
+def slice_model_inputs(block: Block, rank: int, size: int, device="cpu") -> dict:
+    """This rank's slice of a block split into `size` contiguous slices (context parallelism): the model call's
+    kwargs for tokens [start, end) = [rank * T/size, (rank + 1) * T/size) (the ops that look across the boundary,
+    ftcli.model.kernels.cp, get the block's layout beside them). Two ranks, T = 12, one segment crossing the boundary:
+
+        block        | a0 a1 a2 a3 a4 a5 | a6 a7 b0 b1 b2 b3 |
+        rank         |        0          |        1          |
+        position_ids |  0  1  2  3  4  5 |  6  7  0  1  2  3 |   sliced: per segment, across the boundary
+        seq_idx      |  0  0  0  0  0  0 |  0  0  1  1  1  1 |   the block's segment numbers
+        cu_seq_lens  0                   6    (rank 0)            the slice's own pieces of segments
+                                         0     2           6      (rank 1: a6 a7 | b0 .. b3)
+        labels       |  .  x  x  x  x  x    x |                   rank 0: T/N + 1 labels, the last being rank 1's
+                                                                  first (position 5 predicts a6); the last rank
+                                                                  pads one -100
+
+    The block's `trained_positions` are re-derived for the slice, and the fla_* tensors left out (fla derives them
+    from the slice's cu_seqlens). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N positions."""
+    total = len(block.input_ids)
+    if total % size:
+        raise ValueError(f"a block of {total} tokens does not split into {size} equal slices")
+    n = total // size
+    start, end = rank * n, (rank + 1) * n
+    labels = np.concatenate([block.labels[start:end + 1], np.full(1 if end == total else 0, IGNORE_INDEX)])
+    cu = np.unique(np.clip(np.asarray(block.cu_seqlens, dtype=np.int64), start, end)) - start
+
+    def tensor(a: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+
+    local_cu = tensor(cu, np.int32)
+    return {
+        "input_ids": tensor(block.input_ids[start:end], np.int64).unsqueeze(0),
+        "labels": tensor(labels, np.int64).unsqueeze(0),
+        "position_ids": tensor(block.position_ids[start:end], np.int64).unsqueeze(0),
+        "seq_idx": tensor(block.seq_idx[start:end], np.int32).unsqueeze(0),
+        "cu_seq_lens_q": local_cu,
+        "cu_seq_lens_k": local_cu,
+        "max_length_q": int(np.diff(cu).max()),
+        "max_length_k": int(np.diff(cu).max()),
+        "trained_positions": tensor(trained_positions(labels), np.int64),
+    }

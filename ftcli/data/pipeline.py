@@ -21,6 +21,8 @@ example trains). `pack-preview` calls exactly these, so what it shows is what tr
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ftcli.data import formats, sources
-from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root
+from ftcli.config.safe_files import refuse_links, remove_tree
+from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root, entry_problem
 from ftcli.data.evalsplit import split_rows
 from ftcli.data.chat import ChatEncoder, describe, encode_prompt_completion_text, pad_token_id
 from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_split
@@ -391,8 +394,13 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
     spec = data_spec(spec)
     parts = cache_parts(spec, tokenizer)
     final = cache_root(spec.data) / "packed" / cache_key(parts)
-    if (final / "meta.json").exists():
-        return final
+    refuse_links([final], where="the pack cache", fix="remove it or set data.cache_dir elsewhere")
+    if os.path.lexists(final):
+        problem = entry_problem(final)
+        if problem is None:
+            return final
+        print(f"note: the pack cache entry {final} is not used: {problem}; rebuilding it", file=sys.stderr)
+        remove_tree(final)
     data = spec.data
     stats = DataStats()
     start = time.perf_counter()
@@ -405,7 +413,10 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
         blocks = pack_split(examples, packing.block_len, stats)
     else:
         blocks = pack_bfd(examples, packing.block_len, packing.bfd_buffer, packing.overlong, stats)
-    writer = BlockWriter(final)
+    try:
+        writer = BlockWriter(final)
+    except OSError as e:
+        raise _cache_not_written(final, e) from None
     max_len = 0
     try:
         for ids, mask, seg_lens in blocks:
@@ -418,8 +429,10 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
             max_len = max(max_len, len(ids))
             if packing.enabled:
                 stats.padding_tokens += packing.block_len - len(ids)
-    except BaseException:
+    except BaseException as e:
         writer.abort()
+        if isinstance(e, OSError):
+            raise _cache_not_written(final, e) from None
         raise
     stats.seconds = time.perf_counter() - start
     meta = {
@@ -431,14 +444,30 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
         "max_example_len": max_len,
         "stats": stats.to_dict(),
     }
-    return writer.commit(meta)
+    try:
+        return writer.commit(meta)
+    except OSError as e:
+        raise _cache_not_written(final, e) from None
+
+
+def _cache_not_written(final: Path, e: OSError) -> UserError:
+    """The one line of a cache write an OSError stopped (a full disk, a quota), once its temp dir is removed."""
+    import shutil
+
+    where = next((p for p in (final.parent, *final.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free / 2**20
+    return UserError(f"the pack cache entry {final} could not be written: {e.strerror or e} ({free:,.1f} MiB free "
+                     "there); nothing half-written is left: free space or set data.cache_dir elsewhere")
 
 
 def open_prepared(spec, tokenizer) -> PackedDataset:
     """The reader for ranks that did not prepare: the entry `prepare` wrote for this spec + tokenizer."""
     path = entry_path(spec, tokenizer)
-    if not (path / "meta.json").exists():
+    if not os.path.lexists(path):
         raise UserError(f"no prepared data at {path}; call prepare() on rank 0 first")
+    problem = entry_problem(path, checksums=False)  # rank 0 has just checked the checksums
+    if problem is not None:
+        raise UserError(f"the pack cache entry {path} is not usable: {problem}; run again (it is rebuilt)")
     return _open(spec, path, from_cache=True)
 
 

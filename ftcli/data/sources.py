@@ -101,7 +101,8 @@ def local_files(data) -> list[Path]:
 
 
 def fingerprint(data) -> dict[str, Any]:
-    """What identifies the rows without reading them (a cache-key part)."""
+    """What identifies the rows without reading them (a cache-key part). A local file by its size, mtime and
+    ctime: an edit that keeps the size and puts the mtime back (touch -d) still changes the ctime."""
     if data.source == "synthetic":
         return {"source": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":
@@ -110,7 +111,7 @@ def fingerprint(data) -> dict[str, Any]:
     files = []
     for f in local_files(data):
         st = f.stat()
-        files.append([str(f.relative_to(root)) if f != root else f.name, st.st_size, st.st_mtime_ns])
+        files.append([str(f.relative_to(root)) if f != root else f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return {"source": "local", "path": str(root.resolve()), "split": data.split, "files": files}
 
 

@@ -26,6 +26,14 @@
                      it unsharded from forward to backward) and two decoder layers (the one computing and
                      the one prefetched), in the model dtype; no base gradients exist, so no reduce phase
 
+    context parallelism (`training.context_parallel: C`): each rank holds a slice of T / C tokens, so the
+    activations and the loss are those of T / C tokens, plus the buffers the slices share (`cp_buffer_bytes`):
+    the full-attention keys and values gathered over the group (2 x T x kv_dim), their per-segment copies at the
+    query heads' width (2 x T x q_dim: torch's varlen_attn has no GQA), for every full-attention layer whose
+    activations are stored and one more set for the gradient in backward; the gated-delta state exchange
+    (C x heads x dk x (dk + dv) fp32 per layer, tens of MB) and the conv halo are left out. Modelled, not measured
+    (benchmarks/cp_gpu.py measures a slice on one GPU).
+
     T = tokens per micro-batch (block_len x per_device_batch). K and F are fitted by least squares
     (`fit`) on the measured peaks in ftcli/assets/measured.json (one H200; BENCHMARKS.md); the fitted
     values are the constants below, and tests/test_memory_model.py checks both the fit and every measured
@@ -46,6 +54,7 @@ from typing import Any
 from ftcli.families import FAMILIES, find_family, model_types
 from ftcli.families.base import layer_types
 from ftcli.features.loss import FUSED_LINEAR_CE
+from ftcli.objectives import Method, method_of
 
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
@@ -138,9 +147,15 @@ class Setting:
     # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft): every forward folds
     # W + s·A·B into a new expert-weight-sized tensor that autograd keeps for backward, one per stored layer
     merged_experts: bool = False
+    cp: int = 1  # full SFT: context-parallel ranks sharing each block (training.context_parallel)
     # speed settings (fit.speed_settings: fp8, compile, fused ops; LoRA's compile): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
+
+    @property
+    def method_record(self) -> Method:
+        """What the memory terms ask of the method (ftcli.objectives.METHODS): a trained base or an adapter, ..."""
+        return method_of(self.method)
 
 
 @dataclass(frozen=True)
@@ -175,7 +190,7 @@ def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
     if s.checkpointing == "selective":
         stored = n // 2
         return stored + 1, n - stored  # + the layer being recomputed
-    keep = 0 if s.method == "lora" else min(s.keep, n)  # TRL checkpoints every layer or none
+    keep = min(s.keep, n) if s.method_record.keeps_layers else 0  # LoRA: TRL checkpoints every layer or none
     if keep == n:
         return n, 0
     # the kept layers are the last ones: their backward runs first and frees their activations before the
@@ -193,21 +208,42 @@ def loss_bytes(shape: ModelShape, s: Setting) -> float:
     return 0.0  # TRL's LoRA loss: inside the fitted activations (its measurements are linear in T)
 
 
+def attention_dims(shape: ModelShape) -> tuple[int, int]:
+    """(query width, key width) of a full-attention layer: o_proj's input and k_proj's output; (0, 0) without."""
+    q = max((i for _, name, i, _ in shape.linear_shapes if name == "o_proj"), default=0)
+    kv = max((o for _, name, _, o in shape.linear_shapes if name == "k_proj"), default=0)
+    return q, kv
+
+
+def cp_buffer_bytes(shape: ModelShape, s: Setting) -> float:
+    """What context parallelism adds per rank beyond the slice's own activations (the module doc)."""
+    if s.cp == 1:
+        return 0.0
+    q_dim, kv_dim = attention_dims(shape)
+    full_layers = sum(1 for kind in shape.layer_kinds if kind == "full_attention") or shape.layers
+    stored, _ = _stored_layers(shape, s)
+    live = max(1, -(-stored * full_layers // shape.layers))  # stored full-attention layers (at least the one computing)
+    return (live + 1) * 2 * s.tokens * (kv_dim + q_dim) * s.compute_bytes
+
+
 def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = None) -> Estimate:
     """Peak GiB per GPU of `shape` trained with setting `s`."""
+    if s.cp > 1:  # a slice of T / C tokens per rank, plus the buffers the slices share (module doc)
+        local = estimate(shape, replace(s, tokens=s.tokens // s.cp, cp=1), stored_layer_bytes)
+        return replace(local, other=local.other + cp_buffer_bytes(shape, s) / GiB)
     k = FAMILIES[shape.family].stored_layer_bytes if stored_layer_bytes is None else stored_layer_bytes
     u = s.tokens * shape.hidden
     stored, checkpointed = _stored_layers(shape, s)
     activations = stored * k * (s.compute_bytes / 2) * u + checkpointed * s.compute_bytes * u
     loss = loss_bytes(shape, s)
-    if s.method == "lora" and s.merged_experts:
+    if s.merged_experts:  # (LoRA only: fit.merged_experts)
         # without checkpointing every layer keeps its folded expert weights (an H200, 20b, 4k, no AC: 103.1 GiB
         # through PEFT's wrapper vs 67.2 through the grouped expert LoRA); with it, the recomputed layer's fold
         # did not raise the measured peaks (gpt-oss-120b at 4 and 6 layers, FSDP through PEFT's wrapper, full AC:
         # within 0.4%). The same term, not measured there, for Qwen3-MoE's experts through lora.experts=peft
         folded_layers = stored if s.checkpointing == "none" else stored - 1
         activations += folded_layers * expert_weight_params(shape) / shape.layers * s.compute_bytes
-    if s.method == "lora":
+    if not s.method_record.trains_base:  # a frozen base in the compute dtype, a float32 adapter with AdamW
         base = (shape.total_params + shape.frozen_params) * s.compute_bytes
         a = s.adapter_params
         if s.expert_quant == "mxfp4":  # kept MXFP4 (DDP): experts at 4.25 bits, a chunk of experts dequantized
@@ -301,11 +337,11 @@ def fit(points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
                 continue  # sharded LoRA points (the 120b shape) check the state and gathered units, not K
             at0, at1 = estimate(shape, s, 0.0), estimate(shape, s, 1.0)
             slope = at1.activations - at0.activations
-            reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method == "full" else 0
+            reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method_record.trains_base else 0
             if p["peak_gib"] - at0.state <= 1.05 * reduce_phase:
                 continue  # the reduce phase is the peak: says nothing about K
             fixed = at0.state + at0.activations + at0.loss + (2 * shape.root_params / GiB if s.master == "bf16"
-                                                              and s.method == "full" else 0)
+                                                              and s.method_record.trains_base else 0)
             num += slope * (p["peak_gib"] - fixed)
             den += slope * slope
         stored[family] = num / den

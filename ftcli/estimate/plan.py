@@ -12,7 +12,8 @@ For the recipe's own accelerator and the other known cards, per GPU:
 then fits / does not; the settings that would fit when it does not (ftcli.estimate.fit); how many layers could
 keep their activations when it fits with room; and s/step, wall time and GPU-hours for the recipe's data
 (ftcli.estimate.datasize) from the step times measured in ftcli/assets/measured.json (ftcli.estimate.steptime;
-"no measurement" where there is none).
+"no measurement" where there is none); for full SFT, the fewest context-parallel ranks per block
+(`training.context_parallel`) with which the recipe's block length fits each card.
 
 Pure data + arithmetic: no torch, no model code (model shapes come from the shipped or local config.json; token
 counts from the pack cache, the synthetic config, or a sample of a local source). `ftcli.commands.plan` renders
@@ -26,10 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import ACCELERATOR_RE, Recipe
+from ftcli.config.accelerators import accelerator_name
+from ftcli.config.accelerators import parse_accelerator as parse_name
+from ftcli.config.recipe import Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.datasize import DataSize, data_size
-from ftcli.estimate.fit import CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason, setting_of
+from ftcli.estimate.fit import (CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason,
+                                setting_of, smallest_cp_that_fits)
 from ftcli.estimate.shape import model_shape
 from ftcli.estimate.steptime import StepTime, step_time
 
@@ -50,12 +54,13 @@ class CardPlan:
     wall_hours: float | None
     gpu_hours: float | None
     sharding: str = "fsdp"  # LoRA: ddp (a whole base per GPU) | fsdp; full SFT: always fsdp
+    cp_fits: int | None = 1  # full SFT: the fewest context-parallel ranks per block that fit (None: none does)
 
     def to_dict(self) -> dict[str, Any]:
         return {"accelerator": self.accelerator, "card": self.card, "gpus": self.gpus, "own": self.own,
                 "sharding": self.sharding,
                 "memory_gib": self.estimate.to_dict(), "usable_gib": round(self.usable_gib, 2), "fits": self.fits,
-                "keep_layers": self.keep_layers, "fitting_settings": [list(s.overrides) for s in self.suggestions],
+                "keep_layers": self.keep_layers, "context_parallel_fits": self.cp_fits, "fitting_settings": [list(s.overrides) for s in self.suggestions],
                 "s_per_step": None if self.step.s_per_step is None else round(self.step.s_per_step, 4),
                 "step_source": self.step.source, "step_measured": self.step.measured,
                 "step_command": self.step.command, "why": self.why or None,
@@ -83,7 +88,7 @@ class Plan:
                 "frozen_params": self.frozen_params,
                 "setting": {"tokens_per_micro_batch": s.tokens, "master": s.master, "checkpointing": s.checkpointing,
                             "keep": s.keep, "loss": s.loss, "compute_bytes": s.compute_bytes,
-                            "adapter_params": s.adapter_params, "sharding": s.sharding},
+                            "adapter_params": s.adapter_params, "sharding": s.sharding, "context_parallel": s.cp},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
                 "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
 
@@ -99,20 +104,21 @@ class FitResult:
 
 
 def parse_accelerator(accelerator: str) -> tuple[int, str]:
-    m = ACCELERATOR_RE.fullmatch(accelerator)
-    if not m:
-        raise UserError(f"--accelerator {accelerator!r} is not GPU_<gpus per node>x<card> (e.g. GPU_8xH100)")
-    card = accelerator.split("x", 1)[1]
-    if card not in CARDS:
-        raise UserError(f"--accelerator {accelerator}: unknown card {card!r}; known: {', '.join(CARDS)}")
-    return int(m.group(1)), card
+    try:
+        parsed = parse_name(accelerator)
+    except ValueError:
+        raise UserError(f"--accelerator {accelerator!r} is not GPU_<gpus per node>x<card> (e.g. GPU_8xH100)") from None
+    if parsed.card not in CARDS:
+        raise UserError(f"--accelerator {accelerator}: unknown card {parsed.card!r}; known: {', '.join(CARDS)}")
+    return parsed.gpus_per_node, parsed.card
 
 
 def default_accelerators(recipe: Recipe) -> list[str]:
     own = recipe.compute.accelerator_type
     world = recipe.compute.num_accelerators
-    own_card = own.split("x", 1)[1]
-    return [own] + [f"GPU_{min(per_node, world)}x{card}" for card, per_node in GPUS_PER_NODE.items() if card != own_card]
+    own_card = recipe.compute.accelerator.card
+    return [own] + [accelerator_name(min(per_node, world), card) for card, per_node in GPUS_PER_NODE.items()
+                    if card != own_card]
 
 
 def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: DataSize,
@@ -123,7 +129,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     gb = CARDS[card]["memory_gb"]
     fits, e = fits_card(shape, s, gb)
     keep = None
-    if fits and s.checkpointing == "full" and s.method == "full":
+    if fits and s.checkpointing == "full" and s.method_record.keeps_layers:
         keep = memory.layers_to_keep(shape, s, gb)
     length_key = "data.packing.block_len" if recipe.data.packing.enabled else "data.max_length"
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
@@ -135,14 +141,16 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     return CardPlan(accelerator=accelerator, card=card, gpus=world, own=accelerator == recipe.compute.accelerator_type,
                     estimate=e, usable_gib=memory.usable_gib(gb), fits=fits, keep_layers=keep,
                     suggestions=suggestions, why=why, step=st, wall_hours=wall,
-                    gpu_hours=None if wall is None else wall * world, sharding=s.sharding)
+                    gpu_hours=None if wall is None else wall * world, sharding=s.sharding,
+                    cp_fits=smallest_cp_that_fits(shape, s, gb))
 
 
 def _steps(recipe: Recipe, data: DataSize, world: int) -> int | None:
     t = recipe.training
     if data.blocks is None:
         return t.max_steps
-    steps = math.ceil(data.blocks * t.epochs / (world * t.per_device_batch * t.grad_accum))
+    data_parallel = world // getattr(t, "context_parallel", 1)  # the ranks of a CP group share each block
+    steps = math.ceil(data.blocks * t.epochs / (data_parallel * t.per_device_batch * t.grad_accum))
     return min(steps, t.max_steps) if t.max_steps else steps
 
 
@@ -157,7 +165,7 @@ def make_plan(recipe: Recipe, accelerators: list[str] | None = None) -> Plan:
             parse_accelerator(a)  # a typo is a one-line error
         names = [own] + [a for a in accelerators if a != own]
     notes = []
-    if own.split("x", 1)[1] not in CARDS:
+    if recipe.compute.accelerator.card not in CARDS:
         names.remove(own)
         notes.append(f"no memory figures for the recipe's {own}: cards known: {', '.join(CARDS)}")
     cards = tuple(card_plan(recipe, shape, a, data, steps) for a in names)

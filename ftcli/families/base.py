@@ -4,8 +4,9 @@ A family is every fact about a kind of model that more than one module asks abou
 model types belong to it, which ops a packed block goes through and how their backends are picked
 (ftcli.model.kernels), its shape from a config (ftcli.estimate.memory), the modules training.fused_ops
 swaps (ftcli.features.fused_ops), the known-bad rules that apply to it (ftcli.model.compat), the pip pins
-its workload installs (ftcli.commands.workload), and its chat format. Consumers ask `family_of(model_type)`
-and never name a model type themselves (tests/test_architecture.py checks it).
+its workload installs (ftcli.launchers.base), and the name of its chat format (ftcli.chat_formats holds
+the format's facts). Consumers ask `family_of(model_type)` and never name a model type themselves
+(tests/test_architecture.py checks it).
 
 Adding a family: one module here (its `Family`), one line in ftcli/families/__init__.py, its assets
 (tiny config + tokenizer from scripts/build_tiny_assets.py, the hub config under assets/models/) and a recipe.
@@ -79,7 +80,7 @@ class Family:
     fused_op_targets: dict[str, str]
     # --- known-bad version rules that apply (ftcli.model.compat)
     known_bad: tuple[str, ...]
-    # --- the workload's pip pins (ftcli.commands.workload) and what the setup comment says when there are none
+    # --- the launchers' pip pins (ftcli.launchers.base) and what the setup comment says when there are none
     pins: tuple[Pin, ...]
     setup_note: str | None  # always in the workload's setup comment
     no_pins_note: str  # in the setup comment when nothing at all is installed beyond ftcli ({model_type} filled in)
@@ -88,12 +89,9 @@ class Family:
     # fused 3-D expert parameter (suffix) -> the per-expert linears its checkpoint stores instead, in the order they
     # are concatenated (dim 1), e.g. Qwen3-MoE: mlp.experts.gate_up_proj <- experts.{e}.gate_proj, .up_proj
     per_expert_checkpoint: dict[str, tuple[str, ...]]
-    # --- chat format
-    chat_format: str  # the marker family of its template (ftcli.data.chat.GRAMMARS): chatml | harmony | llama3 | gemma
-    end_of_turn: str  # the token that ends an assistant turn in its template
-    reasoning: str  # where reasoning goes: "think blocks" | "analysis channel" | "none"
-    tool_calls: str  # how tool calls are written: "<tool_call> JSON" | "commentary channel" | ...
-    system_role: bool = True  # the template renders a system message (Gemma folds it into the first user turn)
+    # --- chat format: its name in ftcli.chat_formats.CHAT_FORMATS (chatml | harmony | llama3 | gemma), which holds
+    # every chat fact (grammar, end of turn, reasoning, tool calls, stop tokens, system role)
+    chat_format: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     # which static-state decoder of ftcli.model.decode generates for it on a GPU: HYBRID (gated-delta + full
     # attention layers) or SINK_MOE (sliding window + sinks, routed experts); None: transformers' generate

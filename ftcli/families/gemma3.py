@@ -37,10 +37,6 @@ FAMILY = Family(
     mxfp4_experts=False,
     per_expert_checkpoint={},
     chat_format="gemma",
-    end_of_turn="<end_of_turn>",
-    reasoning="none",
-    tool_calls="none in the template (tool messages are refused by its role check)",
-    system_role=False,
     notes=("the assistant role is written 'model'", "text is trimmed by the template"),
     rms_norm_offset=1.0,
 )

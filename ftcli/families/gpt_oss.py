@@ -42,9 +42,6 @@ FAMILY = Family(
     mxfp4_experts=True,
     per_expert_checkpoint={},
     chat_format="harmony",
-    end_of_turn="<|return|>",  # the last final answer; earlier ones are stored with <|end|>
-    reasoning="analysis channel; the template drops earlier turns' analysis",
-    tool_calls="commentary channel to=functions.NAME, ended by <|call|>; results as a tool message",
     decoder=SINK_MOE,
     expert_layout=ExpertLayout(experts_class="GptOssExperts", weights="in_out", activation="clamped_swiglu", biases=True),
 )

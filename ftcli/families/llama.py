@@ -33,10 +33,6 @@ FAMILY = Family(
     mxfp4_experts=False,
     per_expert_checkpoint={},
     chat_format="llama3",
-    end_of_turn="<|eot_id|>",
-    reasoning="none",
-    tool_calls="JSON {name, parameters} in the assistant turn (ipython role for results); the 3.1 template puts "
-               "the tool list in the first user turn",
     notes=("the template renders a system header with 'Cutting Knowledge Date' and 'Today Date' on every "
            "conversation, also without a system message",),
 )

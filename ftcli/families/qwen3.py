@@ -33,7 +33,4 @@ FAMILY = Family(
     mxfp4_experts=False,
     per_expert_checkpoint={},
     chat_format="chatml",
-    end_of_turn="<|im_end|>",
-    reasoning="<think> blocks from reasoning_content; the template drops them from turns before the last user turn",
-    tool_calls="<tool_call> JSON </tool_call> inside the assistant turn; results as <tool_response> in a user turn",
 )

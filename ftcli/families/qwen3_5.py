@@ -68,9 +68,6 @@ FAMILY = Family(
     mxfp4_experts=False,
     per_expert_checkpoint={},
     chat_format="chatml",
-    end_of_turn="<|im_end|>",
-    reasoning="<think> blocks; the template drops those of earlier turns (Qwen3.8 keeps them)",
-    tool_calls="<tool_call> JSON </tool_call> inside the assistant turn; results as <tool_response> in a user turn",
     decoder=HYBRID,
     rms_norm_offset=1.0,
 )

@@ -48,9 +48,6 @@ FAMILY = Family(
     mxfp4_experts=False,
     per_expert_checkpoint={"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), "mlp.experts.down_proj": ("down_proj",)},
     chat_format=qwen3.FAMILY.chat_format,
-    end_of_turn=qwen3.FAMILY.end_of_turn,
-    reasoning=qwen3.FAMILY.reasoning,
-    tool_calls=qwen3.FAMILY.tool_calls,
     # Qwen3MoeExperts: gate_up_proj [E, 2·moe_intermediate, hidden] (gate rows, then up), down_proj [E, hidden,
     # moe_intermediate], each applied as F.linear(x, W[e]); act_fn(gate)·up with config.hidden_act (silu); no biases
     expert_layout=ExpertLayout(experts_class="Qwen3MoeExperts", weights="out_in", activation="silu", biases=False),

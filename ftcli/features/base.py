@@ -6,7 +6,7 @@ loops over the features a recipe turns on; none names a feature:
 
     consumer                          asks
     ftcli.features.load_recipe        validate(recipe)          problems beyond the schema, one line each
-    commands.workload                 requirements(recipe)      pip pins the rendered job installs
+    launchers.base                    requirements(recipe)      pip pins the rendered job installs
     commands.doctor                   check(recipe, machine)    torch-free: what this machine lacks
     commands.plan                     speed_key(training)       the measured step-time rows' `speed` item
     train.launch                      preflight(recipe, device) what every worker would fail on, once

@@ -8,7 +8,8 @@ the greedy samples during training (`sample_greedy`) and register's probe.
     -> stop at the template's end of turn (see `stop_token_ids`) and the generation config's eos
     -> transformers' generate(GenerationConfig): greedy or sampled (temperature, top_p, top_k, seed),
        prompts left-padded into batches (`generate`), or one streamed reply (`stream_reply`)
-    -> `split_reasoning`: harmony channels (gpt-oss: analysis / final) or a <think> block (Qwen3.x)
+    -> `split_reasoning`: as the template's chat format splits a reply (ftcli.chat_formats: harmony channels,
+       gpt-oss's analysis / final; a <think> block, Qwen3.x)
 
 `sample_greedy` is the entry point for code that already holds a model (samples during training,
 register's probe): the same rendering, stop tokens and left-padded greedy decoding.
@@ -22,17 +23,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from ftcli import chat_formats
 from ftcli.artifacts.resolve import ModelSource
+from ftcli.chat_formats import ChatFormat
+from ftcli.chat_formats.base import EMPTY_THINK, THINK_BLOCKS
 from ftcli.config.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-# harmony (gpt-oss): <|start|>assistant<|channel|>analysis<|message|>...<|end|> ... <|channel|>final<|message|>...
-_HARMONY_MESSAGE = re.compile(
-    r"<\|channel\|>(?P<channel>[^<]*?)(?:<\|constrain\|>[^<]*)?<\|message\|>(?P<body>.*?)"
-    r"(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
-    re.S,
-)
 _PROBE = "FTCLI_END_OF_TURN_PROBE"
 
 
@@ -152,21 +150,26 @@ def _first_line(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------- the template
+def chat_format(tokenizer) -> ChatFormat | None:
+    """The chat format the tokenizer's template writes (ftcli.chat_formats), None where it is none of them."""
+    template = getattr(tokenizer, "chat_template", None)
+    return chat_formats.detect(template if isinstance(template, str) else None)
+
+
 def reply_kind(tokenizer, prompt_ids: list[int]) -> str:
-    """How a reply to this prompt is structured: 'harmony' (gpt-oss channels), 'think' (the
-    generation prompt opened a <think> block, Qwen3.x: the reply is reasoning until </think>) or
-    'plain'."""
-    if "<|channel|>" in (tokenizer.chat_template or ""):
-        return "harmony"
-    tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
-    return "think" if tail.endswith("<think>") else "plain"
+    """How a reply to this prompt is structured, as its chat format says from the prompt's end: 'harmony'
+    (gpt-oss channels), 'think' (the generation prompt opened a <think> block, Qwen3.x: the reply is
+    reasoning until </think>) or 'plain'."""
+    fmt = chat_format(tokenizer)
+    tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    return (fmt.replies if fmt else THINK_BLOCKS).kind(tail)
 
 
 def stop_token_ids(tokenizer, model=None) -> list[int]:
     """Where a reply ends: the special token the chat template closes a final assistant turn with
-    (Qwen `<|im_end|>`, gpt-oss `<|return|>`), gpt-oss's `<|call|>` (a tool call ends the turn too),
-    and the eos ids of the tokenizer and the model's generation config. Not gpt-oss's `<|end|>`: it
-    closes the analysis message, after which the model goes on to the final channel."""
+    (Qwen `<|im_end|>`, gpt-oss `<|return|>`), the chat format's other stop tokens where the template
+    writes them (harmony's `<|call|>`: a tool call ends the turn too), and the eos ids of the tokenizer
+    and the model's generation config."""
     ids: list[int] = []
 
     def add(value) -> None:
@@ -186,8 +189,10 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
             if tid in special:
                 add(tid)
                 break
-    if "<|call|>" in (tokenizer.chat_template or ""):
-        add(tokenizer.convert_tokens_to_ids("<|call|>"))
+    fmt = chat_format(tokenizer)
+    for stop in fmt.stop_tokens if fmt else ():
+        if stop in (tokenizer.chat_template or ""):
+            add(tokenizer.convert_tokens_to_ids(stop))
     add(tokenizer.eos_token_id)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
@@ -222,20 +227,18 @@ def template_kwargs(reasoning_effort: str | None = None) -> dict:
     return {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
 
 
-HARMONY_EFFORTS = ("low", "medium", "high")  # harmony's values; gpt-oss's template writes any string it is given
-
-
 def reasoning_efforts(tokenizer) -> tuple[str, ...] | None:
     """The `reasoning_effort` values the chat template knows: the ones it checks against (Qwen3.8:
-    `not in ('xhigh', 'medium', 'low')`), harmony's for gpt-oss; () where it reads none, None where it
-    reads one without saying which."""
+    `not in ('xhigh', 'medium', 'low')`), else its chat format's (harmony's for gpt-oss, whose template
+    writes any string it is given); () where it reads none, None where it reads one without saying which."""
     template = tokenizer.chat_template or ""
     if "reasoning_effort" not in template:
         return ()
     checked = re.search(r"reasoning_effort\s+not\s+in\s+[(\[]([^)\]]*)[)\]]", template)
     if checked:
         return tuple(re.findall(r"['\"]([^'\"]+)['\"]", checked[1]))
-    return HARMONY_EFFORTS if "<|channel|>" in template else None
+    fmt = chat_format(tokenizer)
+    return fmt.reasoning_efforts if fmt else None
 
 
 def check_reasoning_effort(tokenizer, effort: str | None, describe: str) -> None:
@@ -314,10 +317,10 @@ def split_reasoning(raw: str, kind: str, special_tokens: Iterable[str] = ()) -> 
     """(reasoning, answer) of a decoded completion (special tokens kept, stop token removed); the
     reasoning is None when the reply has none.
 
-    harmony: analysis (and commentary) channels are reasoning, the final channel is the answer, and
-    text outside any channel (an untrained model) is all answer; think: the prompt opened <think>,
-    so the text before </think> (all of it while unclosed) is reasoning; plain: a <think>...</think>
-    block the model opened itself is reasoning, the rest the answer."""
+    The reply style of `kind` splits it (ftcli.chat_formats): harmony: analysis (and commentary) channels
+    are reasoning, the final channel is the answer, and text outside any channel (an untrained model) is
+    all answer; think: the prompt opened <think>, so the text before </think> (all of it while unclosed)
+    is reasoning; plain: a <think>...</think> block the model opened itself is reasoning, the rest the answer."""
     specials = sorted((t for t in special_tokens if t), key=len, reverse=True)
 
     def clean(text: str) -> str:
@@ -325,20 +328,7 @@ def split_reasoning(raw: str, kind: str, special_tokens: Iterable[str] = ()) -> 
             text = text.replace(tok, "")
         return text.strip()
 
-    if kind == "harmony":
-        messages = [(m["channel"].split()[0] if m["channel"].split() else "", m["body"])
-                    for m in _HARMONY_MESSAGE.finditer(raw)]
-        if not messages:
-            return None, clean(raw)
-        thoughts = [clean(b) for c, b in messages if c != "final"]
-        answer = "\n".join(clean(b) for c, b in messages if c == "final")
-        return ("\n".join(thoughts) if thoughts else None), answer
-    if kind == "think" or "</think>" in raw:
-        before, closed, after = raw.partition("</think>")
-        if kind == "plain" or closed:
-            return clean(before.replace("<think>", "")), clean(after)
-        return clean(before), ""
-    return None, clean(raw)
+    return chat_formats.replies_of_kind(kind).split(raw, kind, clean)
 
 
 def _complete(tokenizer, token_ids: list[int], stop_ids: list[int], kind: str) -> Completion:
@@ -444,13 +434,10 @@ def sample_greedy(model, tokenizer, conversations: list[list[dict]], max_new_tok
         model.train(was_training)
 
 
-_EMPTY_THINK = re.compile(r"^\s*(?:<think>)?\s*</think>\s*")
-
-
 def without_empty_think(text: str) -> str:
     """A reply without the empty think block it opens with (Qwen's `\n</think>\n\n` after the prompt's
     `<think>\n`): the answer is what follows it."""
-    return _EMPTY_THINK.sub("", text, count=1)
+    return EMPTY_THINK.sub("", text, count=1)
 
 
 def reply_fields(tokenizer, messages: list[dict], completion: Completion, template_kwargs: dict | None = None,
@@ -460,7 +447,7 @@ def reply_fields(tokenizer, messages: list[dict], completion: Completion, templa
     conversation as its file wrote it, where `messages` were normalized), taken out of both."""
     from ftcli.inference.tool_calls import openai_tool_calls, parse_tool_calls
 
-    calls, rest = parse_tool_calls(completion.raw)
+    calls, rest = parse_tool_calls(completion.raw, chat_format(tokenizer))
     if not calls:
         return {"completion": completion.text, "reasoning": completion.reasoning}
     kind = reply_kind(tokenizer, render_prompt(tokenizer, messages, template_kwargs))
@@ -475,6 +462,7 @@ class ReplyView:
 
     def __init__(self, tokenizer, kind: str):
         self.kind = kind
+        self.replies = chat_formats.replies_of_kind(kind)
         self.specials = _special_strings(tokenizer)
         self.raw, self.shown = "", ""
 
@@ -482,7 +470,7 @@ class ReplyView:
         reasoning, answer = split_reasoning(raw, self.kind, self.specials)
         if reasoning is None:
             return answer
-        answered = "<|channel|>final" in raw if self.kind == "harmony" else "</think>" in raw
+        answered = self.replies.answered(raw)
         if not reasoning:  # an empty think block (Qwen's `\n</think>\n\n`): no reasoning section
             return answer if answered else ""
         return f"reasoning:\n{reasoning}" + (f"\n\nanswer:\n{answer}" if answered else "")
@@ -498,17 +486,14 @@ class ReplyView:
         return new
 
     def _settled(self) -> str:
-        """The raw text without what may still change its meaning: a partial `<|token|>`, and a
-        harmony header (`<|start|>assistant<|channel|>final`) whose `<|message|>` has not come yet."""
+        """The raw text without what may still change its meaning: a partial `<|token|>`, and what the reply
+        style holds back (a harmony header, `<|start|>assistant<|channel|>final`, whose `<|message|>` has not
+        come yet)."""
         raw = self.raw
         cut = raw.rfind("<|")
         if cut > raw.rfind("|>"):
             raw = raw[:cut]
-        if self.kind == "harmony":
-            header = max(raw.rfind("<|start|>"), raw.rfind("<|channel|>"))
-            if header >= 0 and "<|message|>" not in raw[header:]:
-                raw = raw[:header]
-        return raw
+        return self.replies.settled(raw)
 
     def finish(self, raw: str) -> str:
         """What is left to print once the reply is complete."""

@@ -1,68 +1,29 @@
 """Tool calls in a generated reply, parsed into the OpenAI chat shape (`tool_calls` of an assistant message).
 
 transformers 5.24's `tokenizer.parse_response` needs a `response_template` in the tokenizer config, which the
-shipped tokenizers (and most hub ones) do not have, so ftcli parses the formats its templates write:
-
-    Qwen3.5 / 3.8 (XML)   <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
-    Hermes JSON (Qwen2.5 / 3)   <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>
-    harmony (gpt-oss)     [<|start|>assistant] to=functions.NAME<|channel|>commentary json<|message|>{...}[<|call|>]
-
-A parameter value is JSON where it parses as JSON (the Qwen template writes non-strings with `tojson`), else
-the string itself. Pure string code: no tokenizer, no torch.
+shipped tokenizers (and most hub ones) do not have, so ftcli parses the formats its templates write: each chat
+format (ftcli.chat_formats) holds the parsers of its own calls (ChatML's Hermes JSON and Qwen3.5's XML, harmony's
+commentary channel). Pure string code: no tokenizer, no torch.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-_XML_CALL = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)</function>\s*</tool_call>", re.S)
-_XML_PARAM = re.compile(r"<parameter=(?P<name>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>", re.S)
-_JSON_CALL = re.compile(r"<tool_call>\s*(?P<json>\{.*?\})\s*</tool_call>", re.S)
-_HARMONY_CALL = re.compile(
-    r"(?:<\|start\|>assistant)?\s*to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary[^<]*"
-    r"(?:<\|constrain\|>[^<]*)?<\|message\|>(?P<args>.*?)(?=<\|call\|>|<\|end\|>|<\|start\|>|$)",
-    re.S,
-)
+from ftcli import chat_formats
+from ftcli.chat_formats import ChatFormat
 
 
-def parse_tool_calls(raw: str) -> tuple[list[dict[str, Any]], str]:
+def parse_tool_calls(raw: str, chat_format: ChatFormat | None = None) -> tuple[list[dict[str, Any]], str]:
     """The calls in `raw` (a decoded reply, special tokens kept) as [{"name", "arguments": dict}], and `raw`
-    without them."""
+    without them: by `chat_format`'s parsers, or by those of every registered format where it is None."""
     calls: list[dict[str, Any]] = []
-
-    def xml(m: re.Match) -> str:
-        args = {p["name"].strip(): _value(p["value"]) for p in _XML_PARAM.finditer(m["body"])}
-        calls.append({"name": m["name"].strip(), "arguments": args})
-        return ""
-
-    def hermes(m: re.Match) -> str:
-        try:
-            call = json.loads(m["json"])
-        except ValueError:
-            return m[0]
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return m[0]
-        args = call.get("arguments", call.get("parameters", {}))
-        calls.append({"name": call["name"], "arguments": _value(args) if isinstance(args, str) else args})
-        return ""
-
-    def harmony(m: re.Match) -> str:
-        calls.append({"name": m["name"], "arguments": _value(m["args"].strip())})
-        return ""
-
-    rest = _XML_CALL.sub(xml, raw)
-    rest = _JSON_CALL.sub(hermes, rest)
-    rest = _HARMONY_CALL.sub(harmony, rest)
+    rest = raw
+    for parse in chat_formats.tool_call_parsers(chat_format):
+        found, rest = parse(rest)
+        calls += found
     return calls, rest
-
-
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def openai_tool_calls(calls: list[dict[str, Any]], like: list[dict] | None = None) -> list[dict[str, Any]]:

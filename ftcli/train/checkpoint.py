@@ -54,7 +54,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.artifacts.safe_files import remove_tree, replace_dir, write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")
@@ -186,7 +186,7 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{final.name}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this same step
+        remove_tree(tmp)  # left by a crashed save of this same step (a link: unlinked, never followed)
         tmp.mkdir(parents=True)
     dist.barrier()
 
@@ -210,9 +210,7 @@ def save_checkpoint(
             meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time(),
                     CHECKSUMS: {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES, "files": dict(sorted(files.items()))}}
             write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-            if final.exists():  # re-saving a step (a resumed run): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # re-saving a step (a resumed run): replaces it
         except OSError as e:
             problem = e
         kept = {Path(p).resolve() for p in protect}
@@ -695,7 +693,7 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
     export.to(dtype)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)  # a link planted there: unlinked, never written through
     try:
         export.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -703,9 +701,7 @@ def save_hf_checkpoint(model: torch.nn.Module, build_empty, tokenizer, out_dir: 
         shutil.rmtree(tmp, ignore_errors=True)  # never left as if complete; gives the space back
         needed = sum(t.numel() * t.element_size() for t in export.state_dict().values())
         raise export_not_written("the Hugging Face export", out_dir, e, needed) from None
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    replace_dir(tmp, out_dir)
 
 
 def export_not_written(what: str, out_dir: Path, e: BaseException, needed_bytes: int | None) -> UserError:

@@ -19,15 +19,35 @@ from ftcli.config.errors import TrainingStopped, UserError
 
 @dataclass
 class World:
+    """This process's place: `mesh` is the 1-D mesh of every rank (FSDP2 shards over it). With context
+    parallelism the ranks also form a (dp_shard, cp) grid, torchtitan's layout: `cp_size` consecutive ranks share
+    each block (`cp_group`, this rank's slice `cp_rank`), and the dp_size = world_size / cp_size groups read
+    different blocks. FSDP over the flattened (dp_shard, cp) ranks is FSDP over `mesh`."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     mesh: Any
+    cp_size: int = 1
+    cp_group: Any = None  # the ProcessGroup of this rank's CP group (None without context parallelism)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel group this rank is in: the blocks it reads."""
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
 
 
 def local_device() -> torch.device:
@@ -37,8 +57,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed() -> World:
-    """The process group (NCCL for GPUs with gloo beside it for CPU tensors; gloo on CPU) and a 1-D mesh."""
+def init_distributed(context_parallel: int = 1) -> World:
+    """The process group (NCCL for GPUs with gloo beside it for CPU tensors; gloo on CPU), a 1-D mesh, and the
+    context-parallel groups of `context_parallel` consecutive ranks (World's doc)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,7 +73,10 @@ def init_distributed() -> World:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     mesh = init_device_mesh(device.type, (world_size,))
-    return World(rank, world_size, local_rank, device, mesh)
+    if world_size % context_parallel:
+        raise UserError(f"training.context_parallel={context_parallel} does not divide the {world_size} ranks")
+    cp_group = dist.new_subgroups(group_size=context_parallel)[0] if context_parallel > 1 else None
+    return World(rank, world_size, local_rank, device, mesh, context_parallel, cp_group)
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> list[float]:

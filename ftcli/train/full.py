@@ -51,6 +51,7 @@ from torch import nn
 from ftcli import data
 
 from ftcli.model import kernels
+from ftcli.model.kernels.cp import CP_KWARG, CPSlice
 from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
@@ -90,6 +91,13 @@ from ftcli.artifacts.tracking import start_tracking
 # unevenly the trained tokens are spread. Averaging per-block means instead would weight a block
 # with 3 trained tokens like one with 3,000, and an all-masked block would give 0/0 = NaN. A step
 # with N = 0 (every block masked: padding at the end of the data) is skipped on every rank.
+#
+# Context parallelism (training.context_parallel = C) changes only what a "block of rank r" is: the C ranks
+# of a CP group hold C disjoint slices of the same block, so S_{r,m} and n_{r,m} are a slice's summed CE and
+# trained-token count (a slice's last position predicts the next slice's first token: its n counts it), the
+# slices of a block add up to the block's S and n, and the same sums over all W ranks give the same N and
+# grad(L). W stays the number of ranks FSDP averages over (all of them); the data-parallel groups (W / C) read
+# different blocks.
 def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int):
     """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss."""
     summed_loss = torch.zeros((), dtype=torch.float64)
@@ -169,7 +177,7 @@ def train(recipe, run_dir: Path, resume: str | None, *, loss_fn: Callable = toke
 
     The seams tests inject faults through: `loss_fn` replaces `token_loss_sum` (same signature), and
     `blocks(stream)` turns this rank's BlockStream into the blocks the loop reads (default: the stream)."""
-    world = init_distributed()
+    world = init_distributed(getattr(recipe.training, "context_parallel", 1))
     try:
         run = FullRun(recipe, Path(run_dir), resume, world, loss_fn=loss_fn)
         return run.train(blocks(run.stream) if blocks is not None else None)
@@ -237,7 +245,9 @@ class FullRun:
 
         say(f"{recipe.name}: {trainable / 1e6:,.1f}M trainable params ({non_embedding / 1e6:,.1f}M non-embedding), "
             f"{world.world_size} x {world.device.type}, {self.total_steps} steps of {tcfg.grad_accum} "
-            f"block{'s' if tcfg.grad_accum != 1 else ''} per rank, run dir {run_dir}")
+            f"block{'s' if tcfg.grad_accum != 1 else ''} per "
+            f"{'rank' if world.cp_size == 1 else f'group of {world.cp_size} context-parallel ranks'}, "
+            f"run dir {run_dir}")
         self.metrics_path = run_dir / METRICS_FILE if world.is_main else None
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), console=self.console,
@@ -251,7 +261,8 @@ class FullRun:
         self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
         packed = rank0_first(lambda: data.check_sources(recipe, data.prepare_blocks(recipe, self.tokenizer)),
                              then=lambda: data.open_prepared(recipe, self.tokenizer))
-        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
+        # one stream per data-parallel group: the ranks of a CP group read the same blocks, each its slice
+        self.stream = data.BlockStream(packed, world.dp_rank, world.dp_size, epochs=tcfg.epochs, seed=tcfg.seed)
         self.data_summary = data.data_summary(recipe, packed)
         self.eval_cfg = recipe.eval
         self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
@@ -274,7 +285,8 @@ class FullRun:
         recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
         attn = None
         if recipe.model.attn_implementation == "auto":
-            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
+            attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device,
+                                                           context_parallel=world.cp_size > 1)
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
         attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
@@ -330,15 +342,19 @@ class FullRun:
         or a non-finite loss or grad norm). Raises TrainingStopped after max_bad_steps bad steps in a row."""
         started = time.perf_counter() if started is None else started
         world, tcfg, result, say = self.world, self.tcfg, self.result, self.say
-        micro_batches = [data.block_to_model_inputs(b, world.device) for b in blocks]
+        micro_batches = [self.model_inputs(b) for b in blocks]
         if micro_batches:
             self.last_inputs = micro_batches[-1]
         while len(micro_batches) < num_micro_batches:  # this rank ran out first
             micro_batches.append(_padding_inputs(self.last_inputs, world.device))
 
         # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
-        num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
-        num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+        if world.cp_size > 1:  # this rank's slices (their labels hold the next slice's first target)
+            num_valid_tokens = sum(count_trained_tokens(mb["labels"]) for mb in micro_batches[:len(blocks)])
+            num_seen_tokens = sum(mb["input_ids"].numel() for mb in micro_batches[:len(blocks)])
+        else:
+            num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
+            num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
         global_valid_tokens, global_seen_tokens = map(
             int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
         result.steps += 1
@@ -398,6 +414,16 @@ class FullRun:
             self.sample()
         return loss_is_finite
 
+    def model_inputs(self, block: data.Block) -> dict:
+        """The model call's kwargs for `block`: whole, or this rank's slice of it with the slice's place in the
+        block (`kernels.cp.CPSlice`) for the ops that look across the slice boundaries."""
+        world = self.world
+        if world.cp_size == 1:
+            return data.block_to_model_inputs(block, world.device)
+        inputs = data.slice_model_inputs(block, world.cp_rank, world.cp_size, world.device)
+        inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, world.cp_rank, world.cp_size, world.cp_group)
+        return inputs
+
     # ---- eval -------------------------------------------------------------------------------------
     def evaluate(self) -> EvalResult:
         """Collective: the held-out loss now (ftcli.train.evaluate), recorded; early stopping decides here."""
@@ -444,11 +470,11 @@ class FullRun:
         checkpoint may come from another world size (ftcli.train.checkpoint). metrics.jsonl loses the steps
         logged after the checkpoint: they are trained again."""
         rank_state, meta = load_checkpoint(path, self.model, self.optimizer)
-        blocks_per_step = self.world.world_size * self.tcfg.grad_accum
+        blocks_per_step = self.world.dp_size * self.tcfg.grad_accum
         if meta.get("blocks_per_step", blocks_per_step) != blocks_per_step:
             self.say(f"[yellow]warning: {path} was trained with {meta['blocks_per_step']} blocks per optimizer step "
-                     f"({meta['world_size']} ranks), this run takes {blocks_per_step} ({self.world.world_size} x "
-                     "training.grad_accum): the steps after it differ from the uninterrupted run's[/]")
+                     f"({meta['world_size']} ranks), this run takes {blocks_per_step} ({self.world.dp_size} data-"
+                     "parallel groups x training.grad_accum): the steps after it differ from the uninterrupted run's[/]")
         if self.world.is_main:
             truncate_metrics(self.run_dir / METRICS_FILE, meta["result"]["steps"])
         self.scheduler.load_state_dict(rank_state["scheduler"])
@@ -465,7 +491,7 @@ class FullRun:
         """Collective: a DCP checkpoint of this step (ftcli.train.checkpoint)."""
         rank_state = {"scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rng_state()}
         meta = {"result": {k: v for k, v in vars(self.result).items() if k not in ("losses", "checkpoint")},
-                "blocks_per_step": self.world.world_size * self.tcfg.grad_accum}
+                "blocks_per_step": self.world.dp_size * self.tcfg.grad_accum}
         if self.evals is not None:
             meta["evals"] = self.evals.state_dict()
         path = save_checkpoint(self.run_dir / CHECKPOINTS, self.result.steps, self.model, self.optimizer, rank_state,
@@ -513,7 +539,7 @@ class FullRun:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")
         if world.is_main:
-            record_run(recipe, self.run_dir, method="full", tracker=tracker, steps=result.steps,
+            record_run(recipe, self.run_dir, tracker=tracker, steps=result.steps,
                        tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
                        final_loss=result.final_loss, throughput=self.meter.throughput(), summary=self.data_summary,
                        evaluator=self.evaluator, evals=self.evals, best_model_dir=best_model_dir,

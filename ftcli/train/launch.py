@@ -6,8 +6,8 @@
       -> only then: an earlier run's outputs cleared (--force), <run>/recipe.yaml   ftcli.artifacts.rundir.prepare_run_dir
       -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
            (inside torchrun, RANK is set: the worker; it dies with the launcher, _die_with_launcher)
-           -> method full: ftcli.train.full.train(recipe, run_dir, resume)
-              method lora: ftcli.train.lora.trainer.train(recipe, run_dir, resume)
+           -> the method's trainer (TRAINERS): full: ftcli.train.full.train(recipe, run_dir, resume)
+                                                lora: ftcli.train.lora.trainer.train(recipe, run_dir, resume)
 
 The launcher runs torchrun's agent in this process (`torch.distributed.run.run`), the same code the
 `torchrun` command runs, so a failed worker ends in one line and an exit code rather than the agent's
@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.objectives import method_of
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
                           read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
@@ -43,13 +44,30 @@ from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
 
+def _train_full(recipe, run_dir: Path, resume: str | None) -> None:
+    from ftcli.train.full import train
+
+    train(recipe, run_dir, resume)
+
+
+def _train_lora(recipe, run_dir: Path, resume: str | None) -> None:
+    from ftcli.train.lora.trainer import train
+
+    train(recipe, run_dir, resume)
+
+
+# Each method's trainer, by training.method (imported when called: each brings its own stack, TRL or FSDP2's loop)
+TRAINERS = {"full": _train_full, "lora": _train_lora}
+
+
 def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_train(recipe, *, resume: str | None, force: bool) -> None:
-    if recipe.training.method == "full" and not recipe.data.packing.enabled:
-        raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
+    if method_of(recipe.training).needs_packing and not recipe.data.packing.enabled:
+        raise UserError(f"training.method={recipe.training.method} trains on packed blocks; set "
+                        "data.packing.enabled=true")
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
     elif resume == "latest" and (step := finished_at(recipe)) is not None:
@@ -101,11 +119,23 @@ def _processes_per_node(recipe) -> tuple[int, str]:
     return recipe.training.cpu_processes, "CPU process"
 
 
+def check_context_parallel(recipe) -> None:
+    """One UserError, before the run dir is touched, when the launch's ranks do not split into whole
+    context-parallel groups (`training.context_parallel` consecutive ranks share each block)."""
+    cp = getattr(recipe.training, "context_parallel", 1)
+    nproc, unit = _processes_per_node(recipe)
+    ranks = nproc * int(os.environ.get("NUM_NODES", "1"))
+    if ranks % cp:
+        raise UserError(f"training.context_parallel={cp} does not divide the {ranks} ranks of this launch ({nproc} "
+                        f"{unit}(s) per node); use a divisor of {ranks}")
+
+
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
     run_dir = run_dir_of(recipe)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
-    check_resume(recipe, run_dir, resume)  # before anything is written: recipe.yaml stays the run's
+    if resume is not None:  # before anything is written: recipe.yaml stays the run's
+        check_resume(recipe, run_dir, resume, world_size=_processes_per_node(recipe)[0] * int(os.environ.get("NUM_NODES", "1")))
     from ftcli.data.checks import quick_check
     from ftcli.model.checks import check_model_config
 
@@ -117,6 +147,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     except KeyboardInterrupt:
         print("interrupted before training started; nothing to resume", file=sys.stderr)
         raise SystemExit(exit_code(signal.SIGINT)) from None
+    check_context_parallel(recipe)
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
     export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
     nproc, unit = _processes_per_node(recipe)
@@ -191,38 +222,48 @@ def _completed_since(run_dir: Path, started: float) -> bool:
 def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
     """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
     (none when the run had completed: it returns)."""
-    from ftcli.train.checkpoint import checkpoint_step, latest_checkpoint, resolve_resume
+    from ftcli.train.checkpoint import checkpoint_step, resolve_resume
 
     if _completed_since(run_dir, started):
         return
 
-    if recipe.training.method == "lora":
-        try:
-            newest = resolve_resume(run_dir, "latest", kind="trl")
-        except UserError:
-            newest = None
-    else:
-        newest = latest_checkpoint(run_dir / CHECKPOINTS)
+    try:
+        newest = resolve_resume(run_dir, "latest", kind=method_of(recipe.training).checkpoint_kind)
+    except UserError:  # none saved yet
+        newest = None
     step = checkpoint_step(newest) if newest is not None else None
     print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=recipe.training.checkpoint.enabled),
           file=sys.stderr)
     raise SystemExit(exit_code(signum))
 
 
-def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
+def check_resume(recipe, run_dir: Path, resume: str | None, *, world_size: int) -> None:
     """A resume continues the run it names: the recipe may change only what `ftcli.train.resume` applies,
-    and the checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s, both paths).
-    One UserError otherwise; writes nothing."""
+    compared with the recipe of the run that wrote the checkpoint (this run's, or another run's when
+    `--resume` names its checkpoint), the global batch stays the checkpoint's (full path: `world_size` ranks
+    x grad_accum), and the checkpoint must be the one that was saved (`verify_checkpoint`: sizes and CRC32s,
+    both paths). One UserError otherwise; writes nothing."""
     if resume is None:
         return
+    from ftcli.train.checkpoint import read_meta, resolve_resume, verify_checkpoint
+    from ftcli.train.resume import check_global_batch, check_resume_recipe
+
+    kind = method_of(recipe.training).checkpoint_kind
+    checkpoint = resolve_resume(run_dir, resume, kind=kind)
+    meta = read_meta(checkpoint) if kind == "dcp" else {}
+    same_batch = meta.get("blocks_per_step") == world_size * recipe.training.grad_accum
+    warn = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    written_by = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+    if kind == "dcp":
+        check_global_batch(checkpoint, meta, recipe.training.grad_accum, world_size)
     if is_own_run(run_dir, recipe):
-        from ftcli.train.resume import check_resume_recipe
-
-        check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
-    from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
-
-    kind = "dcp" if recipe.training.method == "full" else "trl"
-    verify_checkpoint(resolve_resume(run_dir, resume, kind=kind), kind=kind)
+        check_resume_recipe(run_dir, recipe, warn=warn, same_global_batch=same_batch)
+    if written_by is not None and written_by.resolve() != run_dir.resolve():
+        if (written_by / RECIPE_FILE).is_file():
+            check_resume_recipe(written_by, recipe, warn=warn, same_global_batch=same_batch)
+        else:
+            warn(f"warning: {written_by} holds no {RECIPE_FILE}; the recipe is not compared with the checkpoint's")
+    verify_checkpoint(checkpoint, kind=kind)
 
 
 def _preflight(recipe) -> None:
@@ -283,7 +324,7 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
         check_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: the launcher's checks
-        check_resume(recipe, run_dir, resume)
+        check_resume(recipe, run_dir, resume, world_size=int(os.environ["WORLD_SIZE"]))
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
     import torch
@@ -292,10 +333,7 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
 
     quiet_library_output(recipe.model.model_type, "cuda" if torch.cuda.is_available() else "cpu",
                          say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else None)
-    if recipe.training.method == "lora":
-        from ftcli.train.lora.trainer import train
-    else:
-        from ftcli.train.full import train
+    train = TRAINERS[recipe.training.method]
     try:
         train(recipe, run_dir, resume)
     except Stopped as e:

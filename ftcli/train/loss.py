@@ -48,7 +48,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                    trained_positions: torch.Tensor | None = None):
     """Sum (not mean) of next-token cross-entropy over the trained tokens of one block, in fp32.
 
-    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] unshifted
+    hidden [1, T, H] (after the final norm), weight [V, H] (the LM head), labels [1, T] (or [1, T + 1]) unshifted
     (HF convention: position t predicts labels[t + 1]; -100 = no loss). `trained_positions` (int64 [N],
     ftcli.data.collate's, built on the host) are the positions whose target is trained; without them they
     are found on the device (`nonzero`: a host sync). A listed position whose target is -100 adds 0.
@@ -60,7 +60,9 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
       full     the published qwen-b300 loop's loss: logits for every position at once, upcast to fp32 (T x V x 4 bytes).
       a fused linear cross-entropy (ftcli.features.loss.FUSED_LINEAR_CE, GPU): the LM head and the CE in one kernel.
     """
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    # labels may hold one more token than hidden: a context-parallel slice's, whose last position predicts the
+    # next rank's first token (ftcli.data.collate.slice_model_inputs)
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:hidden.shape[-2] + 1].reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if impl == "full":
         return _ce_sum(hidden, weight, targets)

@@ -13,6 +13,14 @@
                    and the schedule position of the old values, and DCP restores the old learning rate over
                    the new one; ftcli refuses them rather than apply half of the change. Start a new run
                    (another output.dir, model.id=<run>/final) to train on with other values.
+    the global batch  a full-path checkpoint resumes on any number of ranks that trains the same blocks per
+                 optimizer step (ranks x training.grad_accum, its meta.json's blocks_per_step): a grad_accum
+                 change that keeps it is applied, one that does not (or another number of ranks alone) is
+                 refused with the grad_accum that keeps it ("resuming on 1 rank: set training.grad_accum=2 to
+                 keep 2 blocks per step")
+
+The recipe compared is the one the checkpoint was written with: <run>/recipe.yaml of the run that holds it,
+also when `--resume <other run>/checkpoints/step_N` starts a new run dir from it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from pathlib import Path
 from ftcli.config.errors import UserError
 
 APPLIED_ON_RESUME = (
-    "description", "output.", "tracking.", "compute.",
+    "name", "description", "output.", "tracking.", "compute.",
     "training.log_every", "training.max_bad_steps", "training.cpu_processes",
     "training.checkpoint.every_steps", "training.checkpoint.every_minutes", "training.checkpoint.keep_last",
     "training.checkpoint.save_final_hf", "training.checkpoint.enabled",
@@ -48,13 +56,18 @@ def classify_changes(changed: list[str]) -> tuple[list[str], list[str], list[str
     return applied, optim, shape
 
 
-def check_resume_recipe(run_dir: Path, recipe, *, warn=print) -> None:
-    """UserError listing the refused keys (module doc); `warn` gets one line naming the applied ones."""
+def check_resume_recipe(run_dir: Path, recipe, *, warn=print, same_global_batch: bool = False) -> None:
+    """UserError listing the refused keys (module doc); `warn` gets one line naming the applied ones.
+    `same_global_batch`: the checkpoint's blocks per step are this launch's (`check_global_batch`), so a
+    grad_accum change that keeps them is applied."""
     from ftcli.artifacts.rundir import RECIPE_FILE, recipe_differences
 
     changed = recipe_differences(run_dir, recipe)
     changed = [k for k in changed if not any(o.startswith(k + ".") for o in changed)]  # `{}` -> `{a: 1}`: a
     applied, optim, shape = classify_changes(changed)
+    if same_global_batch and "training.grad_accum" in optim:
+        optim.remove("training.grad_accum")
+        applied.append("training.grad_accum")
     parts = []
     if shape:
         parts.append(f"{', '.join(shape)} (the model, its parameter shapes or the data order the checkpoint continues)")
@@ -67,3 +80,24 @@ def check_resume_recipe(run_dir: Path, recipe, *, warn=print) -> None:
                         "(another output.dir)")
     if applied:
         warn(f"warning: resuming with changed {', '.join(applied)} (applied from here on)")
+
+
+def check_global_batch(checkpoint: Path, meta: dict, grad_accum: int, world_size: int) -> None:
+    """UserError when this launch (`world_size` ranks x `grad_accum`) would train another number of blocks per
+    optimizer step than the checkpoint's run (meta.json's blocks_per_step), naming the grad_accum that keeps
+    it on these ranks. A checkpoint without blocks_per_step (an older ftcli's) passes."""
+    saved = meta.get("blocks_per_step")
+    if not isinstance(saved, int) or saved == world_size * grad_accum:
+        return
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n != 1 else ''}"
+
+    if saved % world_size == 0:
+        fix = f"set training.grad_accum={saved // world_size} to keep {saved} blocks per step"
+    else:
+        fix = (f"no training.grad_accum keeps {saved} blocks per step on {ranks(world_size)}; resume on a number of "
+               f"ranks that divides {saved}")
+    saved_ranks = meta.get("world_size") if isinstance(meta.get("world_size"), int) and meta["world_size"] > 0 else 1
+    raise UserError(f"--resume: {checkpoint} was trained with {saved} blocks per optimizer step ({ranks(saved_ranks)} x "
+                    f"training.grad_accum {saved // saved_ranks}), this launch takes {world_size * grad_accum} "
+                    f"({ranks(world_size)} x {grad_accum}); resuming on {ranks(world_size)}: {fix}")

@@ -35,6 +35,8 @@ The package, one concern a module (imports run downwards):
 
     choose.py    `decide_backends` (on a `ftcli.hardware.Machine`), `check_packing_safe` (no side effects, no torch)
     ops.py       the nine kernels, module-level functions in the table `KERNELS[op][backend]`
+    cp.py        context parallelism: the same ops over one rank's slice of a block, across the slice boundaries
+                 (`across_slices` wraps the installed kernels when `enable_packed_kernels(context_parallel=True)`)
     install.py   `enable_packed_kernels` / `install_backends` / `disable_packed_kernels`: puts them in place;
                  `block_masks_ahead`: flex attention's block masks built before the layers (for compiled layers)
 

@@ -26,6 +26,7 @@ from ftcli.model.kernels.choose import (
     check_packing_safe,
     decide_backends,
 )
+from ftcli.model.kernels.cp import across_slices
 from ftcli.model.kernels.ops import KERNELS, MASKS, TRANSFORMERS_ORIGINALS, block_masks_hook, transformers_original
 
 log = logging.getLogger("ftcli.model.kernels")
@@ -43,9 +44,10 @@ _LOGGED: set[tuple] = set()
 
 
 def enable_packed_kernels(
-    model_type: str, device: str | torch.device, *, reference: bool = False
+    model_type: str, device: str | torch.device, *, reference: bool = False, context_parallel: bool = False
 ) -> tuple[str, list[Backend]]:
     """Choose and install the packed kernels for `model_type` on `device`; log the choice once.
+    `context_parallel`: each kernel also takes a call over one rank's slice of a block (ftcli.model.kernels.cp).
 
     Returns the attn_implementation to give `from_pretrained` / `from_config` /
     `model.set_attn_implementation`, and the backends. Raises UserError when packed training of this
@@ -55,7 +57,9 @@ def enable_packed_kernels(
     if problems:
         raise UserError(problems[0])
     backends = decide_backends(model_type, device, reference=reference)
-    attn_implementation = install_backends(model_type, backends)
+    if context_parallel:
+        backends = [cp_backend(b) for b in backends]
+    attn_implementation = install_backends(model_type, backends, context_parallel=context_parallel)
     key = (model_type, str(device), tuple(backends))
     if key not in _LOGGED:
         _LOGGED.add(key)
@@ -68,8 +72,18 @@ def enable_packed_kernels(
     return attn_implementation, backends
 
 
-def install_backends(model_type: str, backends: list[Backend]) -> str:
-    """Install the given backends (process-wide) and return the attn_implementation name to use."""
+def cp_backend(backend: Backend) -> Backend:
+    """The backend that serves `backend`'s op under context parallelism: flash-attn's varlen attention is
+    transformers' own function (not one ftcli can wrap), so the CP attention calls torch's varlen_attn instead."""
+    if backend.op == "attention" and backend.name == "flash_attn_varlen":
+        return Backend("attention", "torch_varlen", "context parallelism: torch varlen_attn over the gathered keys")
+    return backend
+
+
+def install_backends(model_type: str, backends: list[Backend], *, context_parallel: bool = False) -> str:
+    """Install the given backends (process-wide) and return the attn_implementation name to use. With
+    `context_parallel` every kernel is wrapped by `cp.across_slices` (a call with a slice crosses its boundaries)."""
+    wrap = across_slices if context_parallel else (lambda op, kernel: kernel)
     from transformers import AttentionInterface, AttentionMaskInterface
 
     by_op = {b.op: b for b in backends}
@@ -82,7 +96,7 @@ def install_backends(model_type: str, backends: list[Backend]) -> str:
     attention = by_op["attention"].name
     attn_implementation = ATTN_IMPLEMENTATIONS[attention]
     if attention in KERNELS["attention"]:
-        AttentionInterface.register(attn_implementation, KERNELS["attention"][attention])
+        AttentionInterface.register(attn_implementation, wrap("attention", KERNELS["attention"][attention]))
         AttentionMaskInterface.register(attn_implementation, MASKS[attention])
 
     family = family_of(model_type)
@@ -90,7 +104,7 @@ def install_backends(model_type: str, backends: list[Backend]) -> str:
         module = importlib.import_module(family.kernel_module)
         for op, name in family.module_globals.items():
             transformers_original(name)  # saved before the first replacement
-            setattr(module, name, KERNELS[op][by_op[op].name])
+            setattr(module, name, wrap(op, KERNELS[op][by_op[op].name]))
     return attn_implementation
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import types
 from pathlib import Path
@@ -33,7 +32,7 @@ from ftcli.train.distributed import all_reduce, local_device, rank0_decides
 from ftcli.config.errors import UserError
 from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.artifacts.rundir import BEST, FINAL
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.artifacts.safe_files import refuse_links, remove_tree, replace_dir, write_atomic
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)
@@ -90,16 +89,17 @@ def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> s
     last model, final/ is it already."""
     where = best_model_location(best_step, last_step, export)
     if best_step == last_step:
-        shutil.rmtree(run_dir / BEST, ignore_errors=True)
+        remove_tree(run_dir / BEST)
     elif where == FINAL:
         if not (run_dir / BEST / "adapter_config.json").is_file():  # checked before final/ goes
             raise UserError(f"export: best needs the best eval's adapter in {run_dir / BEST}, which is missing; "
                             f"the last adapter stays in {run_dir / FINAL}")
         aside = run_dir / f".old_{FINAL}"
-        shutil.rmtree(aside, ignore_errors=True)
+        refuse_links([run_dir / FINAL, run_dir / BEST])  # renamed here: a link would be moved, not its target
+        remove_tree(aside)
         (run_dir / FINAL).rename(aside)
         (run_dir / BEST).rename(run_dir / FINAL)
-        shutil.rmtree(aside)
+        remove_tree(aside)
     return where
 
 
@@ -281,11 +281,10 @@ class EvalCallback(TrainerCallback):
         """The adapter of the best eval so far into <run>/best (replaced atomically by rank 0)."""
         best, tmp = self.run_dir / BEST, self.run_dir / f".tmp_{BEST}"
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)  # a link planted there: unlinked, never written through
         save_adapter(self.model, self.tokenizer, tmp)
         if self.is_main:
-            shutil.rmtree(best, ignore_errors=True)
-            os.replace(tmp, best)
+            replace_dir(tmp, best)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded

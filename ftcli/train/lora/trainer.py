@@ -36,6 +36,7 @@ import torch
 
 from ftcli import features
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
 from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
 from ftcli.train.lora.callbacks import save_adapter
@@ -266,6 +267,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from trl import SFTConfig
 
     from ftcli import data
+    from ftcli.artifacts.safe_files import refuse_links
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume, trl_save_failed
     from ftcli.train.distributed import local_device, rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
@@ -277,7 +279,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.artifacts.tracking import start_tracking
 
     run_dir = Path(run_dir)
-    if recipe.training.method != "lora":
+    if not method_of(recipe.training).writes_adapter:
         raise UserError(f"train_lora got training.method={recipe.training.method}")
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
@@ -312,6 +314,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         model = load_base(recipe, run_dir, device if sharding == "ddp" else None, attn, resume=checkpoint is not None)
         if recipe.model.init == "random" and checkpoint is None and args.process_index == 0:
             built = time.perf_counter() - started
+            refuse_links([run_dir / "base"])  # the launcher checked; never written through a link
             model.save_pretrained(run_dir / "base")
             tokenizer.save_pretrained(run_dir / "base")
             print(f"random-init base: drawn in {built:.1f} s, saved to {run_dir / 'base'} in "
@@ -364,12 +367,13 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
     save that an OSError stops (a full disk) leaves no partial `final` and is one line (`export_not_written`)."""
     import shutil
 
+    from ftcli.artifacts.safe_files import remove_tree, replace_dir
     from ftcli.train.checkpoint import WRITE_ERRORS, export_not_written
 
     main = trainer.args.process_index == 0
     tmp = final.with_name(f".tmp_{final.name}")
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)  # a link planted there: unlinked, never written through
     try:
         if sharding == "fsdp":  # transformers' save_model writes nothing for SHARDED_STATE_DICT: gathered here
             save_adapter(trainer.model, trainer.processing_class, tmp)
@@ -381,9 +385,7 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         raise export_not_written("the adapter", final, e, needed) from None
     if main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
 
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
@@ -401,7 +403,7 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record_run(recipe, run_dir, method="lora", tracker=tracker, steps=trainer.state.global_step,
+    record_run(recipe, run_dir, tracker=tracker, steps=trainer.state.global_step,
                tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
                throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
                summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,

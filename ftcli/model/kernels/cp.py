@@ -1,0 +1,295 @@
+"""Context parallelism: the packed ops across the boundary between two ranks' slices of one block.
+
+With `training.context_parallel: N` the N ranks of a context-parallel (CP) group train on one packed block
+together, each on a contiguous slice of T/N tokens (ftcli.data.collate.slice_model_inputs). A segment may start
+on one rank and end on the next; every op that looks along the sequence then needs what lies before its slice:
+
+    block      | a0 a1 a2 a3 a4 a5 | a6 a7 b0 b1 b2 b3 |     T = 12, N = 2; segment a crosses the boundary
+    rank       |        0          |        1          |
+    positions  |  0  1  2  3  4  5 |  6  7  0  1  2  3 |     sliced from the block: per segment, across it
+
+    full attention     K and V all-gathered over the group (backward: their gradients summed back to the rank that
+                       owns them); rank 1's queries a6 a7 see keys a0..a7, b0..b3 see b0..b3: causal per segment
+                       in block coordinates, bottom-right aligned (the queries are the last keys of their piece);
+                       a sliding window counts in block positions, sinks are per query and unchanged
+    causal conv        a halo of the W-1 tokens before the slice (the previous rank's tail, all-gathered), masked
+                       where its segment differs: rank 1's a6 sees a3 a4 a5, b0 sees only itself
+    gated-delta rule   the state a segment carries over the boundary. The rule is affine in its initial state:
+                           S_end = A S_0 + F        o_t = o_t(S_0 = 0) + P_t S_0
+                       F, o(0): the rule from a zero state; A, P: the same rule with v = 0 and S_0 = I (the
+                       identity, dk x dk per head), which gives A = the transition over the piece, P_t = q_t^T A_t.
+                       Every rank computes (F, A) of its last piece, one all-gather shares them, and every rank
+                       scans the ranks before it:  S_in(r) = [through(r-1)] A(r-1) S_in(r-1) + F(r-1)  when its
+                       first token continues a segment (else 0; through = the whole slice inside that segment),
+                       then adds P S_in(r) to its first piece's outputs. Exact (the same sums, chunked from the
+                       slice start instead of the segment start), and the state's gradient flows back through the
+                       all-gather; no point-to-point send, so activation checkpointing's recompute (the same
+                       collectives on every rank, in the same order) and backward stay in lockstep.
+
+Every rank of the group runs the same collectives in every layer whatever its data (an all-gather even where no
+segment crosses), which FSDP's per-layer collectives need too.
+
+Backends: the gated-delta rule and the conv call the installed kernel (the torch references on CPU, fla /
+causal-conv1d on CUDA) for the slice's own work, so fla's kernels carry the state passing on GPU through their
+public `initial_state` / `output_final_state` (fla's own `fla.ops.cp` is not used). Attention on CUDA in half
+precision is one torch `varlen_attn` call (queries' and keys' cu_seqlens differ: FlashAttention's bottom-right
+causal alignment); everywhere else, and for gpt-oss's sinks, the per-piece references (sdpa / eager) run:
+exact, but gpt-oss's eager attention materializes heads x queries x keys per piece (benchmarks/cp_gpu.py checks
+the CUDA paths against the serial kernels on one device).
+
+The ops receive the slice as the model call's keyword argument `CP_KWARG` (a `CPSlice`), which transformers hands
+to every attention function, gated-delta rule and conv, like the block's other packing metadata.
+`across_slices(op, kernel)` wraps an installed kernel: a call with a `CPSlice` goes through the functions below
+(each calls the wrapped kernel for the local work), any other call is the kernel unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ftcli.model.kernels.choose import SINKS_MODULE
+
+CP_KWARG = "ftcli_cp"
+
+
+@dataclass(frozen=True)
+class CPSlice:
+    """This rank's slice [start, end) of a block of `cu_seqlens[-1]` tokens, and its CP group."""
+
+    group: Any  # torch.distributed ProcessGroup of the N ranks sharing the block
+    rank: int  # in the group; slice r is [r * T/N, (r + 1) * T/N)
+    size: int
+    start: int
+    end: int
+    cu_seqlens: tuple[int, ...]  # the whole block's segment boundaries
+
+    @classmethod
+    def of(cls, cu_seqlens, rank: int, size: int, group) -> CPSlice:
+        """Rank `rank`'s slice of a block with segment boundaries `cu_seqlens` (ints) split `size` ways."""
+        cu = tuple(int(c) for c in cu_seqlens)
+        n = cu[-1] // size
+        return cls(group, rank, size, rank * n, (rank + 1) * n, cu)
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(segment start, piece start, piece end) in block coordinates for every segment meeting the slice."""
+        cu = self.cu_seqlens
+        return [(s, max(s, self.start), min(e, self.end)) for s, e in zip(cu[:-1], cu[1:])
+                if e > self.start and s < self.end and e > s]
+
+    def segment_start(self, position: int) -> int:
+        """Start of the segment holding block position `position`."""
+        return max(s for s in self.cu_seqlens[:-1] if s <= position)
+
+    def continued(self, rank: int) -> bool:
+        """Whether rank `rank`'s first token continues a segment begun on an earlier rank."""
+        start = rank * (self.end - self.start)
+        return rank > 0 and self.segment_start(start) < start
+
+    def through(self, rank: int) -> bool:
+        """Whether rank `rank`'s whole slice lies inside one segment begun on an earlier rank."""
+        n = self.end - self.start
+        return self.continued(rank) and self.segment_start((rank + 1) * n - 1) < rank * n
+
+
+# ---------------------------------------------------------------------------------------- communication
+class _GatherSlices(torch.autograd.Function):
+    """All-gather equal pieces along dim 0 over `group`; backward sums the gradients of every rank's copy and
+    hands each rank the part of its own piece."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.n = group, rank, x.shape[0]
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        if dist.get_backend(group) == "gloo":  # no all_gather_into_tensor on gloo
+            dist.all_gather(list(out.chunk(size)), x, group=group)
+        else:
+            dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "gloo":  # no reduce_scatter on gloo
+            dist.all_reduce(grad, group=ctx.group)
+            return grad.narrow(0, ctx.rank * ctx.n, ctx.n).clone(), None, None, None
+        out = grad.new_empty((ctx.n, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None, None, None
+
+
+def gather_slices(x: torch.Tensor, cp: CPSlice, dim: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order (differentiable)."""
+    moved = x.movedim(dim, 0)
+    return _GatherSlices.apply(moved, cp.group, cp.rank, cp.size).movedim(0, dim)
+
+
+# ------------------------------------------------------------------------------------------- attention
+def _piece_mask(q0: int, q1: int, k0: int, window: int | None, device) -> torch.Tensor:
+    """bool [q1 - q0, q1 - k0]: query at block position q attends key k iff k <= q (and q - k < window)."""
+    q = torch.arange(q0, q1, device=device)[:, None]
+    k = torch.arange(k0, q1, device=device)[None, :]
+    allowed = k <= q
+    if window:
+        allowed &= q - k < window
+    return allowed
+
+
+def _attention_pieces(query, keys, values, cp: CPSlice, scaling, dropout, window, module, sinks: bool):
+    """Reference: per segment piece, this rank's queries against the gathered keys of their segment, with the
+    causal (and window) mask in block coordinates; sdpa, or gpt-oss's eager attention with its sinks."""
+    outs = []
+    for s, q0, q1 in cp.pieces():
+        mask = _piece_mask(q0, q1, s, window, query.device)
+        q = query[:, :, q0 - cp.start:q1 - cp.start]
+        k, v = keys[:, :, s:q1], values[:, :, s:q1]
+        if sinks:
+            eager = importlib.import_module(SINKS_MODULE).eager_attention_forward
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+            o, _ = eager(module, q, k, v, additive[None, None], scaling=scaling, dropout=dropout)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                               enable_gqa=True).transpose(1, 2)
+        outs.append(o)
+    return torch.cat(outs, dim=1), None  # [1, t, H, D]
+
+
+def _attention_varlen(query, keys, values, cp: CPSlice, scaling, window):
+    """CUDA, half precision: one varlen call, queries' cu_seqlens over the slice's pieces and keys' over the pieces
+    extended back to their segment starts; FlashAttention's causal mask is bottom-right aligned for
+    seqlen_q < seqlen_k, which is the block-coordinate mask above (benchmarks/cp_gpu.py checks it)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if window and "window_size" not in params:
+        return None  # torch 2.10: no sliding window in varlen_attn (the caller takes the reference)
+    pieces = cp.pieces()
+    q = query[0].transpose(0, 1)  # [t, H, D]
+    k_rows = torch.cat([keys[0, :, s:q1].transpose(0, 1) for s, _, q1 in pieces])
+    v_rows = torch.cat([values[0, :, s:q1].transpose(0, 1) for s, _, q1 in pieces])
+    extra = {}
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif k_rows.shape[1] != q.shape[1]:  # torch 2.11: no GQA, repeat the kv heads
+        k_rows, v_rows = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k_rows, v_rows))
+    if "window_size" in params:
+        extra["window_size"] = (window - 1 if window else -1, 0)
+    else:
+        extra["is_causal"] = True
+    q_lens = [q1 - q0 for _, q0, q1 in pieces]
+    k_lens = [q1 - s for s, _, q1 in pieces]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    out = varlen_attn(q, k_rows.contiguous(), v_rows.contiguous(), cu_q, cu_k, max(q_lens), max(k_lens),
+                      scale=scaling, **extra)
+    return out[None], None
+
+
+def attention_across(kernel, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention function's call over this rank's slice: queries [1, H, t, D] local, keys and values gathered."""
+    cp: CPSlice = kwargs.pop(CP_KWARG)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("context parallelism takes packed blocks (batch size 1, no attention mask)")
+    keys, values = gather_slices(torch.stack([key, value]), cp, 3).unbind(0)  # one collective for both
+    sinks = getattr(module, "sinks", None) is not None
+    window = getattr(module, "sliding_window", None) if sinks else kwargs.get("sliding_window")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("packed attention has no logit soft-capping; set attn_logit_softcapping to null")
+    name = getattr(kernel, "__name__", "")
+    if query.is_cuda and not sinks and name == "torch_varlen" and query.dtype in (torch.float16, torch.bfloat16) \
+            and not dropout:
+        out = _attention_varlen(query, keys, values, cp, scaling, window)
+        if out is not None:
+            return out
+    return _attention_pieces(query, keys, values, cp, scaling, dropout, window, module, sinks)
+
+
+# ---------------------------------------------------------------------------------------------- conv
+def conv_across(kernel, hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    """The causal conv (x [1, D, t]) of this rank's slice with the previous rank's last W-1 tokens before it."""
+    cp: CPSlice = kwargs.pop(CP_KWARG)
+    halo = weight.shape[-1] - 1
+    t = hidden_states.shape[-1]
+    if t < halo or halo == 0:
+        raise ValueError(f"context parallelism: a slice of {t} tokens for a conv halo of {halo}")
+    tails = gather_slices(hidden_states[..., t - halo:].movedim(-1, 0), cp, 0)  # [N * halo, 1, D]
+    # rank 0 too takes a halo (the last rank's tail) under a segment id of its own, so every rank's output
+    # depends on the gathered tails and every rank joins the gather's backward (a collective)
+    before = tails[(cp.rank - 1) % cp.size * halo:][:halo].movedim(0, -1)
+    if cp.rank == 0:
+        before_idx = torch.full((halo,), -1, dtype=seq_idx.dtype, device=seq_idx.device)
+    else:
+        starts = torch.tensor(cp.cu_seqlens[:-1], dtype=torch.long)
+        positions = torch.arange(cp.start - halo, cp.start)
+        before_idx = (torch.searchsorted(starts, positions, right=True) - 1).to(seq_idx.device, seq_idx.dtype)
+    out = kernel(torch.cat([before, hidden_states], dim=-1), weight, bias, activation=activation,
+                 seq_idx=torch.cat([before_idx[None], seq_idx], dim=-1), **kwargs)
+    return out[..., halo:]
+
+
+# ---------------------------------------------------------------------------------------- gated delta
+def gated_delta_across(kernel, query, key, value, g, beta, chunk_size=64, initial_state=None,
+                       output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """The gated-delta rule over this rank's slice with the state carried in from the ranks before (module doc).
+    `cu_seqlens` are the slice's own (local) boundaries; `kernel` the installed rule (torch reference or fla)."""
+    cp: CPSlice = kwargs.pop(CP_KWARG)
+    if initial_state is not None or query.shape[0] != 1:
+        raise ValueError("context parallelism takes packed blocks (batch size 1, no recurrent cache)")
+    rule = functools.partial(kernel, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    out, finals = rule(query, key, value, g=g, beta=beta, output_final_state=True, cu_seqlens=cu_seqlens, **kwargs)
+    heads, dk, dv = value.shape[2], key.shape[-1], value.shape[-1]
+    last_final = finals[-1].float()  # [H, dk, dv]: the last piece's state from a zero state
+    _, q0, q1 = cp.pieces()[0]
+    first_len = q1 - q0
+    transition = last_final.new_zeros(heads, dk, dk)  # the slice's transition, used where through(rank)
+    if cp.continued(cp.rank):  # the first piece's response to its initial state: v = 0, S_0 = I
+        sl = slice(0, first_len)
+        eye = torch.eye(dk, dtype=torch.float32, device=query.device).expand(1, heads, dk, dk).contiguous()
+        response, first_transition = rule(query[:, sl], key[:, sl], query.new_zeros(1, first_len, heads, dk),
+                                          g=g[:, sl], beta=beta[:, sl], initial_state=eye, output_final_state=True)
+        if cp.through(cp.rank):
+            transition = first_transition[0].float()
+    # one collective for both; every rank's output depends on it (a rank whose slice starts a segment adds 0 x
+    # the gathered states), so every rank joins its backward
+    shared = gather_slices(torch.cat([last_final, transition], dim=-1)[None], cp, 0)  # [N, H, dk, dv + dk]
+    finals_all, transitions = shared[..., :dv], shared[..., dv:]
+    if not cp.continued(cp.rank):
+        return out + (shared.sum() * 0).to(out.dtype), None
+    state = last_final.new_zeros(heads, dk, dv)
+    for r in range(1, cp.rank + 1):
+        if not cp.continued(r):
+            state = torch.zeros_like(state)
+            continue
+        state = (transitions[r - 1] @ state if cp.through(r - 1) else 0) + finals_all[r - 1]
+    correction = torch.einsum("bthk,hkv->bthv", response.float(), state)
+    first = (out[:, :first_len].float() + correction).to(out.dtype)
+    return torch.cat([first, out[:, first_len:]], dim=1), None
+
+
+# ------------------------------------------------------------------------------------------- wrapping
+_ACROSS = {"attention": attention_across, "gated_delta_rule": gated_delta_across, "causal_conv1d": conv_across}
+
+
+def across_slices(op: str, kernel):
+    """`kernel` (an installed packed kernel of `op`) that routes a call carrying a `CPSlice` through the op's
+    context-parallel version above; any other call goes to `kernel` unchanged."""
+    across = torch.compiler.disable(_ACROSS[op])  # collectives and per-segment loops: eager in a compiled layer
+
+    @functools.wraps(kernel)
+    def wrapped(*args, **kwargs):
+        if kwargs.get(CP_KWARG) is None:
+            kwargs.pop(CP_KWARG, None)
+            return kernel(*args, **kwargs)
+        return across(kernel, *args, **kwargs)
+
+    wrapped.__wrapped_kernel__ = kernel
+    return wrapped
