@@ -72,14 +72,14 @@ def print_plan(plan: Plan) -> None:
                            "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", source, style=style)
     console.print(memory_table)
     for note in plan.notes:
-        console.print(note, highlight=False, soft_wrap=True)
+        console.print(note, highlight=False)
     if method_of(plan.method).splits_blocks:
         fits = ", ".join(f"{c.accelerator} {c.cp_fits if c.cp_fits is not None else 'none'}" for c in plan.cards)
         console.print(f"context parallel, the fewest ranks per block that fit {s.tokens:,} tokens: {fits} (recipe: "
-                      f"training.context_parallel={s.cp})", highlight=False, soft_wrap=True)
+                      f"training.context_parallel={s.cp})", highlight=False)
     if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
-                      + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)
+                      + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False)
     for c in plan.cards:  # one setting a line (a line of them all ran 300 characters)
         if c.suggestions:
             console.print(f"{c.accelerator} fits with one of:", highlight=False)
