@@ -23,7 +23,7 @@ from ftcli.inference import (LoadedModel, Sampling, check_reasoning_effort, load
                              system_prompt, template_kwargs)
 from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
 
-HELP = "/system TEXT sets the system prompt, /reset forgets the conversation, /exit leaves"  # under 80 columns
+HELP = "/system TEXT sets the system prompt, /reset forgets the chat, /exit leaves"  # under 80 columns
 
 
 class Chat:
