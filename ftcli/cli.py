@@ -282,7 +282,9 @@ def render_workload(
     for warning in rendered.warnings:  # after the file: the last lines on screen
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is not None:
-        err_console.print(f"wrote {output}; submit with: {rendered.submit.format(path=output)}")
+        # the command on a line of its own, to copy whole (a path does not break inside a sentence)
+        err_console.print(f"wrote {output}; submit with:\n  {rendered.submit.format(path=output)}", highlight=False,
+                          soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------- pack-preview

@@ -410,6 +410,9 @@ def test_chat_cli_streams_replies_with_history(model_dirs):
                         input=b"\xff\xfe\nWhat is 2 plus 4?\nHi\n/exit\n")  # a first line that is not UTF-8
     assert res.exit_code == 0, res.output
     assert "[skipped: this line is not UTF-8 text (byte 0xFF at character 1)]\n" in res.stdout
+    banner = res.stdout.splitlines()[:2]  # who, then the commands: each line whole at 80 columns
+    assert banner[0].startswith("chatting with ") and banner[1] == (
+        "/system TEXT sets the system prompt, /reset forgets the chat, /exit leaves") and len(banner[1]) <= 80
     loaded = _load(model_dirs["gpt-oss"])
     greedy = Sampling(max_new_tokens=4, greedy=True)
     kwargs = generate.template_kwargs("low")

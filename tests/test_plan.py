@@ -281,8 +281,8 @@ def test_plan_cli_table_and_bad_accelerator(tmp_path):
     assert rows[3][:3] == ["GPU_1xA10", "1", "8"]  # 1 GPU per node, 8 nodes for the recipe's 8 GPUs
     assert rows[4][:4] == ["GPU_8xB300", "3.60*", "60", "min"]  # the time table
     assert rows[6][:2] == ["GPU_8xH200", "8.19*"]
-    assert ("GPU_8xH100 fits with: --set training.activation_checkpointing_keep=0 --set data.packing.block_len=16384 "
-            "(65.8 GiB)") in result.output
+    assert ("GPU_8xH100 fits with one of:\n  --set training.activation_checkpointing_keep=0 --set "
+            "data.packing.block_len=16384 (65.8 GiB)\n") in result.output
     bad = CliRunner().invoke(app, ["plan", "--recipe", "qwen-b300", "--accelerator", "GPU_8xL4"])
     assert bad.exit_code == 2 and "unknown card 'L4'" in bad.output
 
@@ -414,7 +414,7 @@ def test_step_time_table_exact(capsys):
         "GPU_8xB300   0.16*    -     - [4] [2]",
         "GPU_1xA10    2.96*    -     - [5] [2]",
         f"[1] scaled from {point}: x peak bf16 FLOP/s H200/H100; per-GPU time of 1 GPU taken for 8",
-        "[2] measured by: python benchmarks/lora_gpt_oss_gpu.py --modes reference,default --steps 20 --warmup 3",
+        "[2] measured by benchmarks/lora_gpt_oss_gpu.py (the command: plan --json, BENCHMARKS.md)",
         f"[3] measured: {point}; per-GPU time of 1 GPU taken for 8",
         f"[4] scaled from {point}: x peak bf16 FLOP/s H200/B300; per-GPU time of 1 GPU taken for 8",
         f"[5] scaled from {point}: x peak bf16 FLOP/s H200/A10; measured with ddp, loss trl (recipe: fsdp, loss trl); "

@@ -509,8 +509,10 @@ def test_cli_render_writes_file_and_refuses_overwrite(tmp_path):
 
     out = tmp_path / "w.yaml"
     runner = CliRunner()
-    assert runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)]).exit_code == 0
+    res = runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)])
+    assert res.exit_code == 0
     assert out.read_text() == (GOLDEN / "qwen-b300-1node.yaml").read_text()
+    assert f"wrote {out}; submit with:\n  databricks air run -f {out}\n" in res.stderr  # the command on its own line
     again = runner.invoke(app, ["render-workload", "-r", "qwen-b300", "-o", str(out)])
     assert again.exit_code == 2 and "--force" in again.output
 

@@ -23,7 +23,7 @@ from ftcli.inference import (LoadedModel, Sampling, check_reasoning_effort, load
                              system_prompt, template_kwargs)
 from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, text_problem
 
-HELP = "commands: /system TEXT (set the system prompt), /reset (forget the conversation), /exit"
+HELP = "/system TEXT sets the system prompt, /reset forgets the chat, /exit leaves"  # under 80 columns
 
 
 class Chat:
@@ -75,7 +75,7 @@ def run_chat(loaded: LoadedModel, sampling: Sampling, *, system: str | None, tem
     interactive = stdin.isatty()
     if interactive:
         import readline  # noqa: F401 - line editing and history for input()
-    write(f"chatting with {loaded.source.describe()}; {HELP}\n")
+    write(f"chatting with {loaded.source.describe()}\n{HELP}\n")  # two lines: each reads whole at 80 columns
     context = context_of(loaded.model, loaded.source.run_dir)
     while True:
         try:

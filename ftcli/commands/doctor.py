@@ -365,6 +365,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.markup import escape
 
     console = Console()
     table = Table(title="Versions", title_justify="left")
@@ -405,7 +406,8 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
     for label, ok, detail in (("kernels correct here", report.kernels_correct, report.kernels_detail),
                               ("fits here", report.fits, report.fits_detail)):
         mark = "[green]yes[/]" if ok else "[bold red]no[/]"
-        console.print(f"{label}: {mark} ({detail})", highlight=False, soft_wrap=True)
+        said = f" ({escape(detail)})" if detail and detail not in report.verdict else ""  # the verdict says why not
+        console.print(f"{label}: {mark}{said}", highlight=False)
     color = "green" if report.exit_code == 0 else "bold red"
-    console.print(f"[{color}]{report.verdict}[/]", highlight=False, soft_wrap=True)
+    console.print(f"[{color}]{escape(report.verdict)}[/]", highlight=False)
     return report.exit_code

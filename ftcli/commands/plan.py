@@ -4,6 +4,7 @@ fit, step time, wall time and GPU-hours) as tables, or as JSON with --json."""
 from __future__ import annotations
 
 import json
+import re
 
 from ftcli.config.accelerators import parse_accelerator
 from ftcli.config.recipe import Recipe
@@ -32,10 +33,10 @@ def print_plan(plan: Plan) -> None:
                   f"{s.tokens:,} tokens per micro-batch, checkpointing {s.checkpointing}"
                   f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}"
                   f"{f', {s.tokens // s.cp:,} per rank over {s.cp} context-parallel ranks' if s.cp > 1 else ''}",
-                  highlight=False, soft_wrap=True)
+                  highlight=False)
     tokens = f"{plan.data.tokens:,} tokens, {plan.data.blocks:,} blocks" if plan.data.tokens is not None else "?"
     console.print(f"data: {tokens} ({plan.data.source}); optimizer steps on the recipe's GPUs: "
-                  f"{plan.steps if plan.steps is not None else '?'}", highlight=False, soft_wrap=True)
+                  f"{plan.steps if plan.steps is not None else '?'}", highlight=False)
     own = plan.cards[0].accelerator if plan.cards and plan.cards[0].own else "none of the known cards"
     console.print(f"the recipe's accelerator: {own} (first row)", highlight=False)
 
@@ -66,29 +67,37 @@ def print_plan(plan: Plan) -> None:
             "[green]yes[/]" if c.fits else "[red]no[/]", "-" if c.keep_layers is None else str(c.keep_layers),
             style=style)
         step = "-" if c.step.s_per_step is None else f"{c.step.s_per_step:.2f}" + ("" if c.step.measured else "*")
-        source = note(c.step.source) + (f" {note(f'measured by: {c.step.command}')}" if c.step.command else "")
+        source = note(c.step.source) + (f" {note(_measured_by(c.step.command))}" if c.step.command else "")
         time_table.add_row(c.accelerator, step, _hours(c.wall_hours),
                            "-" if c.gpu_hours is None else f"{c.gpu_hours:.1f}", source, style=style)
     console.print(memory_table)
     for note in plan.notes:
-        console.print(note, highlight=False, soft_wrap=True)
+        console.print(note, highlight=False)
     if method_of(plan.method).splits_blocks:
         fits = ", ".join(f"{c.accelerator} {c.cp_fits if c.cp_fits is not None else 'none'}" for c in plan.cards)
         console.print(f"context parallel, the fewest ranks per block that fit {s.tokens:,} tokens: {fits} (recipe: "
-                      f"training.context_parallel={s.cp})", highlight=False, soft_wrap=True)
+                      f"training.context_parallel={s.cp})", highlight=False)
     if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
-                      + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)
-    for c in plan.cards:
+                      + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False)
+    for c in plan.cards:  # one setting a line (a line of them all ran 300 characters)
         if c.suggestions:
-            console.print(f"{c.accelerator} fits with: {' | '.join(sug.text() for sug in c.suggestions)}",
-                          highlight=False, soft_wrap=True)
+            console.print(f"{c.accelerator} fits with one of:", highlight=False)
+            for sug in c.suggestions:
+                console.print(f"  {sug.text()}", highlight=False)
         elif not c.fits:
-            console.print(f"{c.accelerator} does not fit: {c.why}", highlight=False, soft_wrap=True)
+            console.print(f"{c.accelerator} does not fit: {c.why}", highlight=False)
     console.print(time_table)
     for number, text in enumerate(notes, 1):
-        console.print(f"[{number}] {text}", style="dim" if text.startswith("measured by: ") else None,
+        console.print(f"[{number}] {text}", style="dim" if text.startswith("measured by ") else None,
                       highlight=False, markup=False)
+
+
+def _measured_by(command: str) -> str:
+    """A note naming the script that measured a step time; its whole command line is in `plan --json`
+    (`command`) and BENCHMARKS.md, not on screen."""
+    script = re.search(r"benchmarks/[\w./-]+\.(?:py|sh)", command)
+    return f"measured by {script.group() if script else command.split()[0]} (the command: plan --json, BENCHMARKS.md)"
 
 
 def _gib(v: float) -> str:
