@@ -122,7 +122,7 @@ RecipeOpt = typer.Option(..., "--recipe", "-r", help="Built-in recipe name or pa
 OptionalRecipeOpt = typer.Option(None, "--recipe", "-r", help="Built-in recipe name or path to a recipe YAML.")
 SetOpt = typer.Option(None, "--set", "-s", help="Override a recipe value: dotted.key=value (repeatable), e.g. "
                       "data.path=chats.jsonl.")
-ForceOpt = typer.Option(False, "--force", help="Overwrite existing output.")
+ForceOpt = typer.Option(False, "--force", help="Overwrite existing output (a link there is replaced, not followed).")
 
 
 def _fail(message: str) -> None:
@@ -133,10 +133,14 @@ def _fail(message: str) -> None:
 
 
 def _check_output(path: Path, force: bool) -> None:
-    """Refuse before any work: an existing file without --force, a dangling symlink (writing through it
-    would create a file wherever it points), a missing or non-directory parent."""
-    if path.is_symlink() and not path.exists():
-        _fail(f"{path} is a symlink to {os.readlink(path)}, which does not exist; refusing to write through it")
+    """Refuse before any work: an existing file or a symbolic link (dangling or not: writing through it would
+    write wherever it points) without --force, a missing or non-directory parent. With --force a link is
+    replaced by the file (`_write`, ftcli.artifacts.safe_files.open_output), its target left alone."""
+    if path.is_symlink():
+        if not force:
+            _fail(f"{path} is a symbolic link (to {os.readlink(path)}); pass --force to replace the link (its "
+                  "target is left alone)")
+        return
     if path.is_dir():
         _fail(f"{path} is a directory; give a file path")
     if path.exists() and not force:
@@ -148,8 +152,11 @@ def _check_output(path: Path, force: bool) -> None:
 
 
 def _write(path: Path, text: str) -> None:
+    from ftcli.artifacts.safe_files import open_output
+
     try:
-        path.write_text(text, encoding="utf-8")
+        with open_output(path) as f:
+            f.write(text)
     except OSError as e:
         _fail(f"cannot write {path}: {e.strerror or e}")
 
@@ -231,12 +238,7 @@ def recipes_cp(
         dest = dest / f"{Path(name).stem}.yaml"
     text, old = renamed(recipe_text(name), dest.stem)
     _check_output(dest, force)
-    from ftcli.config.safe_files import replace_file
-
-    try:
-        replace_file(dest, text)  # a link at DEST (--force) is replaced, never written through
-    except OSError as e:
-        _fail(f"cannot write {dest}: {e.strerror or e}")
+    _write(dest, text)  # a link at DEST (--force) is replaced, never written through
     named = f" (name: {dest.stem}, was {old}: it trains into runs/{dest.stem})" if old and old != dest.stem else ""
     console.print(f"wrote {dest}{named}; edit it, then: ftcli train --recipe {dest}", soft_wrap=True)
 
@@ -252,11 +254,10 @@ def render_workload(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the file here (default: stdout); its folder must exist."),
     check: Optional[Path] = typer.Option(None, "--check", help="Validate an existing workload YAML or sbatch script instead."),
     no_fit_check: bool = typer.Option(False, "--no-fit-check", help="Render even when the plan says it does not fit."),
-    force: bool = typer.Option(False, "--force", help="Overwrite the output file (a link there is replaced, not followed)."),
+    force: bool = ForceOpt,
 ) -> None:
     """Render the file a cluster runs for a recipe: a Databricks AI Runtime workload YAML (`databricks air run -f`)
     or a Slurm sbatch script (`sbatch`)."""
-    from ftcli.artifacts.safe_files import check_output_path, write_output
     from ftcli.commands import workload
 
     if check is not None:
@@ -273,12 +274,12 @@ def render_workload(
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
     if output is not None:
-        check_output_path(output, force, "workload.yaml" if r.compute.launcher == "databricks" else "job.sbatch")
+        _check_output(output, force)
     rendered = workload.render(r, fit_check=not no_fit_check)
     if output is None:
         print(rendered.text, end="")
     else:
-        write_output(output, rendered.text)
+        _write(output, rendered.text)
     for warning in rendered.warnings:  # after the file: the last lines on screen
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is not None:

@@ -332,18 +332,28 @@ def test_writing_below_a_file_is_refused(tmp_path):
 @pytest.mark.parametrize("command", [
     ["recipes", "cp", "tiny-qwen-cpu", "{out}"],
     ["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"],
+    ["render-workload", "--recipe", "tiny-qwen-cpu", "--launcher", "slurm", "-o", "{out}"],
+    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--blocks", "1", "--dump", "{out}"],
 ])
-def test_dangling_symlink_is_not_written_through(command, tmp_path):
+@pytest.mark.parametrize("dangling", [True, False])
+def test_a_link_is_never_written_through_and_force_replaces_it(command, dangling, tmp_path):
+    """Without --force a link is refused (dangling or not); with --force the link is replaced by the output and its
+    target is left alone (issue 47, item 15: as `generate -o --force` does)."""
     target = tmp_path / "elsewhere" / "target.yaml"
     target.parent.mkdir()
+    if not dangling:
+        target.write_text("VICTIM\n")
     link = tmp_path / "link.yaml"
     link.symlink_to(target)
-    for extra in ([], ["--force"]):
-        res = invoke(*[a.format(out=link) for a in command], *extra)
-        assert assert_one_error(res) == (
-            f"error: {link} is a symlink to {target}, which does not exist; refusing to write through it\n"
-        )
-    assert not target.exists() and link.is_symlink()
+    res = invoke(*[a.format(out=link) for a in command])
+    assert assert_one_error(res) == (
+        f"error: {link} is a symbolic link (to {target}); pass --force to replace the link (its target is left alone)\n"
+    )
+    assert link.is_symlink()
+    res = invoke(*[a.format(out=link) for a in command], "--force")
+    assert res.exit_code == 0, res.output
+    assert not link.is_symlink() and link.stat().st_size > 0
+    assert (not target.exists()) if dangling else target.read_text() == "VICTIM\n"
 
 
 def test_cp_of_a_path_like_name_is_an_unknown_recipe(tmp_path):
@@ -356,14 +366,14 @@ def test_cp_of_a_path_like_name_is_an_unknown_recipe(tmp_path):
 def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
     out = tmp_path / "locked" / "w.yaml"
     out.parent.mkdir()
-    write_text = Path.write_text
+    os_open = os.open
 
-    def write_denied(self, *args, **kwargs):
-        if self == out:
+    def open_denied(path, *args, **kwargs):
+        if Path(path) == out:
             raise _denied(out)
-        return write_text(self, *args, **kwargs)
+        return os_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "write_text", write_denied)  # what ftcli.cli._write calls
+    monkeypatch.setattr(os, "open", open_denied)  # what ftcli.cli._write calls (safe_files.open_output)
     res = invoke("render-workload", "--recipe", "tiny-qwen-cpu", "-o", str(out))
     assert assert_one_error(res) == f"error: cannot write {out}: Permission denied\n"
     assert not out.exists()

@@ -158,7 +158,8 @@ def _fake_bin(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     scripts = {
         "srun": 'printf "%s\\0" "$@" > "$FAKE_LOG/srun.args"\nwhile [ "$1" != bash ]; do shift; done\nexec "$@"\n',
-        "torchrun": ('printf "%s\\0" "$@" > "$FAKE_LOG/torchrun.args"\nenv -0 > "$FAKE_LOG/torchrun.env"\n'
+        "torchrun": ('[ "$1" = --help ] && { echo "${FAKE_TORCHRUN_HELP:-}"; exit 0; }\n'
+                     'printf "%s\\0" "$@" > "$FAKE_LOG/torchrun.args"\nenv -0 > "$FAKE_LOG/torchrun.env"\n'
                      'prev=; for a in "$@"; do [ "$prev" = --recipe ] && cp "$a" "$FAKE_LOG/recipe.yaml"; prev=$a; done\n'
                      'exit "${FAKE_TORCHRUN_EXIT:-0}"\n'),
         "scontrol": ('printf "%s\\0" "$@" >> "$FAKE_LOG/scontrol.args"\n'
@@ -202,6 +203,10 @@ def test_one_task_per_node_runs_torchrun_with_a_c10d_rendezvous_on_the_first_nod
     assert args["pip"] == ["install", "--progress-bar", "off", str(tmp_path / "checkout"),
                            "flash-linear-attention==0.6.0", "liger-kernel==0.8.5", "torchao==0.18.0"]
     assert "scontrol" in args and "requeue" not in args["scontrol"]
+    # a torchrun that has --shutdown_timeout (torch 2.13) waits for the stop checkpoint as ftcli's launcher does
+    (tmp_path / "again").mkdir()
+    _, args, _ = _run_script(slurm.render(recipe), tmp_path / "again", FAKE_TORCHRUN_HELP="  --shutdown_timeout N")
+    assert args["torchrun"][:3] == ["--nnodes=2", "--nproc_per_node=8", "--shutdown_timeout=900"]
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")

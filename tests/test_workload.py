@@ -575,7 +575,10 @@ def test_render_warns_when_the_fit_cannot_be_checked():
     workload.render_workload(recipe)  # renders
     assert workload.render_warnings(recipe)[0] == ("memory fit not checked: no figures for GPU_8xL40S (cards known: "
                                                    "H100, H200, B300, A10)")
-    assert workload.render_warnings(recipe, fit_check=False) == [RELATIVE]
+    not_offered = ("compute.accelerator_type=GPU_8xL40S is not one of AI Runtime's accelerator types (GPU_1xA10, "
+                   "GPU_1xH100, GPU_8xH100, GPU_8xB300); databricks air run will refuse it")
+    assert workload.render_warnings(recipe, fit_check=False) == [not_offered, RELATIVE]
+    assert workload.render_warnings(load_recipe("qwen-b300"), fit_check=False) == [RELATIVE]
 
 
 def test_render_workload_cli_fit_check_and_override(tmp_path):

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ftcli.artifacts.safe_files import open_output
 from ftcli.config.recipe import Recipe
 
 MAX_SHOWN_TOKENS = 2000  # per block in the rich view
@@ -80,7 +81,7 @@ def run_preview(
         summary["eval"] = {label: s.to_dict() for label, s in evals.items()}
 
     if dump is not None:
-        with open(dump, "w") as f:
+        with open_output(dump) as f:
             for block in stream:
                 f.write(json.dumps(block_to_json(block)) + "\n")
         stream = data.BlockStream(packed, rank=0, world_size=1, epochs=1.0, seed=recipe.training.seed)

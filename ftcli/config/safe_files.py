@@ -22,8 +22,6 @@ A run dir may be shared, or come from someone else; a symlink planted in it (`.f
     remove_tree(path)      delete a file, a directory or a link without following a link: a link is
                            unlinked (its target stays), shutil.rmtree never follows the links inside
     replace_dir(tmp, dst)  a finished temp dir renamed over `dst` (a dir, or a link: removed, never followed)
-    replace_file(path, t)  an output file the user named (--force): a fresh temp file renamed over `path`, so
-                           a link there is replaced, never written through
 
 The same rule for every dir ftcli writes in: a run dir, the pack cache, an output dir of merge-lora.
 
@@ -167,22 +165,6 @@ def write_new(path: str | Path, text: str) -> None:
     fd = _open_checked(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def replace_file(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a fresh temp file beside it renamed over it: a link at `path` is replaced
-    by the file (its target keeps its content), as `generate -o --force` does."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    remove_tree(tmp)
-    fd = _open_checked(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        remove_tree(tmp)
-        raise
 
 
 def open_lock(path: str | Path) -> tuple[int, bool]:

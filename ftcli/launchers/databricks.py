@@ -40,6 +40,7 @@ from pydantic import (
     field_validator,
 )
 
+from ftcli.config.accelerators import AI_RUNTIME_TYPES
 from ftcli.config.errors import UserError
 from ftcli.config.pipspec import check_env_name, check_pip_spec
 from ftcli.config.recipe import (
@@ -361,6 +362,9 @@ def render_warnings(recipe: Recipe, *, fit_check: bool = True) -> list[str]:
     """What renders fine but would likely go wrong on the cluster."""
     preflight(recipe, fit_check=False)  # credentials in clear are refused, not warned about
     out = fit_warnings(recipe, fit_check=fit_check)
+    if recipe.compute.accelerator_type not in AI_RUNTIME_TYPES:
+        out.append(f"compute.accelerator_type={recipe.compute.accelerator_type} is not one of AI Runtime's accelerator "
+                   f"types ({', '.join(AI_RUNTIME_TYPES)}); databricks air run will refuse it")
     t = recipe.training
     writes = t.checkpoint.enabled or t.checkpoint.save_final_hf
     if recipe.compute.num_nodes > 1 and writes and not recipe.output.dir.startswith(("/Volumes/", "/dbfs/")):

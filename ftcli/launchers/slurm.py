@@ -16,7 +16,10 @@ Stop and requeue: Slurm's SIGTERM (preemption, `scancel --signal=TERM`, or --sig
 torchrun and the workers, which stop at the next step boundary with a checkpoint (ftcli.train.preempt). Each task
 then exits 143; the batch script requeues the job (`scontrol requeue`, with compute.slurm.requeue), and a requeued
 job (SLURM_RESTART_COUNT > 0) trains with `--resume` when the run dir holds a checkpoint. Slurm must deliver the
-signal to every process of the step (proctrack/cgroup or proctrack/linuxproc, the usual settings).
+signal to every process of the step (proctrack/cgroup or proctrack/linuxproc, the usual settings), and the stop
+checkpoint must be written before Slurm's SIGKILL: KillWait after scancel, the partition's GraceTime on
+preemption, compute.slurm.stop_before_limit_s before the time limit; torchrun itself waits up to
+ftcli.train.preempt.STOP_GRACE_S for its workers where it has --shutdown_timeout (torch 2.13).
 
 The run dir must be on a path every node sees (and the node a requeued job lands on): `render_warnings` says so
 when output.dir is relative or on a local file system here.
@@ -51,6 +54,7 @@ from ftcli.launchers.base import (
     preflight,
     setup_comment,
 )
+from ftcli.train.preempt import STOP_GRACE_S
 
 SUBMIT = "sbatch"
 # Quoted heredocs (no expansion) read into a variable without a command substitution, whose parsing of a
@@ -135,8 +139,12 @@ def _task(recipe: Recipe) -> str:
         'printf \'%s\\n\' "$FTCLI_RECIPE" > "$work/recipe.yaml"',
         "stop=0",
         "trap 'stop=1' TERM  # torchrun and the workers get Slurm's SIGTERM too; they checkpoint and stop",
+        "# torchrun's wait for the workers' stop checkpoint before SIGKILL (default 30 s); torch < 2.13 has no option",
+        "grace=",
+        "if torchrun --help 2>/dev/null | grep -q -- --shutdown_timeout; then "
+        f"grace=--shutdown_timeout={STOP_GRACE_S}; fi",
         'torchrun --nnodes="$SLURM_NNODES" '
-        f"--nproc_per_node={nproc} "
+        f"--nproc_per_node={nproc} $grace "
         '--rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$FTCLI_RDZV_ENDPOINT" '
         '-m ftcli train --recipe "$work/recipe.yaml" ${FTCLI_RESUME:+--resume} &',
         "pid=$!",
