@@ -196,13 +196,19 @@ def check_output_path(output: Path, force: bool, example: str) -> None:
         raise UserError(f"{output} exists; pass --force to overwrite it")
 
 
+def open_output(output: Path) -> TextIO:
+    """`open(output, "w")` for a command's output file, checked before (an existing file or a link only with
+    --force): a link there is replaced by the file, never written through. OSError as open's."""
+    if output.is_symlink():
+        output.unlink()
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
 def write_output(output: Path, text: str) -> None:
     """`text` into `output` (checked by check_output_path): a link there is replaced, never followed."""
     try:
-        if output.is_symlink():
-            output.unlink()
-        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open_output(output) as f:
             f.write(text)
     except OSError as e:
         raise UserError(f"--output {output}: cannot write it ({e.strerror or e})") from None
