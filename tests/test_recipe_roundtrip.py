@@ -22,6 +22,9 @@ BASE = {"full": "tiny-qwen-cpu", "lora": "tiny-gpt-oss-cpu"}
 # Values the walk cannot make up from a key's type alone (a rule between keys, or a format of its own).
 HAND_VALUES: dict[str, list[Any]] = {
     "compute.slurm.time_limit": ["04:00:00"],
+    "data.columns": [["messages"]],  # with data.source=delta
+    "data.sources.0.columns": [["messages"]],
+    "eval.sources.0.columns": [["messages"]],
     "model.id": ["org/other-model"],
     "model.revision": ["0123456789abcdef0123456789abcdef01234567"],
     "model.tokenizer": ["pkg://assets/tokenizers/qwen"],
@@ -43,6 +46,9 @@ WITH = {
     "model.attn_implementation": {"data.packing.enabled": False},
     "data.packing.enabled": {"model.attn_implementation": "sdpa"},
     "compute.priority_class": {"compute.pool_id": "pool-1"},
+    "data.columns": {"data.source": "delta", "data.path": "main.sft.chats"},  # columns: a Delta table's
+    "data.sources.0.columns": {"data.sources.0.source": "delta", "data.sources.0.path": "main.sft.chats"},
+    "eval.sources.0.columns": {"eval.sources.0.source": "delta", "eval.sources.0.path": "main.sft.chats"},
     "eval.export": {"training.checkpoint.keep_best": True},
     "training.activation_checkpointing_keep": {"training.activation_checkpointing": "full"},
     "compute.permissions.0.group_name": {"compute.permissions.0.user_name": None},
