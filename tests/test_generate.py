@@ -747,3 +747,17 @@ def test_each_chat_format_parses_its_own_tool_calls():
     assert parse_tool_calls(hermes + harmony) == (call + call, "<|call|>")
     completion = generate.Completion(text=hermes, reasoning=None, raw="<|channel|>final<|message|>" + hermes)
     assert generate.reply_fields(_tokenizer("gpt-oss"), ASK, completion) == {"completion": hermes, "reasoning": None}
+
+
+def test_input_that_is_a_device_or_holds_line_separators_in_strings(tmp_path):
+    """#47 item 11: `--input /dev/zero` read until MemoryError; a row holding U+2028 or NEL inside a JSON string
+    was cut there (str.splitlines) and counted as two bad rows."""
+    with pytest.raises(UserError) as err:
+        generate_cmd.read_prompt_file("/dev/zero")
+    assert str(err.value) == ("--input /dev/zero: not a regular file (a device or a pipe); write the rows to a .jsonl "
+                              "file")
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\r\n" +
+                    json.dumps({"prompt": "second"}) + "\n", encoding="utf-8")
+    rows, bad = generate_cmd.read_prompt_file(path)
+    assert bad == [] and [r.messages[-1]["content"] for r in rows] == ["a\u2028b\x85c", "second"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -288,3 +289,58 @@ def test_register_reuses_only_a_merge_of_the_same_adapter_dtype_and_format(tmp_p
     assert not is_newer_merge(out, final, "bfloat16", "mxfp4")
     os.utime(final / "adapter_model.safetensors")  # the adapter written again after the merge
     assert not is_newer_merge(out, final, "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------- #47 item 14
+def test_a_killed_merges_temp_dir_is_removed_by_the_next_merge_a_running_ones_is_not(tmp_path):
+    from ftcli.artifacts.merge import remove_stale_temps
+
+    out = tmp_path / "merged"
+    dead, alive = tmp_path / ".merged.999999999.k3j2.tmp", tmp_path / f".merged.{os.getpid()}.a8x1.tmp"
+    other = tmp_path / ".other.999999999.k3j2.tmp"  # another output's
+    for d in (dead, alive, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 10)
+    assert remove_stale_temps(out) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
+
+
+def test_sigterm_during_a_merge_ends_in_cleanup_not_a_leftover():
+    import signal
+
+    from ftcli.artifacts.merge import _sigterm_ends_with_cleanup
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        with _sigterm_ends_with_cleanup():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**6):  # the handler runs at the next bytecode boundary
+                pass
+    assert stop.value.code == 143 and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_each_base_file_is_opened_once_and_a_lying_header_is_one_line(tmp_path, monkeypatch):
+    """A base of many tensors: its header is parsed once per file, not once per tensor (600k entries took over
+    180 s); a header whose offsets lie is one UserError naming the file."""
+    import safetensors
+    import torch
+    from safetensors.torch import save_file
+
+    from ftcli.artifacts import merge
+    from ftcli.config.errors import UserError
+
+    save_file({f"w{i}": torch.full((2,), float(i)) for i in range(50)}, str(tmp_path / "model.safetensors"))
+    opened = []
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    reader = merge.CheckpointReader(tmp_path, torch.float32)
+    assert [reader.get(f"w{i}")[0].item() for i in range(50)] == [float(i) for i in range(50)]
+    assert len(opened) == 1
+
+    lying = tmp_path / "lying"
+    lying.mkdir()
+    header = b'{"w0":{"dtype":"F32","shape":[1000000],"data_offsets":[0,4000000]}}'
+    (lying / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    with pytest.raises(UserError) as err:
+        merge.CheckpointReader(lying, torch.float32).get("w0")
+    assert str(err.value).startswith(f"base file {lying / 'model.safetensors'}: ") and "\n" not in str(err.value)

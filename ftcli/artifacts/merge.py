@@ -35,7 +35,9 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from ftcli.families import find_family
 from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
+from ftcli.artifacts.safe_files import entries, remove_tree
 from ftcli.artifacts.tracking import first_line
 
 PROBE_TOKENS = 48
@@ -223,24 +226,70 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
         raise UserError(f"--format mxfp4 writes gpt-oss expert weights; base {base_ref!r} is a '{cfg.model_type}' model")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    remove_stale_temps(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the merged model follows the umask like any output
-        report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
-        report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
-        tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
-        try:
-            AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
-        except OSError:
-            pass  # a base without tokenizer files: the merged model is still complete
-        for path in tmp.rglob("*"):  # safetensors writes its files 0600
-            if path.is_file():
-                path.chmod(0o666 & ~_umask())
-        _put_in_place(tmp, out, report, force)
+        with _sigterm_ends_with_cleanup():  # SIGTERM: the except below still removes tmp
+            tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the merged model follows the umask like any output
+            report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
+            report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
+            tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
+            try:
+                AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
+            except OSError:
+                pass  # a base without tokenizer files: the merged model is still complete
+            for path in tmp.rglob("*"):  # safetensors writes its files 0600
+                if path.is_file():
+                    path.chmod(0o666 & ~_umask())
+            _put_in_place(tmp, out, report, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, report
+
+
+@contextlib.contextmanager
+def _sigterm_ends_with_cleanup() -> Iterator[None]:
+    """SIGTERM (a job stopped, `kill`) raises SystemExit(143) in the block, so the merge's temp dir is removed as
+    on any error; the old handler is back afterwards. Only in the main thread (where signals are delivered)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Remove the temp dirs of earlier merges into `out` whose process is gone (`.<out>.<pid>.<random>.tmp`:
+    killed with SIGKILL, or on a machine that went down); a running merge's stays. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.[^/]+\.tmp")
+    removed = []
+    for path in entries(out.parent):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not _running(int(match[1])):
+            remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _umask() -> int:
@@ -396,22 +445,36 @@ class CheckpointReader:
     def __init__(self, folder: Path, dtype, per_expert: dict[str, tuple[str, ...]] | None = None) -> None:
         self.folder, self.dtype = Path(folder), dtype
         self.per_expert = per_expert or {}  # ftcli.families: fused expert parameter -> its per-expert linears
+        self._handles: dict[Path, Any] = {}  # each file opened once: its header parsed once, not per tensor
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         elif (self.folder / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(self.folder / "model.safetensors"), "pt") as f:
-                self.files = {k: self.folder / "model.safetensors" for k in f.keys()}
+            single = self.folder / "model.safetensors"
+            self.files = {k: single for k in self._open(single).keys()}
         else:
             raise UserError(f"base {self.folder} has no model.safetensors(.index.json); merge-lora reads safetensors")
 
-    def _raw(self, name: str):
-        from safetensors import safe_open
+    def _open(self, path: Path):
+        """The open safetensors file `path` (opened on first use); a file safetensors cannot read (a header that
+        lies about its offsets, a truncated file) is one UserError naming it."""
+        if path not in self._handles:
+            from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name)
+            try:
+                self._handles[path] = safe_open(str(path), "pt")
+            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: a damaged or foreign file
+                raise UserError(f"base file {path}: safetensors cannot read it ({first_line(e)})") from None
+        return self._handles[path]
+
+    def _raw(self, name: str):
+        path = self.files[name]
+        try:
+            return self._open(path).get_tensor(name)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a header entry whose offsets or dtype do not match the data
+            raise UserError(f"base file {path}: cannot read tensor {name} ({first_line(e)})") from None
 
     def get(self, name: str):
         from ftcli.model.mxfp4 import dequantize_mxfp4

@@ -12,7 +12,9 @@ Multi-turn chat (`ftcli chat`) is ftcli.commands.chat, over `ftcli.inference.str
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +39,9 @@ from ftcli.inference import (
 )
 from ftcli.inference.prompt_checks import check_prompt_length, check_rendered_length, context_of, messages_problem, text_problem
 
+INPUT_MAX_BYTES = 2**30  # --input is read whole
+
+
 # -------------------------------------------------------------------------------- prompt files
 @dataclass
 class PromptRow:
@@ -52,7 +57,14 @@ def read_prompt_file(path: Path) -> tuple[list[PromptRow], list[tuple[int, str]]
     a trailing assistant turn becomes `reference`) or {"prompt": "...", "system": "..."}; blank lines are
     skipped."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):  # /dev/zero, a FIFO: read to the end, it never ends
+            raise UserError(f"--input {path}: not a regular file (a device or a pipe); write the rows to a .jsonl file")
+        if st.st_size > INPUT_MAX_BYTES:
+            raise UserError(f"--input {path}: {st.st_size / 2**30:,.1f} GiB, over the {INPUT_MAX_BYTES / 2**30:.0f} GiB "
+                            "generate reads; split it into smaller files")
+        # JSON Lines end at "\n" only: a row may hold U+2028 or NEL inside a string (splitlines would cut it there)
+        lines = [line.removesuffix("\r") for line in Path(path).read_text(encoding="utf-8").split("\n")]
     except FileNotFoundError:
         raise UserError(f"--input {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -39,7 +39,7 @@ from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped,
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
                           read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
-from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
+from ftcli.artifacts.safe_files import entries, open_lock, refuse_unsafe
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
@@ -202,7 +202,8 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
         if signum is not None:  # the workers were signalled directly (not through the launcher)
             _stopped(recipe.training, run_dir, signum, started)
         ckpts = run_dir / CHECKPOINTS
-        hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
+        committed = any(not p.name.startswith((".tmp", "tmp-")) for p in entries(ckpts))  # not a save cut short
+        hint = " (--resume continues from the last checkpoint)" if committed else ""
         raise UserError(summary(failures, _STOP_EXIT_CODES, hint)) from None
 
 
