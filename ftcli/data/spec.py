@@ -21,6 +21,7 @@ class DataSpec:
     name: str  # the recipe's (summaries name it)
     data: Any  # ftcli.config.recipe.DataConfig: sources, encoding, packing, cache
     holdout: Holdout | None = None  # None: every row read is used
+    pairs: bool = False  # preference rows (chosen/rejected), packed as whole pairs (ftcli.data.preference)
 
 
 def holdout_rule(recipe) -> Holdout | None:

@@ -1,0 +1,225 @@
+"""Preference losses on packed pairs: per-sequence log-probs without full logits, and DPO / IPO / SimPO / ORPO.
+
+    sequence_logps(hidden, weight, labels, seq_idx, num_segments, chunk)  summed log-prob and token count
+                                                          of every segment of a packed block (the pair sides)
+    PreferenceConfig                                      the loss and its knobs (training.preference)
+    pair_losses(cfg, policy, reference)                   per-pair loss and rewards, TRL's formulas
+    PreferenceSums / step_loss                            what one micro-batch adds to the step (sums, not means)
+    attach_sequence_logps(model, chunk)                   model.sequence_logps(...) for FSDP2, like attach_loss
+
+A block holds whole pairs (ftcli.data.packing.pack_pairs): `Block.pairs` [P, 2] names the chosen and the rejected
+segment of each. Because each segment is document-isolated (positions, cu_seqlens and seq_idx restart), the
+log-prob of a side in the block equals the log-prob of that side run alone (tests/test_preference_loss.py).
+
+================================================================================ loss algebra
+Per pair i with completion log-probs (sums over the trained tokens of the side) c_i, r_i, token counts
+n_c, n_r, and the reference's rc_i, rr_i (DPO and IPO only):
+
+    sigmoid (DPO)   z_i = beta * ((c_i - rc_i) - (r_i - rr_i))
+                    l_i = -(1 - eps) * logsigmoid(z_i) - eps * logsigmoid(-z_i)       eps = label_smoothing
+    ipo             h_i = (c_i - rc_i) / n_c - (r_i - rr_i) / n_r                     per-token means
+                    l_i = (h_i - 1 / (2 * beta))^2
+    simpo           z_i = beta * (c_i / n_c - r_i / n_r) - gamma                      no reference
+                    l_i = -(1 - eps) * logsigmoid(z_i) - eps * logsigmoid(-z_i)
+    orpo            o_i = (m_c - m_r) - (log(1 - exp(m_c)) - log(1 - exp(m_r)))       m = c / n_c, r / n_r
+                    l_i = -lambda * logsigmoid(o_i)                                   no reference
+                    and the SFT term: NLL of the chosen sides' trained tokens
+
+One optimizer step covers W ranks x M micro-batches (blocks), holding P pairs in all (and N_c trained tokens
+of chosen sides). The objective is the mean over the step's pairs, wherever they sit:
+
+    L = (1 / P) * sum_{r, m} S_{r,m}   [ + (1 / N_c) * sum_{r, m} NLL_{r,m}   ORPO ]
+                                        S_{r,m} = sum of l_i over the pairs of block m on rank r
+
+P and N_c are counted from the blocks before any backward and all-reduced (SUM), as the SFT loop counts its
+trained tokens; each rank backpropagates l_{r,m} = W * (S_{r,m} / P [+ NLL_{r,m} / N_c]) and FSDP2's
+reduce-scatter averages over W, so 1 rank x 4 micro-batches and 2 ranks x 2 give the same gradient
+(tests: ranks x accumulation == 1 rank). TRL's per-batch `.mean()` is the one-batch case of the same sums.
+Rewards (metrics) are beta * (logp - ref) for DPO/IPO, beta * mean logp for SimPO and lambda * mean logp for
+ORPO, as TRL's trainers log them; logps/* are sums for DPO/IPO and per-token means for SimPO/ORPO, as TRL's.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftcli.data.packing import IGNORE_INDEX
+
+LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
+NEEDS_REFERENCE = ("sigmoid", "ipo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    orpo_lambda: float = 0.1
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss in NEEDS_REFERENCE
+
+    @property
+    def needs_chosen_nll(self) -> bool:
+        return self.loss == "orpo"
+
+
+# ------------------------------------------------------------------------------ per-sequence log-probs
+def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row: the chunk's logits in fp32, then freed (recomputed in backward)."""
+    logits = F.linear(hidden, weight).float()
+    return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor,
+                   num_segments: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the trained tokens' log-probs, their count) per segment, fp32 [S] each.
+
+    hidden [1, T, H] after the final norm, weight [V, H] the LM head, labels [1, T] unshifted (position t
+    predicts labels[t + 1]), seq_idx [1, T] the segment of every token. Only the trained positions go through the
+    LM head, `chunk_tokens` rows at a time, each chunk checkpointed: memory is chunk x vocab, never T x vocab."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    segment = F.pad(seq_idx.to(torch.int64), (0, 1), value=0)[..., 1:].reshape(-1)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained)
+    targets, segment = targets.index_select(0, trained), segment.index_select(0, trained)
+    parts = []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        parts.append(torch.utils.checkpoint.checkpoint(
+            _token_logps, rows[start:end], weight, targets[start:end], use_reentrant=False))
+    token_logps = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
+    sums = token_logps.new_zeros(num_segments).index_add(0, segment, token_logps)
+    counts = torch.bincount(segment, minlength=num_segments).to(torch.float32)
+    return sums, counts
+
+
+def attach_sequence_logps(model: nn.Module, chunk_tokens: int) -> None:
+    """Give the model `sequence_logps(input_ids, labels, seq_idx, num_segments, **packing)` -> (sums, counts),
+    registered with FSDP as a forward method so the root's parameters are gathered around it."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    def call(self, input_ids, labels, seq_idx, num_segments, trained_positions=None, **inputs):
+        hidden = self.model(input_ids=input_ids, seq_idx=seq_idx, use_cache=False, **inputs).last_hidden_state
+        return sequence_logps(hidden, self.lm_head.weight, labels, seq_idx, num_segments, chunk_tokens)
+
+    model.sequence_logps = types.MethodType(call, model)
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, "sequence_logps")
+
+
+# ------------------------------------------------------------------------------------------ the losses
+@dataclass
+class SideLogps:
+    """Per pair: the chosen and rejected sides' summed log-probs and trained-token counts."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+    @classmethod
+    def of_block(cls, sums: torch.Tensor, counts: torch.Tensor, pairs: torch.Tensor) -> SideLogps:
+        """The pairs' sides out of a block's per-segment sums (`pairs` [P, 2]: chosen, rejected segment)."""
+        c, r = pairs[:, 0], pairs[:, 1]
+        return cls(sums[c], sums[r], counts[c], counts[r])
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable (the two-branch form)."""
+    return torch.where(x > -0.693, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _smoothed(z: torch.Tensor, eps: float) -> torch.Tensor:
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def pair_losses(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair loss [P] (the formulas of the module docstring) and the per-pair metric values (detached)."""
+    mean_c = policy.chosen / policy.chosen_tokens.clamp(min=1)
+    mean_r = policy.rejected / policy.rejected_tokens.clamp(min=1)
+    if cfg.loss in NEEDS_REFERENCE:
+        assert reference is not None, f"{cfg.loss} needs the reference's log-probs"
+        ratio_c, ratio_r = policy.chosen - reference.chosen, policy.rejected - reference.rejected
+        if cfg.loss == "sigmoid":
+            losses = _smoothed(cfg.beta * (ratio_c - ratio_r), cfg.label_smoothing)
+        else:
+            h = ratio_c / policy.chosen_tokens.clamp(min=1) - ratio_r / policy.rejected_tokens.clamp(min=1)
+            losses = (h - 1 / (2 * cfg.beta)) ** 2
+        reward_c, reward_r = cfg.beta * ratio_c, cfg.beta * ratio_r
+        logp_c, logp_r = policy.chosen, policy.rejected
+    elif cfg.loss == "simpo":
+        losses = _smoothed(cfg.beta * (mean_c - mean_r) - cfg.simpo_gamma, cfg.label_smoothing)
+        reward_c, reward_r, logp_c, logp_r = cfg.beta * mean_c, cfg.beta * mean_r, mean_c, mean_r
+    elif cfg.loss == "orpo":
+        log_odds = (mean_c - mean_r) - (_log1mexp(mean_c) - _log1mexp(mean_r))
+        losses = -cfg.orpo_lambda * F.logsigmoid(log_odds)
+        reward_c, reward_r, logp_c, logp_r = cfg.orpo_lambda * mean_c, cfg.orpo_lambda * mean_r, mean_c, mean_r
+    else:
+        raise ValueError(f"preference loss {cfg.loss!r}; expected one of {', '.join(LOSSES)}")
+    reward_c, reward_r = reward_c.detach(), reward_r.detach()
+    metrics = {
+        "rewards/chosen": reward_c, "rewards/rejected": reward_r, "rewards/margins": reward_c - reward_r,
+        "rewards/accuracies": (reward_c > reward_r).float(), "logps/chosen": logp_c.detach(),
+        "logps/rejected": logp_r.detach(),
+    }
+    return losses, metrics
+
+
+@dataclass
+class PreferenceSums:
+    """What micro-batches add to a step: the pairs' summed loss, the chosen sides' summed NLL (ORPO), the
+    counts that normalize them, and the summed metrics (divide by `pairs` to log)."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    pairs: int = 0
+    chosen_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRICS, 0.0))
+
+    def add(self, other: PreferenceSums) -> None:
+        self.loss += other.loss
+        self.nll += other.nll
+        self.pairs += other.pairs
+        self.chosen_tokens += other.chosen_tokens
+        for k, v in other.metrics.items():
+            self.metrics[k] += v
+
+    def objective(self, cfg: PreferenceConfig) -> float:
+        """The step's loss L from global sums (module docstring)."""
+        loss = self.loss / max(self.pairs, 1)
+        if cfg.needs_chosen_nll:
+            loss += self.nll / max(self.chosen_tokens, 1)
+        return loss
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(self.pairs, 1) for k, v in self.metrics.items()}
+
+
+def micro_batch_loss(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps | None,
+                     global_pairs: int, global_chosen_tokens: int, world_size: int = 1
+                     ) -> tuple[torch.Tensor, PreferenceSums]:
+    """The tensor to backpropagate for one micro-batch, W * (S / P [+ NLL / N_c]) (module docstring), and its
+    sums. `global_*`: the step's counts over every rank and micro-batch."""
+    losses, metrics = pair_losses(cfg, policy, reference)
+    summed = losses.sum()
+    scaled = summed * (world_size / max(global_pairs, 1))
+    nll = -policy.chosen.sum()
+    if cfg.needs_chosen_nll:
+        scaled = scaled + nll * (world_size / max(global_chosen_tokens, 1))
+    sums = PreferenceSums(
+        loss=float(summed.detach()), nll=float(nll.detach()), pairs=int(losses.numel()),
+        chosen_tokens=int(policy.chosen_tokens.sum()),
+        metrics={k: float(v.sum()) for k, v in metrics.items()},
+    )
+    return scaled, sums
