@@ -222,7 +222,7 @@ LAYERS = {
     "config": 0, "hub": 1,
     "families": 1, "hardware": 1,
     "data": 2,
-    "model": 3, "features": 3,
+    "model": 3, "features": 3, "objectives": 3,
     "artifacts": 4, "estimate": 4, "inference": 4, "train": 4,
     "commands": 5,
     "cli": 6, "__main__": 6,

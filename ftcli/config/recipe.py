@@ -467,11 +467,6 @@ class LossConfig(_Section):
 
 
 
-# The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`).
-TRAINING_KEYS = ("method", "epochs", "max_steps", "grad_accum", "per_device_batch", "optimizer", "schedule", "precision",
-                 "grad_clip", "activation_checkpointing", "activation_checkpointing_keep", "compile", "fused_ops",
-                 "sharding", "loss", "seed", "log_every", "checkpoint", "max_bad_steps", "cpu_processes")
-
 
 class _Training(_Section):
     """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
@@ -479,9 +474,15 @@ class _Training(_Section):
     at its default: dumps write every key of both (so recipe.yaml and rendered workloads stay as they were, and a
     dump loads again), and loading drops them there."""
 
+    quiet_defaults: ClassVar[dict[str, Any]] = {"objective": "sft"}
     other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
     other_keys: ClassVar[tuple[str, ...]] = ()
 
+    # declared here first so that every dump starts with them (each method's class narrows `method` to its name)
+    method: str = "full"
+    objective: Literal["sft"] = Field(
+        "sft", description="What is optimized (ftcli/objectives/): sft, next-token cross-entropy on the trained "
+        "tokens. Separate from training.method (full | lora: how the parameters train and what the run writes).")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
@@ -526,13 +527,13 @@ class _Training(_Section):
             default = other.model_fields[key].get_default(call_default_factory=True)
             out[key] = default.model_dump(mode=info.mode) if isinstance(default, BaseModel) else default
         out = other._without_quiet_defaults(out)
-        return {k: out[k] for k in TRAINING_KEYS if k in out}
+        return {k: out[k] for k in training_keys() if k in out}
 
 
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {"fused_ops": []}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": []}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
@@ -593,6 +594,13 @@ class LoraTraining(_Training):
 
 
 TRAINING_BY_METHOD: dict[str, type[_Training]] = {"full": FullTraining, "lora": LoraTraining}
+
+
+def training_keys() -> tuple[str, ...]:
+    """The keys of `training` in the order dumps write them (recipe.yaml, rendered workloads, `recipes show`): taken
+    from the schema, so a new key is dumped without being listed anywhere: the keys both methods share in their
+    declaration order (`_Training`'s), then each method's own keys (full's, then lora's)."""
+    return tuple(dict.fromkeys(k for cls in TRAINING_BY_METHOD.values() for k in cls.model_fields))
 
 
 def _training_method(value: Any) -> str:
