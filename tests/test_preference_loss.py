@@ -26,7 +26,7 @@ from ftcli.train.preference import (
     PreferenceConfig,
     PreferenceSums,
     SideLogps,
-    micro_batch_loss,
+    pair_loss_sum,
     sequence_logps,
 )
 
@@ -185,7 +185,8 @@ def _ftcli_step(model, cfg: PreferenceConfig, blk, reference=None):
     if reference is not None:
         with torch.no_grad():
             ref = SideLogps.of_block(*packed_logps(reference, "llama", blk), pairs)
-    loss, sums = micro_batch_loss(cfg, policy, ref, len(pairs), int(policy.chosen_tokens.sum()))
+    loss_sum, sums = pair_loss_sum(cfg, policy, ref)
+    loss = loss_sum / len(pairs)
     loss.backward()
     return float(loss), sums, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -312,17 +313,18 @@ def test_simpo_step_equals_trl_cpo_trainer(smoothing, tmp_path):
 
 
 def test_orpo_step_equals_trl_orpo_trainer(tmp_path):
-    """TRL's ORPO NLL trains every token of the chosen sequence, prompt included; ftcli's trains the completion, as
-    SFT does. With a one-token prompt (label 0 is never a target) the two are the same tokens, so the oracle holds
-    exactly; the odds-ratio term is the same on any pair."""
+    """TRL's ORPO NLL is over every token of the chosen sequences, prompt included, averaged over the batch's tokens;
+    ftcli's is each chosen completion's mean token NLL (the paper's per-example SFT term), averaged over pairs. With
+    a one-token prompt (label 0 is never a target) and equally long chosen completions the two are the same number,
+    so the oracle holds exactly there; the odds-ratio term is the same on any pair."""
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     tok = tokenizer("tokenizer-llama3")
     rng = np.random.default_rng(0)
     pairs = []
-    for i in range(3):  # one prompt token, then completions of different lengths, every completion token trained
+    for i in range(3):  # one prompt token, chosen of 6 tokens, rejected of 8, 6, 4; every completion token trained
         prompt = rng.integers(10, 1000, 1).astype(np.int32)
-        c, r = (rng.integers(10, 1000, n).astype(np.int32) for n in (5 + i, 8 - i))
+        c, r = (rng.integers(10, 1000, n).astype(np.int32) for n in (6, 8 - 2 * i))
         pairs.append((i, np.concatenate([prompt, c]), np.r_[False, np.ones(len(c), bool)],
                       np.concatenate([prompt, r]), np.r_[False, np.ones(len(r), bool)]))
     blk = packed_block(tok, pairs)
@@ -334,26 +336,26 @@ def test_orpo_step_equals_trl_orpo_trainer(tmp_path):
 # ------------------------------------------------------------------------------ global normalization
 @pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
 def test_loss_same_for_one_block_and_split_blocks(loss):
-    """Pairs split over micro-batches (or ranks) with the global counts give the one-block loss and gradient."""
+    """Pairs split over micro-batches (or ranks) scaled by the global pair count give the one-block loss and
+    gradient, however unevenly the pairs are spread (1 pair and 3 pairs)."""
     tok = tokenizer("tokenizer-llama3")
     pairs = encoded_pairs(tok)
     model, reference = tiny_model("llama"), tiny_model("llama", seed=1)
     cfg = PreferenceConfig(loss, beta=BETA, orpo_lambda=0.5)
     whole = _ftcli_step(model, cfg, packed_block(tok, pairs), reference)
     blocks = [packed_block(tok, pairs[:1]), packed_block(tok, pairs[1:])]
-    global_pairs = len(pairs)
-    global_chosen = sum(int(p[2][1:].sum()) for p in pairs)
+    global_pairs = sum(len(b.pairs) for b in blocks)
     model.zero_grad()
     total = PreferenceSums()
-    for blk in blocks:  # two micro-batches of one rank, or one each on two ranks (W = 2 and FSDP's 1/W average)
+    for blk in blocks:  # two micro-batches of one rank (two ranks: W = 2 here and FSDP's 1/W average)
         p = torch.from_numpy(blk.pairs)
         policy = SideLogps.of_block(*packed_logps(model, "llama", blk), p)
         with torch.no_grad():
             ref = SideLogps.of_block(*packed_logps(reference, "llama", blk), p)
-        scaled, sums = micro_batch_loss(cfg, policy, ref, global_pairs, global_chosen)
-        scaled.backward()
+        loss_sum, sums = pair_loss_sum(cfg, policy, ref)
+        (loss_sum / global_pairs).backward()
         total.add(sums)
-    assert total.pairs == global_pairs and total.chosen_tokens == global_chosen
-    assert abs(total.objective(cfg) - whole[0]) <= 1e-6
+    assert total.pairs == global_pairs == 4
+    assert abs(total.loss / total.pairs - whole[0]) <= 1e-6
     for name, g in whole[2].items():
         assert (model.get_parameter(name).grad - g).abs().max().item() <= 1e-6, name

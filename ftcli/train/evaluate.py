@@ -76,6 +76,8 @@ class EvalResult:
     loss: float | None  # None: no trained eval token
     tokens: int
     sources: dict[str, dict[str, float | int | None]] = field(default_factory=dict)  # label -> {loss, tokens}
+    unit: str = "tokens"  # what `tokens` counts: the objective's loss count (pairs for preference objectives)
+    extra: dict[str, float] = field(default_factory=dict)  # the objective's eval metrics (eval_rewards/accuracies)
 
     @property
     def ppl(self) -> float | None:
@@ -86,6 +88,7 @@ class EvalResult:
         out = {"eval_loss": self.loss, "eval_ppl": self.ppl, "eval_tokens": self.tokens}
         if len(self.sources) > 1:
             out.update({f"eval_loss/{metric_key(k)}": v["loss"] for k, v in self.sources.items()})
+        out.update(self.extra)
         return {k: v for k, v in out.items() if v is not None}
 
     def line(self) -> str:
@@ -93,7 +96,8 @@ class EvalResult:
         if len(self.sources) > 1:
             per = " | " + ", ".join(f"{k} {v['loss']:.4f}" for k, v in self.sources.items() if v["loss"] is not None)
         loss = f"{self.loss:.4f} (ppl {self.ppl:.2f})" if self.loss is not None else "n/a"
-        return f"eval step {self.step} | eval loss {loss} | {self.tokens} tokens{per}"
+        extra = "".join(f" | {k} {v:.4f}" for k, v in self.extra.items())
+        return f"eval step {self.step} | eval loss {loss} | {self.tokens} {self.unit}{extra}{per}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ppl": self.ppl}
@@ -111,9 +115,11 @@ class Evaluator:
     def blocks(self, label: str):
         return data.BlockStream(self.packed[label], self.rank, self.world_size, epochs=1.0, shuffle=False)
 
-    def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:
+    def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int,
+            count: Callable[[Any], int] = lambda block: block.num_trained_tokens) -> EvalResult:
         """The eval loss of `model` (module doc). `loss_sum(inputs)`: the summed token CE of one block's
-        model inputs (`model.loss_sum(**inputs)` under FSDP2)."""
+        model inputs (`model.loss_sum(**inputs)` under FSDP2); `count(block)`: its share of the denominator (the
+        objective's: trained tokens, or pairs)."""
         sums, counts = [], []
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = model.training
@@ -124,7 +130,7 @@ class Evaluator:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
                         summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += block.num_trained_tokens
+                        trained += count(block)
                     sums.append(summed)
                     counts.append(trained)
         finally:
@@ -220,7 +226,22 @@ def evaluate_now(evaluator: Evaluator, evals: EvalTracker, model: torch.nn.Modul
     """Collective: the eval loss of `model` now, through `model.loss_sum` (`ftcli.train.loss.attach_loss`), recorded
     in `evals` (best step, early stopping: `evals.stop_reason()`). Returns (result, whether it is the new best).
     `say` (rank 0; None on the others) prints the per-source losses of an eval with several sources."""
-    result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
+    sums = getattr(model, "preference_sums", None)  # preference objectives: TRL's metrics over the eval pairs
+    if sums is None:
+        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
+    else:
+        model.preference_sums = type(sums)()
+        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step, count=lambda b: len(b.pairs))
+        eval_sums, model.preference_sums = model.preference_sums, type(sums)()
+        names = list(eval_sums.metrics)
+        reduced = [eval_sums.pairs, *eval_sums.metrics.values()]
+        if torch.distributed.is_initialized():
+            from ftcli.train.distributed import all_reduce
+
+            reduced = all_reduce(reduced, device=evaluator.device)
+        result.unit = "pairs"
+        result.extra = {f"eval_{n}": v / max(reduced[0], 1) for n, v in zip(names, reduced[1:])
+                        if n in ("rewards/accuracies", "rewards/margins")}
     new_best = evals.add(result)
     if say is not None and len(result.sources) > 1:
         say(result.line())

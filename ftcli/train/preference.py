@@ -4,8 +4,9 @@
                                                           of every segment of a packed block (the pair sides)
     PreferenceConfig                                      the loss and its knobs (training.preference)
     pair_losses(cfg, policy, reference)                   per-pair loss and rewards, TRL's formulas
-    PreferenceSums / step_loss                            what one micro-batch adds to the step (sums, not means)
-    attach_sequence_logps(model, chunk)                   model.sequence_logps(...) for FSDP2, like attach_loss
+    pair_loss_sum(cfg, policy, reference), PreferenceSums what one micro-batch adds to the step (sums, not means)
+    attach_preference_loss(model, cfg, chunk, reference)  model.loss_sum(**block inputs) for FSDP2, like attach_loss
+    preference_config(training)                           the recipe's training section -> PreferenceConfig
 
 A block holds whole pairs (ftcli.data.packing.pack_pairs): `Block.pairs` [P, 2] names the chosen and the rejected
 segment of each. Because each segment is document-isolated (positions, cu_seqlens and seq_idx restart), the
@@ -22,19 +23,14 @@ n_c, n_r, and the reference's rc_i, rr_i (DPO and IPO only):
     simpo           z_i = beta * (c_i / n_c - r_i / n_r) - gamma                      no reference
                     l_i = -(1 - eps) * logsigmoid(z_i) - eps * logsigmoid(-z_i)
     orpo            o_i = (m_c - m_r) - (log(1 - exp(m_c)) - log(1 - exp(m_r)))       m = c / n_c, r / n_r
-                    l_i = -lambda * logsigmoid(o_i)                                   no reference
-                    and the SFT term: NLL of the chosen sides' trained tokens
+                    l_i = -m_c - lambda * logsigmoid(o_i)                             no reference
+                    (-m_c: the chosen side's mean token NLL, the ORPO paper's per-example SFT term; TRL's
+                    ORPOTrainer averages the NLL over the batch's chosen tokens instead, the same number when
+                    the chosen sides are equally long)
 
-One optimizer step covers W ranks x M micro-batches (blocks), holding P pairs in all (and N_c trained tokens
-of chosen sides). The objective is the mean over the step's pairs, wherever they sit:
-
-    L = (1 / P) * sum_{r, m} S_{r,m}   [ + (1 / N_c) * sum_{r, m} NLL_{r,m}   ORPO ]
-                                        S_{r,m} = sum of l_i over the pairs of block m on rank r
-
-P and N_c are counted from the blocks before any backward and all-reduced (SUM), as the SFT loop counts its
-trained tokens; each rank backpropagates l_{r,m} = W * (S_{r,m} / P [+ NLL_{r,m} / N_c]) and FSDP2's
-reduce-scatter averages over W, so 1 rank x 4 micro-batches and 2 ranks x 2 give the same gradient
-(tests: ranks x accumulation == 1 rank). TRL's per-batch `.mean()` is the one-batch case of the same sums.
+The step's loss is the mean of l_i over its pairs on every rank and micro-batch: each block adds S = sum of its
+l_i (`pair_loss_sum`), scaled by W / P with P the step's global pair count, as SFT scales by its global token count
+(ftcli.objectives.preference.LOSS_ALGEBRA; tests: split blocks == one block, ranks x accumulation == 1 rank).
 Rewards (metrics) are beta * (logp - ref) for DPO/IPO, beta * mean logp for SimPO and lambda * mean logp for
 ORPO, as TRL's trainers log them; logps/* are sums for DPO/IPO and per-token means for SimPO/ORPO, as TRL's.
 """
@@ -49,11 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftcli.data.packing import IGNORE_INDEX
+from ftcli.objectives.preference import METRICS
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 NEEDS_REFERENCE = ("sigmoid", "ipo")
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
 
 
 @dataclass(frozen=True)
@@ -67,10 +62,6 @@ class PreferenceConfig:
     @property
     def needs_reference(self) -> bool:
         return self.loss in NEEDS_REFERENCE
-
-    @property
-    def needs_chosen_nll(self) -> bool:
-        return self.loss == "orpo"
 
 
 # ------------------------------------------------------------------------------ per-sequence log-probs
@@ -97,24 +88,80 @@ def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         end = start + chunk_tokens
         parts.append(torch.utils.checkpoint.checkpoint(
             _token_logps, rows[start:end], weight, targets[start:end], use_reentrant=False))
-    token_logps = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
+    if not parts:  # no trained token: still a graph through every parameter, so FSDP's reduce-scatters run
+        parts.append(_token_logps(rows, weight, targets))
+    token_logps = torch.cat(parts)
     sums = token_logps.new_zeros(num_segments).index_add(0, segment, token_logps)
     counts = torch.bincount(segment, minlength=num_segments).to(torch.float32)
     return sums, counts
 
 
 def attach_sequence_logps(model: nn.Module, chunk_tokens: int) -> None:
-    """Give the model `sequence_logps(input_ids, labels, seq_idx, num_segments, **packing)` -> (sums, counts),
-    registered with FSDP as a forward method so the root's parameters are gathered around it."""
+    """Give the model `sequence_logps(input_ids, labels, seq_idx, num_segments, **packing)` -> (sums, counts) [S],
+    registered with FSDP as a forward method so the root's parameters are gathered around it (a frozen reference
+    model gets it too). An LM head that is an FSDP unit of its own computes them in its own forward method, so its
+    weight is gathered around it, as ftcli.train.loss.attach_loss does for the SFT loss."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
-    def call(self, input_ids, labels, seq_idx, num_segments, trained_positions=None, **inputs):
+    head = model.lm_head
+    own_unit = isinstance(head, FSDPModule) and head is not model
+
+    def head_logps(self, hidden, labels, seq_idx, num_segments):
+        return sequence_logps(hidden, self.weight, labels, seq_idx, num_segments, chunk_tokens)
+
+    def call(self, input_ids, labels, seq_idx, num_segments, trained_positions=None, pairs=None, **inputs):
         hidden = self.model(input_ids=input_ids, seq_idx=seq_idx, use_cache=False, **inputs).last_hidden_state
+        if own_unit:
+            return self.lm_head.head_logps(hidden, labels, seq_idx, num_segments)
         return sequence_logps(hidden, self.lm_head.weight, labels, seq_idx, num_segments, chunk_tokens)
 
+    if own_unit:
+        head.head_logps = types.MethodType(head_logps, head)
+        register_fsdp_forward_method(head, "head_logps")
     model.sequence_logps = types.MethodType(call, model)
     if isinstance(model, FSDPModule):
         register_fsdp_forward_method(model, "sequence_logps")
+
+
+def attach_preference_loss(model: nn.Module, cfg: PreferenceConfig, chunk_tokens: int,
+                           reference: nn.Module | None = None) -> None:
+    """Give the model `loss_sum(**block inputs)` -> S, the summed pair loss of one preference block (what
+    ftcli.train.loss.attach_loss gives for SFT, so the loop and the eval call it alike), adding the block's metric
+    sums to `model.preference_sums` (the loop reads and resets them per step). The reference's log-probs come from
+    `reference` (a frozen model sharded like the policy: method full), else, for a PEFT model, from the same model
+    with its adapter off (`disable_adapter`, no copy: method lora); reference-free losses ask for none."""
+    attach_sequence_logps(model, chunk_tokens)
+    if reference is not None:
+        attach_sequence_logps(reference, chunk_tokens)
+    model.preference_sums = PreferenceSums()
+
+    def reference_logps(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            if reference is not None:
+                return reference.sequence_logps(**inputs)
+            with model.disable_adapter():  # PEFT's public switch: the base alone is the reference
+                return model.sequence_logps(**inputs)
+
+    def loss_sum(self, **inputs):
+        if "pairs" not in inputs:  # a rank-balancing padding block: no pair, still every collective
+            cu = inputs["cu_seq_lens_q"]
+            inputs = {**inputs, "pairs": cu.new_zeros((0, 2), dtype=torch.int64), "num_segments": cu.numel() - 1}
+        pairs = inputs["pairs"]
+        policy = SideLogps.of_block(*self.sequence_logps(**inputs), pairs)
+        ref = SideLogps.of_block(*reference_logps(inputs), pairs) if cfg.needs_reference else None
+        summed, sums = pair_loss_sum(cfg, policy, ref)
+        self.preference_sums.add(sums)
+        return summed
+
+    model.loss_sum = types.MethodType(loss_sum, model)
+
+
+def preference_config(training) -> PreferenceConfig:
+    """The recipe's `training` section -> the loss and its knobs."""
+    p = training.preference
+    loss = {"dpo": "sigmoid"}.get(training.objective, training.objective)
+    return PreferenceConfig(loss=loss, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma,
+                            orpo_lambda=p.orpo_lambda)
 
 
 # ------------------------------------------------------------------------------------------ the losses
@@ -163,7 +210,7 @@ def pair_losses(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps |
         reward_c, reward_r, logp_c, logp_r = cfg.beta * mean_c, cfg.beta * mean_r, mean_c, mean_r
     elif cfg.loss == "orpo":
         log_odds = (mean_c - mean_r) - (_log1mexp(mean_c) - _log1mexp(mean_r))
-        losses = -cfg.orpo_lambda * F.logsigmoid(log_odds)
+        losses = -mean_c - cfg.orpo_lambda * F.logsigmoid(log_odds)
         reward_c, reward_r, logp_c, logp_r = cfg.orpo_lambda * mean_c, cfg.orpo_lambda * mean_r, mean_c, mean_r
     else:
         raise ValueError(f"preference loss {cfg.loss!r}; expected one of {', '.join(LOSSES)}")
@@ -178,48 +225,28 @@ def pair_losses(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps |
 
 @dataclass
 class PreferenceSums:
-    """What micro-batches add to a step: the pairs' summed loss, the chosen sides' summed NLL (ORPO), the
-    counts that normalize them, and the summed metrics (divide by `pairs` to log)."""
+    """What micro-batches add to a step: the pairs' summed loss, their count, and the summed metrics (divide by
+    `pairs` to log)."""
 
     loss: float = 0.0
-    nll: float = 0.0
     pairs: int = 0
-    chosen_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRICS, 0.0))
 
     def add(self, other: PreferenceSums) -> None:
         self.loss += other.loss
-        self.nll += other.nll
         self.pairs += other.pairs
-        self.chosen_tokens += other.chosen_tokens
         for k, v in other.metrics.items():
             self.metrics[k] += v
-
-    def objective(self, cfg: PreferenceConfig) -> float:
-        """The step's loss L from global sums (module docstring)."""
-        loss = self.loss / max(self.pairs, 1)
-        if cfg.needs_chosen_nll:
-            loss += self.nll / max(self.chosen_tokens, 1)
-        return loss
 
     def means(self) -> dict[str, float]:
         return {k: v / max(self.pairs, 1) for k, v in self.metrics.items()}
 
 
-def micro_batch_loss(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps | None,
-                     global_pairs: int, global_chosen_tokens: int, world_size: int = 1
-                     ) -> tuple[torch.Tensor, PreferenceSums]:
-    """The tensor to backpropagate for one micro-batch, W * (S / P [+ NLL / N_c]) (module docstring), and its
-    sums. `global_*`: the step's counts over every rank and micro-batch."""
+def pair_loss_sum(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps | None
+                  ) -> tuple[torch.Tensor, PreferenceSums]:
+    """S: the summed loss of a micro-batch's pairs (the step scales it by W / P, module docstring), and its sums."""
     losses, metrics = pair_losses(cfg, policy, reference)
     summed = losses.sum()
-    scaled = summed * (world_size / max(global_pairs, 1))
-    nll = -policy.chosen.sum()
-    if cfg.needs_chosen_nll:
-        scaled = scaled + nll * (world_size / max(global_chosen_tokens, 1))
-    sums = PreferenceSums(
-        loss=float(summed.detach()), nll=float(nll.detach()), pairs=int(losses.numel()),
-        chosen_tokens=int(policy.chosen_tokens.sum()),
-        metrics={k: float(v.sum()) for k, v in metrics.items()},
-    )
-    return scaled, sums
+    sums = PreferenceSums(loss=float(summed.detach()), pairs=int(losses.numel()),
+                          metrics={k: float(v.sum()) for k, v in metrics.items()})
+    return summed, sums
