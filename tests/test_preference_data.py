@@ -225,3 +225,16 @@ def test_no_usable_pair_stops_in_one_line(tmp_path):
     sft_rows = _recipe(tmp_path, [{"messages": [USER, say("13.")]}])
     with pytest.raises(UserError, match="needs .prompt, chosen, rejected. rows"):
         pipeline.prepare(DataSpec(recipe.name, sft_rows.data, pairs=True), load_tokenizer(recipe))
+
+
+def test_pack_preview_names_each_segments_pair_and_side(tmp_path):
+    from typer.testing import CliRunner
+
+    from ftcli.cli import app
+
+    res = CliRunner().invoke(app, ["pack-preview", "-r", "tiny-dpo-cpu", "--set", f"data.cache_dir={tmp_path}",
+                                   "--set", "eval=null", "--set", "data.max_examples=40"])
+    assert res.exit_code == 0, res.output
+    for side in ("0 (pair 0 chosen)", "1 (pair 0 rejected)", "⟦segment 1 (pair 0 rejected)⟧"):
+        assert side in res.output
+    assert "preference (auto: " in res.output  # the summary names the form the rows were detected in

@@ -26,6 +26,7 @@ from ftcli.train.preference import (
     PreferenceConfig,
     PreferenceSums,
     SideLogps,
+    attach_preference_loss,
     pair_loss_sum,
     sequence_logps,
 )
@@ -331,6 +332,33 @@ def test_orpo_step_equals_trl_orpo_trainer(tmp_path):
     model = tiny_model("llama")
     ours = _ftcli_step(model, PreferenceConfig("orpo", orpo_lambda=0.25), blk)
     _assert_trl_batch_step(ours, model, ORPOTrainer, _args(tmp_path, ORPOConfig, beta=0.25), tok, pairs)
+
+
+def test_lora_reference_is_the_base_with_the_adapter_off():
+    """Method lora's reference (no copy): the PEFT model with its adapter disabled gives the base model's log-probs,
+    and the adapter is on again after; the DPO loss equals the one computed against a separate base model."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = tokenizer("tokenizer-llama3")
+    blk = packed_block(tok, encoded_pairs(tok))
+    base = tiny_model("llama")
+    separate_base = copy.deepcopy(base)
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    policy = peft.get_base_model()
+    cfg = PreferenceConfig("sigmoid", beta=BETA)
+    attach_preference_loss(policy, cfg, CHUNK, adapter_off=peft.disable_adapter)
+    attn, _ = kernels.enable_packed_kernels("llama", "cpu")
+    policy.set_attn_implementation(attn)
+    separate_base.set_attn_implementation(attn)
+    inputs = block_to_model_inputs(blk)
+    with torch.no_grad():
+        got = float(policy.loss_sum(**inputs))
+        pairs = inputs["pairs"]
+        mine = SideLogps.of_block(*packed_logps(policy, "llama", blk), pairs)
+        ref = SideLogps.of_block(*packed_logps(separate_base, "llama", blk), pairs)
+        want, _ = pair_loss_sum(cfg, mine, ref)
+    assert (mine.chosen - ref.chosen).abs().max() > 1e-3  # the adapter moves the log-probs: the check has teeth
+    assert abs(got - float(want)) <= 1e-5 and policy.preference_sums.pairs == 4
 
 
 # ------------------------------------------------------------------------------ global normalization

@@ -11,6 +11,7 @@ from ftcli import hardware
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraTraining, Recipe
 from ftcli.estimate import memory
+from ftcli.objectives import objective_of
 from ftcli.families import FAMILIES, find_family
 from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
@@ -76,7 +77,7 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
-                          speed=speed_settings(recipe))
+                          speed=speed_settings(recipe), reference=objective_of(t).reference_model)
 
 
 def grouped_expert_lora(recipe: Recipe) -> bool:

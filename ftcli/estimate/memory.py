@@ -138,6 +138,9 @@ class Setting:
     # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft): every forward folds
     # W + s·A·B into a new expert-weight-sized tensor that autograd keeps for backward, one per stored layer
     merged_experts: bool = False
+    # a frozen reference model beside the policy (the dpo/ipo objectives, method full): its params in the param
+    # dtype, sharded like the policy's; no grads or optimizer state (its forward runs under no_grad)
+    reference: bool = False
     # speed settings (fit.speed_settings: fp8, compile, fused ops; LoRA's compile): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
@@ -228,7 +231,9 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     reduce_phase = 4 * shape.root_params + bf16_grads
     step_phase = activations + loss + bf16_grads
     other = bf16_grads + max(0.0, reduce_phase - step_phase)
-    return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes) / w / GiB, grads=p * master / w / GiB,
+    reference = (p + shape.frozen_params) * s.compute_bytes if s.reference else 0
+    return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes + reference) / w / GiB,
+                    grads=p * master / w / GiB,
                     optimizer=2 * p * master / w / GiB, activations=activations / GiB, loss=loss / GiB,
                     other=other / GiB)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -124,22 +125,24 @@ def attach_sequence_logps(model: nn.Module, chunk_tokens: int) -> None:
 
 
 def attach_preference_loss(model: nn.Module, cfg: PreferenceConfig, chunk_tokens: int,
-                           reference: nn.Module | None = None) -> None:
-    """Give the model `loss_sum(**block inputs)` -> S, the summed pair loss of one preference block (what
+                           reference: nn.Module | None = None, adapter_off: Callable | None = None) -> None:
+    """Give the model (a CausalLM) `loss_sum(**block inputs)` -> S, the summed pair loss of one preference block (what
     ftcli.train.loss.attach_loss gives for SFT, so the loop and the eval call it alike), adding the block's metric
     sums to `model.preference_sums` (the loop reads and resets them per step). The reference's log-probs come from
-    `reference` (a frozen model sharded like the policy: method full), else, for a PEFT model, from the same model
-    with its adapter off (`disable_adapter`, no copy: method lora); reference-free losses ask for none."""
+    `reference` (a frozen model sharded like the policy: method full), else from the same model inside
+    `adapter_off()` (PEFT's `disable_adapter` of the model's PeftModel: the base with the adapter off, no copy: method
+    lora); reference-free losses ask for none."""
     attach_sequence_logps(model, chunk_tokens)
     if reference is not None:
         attach_sequence_logps(reference, chunk_tokens)
+    assert reference is not None or adapter_off is not None or not cfg.needs_reference, "no reference for " + cfg.loss
     model.preference_sums = PreferenceSums()
 
     def reference_logps(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             if reference is not None:
                 return reference.sequence_logps(**inputs)
-            with model.disable_adapter():  # PEFT's public switch: the base alone is the reference
+            with adapter_off():
                 return model.sequence_logps(**inputs)
 
     def loss_sum(self, **inputs):
