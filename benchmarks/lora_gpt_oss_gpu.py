@@ -208,13 +208,13 @@ def run_mode(mode: str, args, work: Path) -> dict:
     from ftcli.model.build import load_model
     from ftcli.model.moe_lora import grouped_experts_forward
     from ftcli.model.mxfp4_lora import kept_mxfp4_bytes
-    from ftcli.train.lora.trainer import _attn_implementation, build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import _attn_implementation, build_trainer, sft_config_kwargs, training_blocks
 
     recipe = mode_recipe(mode, args, work)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     attn = _attn_implementation(recipe, device)
     tokenizer = data.load_tokenizer(recipe)
-    rows = training_rows(recipe, tokenizer)
+    rows = training_blocks(recipe, tokenizer)
 
     torch.manual_seed(0)
     if device.type == "cuda":

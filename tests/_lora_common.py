@@ -30,15 +30,18 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | No
 
 
 def packed_row(rng: np.random.Generator, segment_lengths: list[int], trained_fraction: float, vocab: int = 700):
-    """One packed block: segments end to end, the last `trained_fraction` of every segment trained."""
-    ids, labels, pos = [], [], []
+    """One packed block (`ftcli.data.Block`): segments end to end, the last `trained_fraction` of every segment
+    trained."""
+    from ftcli.data import make_block
+
+    ids, trained = [], []
     for n in segment_lengths:
-        seg = rng.integers(20, vocab, size=n)
-        lab = np.full(n, -100)
-        first_trained = max(1, int(round(n * (1 - trained_fraction))))
-        lab[first_trained:] = seg[first_trained:]
-        ids.append(seg), labels.append(lab), pos.append(np.arange(n))
-    return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels), "position_ids": np.concatenate(pos)}
+        ids.append(rng.integers(20, vocab, size=n))
+        mask = np.zeros(n, dtype=bool)
+        mask[max(1, int(round(n * (1 - trained_fraction)))):] = True
+        trained.append(mask)
+    ids = np.concatenate(ids)
+    return make_block(ids, np.concatenate(trained), segment_lengths, len(ids), pad_id=0)
 
 
 def run_ftcli(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

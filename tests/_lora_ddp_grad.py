@@ -18,7 +18,6 @@ from _lora_common import packed_row, tiny_model, tiny_recipe  # noqa: E402
 
 
 def main(out: Path, accepts_loss_kwargs: bool) -> None:
-    import datasets
     from peft import get_peft_model
     from transformers import AutoTokenizer, GptOssForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -26,7 +25,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     from ftcli.model.kernels import enable_packed_kernels
     from ftcli.train.loss import count_trained_tokens
     from ftcli.config.recipe import resolve_path
-    from ftcli.train.lora.trainer import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
+    from ftcli.train.lora.trainer import BlockCollator, block_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
     from test_lora_loss import _token_mean_grads
 
     if not accepts_loss_kwargs:
@@ -40,12 +39,17 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     model = tiny_model(attn=attn)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, data_collator=collate_rows, processing_class=tok,
+    trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(rows), data_collator=BlockCollator(rows), processing_class=tok,
                          peft_config=lora_config(recipe, model))
-    normalize_loss_by_tokens(trainer)
+    normalize_loss_by_tokens(trainer)  # and ftcli's loss, as build_trainer
+    from ftcli.objectives import OBJECTIVES
+    from ftcli.train.lora.callbacks import ObjectiveLoss
+    from ftcli.train.lora.trainer import use_objective_loss
+
+    use_objective_loss(trainer, OBJECTIVES["sft"])
+    trainer.add_callback(ObjectiveLoss(64, OBJECTIVES["sft"]))
     torch.manual_seed(1)  # the same nonzero adapters on both ranks
     for p in trainer.model.parameters():
         if p.requires_grad:
@@ -69,7 +73,9 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
         ref_model.load_state_dict(state)
         ref = _token_mean_grads(ref_model, rows)
         worst = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
-        (out / "result.json").write_text(json.dumps({"max_rel_diff": worst, "rank0_trained_tokens": trained}))
+        logged = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]  # one step: its loss
+        (out / "result.json").write_text(json.dumps({"max_rel_diff": worst, "rank0_trained_tokens": trained,
+                                                     "logged_loss": logged, "token_mean_loss": _token_mean_grads.loss}))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def eval_run(out: Path, sharding: str) -> None:
     from ftcli.train.distributed import rank0_first
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.model.kernels import enable_packed_kernels
-    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
 
     torch.set_num_threads(1)
     run_dir = out / sharding
@@ -54,7 +54,7 @@ def eval_run(out: Path, sharding: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     tok = rank0_first(lambda: data.load_tokenizer(recipe))
-    rows = rank0_first(lambda: training_rows(recipe, tok))
+    rows = training_blocks(recipe, tok, rank0_first)
     evaluator = Evaluator(prepare_eval(recipe, tok, rank0_first), args.process_index, args.world_size,
                           torch.device("cpu"))
     trainer, step_log = build_trainer(recipe, tiny_model(attn=attn), tok, rows, args, evaluator=evaluator,

@@ -7,7 +7,7 @@ run of tests/_lora_fsdp_eval_worker.py) or a spec of `step` (default fp32). Rank
 full tensors under FSDP2), OUT/adapter-TAG.pt, the adapter after the run, OUT/sharded-TAG.json, whether each base
 weight was sharded, and OUT/loss-TAG.json: the logged losses, how many forwards went through the grouped expert
 GEMMs (`GroupedLoraMatmul`) and, for bf16 (the model and the run bfloat16: FSDP2 mixed precision, one step), ftcli's
-eval loss sum after the step (`attach_eval_loss`) on each of the four blocks."""
+eval loss sum after the step (`attach_loss_sum`) on each of the four blocks."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ def step(out: Path, sharding: str, spec: str) -> None:
     the tiny gpt-oss), `+peft` (lora.experts=peft: PEFT's folded expert LoRA, else the grouped one) and `+ac`
     (training.activation_checkpointing=full). On one rank (no torchrun) grad_accum is 4: the same four blocks per
     step."""
-    import datasets
     from torch.distributed.tensor import DTensor
     from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig
@@ -76,12 +75,11 @@ def step(out: Path, sharding: str, spec: str) -> None:
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels(recipe.model.model_type, "cpu")
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     torch.manual_seed(0)
     model = load_model(recipe.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                        attn_implementation=attn)
-    trainer, _ = build_trainer(recipe, model, tok, ds, args)
+    trainer, _ = build_trainer(recipe, model, tok, rows, args)
     torch.manual_seed(1)  # the same nonzero adapters on both ranks and in every run
     for p in trainer.model.parameters():
         if p.requires_grad:
@@ -110,12 +108,12 @@ def step(out: Path, sharding: str, spec: str) -> None:
                for n, p in trainer.model.named_parameters() if p.requires_grad}
     evals = []
     if dtype == "bf16":  # the eval loss after the step, on every block, every rank taking part (FSDP gathers)
-        from ftcli.train.lora.callbacks import attach_eval_loss
-        from ftcli.train.lora.trainer import collate_rows
+        from ftcli.train.lora.callbacks import attach_loss_sum
+        from ftcli.train.lora.trainer import collate_blocks
 
-        attach_eval_loss(trainer.model, 64)
+        attach_loss_sum(trainer.model, 64)
         with torch.no_grad():
-            sums = [trainer.model.loss_sum(**collate_rows([r])) for r in rows]
+            sums = [trainer.model.loss_sum(**collate_blocks([r])) for r in rows]
         evals = [{"dtype": str(x.dtype), "value": float(x)} for x in sums]
     if args.process_index == 0:
         tag = f"{sharding if world > 1 else '1rank'}-{spec}"

@@ -261,3 +261,48 @@ def test_nothing_imports_a_command_but_the_cli():
                  if _room(name) not in ("commands", "cli", "__main__")
                  for target in _imports(name, path, known) if _room(target) == "commands"]
     assert offenders == []
+
+
+# ------------------------------------------------------------------ objectives and methods have a room
+# Where `method` / `objective` may still be compared with a name, and why: the schema (config/ is the bottom of the
+# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining, and a rule
+# between sections (model.quantization=mxfp4 needs LoRA).
+BRANCHING_ALLOWED = {"ftcli.config.recipe"}
+AXES = ("method", "objective")
+
+
+def _axis(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in AXES) or (isinstance(node, ast.Attribute) and node.attr in AXES)
+
+
+def _names_a_value(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return True
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_value(e) for e in node.elts)
+
+
+def axis_branches(name: str, source: str) -> list[str]:
+    """'module:line' wherever `source` compares a training method or objective with a name (`x.method == "lora"`,
+    `objective in ("dpo", ...)`, either side) instead of asking its record (ftcli.objectives)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_axis(s) for s in sides) and any(_names_a_value(s) for s in sides):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_the_rooms_branches_on_method_or_objective():
+    """Every consumer asks the Method / Objective record (writes_adapter, trains_base, checkpoint_kind, count, ...);
+    only ftcli/objectives/ and the schema compare the names."""
+    found = [hit for name, path in _modules().items()
+             if not name.startswith("ftcli.objectives") and name not in BRANCHING_ALLOWED
+             for hit in axis_branches(name, path.read_text())]
+    assert found == []
+
+
+def test_axis_walker_sees_comparisons_either_side():
+    source = ('a = recipe.training.method == "lora"\nb = "full" != run.method\nc = objective in ("sft", "dpo")\n'
+              'd = quant_method == "mxfp4"\ne = method_of(t).writes_adapter\n')
+    assert axis_branches("m", source) == ["m:1", "m:2", "m:3"]

@@ -27,8 +27,13 @@ def gpu(card=H200, n=8, capability=(9, 0), fla=True, flex=True, **versions) -> M
                    ram_bytes=2 * 10**12, importable=frozenset({"fla"} if fla else ()), flex=flex)
 
 
+LOCK = compat.read_constraints(ROOT / "constraints" / "cpu.txt")  # dev/CI's lock: the CPU matrix
+
+
 def cpu(ram_gib=24) -> Machine:
-    return Machine(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30)
+    """A CPU machine with the locked torch and transformers."""
+    return Machine(versions={"torch": f"{LOCK['torch']}+cpu", "transformers": LOCK["transformers"]},
+                   ram_bytes=ram_gib * 2**30)
 
 
 def check(recipe, here, name_start) -> compat.Problem:
@@ -94,16 +99,20 @@ def test_versions_outside_the_tested_matrix():
     off = compat.matrix_check(gpu(H100, transformers="5.20.0", triton="3.7.1"), directory)
     assert off.status == WARN
     assert off.detail == ("outside constraints/gpu-h100.txt: triton 3.7.1 (tested 3.6.*), "
-                          "transformers 5.20.0 (tested 5.24.0)")
+                          "transformers 5.20.0 (tested 5.24.0); the checks still apply, but these releases are untested: pin "
+                          "them with pip install -c constraints/gpu-h100.txt")
     assert compat.matrix_check(gpu(B300), directory).detail.startswith("no tested matrix for NVIDIA B300")
-    assert compat.matrix_check(cpu(), directory).detail == "within constraints/cpu.txt (2 pins)"
+    assert compat.matrix_check(cpu(), directory).detail == f"within constraints/cpu.txt ({len(LOCK)} pins)"
     built = compat.matrix_check(gpu(**{"flash-attn": "2.8.3.post2", "causal-conv1d": "1.7.0"}), directory)
     assert built.status == OK and built.detail == "within constraints/gpu-h200.txt (10 pins)"
     older = compat.matrix_check(gpu(**{"flash-attn": "2.7.4.post1", "causal-conv1d": "1.5.2"}), directory)
     assert older.detail == ("outside constraints/gpu-h200.txt: causal-conv1d 1.5.2 (tested 1.7.0), "
-                            "flash-attn 2.7.4.post1 (tested 2.8.3.post2)")
+                            "flash-attn 2.7.4.post1 (tested 2.8.3.post2); the checks still apply, but these releases "
+                            "are untested: pin them with pip install -c constraints/gpu-h200.txt")
     bad_cpu = Machine(versions={"torch": "2.12.1"})
-    assert compat.matrix_check(bad_cpu, directory).detail == "outside constraints/cpu.txt: torch 2.12.1 (tested 2.13.0)"
+    assert compat.matrix_check(bad_cpu, directory).detail == (
+        f"outside constraints/cpu.txt: torch 2.12.1 (tested {LOCK['torch']}); the checks still apply, but these "
+        "releases are untested: pin them with pip install -c constraints/cpu.txt")
 
 
 def test_a_cpu_machine_cannot_run_the_gpu_recipes_but_runs_the_tiny_ones():

@@ -12,7 +12,7 @@ import pytest
 
 from ftcli import hardware
 
-from ftcli.model import kernels
+from ftcli.model import compat, kernels
 from ftcli.commands.doctor import FAIL, NA, OK, WARN, Check, doctor_checks, run_doctor
 from ftcli.config.recipe import load_recipe
 
@@ -145,8 +145,13 @@ def test_vlm_lora_checks():
 KEEP0 = ["training.activation_checkpointing_keep=0"]
 
 
+LOCK = compat.read_constraints(compat.constraints_dir() / "cpu.txt")  # dev/CI's lock: the CPU matrix
+
+
 def cpu_here(ram_gib=24):
-    return kernels.Machine(versions={"torch": "2.13.0+cpu", "transformers": "5.24.0"}, ram_bytes=ram_gib * 2**30)
+    """This CPU machine with the locked torch and transformers."""
+    versions = {"torch": f"{LOCK['torch']}+cpu", "transformers": LOCK["transformers"]}
+    return kernels.Machine(versions=versions, ram_bytes=ram_gib * 2**30)
 
 
 def test_a_cpu_machine_cannot_run_qwen_b300_but_kernels_are_correct():
@@ -213,9 +218,35 @@ def test_doctor_text_says_kernels_and_fit_separately(capsys):
 
 
 # ------------------------------------------------------------------------------ fast, and honest about it
-def _imported_by(args: list[str]) -> tuple[int, str, set[str]]:
-    """Run `python -X importtime -m ftcli ARGS`: exit code, stdout, and every module it imported."""
-    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "ftcli", *args], capture_output=True, text=True,
+# A transformers release in the tested matrix (constraints/gpu-h200.txt), and one outside it: the tests fake the
+# installed version (package metadata) instead of depending on what pip installed that day.
+IN_MATRIX, OUTSIDE = "5.24.0", "9.0.0"
+_FAKE_VERSION = """
+import importlib.metadata as m, sys
+real = m.version
+m.version = lambda dist: {fake!r} if dist == "transformers" else real(dist)
+sys.argv = ["ftcli", *{args!r}]
+from ftcli.cli import run
+run()
+"""
+
+
+@pytest.fixture
+def transformers_version(monkeypatch):
+    """Call with a version: package metadata says that transformers release is installed."""
+    real = importlib.metadata.version
+
+    def fake(installed: str) -> None:
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda dist: installed if dist == "transformers" else real(dist))
+    return fake
+
+
+def _imported_by(args: list[str], transformers: str = IN_MATRIX) -> tuple[int, str, set[str]]:
+    """Run `ftcli ARGS` under `python -X importtime` with `transformers` as the installed release's version: exit code,
+    stdout, and every module it imported."""
+    code = _FAKE_VERSION.format(fake=transformers, args=args)
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "300"})
     modules = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
     assert "ftcli.cli" in modules  # the parse saw the imports
@@ -236,6 +267,32 @@ def test_json_paths_import_neither_torch_nor_transformers(args, code):
     assert not ({"torch", "transformers.modeling_utils"} if samples else {"torch", "transformers"}) & modules
 
 
+@pytest.mark.skipif(hardware.gpu_probe()[0], reason="a GPU driver is here: doctor rightly asks torch about the GPUs")
+def test_a_transformers_outside_the_matrix_is_imported_and_said_so():
+    """A newer transformers than the tested matrix: doctor imports it for the checks that read it (the recorded facts
+    are only known to hold for tested releases), says why in one line (text and JSON), and exits as before."""
+    returncode, out, modules = _imported_by(["doctor", "--json", "-r", "tiny-qwen-cpu"], transformers=OUTSIDE)
+    data = json.loads(out)
+    assert returncode == 0 and data["verdict"] == "recipe tiny-qwen-cpu can run correctly here"
+    assert "transformers.models.auto.configuration_auto" in modules and data["version_based_because"] is None
+    assert data["transformers_imported_because"] == (
+        f"transformers {OUTSIDE} is outside the tested matrix (constraints/*.txt): the checks that read it imported "
+        "it (torch too, a few seconds) instead of trusting facts recorded for tested releases")
+    assert not any(c["version_based"] for c in data["checks"])
+    matrix = next(c for c in data["checks"] if c["name"] == "versions vs the tested matrix")
+    assert matrix["status"] == WARN and matrix["detail"] == (
+        f"outside constraints/cpu.txt: transformers {OUTSIDE} (tested {LOCK['transformers']}); the checks still apply, but these "
+        "releases are untested: pin them with pip install -c constraints/cpu.txt")
+
+
+def test_doctor_text_says_when_transformers_is_outside_the_matrix(capsys, transformers_version):
+    transformers_version(OUTSIDE)
+    assert run_doctor() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith(f"transformers {OUTSIDE} is outside the tested matrix (constraints/*.txt): the checks")
+    assert not any(line.startswith("version-based, nothing imported") for line in lines)
+
+
 @pytest.mark.skipif(hardware.gpu_probe()[0], reason="a GPU driver is here")
 def test_doctor_json_says_which_checks_were_version_based():
     returncode, out, _ = _imported_by(["doctor", "--json"])
@@ -243,8 +300,9 @@ def test_doctor_json_says_which_checks_were_version_based():
     assert returncode == 0 and data["deep"] is False and data["gpu"] == "none"
     assert data["gpu_source"].endswith("; torch not imported")
     assert data["version_based_because"] == (
-        f"transformers {importlib.metadata.version('transformers')} is in the tested matrix "
+        f"transformers {IN_MATRIX} is in the tested matrix "
         "(constraints/gpu-h200.txt): its recorded facts are used, ftcli doctor --deep imports it")
+    assert data["transformers_imported_because"] is None
     assert [c["name"] for c in data["checks"] if c["version_based"]] == [
         "packing keeps segments apart (qwen3_5)", "VLM loss across grad accumulation"]
     import torch  # read from torch/version.py there, without importing torch
@@ -256,20 +314,23 @@ def test_deep_imports_and_finds_what_was_recorded():
     """The recorded transformers facts are what importing the installed (tested) transformers says."""
     from ftcli.commands.doctor import RECORDED_TRANSFORMERS, Transformers
 
-    assert Transformers().version_based  # the installed transformers is in the tested matrix
     imported = Transformers(deep=True)
     assert not imported.version_based
-    assert imported.qwen35_missing_globals() == list(RECORDED_TRANSFORMERS["qwen35_missing_globals"]) == []
-    assert {t: imported.vlm_class(t) for t in RECORDED_TRANSFORMERS["vlm_classes"]} == \
-        RECORDED_TRANSFORMERS["vlm_classes"]
+    if Transformers().version_based:  # the installed release is in the matrix: what is recorded must hold for it
+        assert imported.qwen35_missing_globals() == list(RECORDED_TRANSFORMERS["qwen35_missing_globals"]) == []
+        assert {t: imported.vlm_class(t) for t in RECORDED_TRANSFORMERS["vlm_classes"]} == \
+            RECORDED_TRANSFORMERS["vlm_classes"]
+    else:  # outside the matrix nothing recorded is used: every answer comes from the import
+        assert Transformers().basis.startswith(f"transformers {imported.version} is outside the tested matrix")
     from ftcli.train.lora.trainer import normalize_loss_by_tokens  # the VLM check's "ftcli's LoRA path divides" holds
 
     assert callable(normalize_loss_by_tokens)
 
 
-def test_deep_report_equals_the_version_based_one_but_for_the_flags():
+def test_deep_report_equals_the_version_based_one_but_for_the_flags(transformers_version):
     from ftcli.commands.doctor import doctor_report, read_machine
 
+    transformers_version(IN_MATRIX)
     for name in (None, "qwen-b300", "tiny-qwen-cpu"):
         recipe = load_recipe(name) if name else None
         fast, deep = read_machine(), read_machine(deep=True)
@@ -277,7 +338,7 @@ def test_deep_report_equals_the_version_based_one_but_for_the_flags():
         b = doctor_report(recipe, deep, deep=True).to_dict()
         assert b["deep"] and not any(c["version_based"] for c in b["checks"]) and b["version_based_because"] is None
         for report in (a, b):
-            for key in ("deep", "version_based_because", "gpu_source"):  # how the GPUs were found differs
+            for key in ("deep", "version_based_because", "transformers_imported_because", "gpu_source", "versions"):
                 report.pop(key)
             for c in report["checks"]:
                 c.pop("version_based")
@@ -316,7 +377,8 @@ def test_report_json_exact():
     versions = {"torch": "2.13.0+cpu", "transformers": "5.24.0"}
     from dataclasses import replace
 
-    report = doctor_report(load_recipe("tiny-qwen-cpu"), replace(cpu_here(), gpu_source="no nvidia-smi: no GPU"),
+    here = cpu_here()
+    report = doctor_report(load_recipe("tiny-qwen-cpu"), replace(here, gpu_source="no nvidia-smi: no GPU"),
                            versions, tf=Transformers(installed="5.24.0"))
 
     def check(name, status, detail, blocks=False, version_based=False):
@@ -340,25 +402,27 @@ def test_report_json_exact():
             check("LoRA all-linear reaching a vision tower", NA, "not a LoRA run of a VLM class"),
             check("fp8 and fused ops", NA, "the recipe uses neither training.precision.fp8 nor training.fused_ops"),
             check("MoE expert LoRA kernels", NA, "no MoE expert LoRA through lora.experts=grouped in this recipe"),
-            check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, "transformers 5.24.0"),
+            check("transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)", OK, f"transformers {LOCK['transformers']}"),
             check("Blackwell gated-delta NaN gradients (fla-org/flash-linear-attention#913)", NA, "capability -"),
             check("fla on a GPU machine (Qwen3.5 gated delta)", NA, "no GPU"),
             check("gpt-oss packed attention keeps the sinks", NA, "no packed gpt-oss blocks in this recipe"),
-            check("versions vs the tested matrix", OK, "within constraints/cpu.txt (2 pins)"),
+            check("versions vs the tested matrix", OK, f"within constraints/cpu.txt ({len(LOCK)} pins)"),
             check("GPUs vs compute.accelerator_type", NA, "no GPU: 2 CPU processes instead of GPU_1xA10")],
         "version_based_because": "transformers 5.24.0 is in the tested matrix (constraints/gpu-h200.txt): its "
                                  "recorded facts are used, ftcli doctor --deep imports it",
+        "transformers_imported_because": None,
         "recipe": "tiny-qwen-cpu", "kernels_correct_here": True,
         "kernels_detail": "every packed op has a correct backend and no known-bad combination applies",
         "fits_here": True, "fits_detail": "~0.2 GiB of 22.1 GiB RAM usable (2 CPU processes)", "exit_code": 0,
         "verdict": "recipe tiny-qwen-cpu can run correctly here"}
 
 
-def test_doctor_text_names_the_version_based_checks(capsys):
+def test_doctor_text_names_the_version_based_checks(capsys, transformers_version):
+    transformers_version(IN_MATRIX)
     assert run_doctor() == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == ("version-based, nothing imported: packing keeps segments apart (qwen3_5); VLM loss across "
-                         f"grad accumulation (transformers {importlib.metadata.version('transformers')} is in the "
+                         f"grad accumulation (transformers {IN_MATRIX} is in the "
                          "tested matrix (constraints/gpu-h200.txt): its recorded facts are used, ftcli doctor --deep "
                          "imports it)")
 

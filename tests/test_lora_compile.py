@@ -14,7 +14,6 @@ from _lora_common import packed_row, tiny_recipe
 def _train(tmp_path, compile_setting: str):
     """Two optimizer steps of the gpt-oss-h100 LoRA (all-linear, dropout 0.05, experts frozen) on the tiny gpt-oss;
     returns (losses, adapter state dict, the saved adapter's tensor names)."""
-    import datasets
     from trl import SFTConfig
     from transformers import AutoTokenizer
 
@@ -29,14 +28,13 @@ def _train(tmp_path, compile_setting: str):
                          "model.config_overrides.layer_types=[sliding_attention]")  # one layer: fewer graphs to build
     rng = np.random.default_rng(0)
     rows = [packed_row(rng, [70, 58], 0.5) for _ in range(2)]  # the same segment and trained counts: no recompile
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     kwargs = sft_config_kwargs(recipe, tmp_path)
     kwargs.update(disable_tqdm=True, use_cpu=True, logging_steps=1)
     torch.manual_seed(0)
     model = load_model(recipe.model, attn_implementation="ftcli_eager_segments")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     torch.manual_seed(0)
-    trainer, _ = build_trainer(recipe, model, tok, ds, SFTConfig(**kwargs))
+    trainer, _ = build_trainer(recipe, model, tok, rows, SFTConfig(**kwargs))
     trainer.train()
     trainer.save_model(str(tmp_path / "adapter"))
     with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
@@ -86,7 +84,7 @@ def test_flex_sinks_layer_compiles_without_a_break_when_masks_are_built_ahead(mo
 
     from ftcli.model.build import decoder_layers, load_model
     from ftcli.model.kernels import Backend, block_masks_ahead, install_backends
-    from ftcli.train.lora.trainer import collate_rows, lora_config
+    from ftcli.train.lora.trainer import collate_blocks, lora_config
 
     recipe = tiny_recipe("lora.target_parameters=[]", "lora.dropout=0.05")
     attn = install_backends("gpt_oss", [Backend("attention", "flex_sinks", "forward check on CPU")])
@@ -94,7 +92,7 @@ def test_flex_sinks_layer_compiles_without_a_break_when_masks_are_built_ahead(mo
     base = load_model(recipe.model, attn_implementation=attn)
     model = get_peft_model(base, lora_config(recipe, base)).eval()
     rng = np.random.default_rng(1)
-    batch = collate_rows([packed_row(rng, [50, 30, 48], 0.5)])
+    batch = collate_blocks([packed_row(rng, [50, 30, 48], 0.5)])
     batch.pop("labels")
     with torch.no_grad():
         eager = model(**batch).logits

@@ -24,22 +24,20 @@ def _rows():
 
 
 def _trainer(tmp_path, rows, model):
-    import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from ftcli.train.lora.trainer import collate_rows, lora_config, sft_config_kwargs
+    from ftcli.train.lora.trainer import BlockCollator, block_rows, lora_config, sft_config_kwargs
 
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
     kwargs = sft_config_kwargs(recipe, tmp_path)
     kwargs.update(disable_tqdm=True, logging_first_step=False)
-    ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]}).with_format("numpy")
     from transformers import AutoTokenizer
 
     from ftcli.config.recipe import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
-    return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=ds, data_collator=collate_rows,
+    return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=block_rows(rows), data_collator=BlockCollator(rows),
                       processing_class=tok, peft_config=lora_config(recipe, model))
 
 
@@ -57,18 +55,19 @@ def _reference_copy(trainer, attn):
 
 def _token_mean_grads(model, rows):
     """Reference: one backward of sum over both rows of token NLL / total trained tokens."""
-    from ftcli.train.lora.trainer import collate_rows
+    from ftcli.train.lora.trainer import collate_blocks
 
     model.zero_grad()
     total_loss, total_tokens = 0.0, 0
     for row in rows:
-        batch = collate_rows([row])
+        batch = collate_blocks([row])
         labels = batch.pop("labels")
         logits = model(**batch).logits[0, :-1].float()
         target = labels[0, 1:]
         total_loss = total_loss + F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
         total_tokens += int((target != -100).sum())
     (total_loss / total_tokens).backward()
+    _token_mean_grads.loss = float(total_loss / total_tokens)  # the step's loss, for the logged one
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -91,14 +90,18 @@ def _trainer_step_grads(trainer):
 def _worst_grad_diff_vs_token_mean(tmp_path, *, accepts_loss_kwargs: bool, normalize: bool) -> float:
     """One grad-accum step of the trainer vs the token-mean reference: max relative grad difference."""
     from ftcli.model.kernels import enable_packed_kernels
-    from ftcli.train.lora.trainer import normalize_loss_by_tokens
+    from ftcli.objectives import OBJECTIVES
+    from ftcli.train.lora.callbacks import ObjectiveLoss
+    from ftcli.train.lora.trainer import normalize_loss_by_tokens, use_objective_loss
 
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     rows = _rows()
     trainer = _trainer(tmp_path, rows, tiny_model(attn=attn))
     assert trainer.model_accepts_loss_kwargs is accepts_loss_kwargs
-    if normalize:
+    if normalize:  # as build_trainer: the token normalization and ftcli's loss
         normalize_loss_by_tokens(trainer)
+        use_objective_loss(trainer, OBJECTIVES["sft"])
+        trainer.add_callback(ObjectiveLoss(64, OBJECTIVES["sft"]))
     # LoRA B starts at zero, so give the adapters a nonzero state shared by both computations
     torch.manual_seed(1)
     for n, p in trainer.model.named_parameters():
@@ -107,6 +110,9 @@ def _worst_grad_diff_vs_token_mean(tmp_path, *, accepts_loss_kwargs: bool, norma
     ref = _token_mean_grads(_reference_copy(trainer, attn), rows)
     got = _trainer_step_grads(trainer)
     assert got.keys() == ref.keys() and len(got) > 0
+    if normalize:  # the logged loss is ftcli's global-token loss of the step (the full loop's algebra)
+        logged = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]  # one step: its loss
+        assert len(logged) == 1 and abs(logged[0] - _token_mean_grads.loss) < 1e-5 * _token_mean_grads.loss, logged
     return max(((got[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
 
 
@@ -149,3 +155,7 @@ def test_loss_normalized_by_global_tokens_across_2_ranks(tmp_path):
           f"rank 0 trained tokens per micro-batch: {result['rank0_trained_tokens']}")
     assert len(result["rank0_trained_tokens"]) == 2
     assert result["max_rel_diff"] < 1e-4
+    # the logged loss: ftcli's loss over the four blocks of both ranks / their trained tokens (one loss, the full
+    # loop's algebra), not a rank's or a micro-batch's mean
+    (logged,) = result["logged_loss"]
+    assert abs(logged - result["token_mean_loss"]) < 1e-5 * result["token_mean_loss"], result

@@ -214,7 +214,7 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
     from trl import SFTConfig
 
     from ftcli.data import load_tokenizer, prepare_blocks
-    from ftcli.train.lora.trainer import TOKENS_FILE, build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import TOKENS_FILE, build_trainer, sft_config_kwargs, training_blocks
 
     recipe = tiny_recipe("training.max_steps=3", "training.checkpoint.every_steps=null", "training.log_every=1",
                          "training.checkpoint.every_minutes=0.000001", "training.checkpoint.keep_last=5",
@@ -222,7 +222,7 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
     kwargs = sft_config_kwargs(recipe, tmp_path / "run")
     assert kwargs["save_strategy"] == "no"  # only the clock saves here
     tokenizer = load_tokenizer(recipe)
-    rows = training_rows(recipe, tokenizer)
+    rows = training_blocks(recipe, tokenizer)
     trainer, step_log = build_trainer(recipe, tiny_model(), tokenizer, rows,
                                       SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True),
                                       metrics_path=tmp_path / "metrics.jsonl")
@@ -279,7 +279,7 @@ def test_lora_logs_are_the_full_paths_step_lines_and_bar(tmp_path, capfd):
     from trl import SFTConfig
 
     from ftcli.data import load_tokenizer
-    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
 
     recipe = tiny_recipe("training.max_steps=3", "training.log_every=1", "training.checkpoint.enabled=false",
                          "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false",
@@ -287,7 +287,7 @@ def test_lora_logs_are_the_full_paths_step_lines_and_bar(tmp_path, capfd):
     kwargs = sft_config_kwargs(recipe, tmp_path / "run")
     assert kwargs["disable_tqdm"] is True
     tokenizer = load_tokenizer(recipe)
-    rows = training_rows(recipe, tokenizer)
+    rows = training_blocks(recipe, tokenizer)
     capfd.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

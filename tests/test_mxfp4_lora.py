@@ -247,7 +247,7 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
     from ftcli.data import load_tokenizer
     from ftcli.model.build import load_model
     from ftcli.model.moe_lora import GroupedLoraMatmul
-    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_rows
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
 
     losses, calls = {}, []
     forward = GroupedLoraMatmul.forward
@@ -259,7 +259,7 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
                              "data.max_length=256", "data.packing.block_len=256")  # short blocks: fast
         run_dir = tmp_path / quantization
         tokenizer = load_tokenizer(recipe)
-        trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_rows(recipe, tokenizer),
+        trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_blocks(recipe, tokenizer),
                                    SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
                                              use_cpu=True), metrics_path=run_dir / "metrics.jsonl")
         GroupedLoraMatmul.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))

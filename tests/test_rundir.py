@@ -66,7 +66,8 @@ def test_new_run_record_fills_the_common_part_and_reads_back(tmp_path):
     path = write_run_record(tmp_path, record)
     assert read_run_record(tmp_path) == record
     saved = json.loads(path.read_text())
-    assert list(saved) == ["ftcli_version", "method", "recipe", "model_dir", "base_model", "mlflow", "steps", "tokens",
+    assert saved["objective"] == "sft"  # run.json says what was optimized (ftcli.objectives)
+    assert list(saved) == ["ftcli_version", "method", "objective", "recipe", "model_dir", "base_model", "mlflow", "steps", "tokens",
                            "final_loss", "throughput", "status", "data", "eval_data", "evals", "best_step",
                            "best_eval_loss", "best_checkpoint", "best_model_dir", "stopped_early"]
     assert (saved["data"], saved["evals"], saved["best_step"], saved["best_model_dir"]) == (None, [], None, None)

@@ -42,6 +42,7 @@ from typing import Any
 
 from ftcli.config.errors import UserError
 from ftcli.families import find_family
+from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
 from ftcli.artifacts.tracking import first_line
@@ -78,7 +79,7 @@ def resolve_adapter(adapter_dir: Path) -> tuple[Path, Path | None, RunRecord | N
     run_dir = run_dir_holding(path.resolve())
     if run_dir is not None:
         run = read_run_record(run_dir)
-        if run.method != "lora":
+        if not method_of(run.method).writes_adapter:
             raise UserError(f"{run_dir} is a '{run.method}' run, not a LoRA run; there is nothing to merge")
     target = locate(path)
     if target.kind != "adapter" or not (target.model_dir / "adapter_config.json").is_file():

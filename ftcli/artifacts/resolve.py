@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE, RUN_JSON, RunRecord, read_run_record
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -143,7 +144,8 @@ def _target_of_run(path: Path, run_dir: Path, run: RunRecord, checkpoint: str) -
     if not path.resolve().is_relative_to(run_dir):
         raise UserError(f"{path} resolves to {path.resolve()}, outside the run dir {run_dir} (run.json "
                         f"model_dir={run.model_dir!r}); a run's model is read only from inside its run dir")
-    return Target(model_dir=path, kind="adapter" if run.method == "lora" else "checkpoint", run_dir=run_dir, run=run)
+    kind = "adapter" if method_of(run.method).writes_adapter else "checkpoint"
+    return Target(model_dir=path, kind=kind, run_dir=run_dir, run=run)
 
 
 def read_adapter_config(adapter: Path) -> dict[str, Any]:

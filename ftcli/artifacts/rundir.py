@@ -295,7 +295,8 @@ class RunRecord(_Record):
     generate read it (through `read_run_record`), never as a raw dict."""
 
     ftcli_version: str | None = None
-    method: Literal["full", "lora"]
+    method: Literal["full", "lora"]  # how it trained (ftcli.objectives.METHODS: method_of(run.method) says the rest)
+    objective: str = "sft"  # what it optimized (ftcli.objectives.OBJECTIVES); run.json of older runs: SFT
     recipe: dict[str, Any] = Field(default_factory=dict)  # the resolved recipe, secrets masked
     model_dir: str | None = FINAL  # relative to the run dir; None when no final model was exported
     base_model: BaseModelRecord = Field(default_factory=BaseModelRecord)
@@ -356,6 +357,7 @@ def new_run_record(recipe, *, method: Literal["full", "lora"], mlflow: dict | No
     m = recipe.model
     base = BaseModelRecord(id=m.id, revision=m.revision, init=m.init, config=m.config, model_type=m.model_type,
                            model_class=m.model_class, path=base_path)
-    return RunRecord(ftcli_version=__version__, method=method, recipe=saved_recipe(recipe), base_model=base,
+    return RunRecord(ftcli_version=__version__, method=method, objective=recipe.training.objective,
+                     recipe=saved_recipe(recipe), base_model=base,
                      mlflow=mlflow, **fields)
 

@@ -10,8 +10,10 @@ Fast without guessing: versions come from package metadata, GPUs from nvidia-smi
 two checks that would import transformers (and torch, ~3 s) answer from RECORDED_TRANSFORMERS when the
 installed transformers is in the tested matrix; each such check says so (`Check.version_based`, one line in
 the tables). Torch is imported only when a GPU driver is present (the backends depend on what torch sees
-there), for a transformers outside the matrix, or with `--deep` (everything imported). The checks are named
-functions, run in the order of CHECKS.
+there), for a transformers outside the matrix, or with `--deep` (everything imported). Outside the matrix (a
+release newer than the tested one, say) the report says so in one line (`transformers_imported_because` in the
+JSON, the last line of the text) and the "versions vs the tested matrix" check names every untested release. The
+checks are named functions, run in the order of CHECKS.
 
 Importing this module is free: torch, transformers and ftcli.model.kernels are imported inside the functions.
 """
@@ -22,6 +24,7 @@ import importlib.metadata
 from dataclasses import dataclass, replace
 
 from ftcli.families import FAMILIES, find_family
+from ftcli.objectives import method_of
 from ftcli import features
 
 OK, WARN, FAIL, NA = "ok", "warn", "FAIL", "n/a"
@@ -68,8 +71,20 @@ class Transformers:
         from ftcli.model import compat
 
         self.version = installed or version("transformers")
-        self.tested_in = None if deep else compat.tested_in("transformers", self.version)
-        self.version_based = self.tested_in is not None
+        self.tested_in = compat.tested_in("transformers", self.version)
+        self.version_based = self.tested_in is not None and not deep
+
+    @property
+    def basis(self) -> str:
+        """One line: why the checks that read transformers did or did not import it."""
+        if self.version_based:
+            return (f"transformers {self.version} is in the tested matrix ({self.tested_in}): its recorded facts are "
+                    "used, ftcli doctor --deep imports it")
+        if self.tested_in is None and self.version:
+            return (f"transformers {self.version} is outside the tested matrix (constraints/*.txt): the checks that "
+                    "read it imported it (torch too, a few seconds) instead of trusting facts recorded for tested "
+                    "releases")
+        return ""
 
     def qwen35_missing_globals(self) -> list[str]:
         from ftcli.model import kernels
@@ -103,7 +118,7 @@ def _is_qwen(recipe) -> bool:
 
 def _is_vlm_lora(recipe) -> bool:
     return (recipe is not None and recipe.model.model_class == "image_text_to_text"
-            and recipe.training.method == "lora")
+            and not method_of(recipe.training).trains_base)
 
 
 def check_fla_on_cpu(recipe, m, tf: Transformers) -> list[Check]:
@@ -263,7 +278,8 @@ class Report:
     gpu_source: str = ""  # how the GPUs were found (nvidia-smi, torch.cuda)
     torch_cuda: str | None = None  # torch.version.cuda (None: a CPU build)
     deep: bool = False  # every check imported what it reads (--deep)
-    transformers_basis: str = ""  # why the version-based checks could skip importing transformers
+    transformers_basis: str = ""  # why the checks that read transformers imported it or not (Transformers.basis)
+    version_based: bool = False  # the basis is the tested matrix's recorded facts (nothing imported)
 
     @property
     def exit_code(self) -> int:
@@ -285,7 +301,9 @@ class Report:
                 "backends": [dict(zip(("model_type", "op", "backend", "why"), b)) for b in self.backends],
                 "checks": [{"name": c.name, "status": c.status, "detail": c.detail, "blocks_recipe": c.blocks_recipe,
                             "version_based": c.version_based} for c in self.checks],
-                "version_based_because": self.transformers_basis or None,
+                "version_based_because": self.transformers_basis if self.version_based else None,
+                "transformers_imported_because": None if self.version_based or self.deep else
+                self.transformers_basis or None,
                 "recipe": self.recipe, "kernels_correct_here": self.kernels_correct,
                 "kernels_detail": self.kernels_detail or None, "fits_here": self.fits,
                 "fits_detail": self.fits_detail or None, "exit_code": self.exit_code, "verdict": self.verdict or None}
@@ -318,9 +336,10 @@ def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: 
     if recipe is not None:
         problems += compat.gpu_notes(recipe, m)
     checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
-    basis = (f"transformers {tf.version} is in the tested matrix ({tf.tested_in}): its recorded facts are used, "
-             "ftcli doctor --deep imports it" if any(c.version_based for c in checks) else "")
+    version_based = any(c.version_based for c in checks)
+    basis = tf.basis if version_based or not tf.version_based else ""
     report = Report(versions=versions or {}, gpu=m.gpu, backends=backends, checks=checks, transformers_basis=basis,
+                    version_based=version_based,
                     gpu_source=m.gpu_source, torch_cuda=m.torch_cuda, deep=deep)
     if recipe is None:
         return report
@@ -378,6 +397,8 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
     if version_based:
         console.print(f"version-based, nothing imported: {'; '.join(version_based)} ({report.transformers_basis})",
                       highlight=False, soft_wrap=True)
+    elif report.transformers_basis and not deep:
+        console.print(f"[yellow]{report.transformers_basis}[/]", highlight=False, soft_wrap=True)
 
     if recipe is None:
         return 0

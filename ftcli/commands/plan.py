@@ -7,6 +7,7 @@ import json
 
 from ftcli.config.recipe import Recipe
 from ftcli.estimate.plan import Plan, make_plan
+from ftcli.objectives import method_of
 
 
 # ------------------------------------------------------------------------------------------- render
@@ -24,7 +25,7 @@ def print_plan(plan: Plan) -> None:
     console = Console()
     s = plan.setting
     frozen = f" + {plan.frozen_params / 1e9:.2f}B frozen" if plan.frozen_params else ""
-    master = (f", master {s.master}" if plan.method == "full" else
+    master = (f", master {s.master}" if method_of(plan.method).master_weights else
               f", adapter {s.adapter_params / 1e6:.2f}M params, base {'sharded (fsdp)' if s.sharding == 'fsdp' else 'whole per GPU (ddp)'}")
     console.print(f"[bold]{plan.recipe}[/]: {plan.method} of {plan.model} ({plan.params / 1e9:.3g}B params{frozen}); "
                   f"{s.tokens:,} tokens per micro-batch, checkpointing {s.checkpointing}"
@@ -68,7 +69,7 @@ def print_plan(plan: Plan) -> None:
     console.print(memory_table)
     for note in plan.notes:
         console.print(note, highlight=False, soft_wrap=True)
-    if plan.method == "lora":
+    if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
                       + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False, soft_wrap=True)
     for c in plan.cards:

@@ -15,6 +15,7 @@ from ftcli.objectives import objective_of
 from ftcli.families import FAMILIES, find_family
 from ftcli.estimate.shape import adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
+from ftcli.objectives import method_of
 
 # The cards plan sizes runs for: memory (GB, as sold) and peak dense bf16 FLOP/s (ftcli.hardware.CARDS)
 CARDS: dict[str, dict[str, float]] = {c.name: {"memory_gb": c.memory_gb, "bf16_flops": c.bf16_flops}
@@ -86,7 +87,7 @@ def grouped_expert_lora(recipe: Recipe) -> bool:
     the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped. Over a
     base whole per rank (ddp) and one sharded by FSDP2 alike (inside a sharded unit's forward and backward
     FSDP2 hands the module its gathered weights: tests/test_lora_fsdp.py)."""
-    if recipe.training.method != "lora" or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
+    if method_of(recipe.training).trains_base or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
         return False
     if recipe.model.quantization == "mxfp4":
         return True
@@ -128,7 +129,8 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
             out.append(Suggestion(overrides, e.total))
         return ok
 
-    order = ["none", "selective", "full"] if s.method == "full" else ["none", "full"]  # LoRA: every layer or none
+    method = s.method_record
+    order = list(method.checkpointing)  # LoRA: every layer or none
     for mode in order[order.index(s.checkpointing) + 1:]:
         if attempt((f"training.activation_checkpointing={mode}",), checkpointing=mode, keep=0):
             break
@@ -143,15 +145,15 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
         block //= 2
     while block >= 512 * batch:
         # full SFT at short blocks: the chunked loss is faster than a fused one (features.loss.FUSED_LINEAR_CE)
-        fused = FUSED_LINEAR_CE.get(s.loss) if s.method == "full" else None
+        fused = FUSED_LINEAR_CE.get(s.loss) if method.runs_features else None
         chunked = fused is not None and block <= fused.chunked_faster_up_to
         loss = (("training.loss.impl=chunked",), {"loss": "chunked"}) if chunked else ((), {})
         if attempt((*drop_keep, f"{length_key}={block // batch}", *loss[0]), tokens=block, **loss[1]):
             break
         block //= 2
-    if s.method == "full" and s.master == "fp32":
+    if method.master_weights and s.master == "fp32":
         attempt((*drop_keep, "training.precision.master_dtype=bfloat16"), master="bf16")
-    if s.method == "lora" and shape.expert_shapes and FAMILIES[shape.family].mxfp4_experts:
+    if not method.trains_base and shape.expert_shapes and FAMILIES[shape.family].mxfp4_experts:
         # the frozen experts kept at 4.25 bits (ftcli.model.mxfp4_lora); then the adapter's state (linear in
         # lora.r, 16 bytes per parameter) is what is left to cut: a smaller rank next to the kept base
         sharding = ("training.sharding=ddp",) if s.sharding == "fsdp" else ()  # a kept-MXFP4 base runs with DDP
@@ -163,16 +165,16 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
                                                    **changes):
                 break
             rank //= 2
-    if s.method == "lora" and s.sharding == "ddp" and s.expert_quant == "none":
+    if method.picks_sharding and s.sharding == "ddp" and s.expert_quant == "none":
         attempt(("training.sharding=fsdp",), sharding="fsdp")
-    if s.method == "full" or s.sharding == "fsdp":
+    if not method.picks_sharding or s.sharding == "fsdp":  # a sharded model: more GPUs hold less each
         for nodes in range(max(1, s.world // per_node) + 1, 65):
             if attempt((*drop_keep, f"compute.num_accelerators={nodes * per_node}"), world=nodes * per_node):
                 break
     if not out:
         changes: dict[str, Any] = {"checkpointing": "full", "keep": 0}
         overrides = [*drop_keep, "training.activation_checkpointing=full"]
-        if s.method == "full":
+        if method.master_weights:
             changes["master"] = "bf16"
             overrides.append("training.precision.master_dtype=bfloat16")
         block = 1 << (per_batch.bit_length() - 1)
@@ -184,7 +186,7 @@ def fitting_settings(shape: memory.ModelShape, s: memory.Setting, card: str, per
 
 def no_fit_reason(shape: memory.ModelShape, s: memory.Setting, card: str) -> str:
     usable = memory.usable_gib(CARDS[card]["memory_gb"])
-    if s.method == "lora" and s.sharding == "ddp":
+    if s.method_record.picks_sharding and s.sharding == "ddp":
         base = memory.estimate(shape, s).params
         if base > usable:
             return (f"the base alone is {base:.1f} GiB > {usable:.1f} usable: LoRA with training.sharding=ddp keeps a "

@@ -46,6 +46,7 @@ from typing import Any
 from ftcli.families import FAMILIES, find_family, model_types
 from ftcli.families.base import layer_types
 from ftcli.features.loss import FUSED_LINEAR_CE
+from ftcli.objectives import Method, method_of
 
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
@@ -145,6 +146,11 @@ class Setting:
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
 
+    @property
+    def method_record(self) -> Method:
+        """What the memory terms ask of the method (ftcli.objectives.METHODS): a trained base or an adapter, ..."""
+        return method_of(self.method)
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -178,7 +184,7 @@ def _stored_layers(shape: ModelShape, s: Setting) -> tuple[int, int]:
     if s.checkpointing == "selective":
         stored = n // 2
         return stored + 1, n - stored  # + the layer being recomputed
-    keep = 0 if s.method == "lora" else min(s.keep, n)  # TRL checkpoints every layer or none
+    keep = min(s.keep, n) if s.method_record.keeps_layers else 0  # LoRA: TRL checkpoints every layer or none
     if keep == n:
         return n, 0
     # the kept layers are the last ones: their backward runs first and frees their activations before the
@@ -203,14 +209,14 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     stored, checkpointed = _stored_layers(shape, s)
     activations = stored * k * (s.compute_bytes / 2) * u + checkpointed * s.compute_bytes * u
     loss = loss_bytes(shape, s)
-    if s.method == "lora" and s.merged_experts:
+    if s.merged_experts:  # (LoRA only: fit.merged_experts)
         # without checkpointing every layer keeps its folded expert weights (an H200, 20b, 4k, no AC: 103.1 GiB
         # through PEFT's wrapper vs 67.2 through the grouped expert LoRA); with it, the recomputed layer's fold
         # did not raise the measured peaks (gpt-oss-120b at 4 and 6 layers, FSDP through PEFT's wrapper, full AC:
         # within 0.4%). The same term, not measured there, for Qwen3-MoE's experts through lora.experts=peft
         folded_layers = stored if s.checkpointing == "none" else stored - 1
         activations += folded_layers * expert_weight_params(shape) / shape.layers * s.compute_bytes
-    if s.method == "lora":
+    if not s.method_record.trains_base:  # a frozen base in the compute dtype, a float32 adapter with AdamW
         base = (shape.total_params + shape.frozen_params) * s.compute_bytes
         a = s.adapter_params
         if s.expert_quant == "mxfp4":  # kept MXFP4 (DDP): experts at 4.25 bits, a chunk of experts dequantized
@@ -306,11 +312,11 @@ def fit(points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
                 continue  # sharded LoRA points (the 120b shape) check the state and gathered units, not K
             at0, at1 = estimate(shape, s, 0.0), estimate(shape, s, 1.0)
             slope = at1.activations - at0.activations
-            reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method == "full" else 0
+            reduce_phase = (4 + (2 if s.master == "bf16" else 0)) * shape.root_params / GiB if s.method_record.trains_base else 0
             if p["peak_gib"] - at0.state <= 1.05 * reduce_phase:
                 continue  # the reduce phase is the peak: says nothing about K
             fixed = at0.state + at0.activations + at0.loss + (2 * shape.root_params / GiB if s.master == "bf16"
-                                                              and s.method == "full" else 0)
+                                                              and s.method_record.trains_base else 0)
             num += slope * (p["peak_gib"] - fixed)
             den += slope * slope
         stored[family] = num / den

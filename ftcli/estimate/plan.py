@@ -123,7 +123,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     gb = CARDS[card]["memory_gb"]
     fits, e = fits_card(shape, s, gb)
     keep = None
-    if fits and s.checkpointing == "full" and s.method == "full":
+    if fits and s.checkpointing == "full" and s.method_record.keeps_layers:
         keep = memory.layers_to_keep(shape, s, gb)
     length_key = "data.packing.block_len" if recipe.data.packing.enabled else "data.max_length"
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,

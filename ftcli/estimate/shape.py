@@ -10,6 +10,7 @@ from typing import Any
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, resolve_path
 from ftcli.estimate import memory
+from ftcli.objectives import method_of
 
 
 def model_shape(recipe: Recipe) -> memory.ModelShape:
@@ -48,7 +49,7 @@ def _hub_cached_config(model_id: str | None, revision: str | None) -> dict[str, 
 
 def adapter_params(recipe: Recipe, shape: memory.ModelShape) -> int:
     """LoRA weights: r x (in + out) per wrapped linear of each layer, and per expert of a wrapped 3-D parameter."""
-    if recipe.training.method != "lora":
+    if method_of(recipe.training).trains_base:  # no adapter
         return 0
     lora, r = recipe.lora, recipe.lora.r
     wanted = None if lora.target_modules == "all-linear" else set(lora.target_modules)

@@ -10,6 +10,7 @@ from typing import Any
 from ftcli.config.recipe import Recipe
 from ftcli.estimate import memory
 from ftcli.estimate.fit import CARDS
+from ftcli.objectives import Method
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     if not rows:
         return StepTime(None, f"no measurement for {shape.family} at hidden {shape.hidden}, {s.method}, "
                               f"{s.tokens} tokens, checkpointing {s.checkpointing}")
-    same = [r for r in rows if r["loss"] == s.loss and (s.method == "lora" or r["master"] == s.master)
-            and (s.method != "lora" or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
+    method = s.method_record
+    same = [r for r in rows if r["loss"] == s.loss and (not method.master_weights or r["master"] == s.master)
+            and (not method.picks_sharding or r.get("sharding", "ddp") == s.sharding)]  # LoRA rows before fsdp: ddp
     exact = [r for r in same if tuple(r.get("speed", ())) == s.speed]
     # no row of the recipe's speed settings: the same loss and master without any (never another speed
     # setting's rows: fp8 with eager casts is slower than bf16, fp8 with compiled regions far faster)
@@ -49,8 +51,8 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     candidates = exact or plain or [r for r in rows if not r.get("speed")] or rows
     row = max(candidates, key=_when)  # the newest sitting; of equals, the first listed
     series = [r for r in candidates if _series(r) == _series(row) and r["model"] == row["model"]
-              and _setting_text(s.method, r) == _setting_text(s.method, row)]
-    keep = min(s.keep, shape.layers) if s.method == "full" else 0  # the recipe's kept layers
+              and _setting_text(method, r) == _setting_text(method, row)]
+    keep = min(s.keep, shape.layers) if method.keeps_layers else 0  # the recipe's kept layers
     # the rows at two or more depths give the per-layer fit (what a deeper step adds is its layers; the fixed
     # part is embeddings, LM head, loss, optimizer), and with rows that differ only in keep, a kept layer's cost;
     # else one point scaled by matmul work
@@ -78,10 +80,10 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
         seconds *= CARDS[row["card"]]["bf16_flops"] / CARDS[card]["bf16_flops"]
         notes.append(f"x peak bf16 FLOP/s {row['card']}/{card}")
     if not exact:
-        notes.append(f"measured with {_setting_text(s.method, row)} (recipe: {_setting_text(s.method, vars(s))})")
+        notes.append(f"measured with {_setting_text(method, row)} (recipe: {_setting_text(method, vars(s))})")
     if depth_note:
         notes.append(depth_note)
-    if s.method == "full" and measured_keep != keep:
+    if method.keeps_layers and measured_keep != keep:
         notes.append(f"measured with keep {measured_keep} (recipe: keep {s.keep}, not counted)")
     if recipe.training.grad_accum > 1:
         notes.append(f"x {recipe.training.grad_accum} micro-batches")
@@ -96,7 +98,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
         point += ", the newest of this setting's rows (rows with other kernels not mixed in)"
     if row["gpus"] != world:
         notes.append(f"per-GPU time of {gpus} taken for {world}"
-                     + (" (the sharded base's all-gathers not counted)" if s.method == "lora" and s.sharding == "fsdp"
+                     + (" (the sharded base's all-gathers not counted)" if method.picks_sharding and s.sharding == "fsdp"
                         else ""))
     command = " && ".join(dict.fromkeys(r["command"] for r in used))
     if measured:
@@ -177,9 +179,9 @@ def depth_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _setting_text(method: str, setting: dict[str, Any]) -> str:
+def _setting_text(method: Method, setting: dict[str, Any]) -> str:
     """The parts of a setting a step-time row may differ in (a measured row, or a memory.Setting's fields)."""
-    if method == "lora":
+    if method.picks_sharding:
         return f"{setting.get('sharding', 'ddp')}, loss {setting['loss']}"
     speed = tuple(setting.get("speed", ()))
     return f"master {setting['master']}, loss {setting['loss']}" + (f", {' '.join(speed)}" if speed else "")

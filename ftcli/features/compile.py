@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ftcli.objectives import method_of
 from ftcli.features.base import Feature
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def compile_layer(layer: nn.Module, recipe) -> None:
 
     if recipe.training.compile == "regions":
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-        for name in compile_regions(layer, lora=recipe.training.method == "lora"):
+        for name in compile_regions(layer, lora=not method_of(recipe.training).trains_base):
             layer.get_submodule(name).compile()
     else:
         layer.compile()
@@ -113,7 +114,7 @@ def _packing_metadata_dynamic(module, args, kwargs) -> None:
 def describe(model, recipe) -> str | None:
     from ftcli.model.build import decoder_layers
 
-    layers, lora = decoder_layers(model), recipe.training.method == "lora"
+    layers, lora = decoder_layers(model), not method_of(recipe.training).trains_base
     if recipe.training.compile != "regions":
         return f"compiled: {len(layers)} decoder layers, each whole" if lora else None
     return f"compiled regions: {len(compile_regions(layers[0], lora=lora))} in the first decoder layer"

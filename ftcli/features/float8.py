@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of
 from ftcli.features.base import Feature, Found, Requirement
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def is_float8_linear(module: nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------------------- the record
 def _on(recipe) -> bool:
-    return recipe.training.method == "full" and recipe.training.precision.fp8
+    return method_of(recipe.training).runs_features and recipe.training.precision.fp8
 
 
 def validate(recipe) -> list[str]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from ftcli.config.errors import UserError
 from ftcli.families import FAMILIES
+from ftcli.objectives import method_of
 from ftcli.features.base import Feature, Found, Requirement
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def fused_module_counts(model: nn.Module) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------- the record
 def _on(recipe) -> bool:
-    return recipe.training.method == "full" and bool(recipe.training.fused_ops)  # LoRA ignores them (warned)
+    return method_of(recipe.training).runs_features and bool(recipe.training.fused_ops)  # LoRA ignores them (warned)
 
 
 def validate(recipe) -> list[str]:

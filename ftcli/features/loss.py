@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of
 from ftcli.features.base import Feature, Requirement
 from ftcli.features.fused_ops import LIGER_KIND, LIGER_PIN
 
@@ -76,7 +77,7 @@ def _fused(recipe) -> FusedLinearCE | None:
 
 FEATURE = Feature(
     name="loss", label="fused loss", setting=SETTING,
-    applies=lambda r: r.training.method == "full" and _fused(r) is not None,
+    applies=lambda r: method_of(r.training).runs_features and _fused(r) is not None,
     # the pin follows the setting, whichever the method
     requirements=lambda r: [Requirement(_fused(r).pin, f"fused linear cross-entropy (loss.impl={_fused(r).impl})",
                                         LIGER_KIND)] if _fused(r) is not None else [],

@@ -180,11 +180,18 @@ def matrix_check(here: Machine, directory: Path | None = None) -> Problem:
     if path is None or not path.is_file():
         return Problem(name, NA, f"constraints/{platform}.txt not found (it ships in the source tree)")
     pins = read_constraints(path)
-    off = [f"{d} {here.versions[d]} (tested {pins[d]})" for d in MATRIX_PACKAGES
-           if d in pins and here.versions.get(d) and not _matches(here.versions[d], pins[d])]
+    off = outside_matrix(here.versions, pins)
     if off:
-        return Problem(name, WARN, f"outside constraints/{platform}.txt: {', '.join(off)}")
+        return Problem(name, WARN, f"outside constraints/{platform}.txt: {', '.join(off)}; the checks still apply, "
+                                   f"but these releases are untested: pin them with pip install -c "
+                                   f"constraints/{platform}.txt")
     return Problem(name, OK, f"within constraints/{platform}.txt ({len(pins)} pins)")
+
+
+def outside_matrix(versions: dict[str, str | None], pins: dict[str, str]) -> list[str]:
+    """`name version (tested pin)` for each installed matrix package whose version the pins do not match."""
+    return [f"{d} {versions[d]} (tested {pins[d]})" for d in MATRIX_PACKAGES
+            if d in pins and versions.get(d) and not _matches(versions[d], pins[d])]
 
 
 # ---------------------------------------------------------------------------------------- can it run

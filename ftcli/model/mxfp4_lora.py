@@ -154,10 +154,10 @@ def load_kept_mxfp4(cls, path: str | Path, config, *, dtype: torch.dtype, device
 
     path = Path(path)
     quant = getattr(config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if method != "mxfp4":
+    quant_method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if quant_method != "mxfp4":
         raise UserError(f"model.quantization=mxfp4 keeps an MXFP4 checkpoint's experts; {path} is not one "
-                        f"(quantization_config: {method or 'none'}); use model.quantization=none")
+                        f"(quantization_config: {quant_method or 'none'}); use model.quantization=none")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"model.quantization=mxfp4 reads local safetensors; none in {path}")

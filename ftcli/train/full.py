@@ -542,7 +542,7 @@ class FullRun:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")
         if world.is_main:
-            record_run(recipe, self.run_dir, method="full", tracker=tracker, steps=result.steps,
+            record_run(recipe, self.run_dir, tracker=tracker, steps=result.steps,
                        tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
                        final_loss=result.final_loss, throughput=self.meter.throughput(), summary=self.data_summary,
                        evaluator=self.evaluator, evals=self.evals, best_model_dir=best_model_dir,

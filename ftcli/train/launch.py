@@ -6,8 +6,8 @@
       -> only then: an earlier run's outputs cleared (--force), <run>/recipe.yaml   ftcli.artifacts.rundir.prepare_run_dir
       -> torchrun --nproc_per_node=<GPUs | training.cpu_processes> -m ftcli train --recipe <run>/recipe.yaml
            (inside torchrun, RANK is set: the worker; it dies with the launcher, _die_with_launcher)
-           -> method full: ftcli.train.full.train(recipe, run_dir, resume)
-              method lora: ftcli.train.lora.trainer.train(recipe, run_dir, resume)
+           -> the method's trainer (TRAINERS): full: ftcli.train.full.train(recipe, run_dir, resume)
+                                                lora: ftcli.train.lora.trainer.train(recipe, run_dir, resume)
 
 The launcher runs torchrun's agent in this process (`torch.distributed.run.run`), the same code the
 `torchrun` command runs, so a failed worker ends in one line and an exit code rather than the agent's
@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ftcli.config.errors import TrainingStopped, UserError
+from ftcli.objectives import method_of
 from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped, exit_code, resume_hint, stop_flag
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
                           read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
@@ -43,13 +44,30 @@ from ftcli.artifacts.safe_files import open_lock, refuse_unsafe
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
 
+def _train_full(recipe, run_dir: Path, resume: str | None) -> None:
+    from ftcli.train.full import train
+
+    train(recipe, run_dir, resume)
+
+
+def _train_lora(recipe, run_dir: Path, resume: str | None) -> None:
+    from ftcli.train.lora.trainer import train
+
+    train(recipe, run_dir, resume)
+
+
+# Each method's trainer, by training.method (imported when called: each brings its own stack, TRL or FSDP2's loop)
+TRAINERS = {"full": _train_full, "lora": _train_lora}
+
+
 def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_train(recipe, *, resume: str | None, force: bool) -> None:
-    if recipe.training.method == "full" and not recipe.data.packing.enabled:
-        raise UserError("training.method=full trains on packed blocks; set data.packing.enabled=true")
+    if method_of(recipe.training).needs_packing and not recipe.data.packing.enabled:
+        raise UserError(f"training.method={recipe.training.method} trains on packed blocks; set "
+                        "data.packing.enabled=true")
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
     elif resume == "latest" and (step := finished_at(recipe)) is not None:
@@ -186,18 +204,15 @@ def _completed_since(run_dir: Path, started: float) -> bool:
 def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
     """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
     (none when the run had completed: it returns)."""
-    from ftcli.train.checkpoint import checkpoint_step, latest_checkpoint, resolve_resume
+    from ftcli.train.checkpoint import checkpoint_step, resolve_resume
 
     if _completed_since(run_dir, started):
         return
 
-    if recipe.training.method == "lora":
-        try:
-            newest = resolve_resume(run_dir, "latest", kind="trl")
-        except UserError:
-            newest = None
-    else:
-        newest = latest_checkpoint(run_dir / CHECKPOINTS)
+    try:
+        newest = resolve_resume(run_dir, "latest", kind=method_of(recipe.training).checkpoint_kind)
+    except UserError:  # none saved yet
+        newest = None
     step = checkpoint_step(newest) if newest is not None else None
     print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=recipe.training.checkpoint.enabled),
           file=sys.stderr)
@@ -216,7 +231,7 @@ def check_resume(recipe, run_dir: Path, resume: str | None) -> None:
         check_resume_recipe(run_dir, recipe, warn=lambda line: print(line, file=sys.stderr))
     from ftcli.train.checkpoint import resolve_resume, verify_checkpoint
 
-    kind = "dcp" if recipe.training.method == "full" else "trl"
+    kind = method_of(recipe.training).checkpoint_kind
     verify_checkpoint(resolve_resume(run_dir, resume, kind=kind), kind=kind)
 
 
@@ -276,10 +291,7 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         check_resume(recipe, run_dir, resume)
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
-    if recipe.training.method == "lora":
-        from ftcli.train.lora.trainer import train
-    else:
-        from ftcli.train.full import train
+    train = TRAINERS[recipe.training.method]
     try:
         train(recipe, run_dir, resume)
     except Stopped as e:

@@ -29,7 +29,7 @@ def announce_data(summary, evaluator, *, say: Callable[[str], Any], tracker) -> 
     tracker.log_metrics(summary.metrics(), step=0)
 
 
-def record_run(recipe, run_dir: Path, *, method: str, tracker, steps: int, tokens: dict[str, int],
+def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, int],
                final_loss: float | None, throughput, summary, evaluator, evals, best_model_dir: str | None,
                stopped_early: str | None, model_dir: str | None, base_path: str | None = None,
                best_checkpoint: str | None = None) -> Path:
@@ -38,7 +38,7 @@ def record_run(recipe, run_dir: Path, *, method: str, tracker, steps: int, token
     from ftcli.train.evaluate import eval_summaries
 
     record = new_run_record(
-        recipe, method=method, mlflow=tracker.info, base_path=base_path, model_dir=model_dir, steps=steps,
+        recipe, method=recipe.training.method, mlflow=tracker.info, base_path=base_path, model_dir=model_dir, steps=steps,
         tokens=tokens, final_loss=final_loss, throughput=throughput, status="completed", data=summary.to_dict(),
         evals=evals.history if evals else [],
         eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,

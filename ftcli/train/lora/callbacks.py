@@ -103,22 +103,32 @@ def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> s
     return where
 
 
-def attach_eval_loss(model, chunk_tokens: int) -> None:
-    """`model.loss_sum(**inputs)` on the PEFT model, as the full loop's model has it: the base's summed token CE
-    (`ftcli.train.loss.attach_loss`, the LoRA layers included), registered as an FSDP forward method, so that a root
-    sharded by accelerate's FSDP2 gathers its own parameters around it as around `forward` (a no-op without
-    FSDP; transformers registers `generate` on that root the same way). accelerate makes the LM head an FSDP
-    unit of its own, whose weight the loss reads without calling its forward: gathered around the call
-    (`FSDPModule.unshard` / `reshard`)."""
+def attach_loss_sum(model, chunk_tokens: int, objective=None) -> None:
+    """The objective's summed loss on the PEFT model (`ftcli.objectives`; SFT: the base's summed token CE,
+    `ftcli.train.loss.attach_loss`, the LoRA layers included), the one loss of a LoRA run, reached two ways:
+
+        model.loss_sum(**inputs)                 eval (ftcli.train.evaluate), as the full loop's model has it:
+                                                 registered as an FSDP forward method, so that a root sharded by
+                                                 accelerate's FSDP2 gathers its own parameters around it
+        model(**inputs, ftcli_loss_sum=True)     training (`ftcli.train.lora.trainer.use_objective_loss`): through
+                                                 the model's call, so that DDP's forward (its gradient hooks and
+                                                 no_sync) and FSDP2's forward hooks run as for TRL's own loss
+
+    accelerate makes the LM head an FSDP unit of its own, whose weight the loss reads without calling its forward:
+    gathered around the call (`FSDPModule.unshard` / `reshard`). Attaching again is a no-op."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+    from ftcli.objectives import OBJECTIVES
     from ftcli.train.loss import attach_loss
 
+    if getattr(model, "_ftcli_plain_forward", None) is not None:
+        return
+    objective = objective or OBJECTIVES["sft"]
     base = model.get_base_model()
     attach_loss(base, "chunked", chunk_tokens)
     head = base.lm_head if isinstance(base.lm_head, FSDPModule) else None
 
-    def loss_sum(self, **inputs):
+    def gathered(**inputs):
         if head is None:
             return base.loss_sum(**inputs)
         head.unshard()
@@ -127,8 +137,31 @@ def attach_eval_loss(model, chunk_tokens: int) -> None:
         finally:
             head.reshard()
 
+    inner = types.SimpleNamespace(loss_sum=gathered)  # what the objective's loss_sum calls (not an FSDP method)
+
+    def loss_sum(self, **inputs):
+        return objective.loss_sum(inner, inputs)
+
+    plain_forward = model.forward
+
+    def forward(self, *args, ftcli_loss_sum: bool = False, **kwargs):
+        return objective.loss_sum(inner, kwargs) if ftcli_loss_sum else plain_forward(*args, **kwargs)
+
+    model._ftcli_plain_forward = plain_forward
+    model.forward = types.MethodType(forward, model)
     model.loss_sum = types.MethodType(loss_sum, model)
     register_fsdp_forward_method(model, "loss_sum")
+
+
+class ObjectiveLoss(TrainerCallback):
+    """Attaches the objective's loss (`attach_loss_sum`) to the prepared model before the first step (after
+    accelerate has sharded it: its LM head may then be a unit of its own)."""
+
+    def __init__(self, chunk_tokens: int, objective) -> None:
+        self.chunk_tokens, self.objective = chunk_tokens, objective
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        attach_loss_sum(model, self.chunk_tokens, self.objective)
 
 
 def _reshard(model) -> None:
@@ -291,7 +324,7 @@ class EvalCallback(TrainerCallback):
         self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded
         if not self.has_eval:
             return
-        attach_eval_loss(model, self.chunk_tokens)
+        attach_loss_sum(model, self.chunk_tokens)  # (attached already by ObjectiveLoss under build_trainer)
         if self.cfg.at_start and state.global_step == 0:
             result = self.evaluate(0)
             if self.is_main:

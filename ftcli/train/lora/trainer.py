@@ -6,9 +6,9 @@ schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
 
 1. the model, loaded like everywhere else in ftcli (`ftcli.model.build.load_model`: hub id + revision or
    a local path, MXFP4 dequantized, the packed attention from `ftcli.model.kernels` when "auto");
-2. the data: the exact blocks `ftcli pack-preview` shows (`ftcli.data`), handed to TRL pre-tokenized
-   (`skip_prepare_dataset`) with a collator that emits each block as one padding-free row, so TRL
-   neither re-tokenizes nor re-packs;
+2. the data: the exact blocks `ftcli pack-preview` shows (the objective's units, `ftcli.objectives`): TRL's
+   dataset holds only block indices (`skip_prepare_dataset`) and a collator hands the model each block as one
+   padding-free row, so TRL neither tokenizes, packs nor stores the tokens;
 3. the recipe -> SFTConfig / LoraConfig mapping (`ftcli.train.lora.config`, pure, tested value by value);
 4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`);
 
@@ -36,41 +36,55 @@ import torch
 
 from ftcli import features
 from ftcli.config.errors import UserError
+from ftcli.objectives import method_of, objective_of
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
-from ftcli.train.lora.callbacks import Checksums, EvalCallback, StepLog, StopOnSignal, TimedSave, export_best
+from ftcli.train.lora.callbacks import Checksums, EvalCallback, ObjectiveLoss, StepLog, StopOnSignal, TimedSave, export_best
 from ftcli.train.lora.callbacks import save_adapter
 from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.config.recipe import Recipe
 
 
 # ---------------------------------------------------------------------------------------------- data
-def training_rows(recipe: Recipe, tokenizer):
-    """The rows TRL trains on: one per block of `ftcli.data.prepare_blocks`, exactly what
-    `ftcli pack-preview --dump` writes, as a `datasets.Dataset` of (input_ids, labels, position_ids).
+def training_blocks(recipe: Recipe, tokenizer, first=lambda f, then=None: f()):
+    """The units TRL trains on: the recipe objective's packed blocks (`ftcli.objectives`: for SFT
+    `ftcli.data.prepare_blocks`), exactly what `ftcli pack-preview --dump` writes. Packing on: fixed-length packed
+    blocks; off (the published gpt-oss example): one example per block, truncated to `data.max_length`.
+    `first`: ftcli.train.distributed.rank0_first under torchrun (rank 0 fills the cache, then the others open it)."""
+    from ftcli.objectives import objective_of
 
-    Packing on: fixed-length packed blocks. Packing off (the published gpt-oss example): one example per row,
-    truncated to `data.max_length` by the data path.
-    """
+    packed = objective_of(recipe.training).units(recipe, tokenizer, first)
+    if not len(packed):
+        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
+    return packed
+
+
+def block_rows(blocks):
+    """The `datasets.Dataset` SFTTrainer asks for (it refuses any other dataset type): one row per block, holding
+    only the block's index. TRL shuffles, shards and checkpoints the rows; `BlockCollator` turns them back into
+    ftcli's blocks, so the tokens never go through dataset columns."""
     import datasets
 
-    from ftcli.data import check_sources, prepare_blocks
-
-    packed = check_sources(recipe, prepare_blocks(recipe, tokenizer))
-    blocks = [packed[i] for i in range(len(packed))]
-    if not blocks:
-        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
-    columns = {key: [getattr(b, key).astype(np.int64) for b in blocks] for key in ("input_ids", "labels", "position_ids")}
-    return datasets.Dataset.from_dict(columns).with_format("numpy")
+    return datasets.Dataset.from_dict({"block": np.arange(len(blocks), dtype=np.int64)})
 
 
-def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rows -> one padding-free row: the rows laid end to end as one block (`ftcli.data.make_block`, a
-    segment wherever position_ids restart), given to the model as `ftcli.data.block_to_model_inputs`.
+class BlockCollator:
+    """TRL's rows (block indices, `block_rows`) -> the blocks of `blocks` as one padding-free model call
+    (`collate_blocks`)."""
 
-    One row is exactly its block again. With several rows (per_device_batch > 1) a row's first label is
-    dropped when another row precedes it (it would be predicted across rows), as at every segment start:
+    def __init__(self, blocks):
+        self.blocks = blocks
 
-        position_ids   0 1 2 3 0 1 | 0 1 2 0 1 2 3      <- two rows of the dataset
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_blocks([self.blocks[int(r["block"])] for r in rows])
+
+
+def collate_blocks(blocks: list) -> dict[str, Any]:
+    """Blocks -> one padding-free row, given to the model as `ftcli.data.block_to_model_inputs`. One block is
+    exactly that block. With several (per_device_batch > 1) they are laid end to end as one block
+    (`ftcli.data.make_block`, each block's segments kept), and a block's first label is dropped when another
+    block precedes it (it would be predicted across blocks), as at every segment start:
+
+        position_ids   0 1 2 3 0 1 | 0 1 2 0 1 2 3      <- two blocks
         cu_seq_lens    0       4   6     9         13   (int32; the same tensor for q and k)
         seq_idx        0 0 0 0 1 1   2 2 2 3 3 3 3      (int32)
         labels         . - x x - x   - x x - - x x      (- = -100; . = label[0], never used by the loss)
@@ -78,15 +92,12 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     from ftcli.data import block_to_model_inputs, make_block
     from ftcli.train.loss import IGNORE_INDEX
 
-    input_ids, labels, position_ids = (np.concatenate([np.asarray(r[key], dtype=np.int64) for r in rows])
-                                       for key in ("input_ids", "labels", "position_ids"))
-    if len(position_ids) == 0 or position_ids[0] != 0:
-        raise ValueError("a packed row must start a segment (position_ids[0] == 0)")
-    trained = labels != IGNORE_INDEX
-    assert (labels[trained] == input_ids[trained]).all(), "a trained label is its own input token (ftcli.data)"
-    starts = np.flatnonzero(position_ids == 0)
-    block = make_block(input_ids, trained, np.diff(starts, append=len(input_ids)).tolist(), len(input_ids), pad_id=0)
-    return block_to_model_inputs(block)
+    if len(blocks) == 1:
+        return block_to_model_inputs(blocks[0])
+    input_ids = np.concatenate([np.asarray(b.input_ids) for b in blocks])
+    trained = np.concatenate([np.asarray(b.labels) != IGNORE_INDEX for b in blocks])
+    seg_lens = [int(n) for b in blocks for n in np.diff(np.asarray(b.cu_seqlens))]
+    return block_to_model_inputs(make_block(input_ids, trained, seg_lens, len(input_ids), pad_id=0))
 
 
 # ------------------------------------------------------------------------------- loss and sharding
@@ -106,6 +117,35 @@ def normalize_loss_by_tokens(trainer) -> None:
     """
     trainer.model_accepts_loss_kwargs = True
     trainer.loss_is_scaled_for_ga = True
+
+
+def use_objective_loss(trainer, objective) -> None:
+    """One loss for the run, ftcli's, in training as in eval: the objective's summed loss of each micro-batch
+    (`objective.loss_sum`; SFT: the summed token CE of `ftcli.train.loss`, the full loop's and the eval's) divided
+    by the step's global count, the algebra the full loop writes out (`ftcli.objectives.sft.LOSS_ALGEBRA`):
+
+        loss_{r,m} = S_{r,m} * W / N        N = `num_items_in_batch`: the trained tokens of every micro-batch of
+                                            the step on every rank (transformers counts labels[..., 1:] != -100
+                                            over the accumulation window and all-gathers it,
+                                            `average_tokens_across_devices`): for SFT the sum of
+                                            `objective.count(block)` (an objective that counts other units, pairs,
+                                            gives the trainer its own count through `Trainer.get_batch_samples`)
+
+    DDP and FSDP2 average the gradients over the W ranks, so the step's gradient is grad(sum S / N), and the
+    logged loss (the micro-batches' losses summed, averaged over ranks) is sum S / N. This replaces TRL's own loss
+    (its fused LM head's log-probs, an equal sum to fp32 rounding), which also logged entropy and token accuracy.
+    A step with no trained token divides by 1 (loss 0), as TRL did. The loss is reached through the model's call
+    (`attach_loss_sum`, attached by the `ObjectiveLoss` callback once accelerate has prepared the model)."""
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        summed = model(**inputs, ftcli_loss_sum=True)
+        count = num_items_in_batch if num_items_in_batch is not None else (inputs["labels"][..., 1:] != -100).sum()
+        loss = summed / torch.as_tensor(count, device=summed.device).clamp(min=1)
+        if trainer.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * trainer.accelerator.num_processes  # undo the ranks' gradient mean (W above)
+        return (loss, None) if return_outputs else loss
+
+    trainer.compute_loss = compute_loss
 
 
 def fsdp_on_cpu_processes(trainer, args) -> None:
@@ -220,9 +260,9 @@ def use_ftcli_schedule(trainer, schedule) -> None:
     trainer.create_scheduler = create_scheduler
 
 
-def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path: Path | None = None, tracker=None,
+def build_trainer(recipe: Recipe, model, tokenizer, blocks, args, *, metrics_path: Path | None = None, tracker=None,
                   evaluator=None, run_dir: Path | None = None):
-    """SFTTrainer over ftcli's rows with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
+    """SFTTrainer over ftcli's blocks (`training_blocks`) with PEFT, token-normalized loss and ftcli's callbacks (`ftcli.train.lora.callbacks`);
     returns (trainer, step log: `.trained` / `.seen` are the run's tokens, `.eval_callback` the eval's, None
     without recipe.eval). Shared by `train` and benchmarks/lora_gpt_oss_gpu.py."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -232,7 +272,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
 
     with warnings.catch_warnings():  # TRL/PEFT read transformers' deprecated alias; nothing for a user to change
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collate_rows,
+        trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(blocks), data_collator=BlockCollator(blocks),
                              processing_class=tokenizer, peft_config=lora_config(recipe, model))
     if grouped_expert_lora(recipe):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
         from ftcli.model.moe_lora import install_grouped_experts
@@ -248,6 +288,8 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
     normalize_loss_by_tokens(trainer)
+    objective = objective_of(recipe.training)
+    use_objective_loss(trainer, objective)
     use_ftcli_schedule(trainer, recipe.training.schedule)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
@@ -255,8 +297,9 @@ def build_trainer(recipe: Recipe, model, tokenizer, rows, args, *, metrics_path:
                                                           metrics_path=metrics_path, tracker=tracker)
     step_log = StepLog(trainer.model, metrics_path=metrics_path, tracker=tracker, eval_callback=evals)
     # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
-    trainer.callback_handler.callbacks[:0] = [cb for cb in (step_log, TimedSave(recipe.training.checkpoint), evals)
-                                              if cb is not None]
+    trainer.callback_handler.callbacks[:0] = [cb for cb in (
+        ObjectiveLoss(recipe.training.loss.chunk_tokens, objective), step_log, TimedSave(recipe.training.checkpoint),
+        evals) if cb is not None]
     trainer.add_callback(Checksums())  # last: after every file of a save is written
     return trainer, step_log
 
@@ -277,7 +320,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.artifacts.tracking import start_tracking
 
     run_dir = Path(run_dir)
-    if recipe.training.method != "lora":
+    if not method_of(recipe.training).writes_adapter:
         raise UserError(f"train_lora got training.method={recipe.training.method}")
     checkpoint = resolve_resume(run_dir, resume, kind="trl")
     device = local_device()
@@ -299,8 +342,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     try:
         attn = _attn_implementation(recipe, device)
         tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        rows = rank0_first(lambda: training_rows(recipe, tokenizer))  # rank 0 fills the cache, then the others
-        summary = data.data_summary(recipe, data.open_prepared(recipe, tokenizer))
+        blocks = training_blocks(recipe, tokenizer, rank0_first)  # rank 0 fills the cache, then the others open it
+        summary = data.data_summary(recipe, blocks)
         evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
         announce_data(summary, evaluator, tracker=tracker,
                       say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
@@ -315,12 +358,12 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             print(f"random-init base: drawn in {built:.1f} s, saved to {run_dir / 'base'} in "
                   f"{time.perf_counter() - started - built:.1f} s", flush=True)
 
-        trainer, step_log = build_trainer(recipe, model, tokenizer, rows, args, metrics_path=run_dir / METRICS_FILE,
+        trainer, step_log = build_trainer(recipe, model, tokenizer, blocks, args, metrics_path=run_dir / METRICS_FILE,
                                           tracker=tracker, evaluator=evaluator, run_dir=run_dir)
         if args.process_index == 0:
             trainable, total = trainer.model.get_nb_trainable_parameters()
             print(f"{recipe.name}: LoRA {trainable / 1e6:,.2f}M trainable of {total / 1e6:,.1f}M params, "
-                  f"{len(rows)} rows ({'packed blocks' if recipe.data.packing.enabled else 'examples'}), "
+                  f"{len(blocks)} blocks ({'packed' if recipe.data.packing.enabled else 'one example each'}), "
                   f"{args.world_size} x {device.type}, base {sharding} ({why}), attention {attn or 'default'}, "
                   f"run dir {run_dir}", flush=True)
 
@@ -399,7 +442,7 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record_run(recipe, run_dir, method="lora", tracker=tracker, steps=trainer.state.global_step,
+    record_run(recipe, run_dir, tracker=tracker, steps=trainer.state.global_step,
                tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
                throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
                summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,
