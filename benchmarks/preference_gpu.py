@@ -7,8 +7,9 @@ Cases (random init at the real widths, layers cut):
                        GEMMs, regional compile, fp32 masters; benchmarks/configs/qwen3_8-27b-text.json)
     gptoss             gpt-oss-20b width, 4 layers, LoRA r=16 on the attention projections (benchmarks/gpt-oss-20b.json).
                        ftcli's side is its packed-pair loss on the PEFT model with the adapter off as the reference
-                       (ftcli.train.preference.attach_preference_loss) in this script's loop: `ftcli train` does not
-                       take preference pairs with training.method=lora yet.
+                       (ftcli.train.preference.attach_preference_loss, what `ftcli train` attaches for method lora) in
+                       this script's plain loop, not under TRL's Trainer as `ftcli train` runs it (its per-step
+                       overhead is not in this row).
 
 The same start on both sides:
   - weights: one random init (transformers' own, seed 0) written once as bf16 safetensors; ftcli's FSDP2 model (one

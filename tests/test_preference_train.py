@@ -48,6 +48,13 @@ def test_dpo_recipe_trains_end_to_end_with_trl_metrics(dpo_run):
     assert " | acc " in dpo_run["stdout"] and "format preference" in dpo_run["stdout"]
     assert (run_dir / "final" / "config.json").is_file()
 
+    # the next run can start from this one: model.id = the run dir means the model it wrote (its final/)
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.launch import starting_model
+
+    nxt = starting_model(load_recipe("tiny-dpo-cpu", ["model.init=pretrained", f"model.id={run_dir}"]))
+    assert nxt.model.id == str((run_dir / "final").resolve())
+
 
 def test_dpo_loss_same_for_1_and_2_ranks(dpo_run, tmp_path, env):  # noqa: F811
     """1 process x 4 micro-batches per step gives the 2 x 2 run's losses, metrics and grad norms, step by step."""
@@ -76,3 +83,24 @@ def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # 
     for a, b in zip(resumed[2:], full[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["rewards/chosen"] == pytest.approx(b["rewards/chosen"], rel=1e-5, abs=1e-8)
+
+
+def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
+    """training.method=lora (TRL + PEFT, the reference the adapter off): 2 processes x 2 micro-batches and 1 x 4 give
+    the same losses and preference metrics step by step (the step normalizes by its global pair count), and step 1
+    is log 2 (a fresh adapter: policy == reference)."""
+    lora = ["training.method=lora", "training.precision={}", "training.checkpoint.enabled=false",
+            "training.optimizer.lr=1.0e-2"]
+    runs = {}
+    for name, sets in (("two", ["training.grad_accum=2"]), ("one", ["training.cpu_processes=1",
+                                                                    "training.grad_accum=4"])):
+        res = ftcli(_args(tmp_path / name, *lora, *sets), tmp_path, env)
+        assert res.returncode == 0, output_tail(res)
+        runs[name] = metrics(tmp_path / name)
+    assert [m["step"] for m in runs["one"]] == [m["step"] for m in runs["two"]] == list(range(1, STEPS + 1))
+    assert runs["two"][0]["loss"] == pytest.approx(0.693147, abs=1e-5)
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+    assert runs["two"][-1]["loss"] < 0.69 and "eval_rewards/accuracies" in runs["two"][-1]
+    assert (tmp_path / "two" / "final" / "adapter_config.json").is_file()

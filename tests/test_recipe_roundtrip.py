@@ -53,8 +53,7 @@ WITH = {
     "training.objective": {"data.format": "preference", "data.packing.strategy": "bfd"},
 }
 # Keys with one allowed value so far (a second objective or optimizer adds the next): checked to load back
-ONE_VALUE = {("lora", "training.objective"),  # the preference objectives train with method full for now
-             ("full", "training.optimizer.name"),
+ONE_VALUE = {("full", "training.optimizer.name"),
              ("lora", "training.optimizer.name"), ("lora", "training.loss.impl")}
 EVAL = {"holdout": 0.1}
 # Lists of sections, walked through their first entry: the entries each list starts from (two data sources, so

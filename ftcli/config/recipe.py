@@ -529,9 +529,6 @@ class _Training(_Section):
         if pairs and self.loss.impl != "chunked":
             raise ValueError(f"training.loss.impl={self.loss.impl} is SFT's token loss; the preference objectives' "
                              "log-probs are chunked (training.loss.chunk_tokens): leave training.loss.impl out")
-        if pairs and self.method == "lora":
-            raise ValueError(f"training.objective={self.objective} trains with training.method=full for now (the LoRA "
-                             "trainer does not take preference pairs yet); set training.method=full")
         return self
 
     @model_validator(mode="before")

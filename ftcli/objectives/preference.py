@@ -49,7 +49,7 @@ def _objective(name: str, label: str, reference: bool) -> Objective:
     return Objective(
         name=name, label=label, row_forms=("preference",), unit="pair", sequences_per_unit=2,
         reference_model=reference, loss_algebra=LOSS_ALGEBRA, metrics=METRICS, eval_metric="loss",
-        units=sft.units, count=count, loss_sum=loss_sum, methods=("full",),  # lora: refused by the schema for now
+        units=sft.units, count=count, loss_sum=loss_sum,
     )
 
 

@@ -230,18 +230,14 @@ def evaluate_now(evaluator: Evaluator, evals: EvalTracker, model: torch.nn.Modul
     if sums is None:
         result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
     else:
-        model.preference_sums = type(sums)()
-        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step, count=lambda b: len(b.pairs))
-        eval_sums, model.preference_sums = model.preference_sums, type(sums)()
-        names = list(eval_sums.metrics)
-        reduced = [eval_sums.pairs, *eval_sums.metrics.values()]
-        if torch.distributed.is_initialized():
-            from ftcli.train.distributed import all_reduce
+        from ftcli.train.preference import reduced_means
 
-            reduced = all_reduce(reduced, device=evaluator.device)
+        pending = sums.take()  # a training step's sums not logged yet wait while the eval runs
+        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step, count=lambda b: len(b.pairs))
+        evaluated = reduced_means(model, evaluator.device, prefix="eval_")
+        sums.add(pending)
         result.unit = "pairs"
-        result.extra = {f"eval_{n}": v / max(reduced[0], 1) for n, v in zip(names, reduced[1:])
-                        if n in ("rewards/accuracies", "rewards/margins")}
+        result.extra = {k: v for k, v in evaluated.items() if k in ("eval_rewards/accuracies", "eval_rewards/margins")}
     new_best = evals.add(result)
     if say is not None and len(result.sources) > 1:
         say(result.line())

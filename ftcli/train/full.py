@@ -61,7 +61,7 @@ from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model
 from ftcli import features
 from ftcli.objectives import objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
-from ftcli.train.preference import attach_preference_loss, preference_config
+from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -418,14 +418,8 @@ class FullRun:
 
     def objective_metrics(self) -> dict[str, float]:
         """Collective: the step's objective metrics over every rank (preference: TRL's rewards/* and logps/*, means
-        over the step's pairs), reset for the next step; {} for SFT."""
-        sums = getattr(self.model, "preference_sums", None)
-        if sums is None:
-            return {}
-        names = list(sums.metrics)
-        reduced = all_reduce([sums.pairs, *sums.metrics.values()], dist.ReduceOp.SUM, self.world.device)
-        self.model.preference_sums = type(sums)()
-        return {name: value / max(reduced[0], 1) for name, value in zip(names, reduced[1:])}
+        over the step's pairs); {} for SFT."""
+        return reduced_means(self.model, self.world.device)
 
     # ---- eval -------------------------------------------------------------------------------------
     def evaluate(self) -> EvalResult:

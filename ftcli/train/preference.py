@@ -244,6 +244,27 @@ class PreferenceSums:
     def means(self) -> dict[str, float]:
         return {k: v / max(self.pairs, 1) for k, v in self.metrics.items()}
 
+    def take(self) -> PreferenceSums:
+        """A copy of the sums so far, and start over (in place: the model's loss keeps adding to this object)."""
+        out = PreferenceSums(self.loss, self.pairs, dict(self.metrics))
+        self.loss, self.pairs, self.metrics = 0.0, 0, dict.fromkeys(METRICS, 0.0)
+        return out
+
+
+def reduced_means(model: nn.Module, device, prefix: str = "") -> dict[str, float]:
+    """Collective: TRL's metrics over every rank's pairs since the last call (the model's `preference_sums`, taken),
+    as means per pair; {} for a model without a preference loss (SFT)."""
+    sums = getattr(model, "preference_sums", None)
+    if sums is None:
+        return {}
+    taken = sums.take()
+    values = [taken.pairs, *taken.metrics.values()]
+    if torch.distributed.is_initialized():
+        from ftcli.train.distributed import all_reduce
+
+        values = all_reduce(values, device=device)
+    return {prefix + k: v / max(values[0], 1) for k, v in zip(taken.metrics, values[1:])}
+
 
 def pair_loss_sum(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps | None
                   ) -> tuple[torch.Tensor, PreferenceSums]:
