@@ -334,28 +334,44 @@ def test_orpo_step_equals_trl_orpo_trainer(tmp_path):
     _assert_trl_batch_step(ours, model, ORPOTrainer, _args(tmp_path, ORPOConfig, beta=0.25), tok, pairs)
 
 
-def test_lora_reference_is_the_base_with_the_adapter_off():
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_lora_reference_is_the_base_with_the_adapter_off(model_type):
     """Method lora's reference (no copy): the PEFT model with its adapter disabled gives the base model's log-probs,
-    and the adapter is on again after; the DPO loss equals the one computed against a separate base model."""
-    from peft import LoraConfig, get_peft_model
+    and the adapter is on again after; the DPO loss equals the one computed against a separate base model. Qwen3-MoE:
+    expert LoRA through ftcli's grouped expert GEMMs (lora.experts=grouped), which honour the switch too."""
+    from peft import get_peft_model
 
-    tok = tokenizer("tokenizer-llama3")
+    from ftcli.config.recipe import load_recipe
+    from ftcli.model.moe_lora import install_grouped_experts
+    from ftcli.train.lora.config import lora_config
+
+    tok = tokenizer(FAMILIES[model_type][1])
     blk = packed_block(tok, encoded_pairs(tok))
-    base = tiny_model("llama")
+    base = tiny_model(model_type)
     separate_base = copy.deepcopy(base)
-    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    recipe = load_recipe("tiny-qwen3-moe-cpu" if model_type == "qwen3_moe" else "tiny-llama3-cpu",
+                         ["training.method=lora", "training.precision={}"])
+    peft = get_peft_model(base, lora_config(recipe, base))
+    if model_type == "qwen3_moe":
+        assert install_grouped_experts(peft) == 2
+        assert any("experts" in n for n, _ in peft.named_parameters() if "lora_" in n)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
     policy = peft.get_base_model()
     cfg = PreferenceConfig("sigmoid", beta=BETA)
     attach_preference_loss(policy, cfg, CHUNK, adapter_off=peft.disable_adapter)
-    attn, _ = kernels.enable_packed_kernels("llama", "cpu")
+    attn, _ = kernels.enable_packed_kernels(model_type, "cpu")
     policy.set_attn_implementation(attn)
     separate_base.set_attn_implementation(attn)
     inputs = block_to_model_inputs(blk)
     with torch.no_grad():
         got = float(policy.loss_sum(**inputs))
         pairs = inputs["pairs"]
-        mine = SideLogps.of_block(*packed_logps(policy, "llama", blk), pairs)
-        ref = SideLogps.of_block(*packed_logps(separate_base, "llama", blk), pairs)
+        mine = SideLogps.of_block(*packed_logps(policy, model_type, blk), pairs)
+        ref = SideLogps.of_block(*packed_logps(separate_base, model_type, blk), pairs)
         want, _ = pair_loss_sum(cfg, mine, ref)
     assert (mine.chosen - ref.chosen).abs().max() > 1e-3  # the adapter moves the log-probs: the check has teeth
     assert abs(got - float(want)) <= 1e-5 and policy.preference_sums.pairs == 4
