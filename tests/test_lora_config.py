@@ -162,8 +162,8 @@ def test_vision_tower_excluded_on_vlm_classes():
     ("training.fused_ops=[rms_norm]", "training.fused_ops belongs to training.method=full (this recipe's is lora): "
                                       "leave it out (switching a recipe's method with --set: also --set "
                                       "training.fused_ops=[])"),
-    ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is TRL's (a "
-                                 "chunked LM head): leave training.loss.impl out"),
+    ("training.loss.impl=liger", "training.loss: impl=liger belongs to training.method=full; LoRA's loss is the chunked one "
+                                 "(ftcli's, as the eval's): leave training.loss.impl out"),
 ])
 def test_a_full_sft_setting_in_a_lora_recipe_is_one_line_naming_its_method(override, line):
     from ftcli.config.errors import UserError

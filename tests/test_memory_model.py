@@ -99,6 +99,25 @@ def test_state_is_exact_and_sharded():
     assert e16.total - e16.state == pytest.approx(e8.total - e8.state)  # the transient does not shard
 
 
+def test_a_reference_model_objective_adds_a_frozen_copy_sharded_like_the_model(monkeypatch):
+    """The objective's memory term (ftcli.objectives: `reference_model`): full training keeps a frozen reference in
+    the compute dtype beside the trained weights, sharded like them; LoRA's reference is its own base (nothing more);
+    SFT has none."""
+    from dataclasses import replace
+
+    from ftcli import objectives
+
+    monkeypatch.setitem(objectives.OBJECTIVES, "with_reference",
+                        replace(objectives.OBJECTIVES["sft"], name="with_reference", reference_model=True))
+    q = memory.shipped_shape("Qwen/Qwen3.8-27B")
+    sft, ref = (memory.estimate(q, memory.Setting(world=8, objective=o)) for o in ("sft", "with_reference"))
+    assert ref.params - sft.params == pytest.approx((26_895_998_464 + 460_000_000) * 2 / 8 / memory.GiB)
+    assert (ref.grads, ref.optimizer, ref.activations) == (sft.grads, sft.optimizer, sft.activations)
+    g = memory.shipped_shape("openai/gpt-oss-20b")
+    lora = memory.Setting(method="lora", tokens=4096, checkpointing="none", loss="trl", adapter_params=3_981_312)
+    assert memory.estimate(g, replace(lora, objective="with_reference")) == memory.estimate(g, lora)
+
+
 def test_lora_keeps_the_whole_base_on_every_gpu():
     g = memory.shipped_shape("openai/gpt-oss-20b")
     s = memory.Setting(method="lora", tokens=4096, checkpointing="none", loss="trl", adapter_params=3_981_312)

@@ -617,8 +617,8 @@ class LoraTraining(_Training):
     @classmethod
     def _trl_loss(cls, value: LossConfig) -> LossConfig:
         if value.impl != "chunked":
-            raise ValueError(f"impl={value.impl} belongs to training.method=full; LoRA's loss is TRL's (a chunked "
-                             "LM head): leave training.loss.impl out")
+            raise ValueError(f"impl={value.impl} belongs to training.method=full; LoRA's loss is the chunked one "
+                             "(ftcli's, as the eval's): leave training.loss.impl out")
         return value
 
 

@@ -66,10 +66,14 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                sharding: str | None = None) -> memory.Setting:
     t = recipe.training
     block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
-    common = dict(method=t.method, tokens=block * t.per_device_batch, world=world or recipe.compute.num_accelerators,
+    common = dict(method=t.method, objective=t.objective, tokens=block * t.per_device_batch,
+                  world=world or recipe.compute.num_accelerators,
                   checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
                   adapter_params=adapter_params(recipe, shape))
-    if isinstance(t, LoraTraining):  # adapters in float32 over a base in model.dtype; TRL's loss; every layer or none
+    # LoRA: adapters in float32 over a base in model.dtype; every layer checkpointed or none. Its loss term: the
+    # measured points' ("trl": TRL's fused head, inside the fitted activations); LoRA trains with ftcli's chunked loss
+    # since issue 40 (one chunk's fp32 logits), not measured on a GPU yet
+    if isinstance(t, LoraTraining):
         sharding = sharding or lora_sharding(recipe, shape, card, world)
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
                               keep=0, loss="trl", sharding=sharding,
@@ -78,7 +82,7 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
-                          speed=speed_settings(recipe), reference=objective_of(t).reference_model)
+                          speed=speed_settings(recipe))
 
 
 def grouped_expert_lora(recipe: Recipe) -> bool:

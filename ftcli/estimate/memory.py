@@ -46,7 +46,7 @@ from typing import Any
 from ftcli.families import FAMILIES, find_family, model_types
 from ftcli.families.base import layer_types
 from ftcli.features.loss import FUSED_LINEAR_CE
-from ftcli.objectives import Method, method_of
+from ftcli.objectives import Method, method_of, objective_of
 
 GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
@@ -125,6 +125,7 @@ class Setting:
     """The recipe knobs that move memory (what `ftcli plan` varies to find a setting that fits)."""
 
     method: str = "full"  # full | lora
+    objective: str = "sft"  # training.objective (ftcli.objectives): its memory terms (a frozen reference model)
     tokens: int = 32768  # per micro-batch: block_len x per_device_batch
     world: int = 8
     master: str = "fp32"  # fp32 | bf16 (full SFT)
@@ -139,9 +140,6 @@ class Setting:
     # LoRA on the expert weights through PEFT's ParamWrapper (lora.experts=peft): every forward folds
     # W + s·A·B into a new expert-weight-sized tensor that autograd keeps for backward, one per stored layer
     merged_experts: bool = False
-    # a frozen reference model beside the policy (the dpo/ipo objectives, method full): its params in the param
-    # dtype, sharded like the policy's; no grads or optimizer state (its forward runs under no_grad)
-    reference: bool = False
     # speed settings (fit.speed_settings: fp8, compile, fused ops; LoRA's compile): they pick the step-time rows; the
     # memory terms leave them out (every point measured with them peaked lower, so the estimate stays above)
     speed: tuple[str, ...] = ()
@@ -233,11 +231,14 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
                         activations=activations / GiB, loss=loss / GiB, other=0.0)
     master = 4 if s.master == "fp32" else 2
     p, w = shape.total_params, s.world
+    # an objective with a frozen reference model (ftcli.objectives: `reference_model`) keeps it beside the trained
+    # model, in the compute dtype, sharded like it (an adapter's reference is its base with the adapter off: nothing
+    # more). Not measured yet; SFT has none
+    reference = (p + shape.frozen_params) * s.compute_bytes if objective_of(s.objective).reference_model else 0
     bf16_grads = 2 * shape.root_params if s.master == "bf16" else 0
     reduce_phase = 4 * shape.root_params + bf16_grads
     step_phase = activations + loss + bf16_grads
     other = bf16_grads + max(0.0, reduce_phase - step_phase)
-    reference = (p + shape.frozen_params) * s.compute_bytes if s.reference else 0
     return Estimate(params=(p * master + shape.frozen_params * s.compute_bytes + reference) / w / GiB,
                     grads=p * master / w / GiB,
                     optimizer=2 * p * master / w / GiB, activations=activations / GiB, loss=loss / GiB,

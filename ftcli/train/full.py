@@ -54,12 +54,12 @@ from ftcli.model import kernels
 from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
-from ftcli.train.distributed import World, all_reduce, init_distributed, rank0_first
+from ftcli.train.distributed import World, all_reduce, init_distributed
 from ftcli.config.errors import TrainingStopped, UserError
-from ftcli.train.evaluate import (EvalResult, EvalTracker, Evaluator, best_model_location, evaluate_now,
-                            prepare_eval, publish_eval, sample_now, samples_due)
+from ftcli.train.evaluate import (EvalResult, EvalTracker, best_model_location, evaluate_now, publish_eval,
+                                  sample_now, samples_due)
 from ftcli import features
-from ftcli.objectives import objective_of
+from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
@@ -68,8 +68,7 @@ from ftcli.model.parallelize import build_model
 from ftcli.train.preempt import Stopped, stop_flag
 from ftcli.train.schedule import lr_factor
 from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE
-from ftcli.train.lifecycle import announce_data, record_run
-from ftcli.artifacts.tracking import start_tracking
+from ftcli.train.session import RunSession
 
 # ================================================================================ loss algebra
 # One optimizer step covers W ranks x M micro-batches (blocks). The objective is the mean token loss
@@ -94,11 +93,13 @@ from ftcli.artifacts.tracking import start_tracking
 # with N = 0 (every block masked: padding at the end of the data) is skipped on every rank. The preference
 # objectives are the same algebra with pairs for tokens: N = the step's pairs, S = summed pair losses
 # (ftcli.objectives.preference, ftcli.train.preference).
-def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int):
-    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss."""
+def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int,
+                     loss_sum_of: Callable = OBJECTIVES["sft"].loss_sum):
+    """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss. `loss_sum_of`:
+    the objective's summed loss of one micro-batch (ftcli.objectives; S above), its count being N's terms."""
     summed_loss = torch.zeros((), dtype=torch.float64)
     for inputs in micro_batches:
-        loss_sum = model.loss_sum(**inputs)
+        loss_sum = loss_sum_of(model, inputs)
         (loss_sum * (world_size / global_valid_tokens)).backward()
         summed_loss += loss_sum.detach().double().cpu()
     return float(summed_loss)
@@ -207,6 +208,7 @@ class FullRun:
         self.recipe, self.run_dir, self.world = recipe, run_dir, world
         self.stop_flag = stop_flag()  # SIGTERM / SIGINT from here on: stop at the next step boundary
         tcfg = self.tcfg = recipe.training
+        self.objective = objective_of(tcfg)  # what the steps minimize: its count and summed loss (ftcli.objectives)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(highlight=False, soft_wrap=True)
 
@@ -216,7 +218,10 @@ class FullRun:
         if tcfg.per_device_batch != 1:
             say(f"warning: training.per_device_batch={tcfg.per_device_batch} has no effect here (one packed "
                 "block per micro-batch); use training.grad_accum")
-        self.tracker = start_tracking(recipe, run_dir=run_dir, rank=world.rank, resume=resume is not None)
+        # tracking, tokenizer, data, eval data and run.json: the run session every trainer shares
+        self.session = RunSession.start(recipe, run_dir, rank=world.rank, world_size=world.world_size,
+                                        device=world.device, resume=resume is not None, say=say)
+        self.tracker = self.session.tracker
 
         # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it
         self.prepare_data()
@@ -253,19 +258,16 @@ class FullRun:
     def prepare_data(self) -> None:
         """Tokenizer, packed blocks (rank 0 builds the cache, then every rank opens it), this rank's stream,
         the data summary, the eval data and schedule, and the number of optimizer steps."""
-        recipe, world, tcfg, say = self.recipe, self.world, self.tcfg, self.say
-        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        packed = rank0_first(lambda: data.check_sources(recipe, data.prepare_blocks(recipe, self.tokenizer)),
-                             then=lambda: data.open_prepared(recipe, self.tokenizer))
-        self.stream = data.BlockStream(packed, world.rank, world.world_size, epochs=tcfg.epochs, seed=tcfg.seed)
-        self.data_summary = data.data_summary(recipe, packed)
+        recipe, world, tcfg = self.recipe, self.world, self.tcfg
+        self.session.open_data()  # tokenizer, the objective's units, summary, eval data; announced
+        self.tokenizer, self.data_summary, self.evaluator = self.session.tokenizer, self.session.summary, \
+            self.session.evaluator
+        self.stream = data.BlockStream(self.session.units, world.rank, world.world_size, epochs=tcfg.epochs,
+                                       seed=tcfg.seed)
         self.eval_cfg = recipe.eval
-        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), world.rank, world.world_size,
-                                   world.device)
         self.evals = EvalTracker(recipe.eval) if recipe.eval is not None else None
         self.eval_schedule = CheckpointSchedule(bool(self.evaluator), recipe.eval.every_steps, recipe.eval.every_minutes) \
             if recipe.eval is not None else CheckpointSchedule(False, None, None)
-        announce_data(self.data_summary, self.evaluator, say=say, tracker=self.tracker)
         self.stop_reason: str | None = None  # set by early stopping
         self.new_best = False  # the last eval was the best so far (keep_best saves a checkpoint)
         self.last_sample_step: int | None = None
@@ -283,7 +285,6 @@ class FullRun:
             attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
-        self.objective = objective_of(tcfg)
         if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
             reference = None
             if self.objective.reference_model:  # the starting model again, sharded alike, frozen
@@ -334,7 +335,7 @@ class FullRun:
             return self.finish()
         except BaseException as e:
             self.progress.stop()
-            self.tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
+            self.session.end(e)
             raise
 
     def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None,
@@ -350,8 +351,8 @@ class FullRun:
         while len(micro_batches) < num_micro_batches:  # this rank ran out first
             micro_batches.append(_padding_inputs(self.last_inputs, world.device))
 
-        # 6b. count trained tokens (the objective's loss count: tokens for SFT, pairs for preference), all ranks
-        # together, before any backward (the loss algebra above)
+        # 6b. count the objective's units (N of the loss algebra: SFT's trained tokens, or pairs) and the trained
+        # tokens, all ranks together, before any backward (the loss algebra above)
         num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
         num_units = sum(self.objective.count(b) for b in blocks)
         num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
@@ -367,7 +368,8 @@ class FullRun:
 
         # 6c. forward + backward, grad norm, then step or skip
         lr = self.scheduler.get_last_lr()[0]
-        summed_loss = forward_backward(self.model, micro_batches, global_units, world.world_size)
+        summed_loss = forward_backward(self.model, micro_batches, global_units, world.world_size,
+                                       self.objective.loss_sum)
         (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
         loss = global_loss_sum / global_units
         objective_metrics = self.objective_metrics()
@@ -505,7 +507,7 @@ class FullRun:
 
     # ---- 7. finish: last checkpoint, Hugging Face export, run.json --------------------------------
     def finish(self) -> TrainResult:
-        recipe, tcfg, result, world, tracker = self.recipe, self.tcfg, self.result, self.world, self.tracker
+        recipe, tcfg, result, world = self.recipe, self.tcfg, self.result, self.world
         self.progress.stop()
         if self.evaluator and (not self.evals.history or self.evals.history[-1]["step"] != result.steps):
             self.log_eval(self.evaluate())  # the data ended before the schedule did: the end's eval
@@ -536,13 +538,12 @@ class FullRun:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")
         if world.is_main:
-            record_run(recipe, self.run_dir, tracker=tracker, steps=result.steps,
-                       tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
-                       final_loss=result.final_loss, throughput=self.meter.throughput(), summary=self.data_summary,
-                       evaluator=self.evaluator, evals=self.evals, best_model_dir=best_model_dir,
-                       stopped_early=self.stop_reason, model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
-                       best_checkpoint=str(best) if best is not None else None)
-            tracker.finish()
+            self.session.record(steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                                final_loss=result.final_loss, throughput=self.meter.throughput(), evals=self.evals,
+                                best_model_dir=best_model_dir, stopped_early=self.stop_reason,
+                                model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                                best_checkpoint=str(best) if best is not None else None)
+            self.session.end()
             where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
             loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
             self.say(f"done: {result.steps} steps, final loss {loss}{where}")

@@ -193,7 +193,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     try:
         run(parse_args([*torchrun_args, *worker]))
     except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
-        _stopped(recipe, run_dir, int(e.sigval), started)
+        _stopped(recipe.training, run_dir, int(e.sigval), started)
     except ChildFailedError as e:
         from ftcli.train.failures import Failure, recorded_message, stop_signal, summary
 
@@ -201,7 +201,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
                     for rank, f in e.failures.items()]  # global ranks; a message where a worker wrote its error file
         signum = stop_signal(failures, _STOP_EXIT_CODES)
         if signum is not None:  # the workers were signalled directly (not through the launcher)
-            _stopped(recipe, run_dir, signum, started)
+            _stopped(recipe.training, run_dir, signum, started)
         ckpts = run_dir / CHECKPOINTS
         hint = " (--resume continues from the last checkpoint)" if ckpts.is_dir() and any(ckpts.iterdir()) else ""
         raise UserError(summary(failures, _STOP_EXIT_CODES, hint)) from None
@@ -220,7 +220,7 @@ def _completed_since(run_dir: Path, started: float) -> bool:
         return False
 
 
-def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
+def _stopped(training, run_dir: Path, signum: int, started: float) -> None:
     """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
     (none when the run had completed: it returns)."""
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume
@@ -229,11 +229,11 @@ def _stopped(recipe, run_dir: Path, signum: int, started: float) -> None:
         return
 
     try:
-        newest = resolve_resume(run_dir, "latest", kind=method_of(recipe.training).checkpoint_kind)
+        newest = resolve_resume(run_dir, "latest", kind=method_of(training).checkpoint_kind)
     except UserError:  # none saved yet
         newest = None
     step = checkpoint_step(newest) if newest is not None else None
-    print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=recipe.training.checkpoint.enabled),
+    print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=training.checkpoint.enabled),
           file=sys.stderr)
     raise SystemExit(exit_code(signum))
 

@@ -10,7 +10,8 @@ schedule, checkpoints, MLflow); ftcli supplies four things and nothing else:
    dataset holds only block indices (`skip_prepare_dataset`) and a collator hands the model each block as one
    padding-free row, so TRL neither tokenizes, packs nor stores the tokens;
 3. the recipe -> SFTConfig / LoraConfig mapping (`ftcli.train.lora.config`, pure, tested value by value);
-4. token-level loss normalization for every model class (see `normalize_loss_by_tokens`);
+4. the loss: ftcli's, the objective's summed loss over the step's global count, the full loop's algebra, for every
+   model class (`use_objective_loss`, `normalize_loss_by_tokens`); train and eval report the same loss;
 
 and, as TRL callbacks (`ftcli.train.lora.callbacks`), what TRL does not know: ftcli's step line and token counts,
 time-based saves, stopping on a signal, and ftcli's own eval (`ftcli.train.evaluate`, the functions the full loop
@@ -52,10 +53,14 @@ def training_blocks(recipe: Recipe, tokenizer, first=lambda f, then=None: f()):
     `first`: ftcli.train.distributed.rank0_first under torchrun (rank 0 fills the cache, then the others open it)."""
     from ftcli.objectives import objective_of
 
-    packed = objective_of(recipe.training).units(recipe, tokenizer, first)
-    if not len(packed):
-        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in recipe.data.sources)}")
-    return packed
+    return require_units(recipe.data, objective_of(recipe.training).units(recipe, tokenizer, first))
+
+
+def require_units(data_cfg, units):
+    """`units`, or a one-line UserError naming `data_cfg`'s sources (the recipe's data section) when they gave none."""
+    if not len(units):
+        raise UserError(f"data: no example with trained tokens in {', '.join(s.label for s in data_cfg.sources)}")
+    return units
 
 
 def block_rows(blocks):
@@ -105,15 +110,15 @@ def collate_blocks(blocks: list) -> dict[str, Any]:
 def normalize_loss_by_tokens(trainer) -> None:
     """Make every optimizer step minimize (sum of token losses) / (trained tokens of the whole step).
 
-    TRL computes the loss with its fused LM head as `-sum(log p) / num_items_in_batch`, where
-    `num_items_in_batch` is the trained-token count of all micro-batches of the step, all-gathered over
-    ranks (`average_tokens_across_devices`), and multiplies by the world size to undo DDP's gradient
-    mean. Summed over accumulation and averaged by DDP, that is exactly the token mean of the step.
+    The loss (`use_objective_loss`) is `sum(token CE) / num_items_in_batch`, where `num_items_in_batch` is the
+    trained-token count of all micro-batches of the step, all-gathered over ranks
+    (`average_tokens_across_devices`), times the world size to undo DDP's gradient mean. Summed over
+    accumulation and averaged by DDP, that is exactly the token mean of the step.
 
     transformers only counts `num_items_in_batch` when the model class "accepts loss kwargs"; classes
     that declare `accepts_loss_kwargs = False` (Qwen3_5ForConditionalGeneration) would get a mean per
     micro-batch, averaged over accumulation steps, so a short block weighs as much as a long one. The
-    flag is about the model's own loss, which TRL's fused head never calls, so it is safe to set it
+    flag is about the model's own loss, which ftcli's loss never calls, so it is safe to set it
     for the trainer; the loss is then already scaled for accumulation.
     """
     trainer.model_accepts_loss_kwargs = True
@@ -326,16 +331,13 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     """One LoRA run under torchrun; see the module docstring."""
     from trl import SFTConfig
 
-    from ftcli import data
     from ftcli.train.checkpoint import checkpoint_step, resolve_resume, trl_save_failed
-    from ftcli.train.distributed import local_device, rank0_first
-    from ftcli.train.evaluate import Evaluator, prepare_eval
-    from ftcli.train.lifecycle import announce_data
+    from ftcli.train.distributed import local_device
     from ftcli.train.metrics import truncate_metrics
     from ftcli.estimate.fit import resolved_sharding
     from ftcli.train.preempt import Stopped
+    from ftcli.train.session import RunSession
     from ftcli.artifacts.rundir import METRICS_FILE
-    from ftcli.artifacts.tracking import start_tracking
 
     run_dir = Path(run_dir)
     if not method_of(recipe.training).writes_adapter:
@@ -351,20 +353,19 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
         for message in ignored_settings(recipe, sharding):
             print(f"warning: {message}", flush=True)
 
-    # MLflow (rank 0): ftcli.artifacts.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
-    # tracking.json on resume) and logs the recipe; the step-line callback logs the metrics into it.
-    tracker = start_tracking(recipe, run_dir=run_dir, rank=args.process_index, resume=checkpoint is not None)
+    # tracking, tokenizer, data, eval data and run.json: the run session every trainer shares (ftcli.train.session);
+    # the step-line callback logs the metrics into its tracker
+    say = (lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None)
+    session = RunSession.start(recipe, run_dir, rank=args.process_index, world_size=args.world_size, device=device,
+                               resume=checkpoint is not None, say=say)
+    tracker = session.tracker
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
     step_log = None
     try:
         attn = _attn_implementation(recipe, device)
-        tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        blocks = training_blocks(recipe, tokenizer, rank0_first)  # rank 0 fills the cache, then the others open it
-        summary = data.data_summary(recipe, blocks)
-        evaluator = Evaluator(prepare_eval(recipe, tokenizer, rank0_first), args.process_index, args.world_size, device)
-        announce_data(summary, evaluator, tracker=tracker,
-                      say=(lambda line: print(line, flush=True)) if args.process_index == 0 else (lambda line: None))
+        session.open_data()  # rank 0 fills the caches, then the others open them
+        tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe.data, session.units), session.evaluator
 
         # FSDP: the base stays on the CPU (rank 0's full copy, meta elsewhere) until accelerate shards it
         started = time.perf_counter()
@@ -403,13 +404,12 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"
             raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
-        finish(recipe, run_dir, trainer, step_log, tracker=tracker, summary=summary, evaluator=evaluator,
-               sharding=sharding)
-        tracker.finish()
+        finish(recipe, run_dir, trainer, step_log, session=session, sharding=sharding)
+        session.end()
     except BaseException as e:
         if step_log is not None:
             step_log.close()  # the progress bar gives the terminal back
-        tracker.finish("KILLED" if isinstance(e, Stopped) else "FAILED")
+        session.end(e)
         raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
@@ -445,10 +445,9 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
         os.replace(tmp, final)
 
 
-def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary, evaluator, sharding: str) -> None:
+def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, session, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
     from ftcli.artifacts.rundir import FINAL
-    from ftcli.train.lifecycle import record_run
 
     save_final_adapter(trainer, run_dir / FINAL, sharding)
     if trainer.args.process_index != 0:
@@ -460,10 +459,10 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, tracker, summary
     if recipe.training.checkpoint.keep_best and best_step is not None:
         best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record_run(recipe, run_dir, tracker=tracker, steps=trainer.state.global_step,
-               tokens={"trained": step_log.trained, "seen": step_log.seen}, final_loss=losses[-1] if losses else None,
-               throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
-               summary=summary, evaluator=evaluator, evals=tracked, best_model_dir=best_model_dir,
-               stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
-               base_path="base" if recipe.model.init == "random" else None)
+    session.record(steps=trainer.state.global_step, tokens={"trained": step_log.trained, "seen": step_log.seen},
+                   final_loss=losses[-1] if losses else None,
+                   throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+                   evals=tracked, best_model_dir=best_model_dir,
+                   stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
+                   base_path="base" if recipe.model.init == "random" else None)
     print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)

@@ -1,0 +1,114 @@
+"""One run's session: what every trainer's run has, whichever trainer steps it (ftcli.train.full's FSDP2 loop,
+ftcli.train.lora's TRL adapter), so that a run reads the same and a new trainer (a preference objective's) copies
+none of it:
+
+    session = RunSession.start(recipe, run_dir, rank=.., world_size=.., device=.., resume=.., say=..)
+                              tracking: MLflow (rank 0) starts or attaches to the run, logs the recipe
+    session.open_data()       tokenizer, the objective's units (ftcli.objectives: rank 0 packs them into the cache,
+                              then every rank opens it), the data summary, the evaluator of every eval split, and
+                              the lines a run starts with about them (`announce_data`, summary metrics at step 0)
+    ...                       the trainer's own steps, evals and checkpoints
+    session.record(...)       run.json (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data,
+                              every eval, the best one and where its model is), logged with recipe.yaml (rank 0)
+    session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED
+
+The best-eval model's place (`final/` or `best/`) is decided once, by ftcli.train.evaluate.best_model_location;
+each trainer moves its own weights there (DCP checkpoint -> HF export, or the TRL checkpoint's adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ftcli.artifacts.rundir import RECIPE_FILE, new_run_record, write_run_record
+
+
+@dataclass
+class RunSession:
+    """See the module docstring. Every rank holds one; `say` prints on rank 0 only."""
+
+    recipe: Any
+    run_dir: Path
+    rank: int
+    world_size: int
+    device: Any  # torch.device of this rank
+    tracker: Any  # ftcli.artifacts.tracking's tracker (NoTracking off rank 0 or with tracking off)
+    say: Callable[[str], Any]
+    tokenizer: Any = None
+    units: Any = None  # ftcli.data.PackedDataset of the objective's units
+    summary: Any = None  # ftcli.data.DataSummary
+    evaluator: Any = None  # ftcli.train.evaluate.Evaluator (empty without eval data)
+
+    @classmethod
+    def start(cls, recipe, run_dir: Path, *, rank: int, world_size: int, device, resume: bool,
+              say: Callable[[str], Any]) -> RunSession:
+        """MLflow (rank 0): ftcli.artifacts.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
+        tracking.json on resume) and logs the recipe."""
+        from ftcli.artifacts.tracking import start_tracking
+
+        tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=resume)
+        return cls(recipe, Path(run_dir), rank, world_size, device, tracker, say)
+
+    def open_data(self) -> None:
+        """Tokenizer, the objective's units, summary and eval data; rank 0 fills each cache first, then the others
+        open it (ftcli.train.distributed.rank0_first). Collective."""
+        from ftcli import data
+        from ftcli.objectives import objective_of
+        from ftcli.train.distributed import rank0_first
+        from ftcli.train.evaluate import Evaluator, prepare_eval
+
+        recipe = self.recipe
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        self.units = objective_of(recipe.training).units(recipe, self.tokenizer, rank0_first)
+        self.summary = data.data_summary(recipe, self.units)
+        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), self.rank, self.world_size,
+                                   self.device)
+        announce_data(self.summary, self.evaluator, say=self.say, tracker=self.tracker)
+
+    def record(self, **fields: Any) -> Path:
+        """run.json of the completed run (rank 0); `fields`: what `record_run` takes beyond the session's own."""
+        return record_run(self.recipe, self.run_dir, tracker=self.tracker, summary=self.summary,
+                          evaluator=self.evaluator, **fields)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The tracked run's status: finished, or KILLED by a stop signal (ftcli.train.preempt.Stopped), or FAILED."""
+        from ftcli.train.preempt import Stopped
+
+        if error is None:
+            self.tracker.finish()
+        else:
+            self.tracker.finish("KILLED" if isinstance(error, Stopped) else "FAILED")
+
+
+def announce_data(summary, evaluator, *, say: Callable[[str], Any], tracker) -> None:
+    """The lines a run starts with about its data (every rank calls it; `say` prints on rank 0 only)."""
+    for line in summary.lines():
+        say(f"data {line}")
+    for label, p in evaluator.packed.items():
+        say(f"eval data {label}: {p.stats.examples_kept} rows, {p.stats.tokens} tokens, "
+            f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
+    tracker.log_metrics(summary.metrics(), step=0)
+
+
+def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, int],
+               final_loss: float | None, throughput, summary, evaluator, evals, best_model_dir: str | None,
+               stopped_early: str | None, model_dir: str | None, base_path: str | None = None,
+               best_checkpoint: str | None = None) -> Path:
+    """run.json of a completed run (rank 0), logged to MLflow with the resolved recipe; returns its path.
+    `evals`: the run's EvalTracker (None without eval data)."""
+    from ftcli.train.evaluate import eval_summaries
+
+    record = new_run_record(
+        recipe, method=recipe.training.method, mlflow=tracker.info, base_path=base_path, model_dir=model_dir, steps=steps,
+        tokens=tokens, final_loss=final_loss, throughput=throughput, status="completed", data=summary.to_dict(),
+        evals=evals.history if evals else [],
+        eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
+        best_step=evals.best_step if evals else None, best_eval_loss=evals.best_loss if evals else None,
+        best_checkpoint=best_checkpoint, best_model_dir=best_model_dir, stopped_early=stopped_early,
+    )
+    path = write_run_record(run_dir, record)
+    tracker.log_artifact(path)
+    tracker.log_artifact(run_dir / RECIPE_FILE)
+    return path
