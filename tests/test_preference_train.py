@@ -75,10 +75,12 @@ def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # 
     """The run dir as it was at its step-2 checkpoint, resumed: steps 3 and 4 as the uninterrupted run logged them
     (the reference is rebuilt as the starting model, not the resumed policy)."""
     run_dir = tmp_path / "run"
-    shutil.copytree(dpo_run["run_dir"], run_dir, ignore=shutil.ignore_patterns("step_00000004", "final"))
+    # what the run dir held after its step-2 save: no step-4 checkpoint, no final model, no run.json (written at the end)
+    shutil.copytree(dpo_run["run_dir"], run_dir, ignore=shutil.ignore_patterns("step_00000004", "final", "run.json"))
     res = ftcli([*_args(run_dir, "training.checkpoint.every_steps=2"), "--resume", "latest"], tmp_path, env)
     assert res.returncode == 0, output_tail(res)
     resumed, full = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert "resumed from" in res.stdout + res.stderr and (run_dir / "final" / "config.json").is_file()
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed[2:], full[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -90,7 +92,7 @@ def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
     the same losses and preference metrics step by step (the step normalizes by its global pair count), and step 1
     is log 2 (a fresh adapter: policy == reference)."""
     lora = ["training.method=lora", "training.precision={}", "training.checkpoint.enabled=false",
-            "training.optimizer.lr=1.0e-2"]
+            "training.optimizer.lr=1.0e-2", "eval.every_steps=4"]
     runs = {}
     for name, sets in (("two", ["training.grad_accum=2"]), ("one", ["training.cpu_processes=1",
                                                                     "training.grad_accum=4"])):
