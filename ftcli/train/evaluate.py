@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from ftcli.objectives import OBJECTIVES
 from ftcli import data
 from ftcli.data.evalsplit import eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
@@ -102,8 +103,11 @@ class EvalResult:
 class Evaluator:
     """This rank's share of every source's eval blocks; `run` is collective (every rank calls it)."""
 
-    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device):
+    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device,
+                 objective=None):
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
+        # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
+        self.objective = objective if objective is not None else OBJECTIVES["sft"]
 
     def __bool__(self) -> bool:
         return bool(self.packed)
@@ -124,7 +128,7 @@ class Evaluator:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
                         summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += block.num_trained_tokens
+                        trained += self.objective.count(block)
                     sums.append(summed)
                     counts.append(trained)
         finally:
@@ -220,7 +224,7 @@ def evaluate_now(evaluator: Evaluator, evals: EvalTracker, model: torch.nn.Modul
     """Collective: the eval loss of `model` now, through `model.loss_sum` (`ftcli.train.loss.attach_loss`), recorded
     in `evals` (best step, early stopping: `evals.stop_reason()`). Returns (result, whether it is the new best).
     `say` (rank 0; None on the others) prints the per-source losses of an eval with several sources."""
-    result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
+    result = evaluator.run(model, lambda inputs: evaluator.objective.loss_sum(model, inputs), step)
     new_best = evals.add(result)
     if say is not None and len(result.sources) > 1:
         say(result.line())
