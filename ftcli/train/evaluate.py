@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from ftcli.objectives import OBJECTIVES
 from ftcli import data
 from ftcli.data.evalsplit import eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
@@ -106,8 +107,11 @@ class EvalResult:
 class Evaluator:
     """This rank's share of every source's eval blocks; `run` is collective (every rank calls it)."""
 
-    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device):
+    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device,
+                 objective=None):
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
+        # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
+        self.objective = objective if objective is not None else OBJECTIVES["sft"]
 
     def __bool__(self) -> bool:
         return bool(self.packed)
@@ -115,11 +119,9 @@ class Evaluator:
     def blocks(self, label: str):
         return data.BlockStream(self.packed[label], self.rank, self.world_size, epochs=1.0, shuffle=False)
 
-    def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int,
-            count: Callable[[Any], int] = lambda block: block.num_trained_tokens) -> EvalResult:
+    def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:
         """The eval loss of `model` (module doc). `loss_sum(inputs)`: the summed token CE of one block's
-        model inputs (`model.loss_sum(**inputs)` under FSDP2); `count(block)`: its share of the denominator (the
-        objective's: trained tokens, or pairs)."""
+        model inputs (`model.loss_sum(**inputs)` under FSDP2), over the objective's count (trained tokens, or pairs)."""
         sums, counts = [], []
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = model.training
@@ -130,7 +132,7 @@ class Evaluator:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
                         summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += count(block)
+                        trained += self.objective.count(block)
                     sums.append(summed)
                     counts.append(trained)
         finally:
@@ -227,13 +229,11 @@ def evaluate_now(evaluator: Evaluator, evals: EvalTracker, model: torch.nn.Modul
     in `evals` (best step, early stopping: `evals.stop_reason()`). Returns (result, whether it is the new best).
     `say` (rank 0; None on the others) prints the per-source losses of an eval with several sources."""
     sums = getattr(model, "preference_sums", None)  # preference objectives: TRL's metrics over the eval pairs
-    if sums is None:
-        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
-    else:
+    pending = sums.take() if sums is not None else None  # a training step's sums not logged yet wait meanwhile
+    result = evaluator.run(model, lambda inputs: evaluator.objective.loss_sum(model, inputs), step)
+    if sums is not None:
         from ftcli.train.preference import reduced_means
 
-        pending = sums.take()  # a training step's sums not logged yet wait while the eval runs
-        result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step, count=lambda b: len(b.pairs))
         evaluated = reduced_means(model, evaluator.device, prefix="eval_")
         sums.add(pending)
         result.unit = "pairs"
