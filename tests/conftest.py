@@ -51,7 +51,7 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
-               "test_data_checks"]
+               "test_data_checks", "test_preference_train"]
 
 
 def pytest_collection_modifyitems(session, config, items):

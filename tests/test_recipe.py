@@ -18,8 +18,10 @@ from ftcli.config.recipe import (
     resolve_path,
 )
 
-BUILTINS = ["gemma3-12b-h100", "gpt-oss-120b-1gpu", "gpt-oss-120b-h100", "gpt-oss-h100", "llama3-70b-lora-h100",
-            "llama3-8b-h100", "qwen-b300", "qwen3-30b-a3b-lora-h100", "tiny-gemma3-cpu", "tiny-gpt-oss-cpu",
+BUILTINS = ["gemma3-12b-h100", "gpt-oss-120b-1gpu", "gpt-oss-120b-h100", "gpt-oss-20b-dpo-h100", "gpt-oss-h100",
+            "llama3-70b-lora-h100",
+            "llama3-8b-dpo-h100", "llama3-8b-h100", "qwen-b300", "qwen-b300-dpo", "qwen3-30b-a3b-lora-h100", "tiny-dpo-cpu",
+            "tiny-gemma3-cpu", "tiny-gpt-oss-cpu",
             "tiny-llama3-cpu", "tiny-qwen-cpu", "tiny-qwen3-cpu", "tiny-qwen3-moe-cpu"]
 
 

@@ -53,9 +53,14 @@ WITH = {
     "training.activation_checkpointing_keep": {"training.activation_checkpointing": "full"},
     "compute.permissions.0.group_name": {"compute.permissions.0.user_name": None},
     "compute.permissions.0.service_principal_name": {"compute.permissions.0.user_name": None},
+    "data.format": {"training.objective": "dpo", "data.format": "preference", "data.packing.strategy": "bfd"},
+    **{f"training.preference.{k}": {"training.objective": "dpo", "data.format": "preference",
+                                    "data.packing.strategy": "bfd"}
+       for k in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda")},
+    "training.objective": {"data.format": "preference", "data.packing.strategy": "bfd"},
 }
 # Keys with one allowed value so far (a second objective or optimizer adds the next): checked to load back
-ONE_VALUE = {("full", "training.objective"), ("lora", "training.objective"), ("full", "training.optimizer.name"),
+ONE_VALUE = {("full", "training.optimizer.name"),
              ("lora", "training.optimizer.name"), ("lora", "training.loss.impl")}
 EVAL = {"holdout": 0.1}
 DROPS_SECTION = {"eval.enabled": "eval"}  # false turns the section off: it loads as None

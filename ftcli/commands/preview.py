@@ -189,8 +189,8 @@ def _show_block(out: Console, tokenizer, block, n: int) -> None:
         trained = int((block.labels[max(a, 1) : b] != -100).sum())
         is_pad = k == len(cu) - 2 and trained == 0 and _is_padding(block, a, b, tokenizer)
         t.add_row(
-            f"{k}{' (pad)' if is_pad else ''}", f"[{a}, {b})", str(b - a), f"{int(pos[0])}..{int(pos[-1])}",
-            str(trained),
+            f"{k}{' (pad)' if is_pad else _side(block, k)}", f"[{a}, {b})", str(b - a),
+            f"{int(pos[0])}..{int(pos[-1])}", str(trained),
         )
     out.print(t)
     plain = out.color_system is None  # a pipe or a log: colour is lost, so trained text is marked «like this»
@@ -198,6 +198,13 @@ def _show_block(out: Console, tokenizer, block, n: int) -> None:
         out.print(f"trained tokens are marked {TRAINED_OPEN}...{TRAINED_CLOSE}", highlight=False)
     out.print(_block_text(tokenizer, block, plain=plain), soft_wrap=plain)  # plain: the text as it is, unwrapped
     out.print()
+
+
+def _side(block, k: int) -> str:
+    """A preference block's segment k as ' (pair p chosen)' / ' (pair p rejected)'; '' for SFT blocks."""
+    if block.roles is None or block.roles[k] < 0:
+        return ""
+    return f" (pair {k // 2} {'chosen' if block.roles[k] == 0 else 'rejected'})"
 
 
 def _is_padding(block, a: int, b: int, tokenizer) -> bool:
@@ -214,7 +221,7 @@ def _block_text(tokenizer, block, plain: bool = False) -> Text:
     shown = 0
     for k in range(len(cu) - 1):
         a, b = cu[k], cu[k + 1]
-        text.append(f"⟦segment {k}⟧", style="bold cyan")
+        text.append(f"⟦segment {k}{_side(block, k)}⟧", style="bold cyan")
         if k == len(cu) - 2 and (block.labels[a:b] == -100).all() and _is_padding(block, a, b, tokenizer):
             text.append(f"[padding x {b - a}]", style="dim italic")
             continue

@@ -224,7 +224,8 @@ def _revision_text(value: Any) -> Any:
 
 Revision = Annotated[str | None, BeforeValidator(_revision_text)]  # a hub commit; a delta version or timestamp
 SpecialTokensInText = Literal["keep", "escape", "error"]
-DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # ftcli.data.formats
+# ftcli.data.formats; `preference`: chosen/rejected rows in any form ftcli.data.preference reads (auto detects it too)
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference"]
 
 
 class SourceConfig(_Section):
@@ -519,10 +520,23 @@ class LossConfig(_Section):
     chunk_tokens: int = Field(4096, ge=1)
 
 
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")  # ftcli/objectives/preference.py
 
 
 # context-parallel slices are whole gated-delta chunks: ftcli.data.collate.FLA_CHUNK (that module imports torch)
 CP_SLICE_MULTIPLE = 64
+
+
+class PreferenceSection(_Section):
+    """The knobs of the preference objectives (ftcli/objectives/preference.py, ftcli/train/preference.py)."""
+
+    beta: float = Field(0.1, gt=0, description="dpo/ipo: the KL strength (ipo: its regularization tau); simpo: "
+                        "the reward scale.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo and simpo: the share of pairs assumed "
+                                   "flipped (conservative DPO).")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin.")
+    orpo_lambda: float = Field(0.1, gt=0, description="orpo: the weight of the odds-ratio term beside the SFT term.")
+
 
 class _Training(_Section):
     """What both trainers read. `training` is `FullTraining | LoraTraining`, picked by `method`. A key of the other
@@ -530,15 +544,19 @@ class _Training(_Section):
     at its default: dumps write every key of both (so recipe.yaml and rendered workloads stay as they were, and a
     dump loads again), and loading drops them there."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {"objective": "sft"}
+    quiet_defaults: ClassVar[dict[str, Any]] = {"objective": "sft", "preference": None}
     other_method: ClassVar[str] = ""  # the method whose keys `other_keys` are
     other_keys: ClassVar[tuple[str, ...]] = ()
 
     # declared here first so that every dump starts with them (each method's class narrows `method` to its name)
     method: str = "full"
-    objective: Literal["sft"] = Field(
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = Field(
         "sft", description="What is optimized (ftcli/objectives/): sft, next-token cross-entropy on the trained "
-        "tokens. Separate from training.method (full | lora: how the parameters train and what the run writes).")
+        "tokens; dpo, ipo (against a reference model), simpo, orpo (reference-free) on preference pairs "
+        "(training.preference). Separate from training.method (full | lora: how the parameters train and what "
+        "the run writes).")
+    preference: PreferenceSection | None = Field(
+        None, description="The preference objectives' knobs (set for dpo, ipo, simpo, orpo; absent for sft).")
     epochs: float = Field(1.0, gt=0, le=100_000)
     max_steps: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches (blocks) per optimizer step per rank.")
@@ -557,6 +575,19 @@ class _Training(_Section):
     @classmethod
     def _other(cls) -> type[_Training]:
         return TRAINING_BY_METHOD[cls.other_method]
+
+    @model_validator(mode="after")
+    def _preference_knobs(self) -> _Training:
+        pairs = self.objective in PREFERENCE_OBJECTIVES
+        if pairs and self.preference is None:
+            self.preference = PreferenceSection()
+        if not pairs and self.preference is not None:
+            raise ValueError(f"training.preference applies to the preference objectives "
+                             f"({', '.join(PREFERENCE_OBJECTIVES)}); training.objective is {self.objective}")
+        if pairs and self.loss.impl != "chunked":
+            raise ValueError(f"training.loss.impl={self.loss.impl} is SFT's token loss; the preference objectives' "
+                             "log-probs are chunked (training.loss.chunk_tokens): leave training.loss.impl out")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -956,6 +987,9 @@ class Recipe(_Section):
             return self
         if not self.data.packing.enabled:
             raise ValueError(f"training.context_parallel={n} splits packed blocks; set data.packing.enabled: true")
+        if self.training.objective != "sft":  # a pair's two sequences would land on different ranks
+            raise ValueError(f"training.context_parallel={n} trains training.objective: sft only (not "
+                             f"{self.training.objective}: a preference pair is not split across ranks yet)")
         block_len = self.data.packing.block_len
         if block_len % (n * CP_SLICE_MULTIPLE):
             raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
@@ -976,6 +1010,20 @@ class Recipe(_Section):
         if self.model.quantization == "mxfp4" and self.lora.experts != "grouped":
             raise ValueError("model.quantization=mxfp4 computes the experts through the grouped expert LoRA; "
                              "lora.experts=peft needs a bf16 base (model.quantization=mxfp4_dequantize)")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_data(self) -> Recipe:
+        pairs = self.training.preference is not None
+        formats = {s.format for s in self.data.source_list()}
+        if pairs and formats - {"auto", "preference"}:
+            raise ValueError(f"training.objective={self.training.objective} reads preference rows: data.format must "
+                             f"be preference or auto (got {', '.join(sorted(formats - {'auto', 'preference'}))})")
+        if not pairs and "preference" in formats:
+            raise ValueError("data.format=preference needs a preference objective (training.objective: "
+                             f"{' | '.join(PREFERENCE_OBJECTIVES)})")
+        if pairs and self.data.packing.enabled and self.data.packing.strategy == "split":
+            raise ValueError("a preference pair is never split across blocks: use data.packing.strategy=bfd")
         return self
 
     @model_validator(mode="after")

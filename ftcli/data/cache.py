@@ -9,6 +9,7 @@ Layout of one entry, `<cache root>/packed/<key>/` (key = sha256 of everything th
     block_tokens.bin   int64 [N+1] offsets of each block's tokens
     block_segs.bin     int64 [N+1] offsets of each block's segments
     block_trained.bin  int32 [N]   num_trained_tokens of each block (as the loss sees it)
+    seg_roles.bin      int8, preference data only: the role of every real segment (0 chosen, 1 rejected)
 
 Writers fill a private temp dir next to the entry and `rename` it into place: readers see a complete
 entry or none, and when several ranks race, the first rename wins and the others discard their copy.
@@ -133,10 +134,16 @@ class BlockWriter:
             raise
         self.block_tokens, self.block_segs, self.block_trained = [0], [0], []
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, seg_lens: list[int]) -> int:
+    def add(self, ids: np.ndarray, mask: np.ndarray, seg_lens: list[int], roles: list[int] | None = None) -> int:
         self._files["input_ids"].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
         self._files["loss_mask"].write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
         self._files["seg_lens"].write(np.asarray(seg_lens, dtype=np.int32).tobytes())
+        if roles is not None:
+            assert len(roles) == len(seg_lens)
+            if "seg_roles" not in self._files:
+                assert len(self.block_trained) == 0, "every block of an entry has roles, or none"
+                self._files["seg_roles"] = open(self.tmp / "seg_roles.bin", "wb")
+            self._files["seg_roles"].write(np.asarray(roles, dtype=np.int8).tobytes())
         self.block_tokens.append(self.block_tokens[-1] + len(ids))
         self.block_segs.append(self.block_segs[-1] + len(seg_lens))
         trained = num_trained(np.asarray(mask, dtype=bool), list(seg_lens))
@@ -209,6 +216,13 @@ class PackedDataset:
         self.stats = DataStats.from_dict(self.meta["stats"])
         self.from_cache = from_cache
         self._arrays = {name: self._map(name, dtype) for name, dtype in _ARRAYS.items()}
+        roles = self.path / "seg_roles.bin"
+        self._roles = self._map("seg_roles", np.int8) if roles.exists() else None
+
+    @property
+    def paired(self) -> bool:
+        """Preference data: every block is whole pairs (`Block.roles`, `Block.pairs`)."""
+        return self._roles is not None
 
     def _map(self, name: str, dtype) -> np.ndarray:
         f = self.path / f"{name}.bin"
@@ -243,7 +257,12 @@ class PackedDataset:
         a, b = int(t[i]), int(t[i + 1])
         ids = np.array(self._arrays["input_ids"][a:b], dtype=np.int32)
         mask = np.array(self._arrays["loss_mask"][a:b], dtype=bool)
-        return make_block(ids, mask, list(self.segments(i)), self.block_len or (b - a), self.pad_id, index=i)
+        roles = None
+        if self._roles is not None:
+            s = self._arrays["block_segs"]
+            roles = np.array(self._roles[s[i] : s[i + 1]], dtype=np.int8)
+        return make_block(ids, mask, list(self.segments(i)), self.block_len or (b - a), self.pad_id, index=i,
+                          roles=roles)
 
     def __getitem__(self, i: int) -> Block:
         return self.block(i)

@@ -12,7 +12,8 @@ Pure data code: no torch.distributed, MLflow or CLI imports.
 from __future__ import annotations
 
 from ftcli.config.errors import UserError
-from ftcli.data import formats, sources
+from ftcli.data import formats, preference, sources
+from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
 from ftcli.data.validate import BadRow
 
@@ -125,10 +126,11 @@ def quick_check(recipe) -> None:
     none of whose first QUICK_ROWS rows is a valid conversation in its format."""
     data = recipe.data
     problems = []
+    pairs = data_spec(recipe).pairs
     for k, src in enumerate(data.source_list()):
         if src.source == "synthetic":
             continue
-        resolved, _ = formats.resolve(src)
+        resolved, _ = (src, None) if pairs else formats.resolve(src)
         st = DataStats(format=resolved.format)
         rows, _ = sources.open_rows(src, limit=QUICK_ROWS)
         for index, row in rows:
@@ -136,7 +138,10 @@ def quick_check(recipe) -> None:
             try:
                 if isinstance(row, sources.InvalidRow):
                     raise BadRow(row.reason, row.detail)
-                formats.conversation(row, resolved.format, resolved.messages_field, resolved.tools_field)
+                if pairs:  # preference rows: a pair in any form ftcli.data.preference reads
+                    preference.pair(row, "auto", resolved.tools_field)
+                else:
+                    formats.conversation(row, resolved.format, resolved.messages_field, resolved.tools_field)
             except BadRow as e:
                 st.skip(index, e.reason, e.detail)
         if st.examples_kept == 0:

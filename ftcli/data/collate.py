@@ -19,6 +19,8 @@ time: the output size depends on the data) is built here once, on the host, and 
     labels          .  -  x  x  x    -  x    -             (- = -100; position t predicts labels[t + 1])
     trained_positions [1, 2, 3, 5]                         int64 [N]: the t whose target labels[t + 1] is
                                                            trained (N = Block.num_trained_tokens)
+    pairs, num_segments                                    preference blocks only: Block.pairs (int64 [P, 2],
+                                                           each pair's chosen and rejected segment), S
 
 The fla_* tensors and trained_positions pass through transformers' model call as keyword arguments to
 every decoder layer (ftcli.model.kernels reads them) and to `ftcli.train.loss` (attach_loss pops trained_positions);
@@ -56,7 +58,9 @@ def block_to_model_inputs(block: Block, device="cpu") -> dict:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
 
     cu = tensor(block.cu_seqlens, np.int32)
-    return {
+    pairs = {} if block.roles is None else {  # preference blocks: which segments are each pair's two sides
+        "pairs": tensor(block.pairs, np.int64), "num_segments": len(block.cu_seqlens) - 1}
+    return {**pairs,
         "input_ids": tensor(block.input_ids, np.int64).unsqueeze(0),
         "labels": tensor(block.labels, np.int64).unsqueeze(0),
         "position_ids": tensor(block.position_ids, np.int64).unsqueeze(0),

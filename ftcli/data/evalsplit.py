@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from ftcli.data.sources import InvalidRow
-from ftcli.data.spec import DataSpec, Holdout, holdout_rule
+from ftcli.data.spec import DataSpec, Holdout, data_spec, holdout_rule
 from ftcli.config.errors import UserError
 
 Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row index, row)
@@ -75,18 +75,19 @@ def eval_specs(recipe) -> dict[str, DataSpec]:
         overlong=train_packing.overlong,
     )
     out = {}
+    pairs = data_spec(recipe).pairs  # preference rows: the eval packs whole pairs too
     if ev.holdout is not None:
         held_out = replace(holdout_rule(recipe), keep="eval")
         if any(s.source == "synthetic" for s in data.sources):
             raise UserError("eval.holdout cannot hold out synthetic rows; give eval.path or eval.sources instead")
         for src in data.sources:  # each held-out row once (weight 1), each source its own loss
             one = data.model_copy(update={"sources": [src.model_copy(update={"weight": 1.0})], "packing": packing})
-            out[src.label] = DataSpec(recipe.name, one, held_out)
+            out[src.label] = DataSpec(recipe.name, one, held_out, pairs)
         return out
     given = ev.sources or [SourceConfig(source=ev.source, path=ev.path, revision=ev.revision, split=ev.split)]
     for src in given:
         one = data.model_copy(update={"sources": [src], "packing": packing, "max_examples": ev.max_examples})
-        out[src.label] = DataSpec(recipe.name, one)
+        out[src.label] = DataSpec(recipe.name, one, pairs=pairs)
     return out
 
 

@@ -38,6 +38,17 @@ Strategies:
 * bfd: best-fit decreasing over a buffer of `bfd_buffer` examples: longest first, each into the fullest
   open block it fits; no example is ever split. An example longer than a block is truncated to the
   block or dropped (`overlong`), counted either way.
+
+Preference pairs (`pack_pairs`): a pair is two segments side by side in one block, chosen then rejected,
+never split across blocks (bfd over whole pairs; the pipeline cuts an overlong pair to the block first,
+`preference.fit_pair`, or drops it). `Block.roles` says which segment is which:
+
+    input_ids     p  p  c  c | p  p  r  r  r | p  c | p  r | pad
+    roles         0            1              0      1      -1     per segment: 0 chosen, 1 rejected, -1 none
+    Block.pairs   [[0, 1], [2, 3]]                                 (chosen segment, rejected segment) per pair
+
+Every segment is isolated exactly as an SFT example (positions, cu_seqlens and seq_idx restart), so a
+side's log-prob in the block is the log-prob of that side run alone.
 """
 
 from __future__ import annotations
@@ -66,6 +77,16 @@ class Block:
     max_seqlen: int  # longest segment
     num_trained_tokens: int  # labels[1:] != -100: the tokens the loss averages over
     index: int = -1  # position in the packed dataset; -1 for a rank-balancing padding block
+    roles: np.ndarray | None = None  # int8 [S] for preference blocks: 0 chosen, 1 rejected, -1 padding
+
+    @property
+    def pairs(self) -> np.ndarray:
+        """int64 [P, 2]: (chosen segment, rejected segment) of every pair in the block (P = 0 for SFT)."""
+        if self.roles is None:
+            return np.zeros((0, 2), dtype=np.int64)
+        chosen, rejected = np.flatnonzero(self.roles == 0), np.flatnonzero(self.roles == 1)
+        assert len(chosen) == len(rejected) and (rejected == chosen + 1).all(), "a pair is two adjacent segments"
+        return np.stack([chosen, rejected], axis=1).astype(np.int64)
 
 
 def num_trained(mask: np.ndarray, seg_lens: list[int]) -> int:
@@ -78,11 +99,18 @@ def num_trained(mask: np.ndarray, seg_lens: list[int]) -> int:
 
 
 def make_block(
-    input_ids: np.ndarray, mask: np.ndarray, seg_lens: list[int], block_len: int, pad_id: int, index: int = -1
+    input_ids: np.ndarray, mask: np.ndarray, seg_lens: list[int], block_len: int, pad_id: int, index: int = -1,
+    roles: np.ndarray | None = None,
 ) -> Block:
-    """Build the block arrays (pictured in the module docstring); pads to block_len with its own segment."""
+    """Build the block arrays (pictured in the module docstring); pads to block_len with its own segment.
+    `roles` (preference blocks): int8 per real segment, 0 chosen / 1 rejected; the padding segment gets -1."""
     n = len(input_ids)
     seg_lens = [int(s) for s in seg_lens]
+    if roles is not None:
+        roles = np.asarray(roles, dtype=np.int8)
+        assert len(roles) == len(seg_lens)
+        if n < block_len:
+            roles = np.concatenate([roles, np.full(1, -1, dtype=np.int8)])
     if n < block_len:
         input_ids = np.concatenate([input_ids, np.full(block_len - n, pad_id, dtype=np.int32)])
         mask = np.concatenate([mask, np.zeros(block_len - n, dtype=bool)])
@@ -103,6 +131,7 @@ def make_block(
         max_seqlen=int(lens.max()) if len(lens) else 0,
         num_trained_tokens=int((labels[1:] != IGNORE_INDEX).sum()),
         index=index,
+        roles=roles,
     )
 
 
@@ -165,12 +194,13 @@ def pack_bfd(
         yield from _best_fit(pending, block_len)
 
 
-def _best_fit(items: list[tuple[np.ndarray, np.ndarray]], block_len: int) -> Iterator[Packed]:
-    order = sorted(range(len(items)), key=lambda k: -len(items[k][0]))  # stable: ties keep arrival order
+def _bins(lengths: list[int], block_len: int) -> list[list[int]]:
+    """Best-fit decreasing: the items (by length) of each block, longest first into the fullest block it fits."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])  # stable: ties keep arrival order
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, bin) sorted: the first with room >= n is the best fit
     for k in order:
-        n = len(items[k][0])
+        n = lengths[k]
         j = bisect.bisect_left(free, (n, -1))
         if j < len(free):
             room, b = free.pop(j)
@@ -181,7 +211,11 @@ def _best_fit(items: list[tuple[np.ndarray, np.ndarray]], block_len: int) -> Ite
             bins.append([k])
             if block_len - n:
                 bisect.insort(free, (block_len - n, len(bins) - 1))
-    for members in bins:
+    return bins
+
+
+def _best_fit(items: list[tuple[np.ndarray, np.ndarray]], block_len: int) -> Iterator[Packed]:
+    for members in _bins([len(ids) for ids, _ in items], block_len):
         yield (
             np.concatenate([items[k][0] for k in members]),
             np.concatenate([items[k][1] for k in members]),
@@ -193,3 +227,37 @@ def pack_none(examples: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> Iterato
     """Packing disabled: one example per (unpadded, variable-length) block."""
     for _, ids, mask in examples:
         yield ids, mask, [len(ids)]
+
+
+PackedPairs = tuple[np.ndarray, np.ndarray, list[int], list[int]]  # Packed + the role of every segment
+EncodedSides = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # index, chosen ids/mask, rejected ids/mask
+
+
+def pack_pairs(pairs: Iterable[EncodedSides], block_len: int | None, buffer: int) -> Iterator[PackedPairs]:
+    """Preference pairs -> blocks of whole pairs, each pair's two sides adjacent (chosen first). block_len
+    None (packing off): one pair per block. Best-fit decreasing over each buffer of pairs, as `pack_bfd`
+    does for examples; every pair must already fit a block (the pipeline cuts or drops the others)."""
+    pending: list[EncodedSides] = []
+
+    def flush() -> Iterator[PackedPairs]:
+        for members in _bins([len(p[1]) + len(p[3]) for p in pending], block_len):
+            yield _pair_block([pending[k] for k in members])
+
+    for item in pairs:
+        if block_len is None:
+            yield _pair_block([item])
+            continue
+        assert len(item[1]) + len(item[3]) <= block_len, "the pipeline fits every pair to the block first"
+        pending.append(item)
+        if len(pending) == buffer:
+            yield from flush()
+            pending = []
+    if pending:
+        yield from flush()
+
+
+def _pair_block(members: list[EncodedSides]) -> PackedPairs:
+    ids = np.concatenate([a for _, c_ids, _, r_ids, _ in members for a in (c_ids, r_ids)])
+    mask = np.concatenate([a for _, _, c_mask, _, r_mask in members for a in (c_mask, r_mask)])
+    segs = [len(a) for _, c_ids, _, r_ids, _ in members for a in (c_ids, r_ids)]
+    return ids, mask, segs, [0, 1] * len(members)

@@ -30,16 +30,16 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ftcli.data import formats, sources
+from ftcli.data import formats, preference, sources
 from ftcli.config.safe_files import refuse_links, remove_tree
 from ftcli.data.cache import DATA_FORMAT_VERSION, BlockWriter, PackedDataset, cache_key, cache_root, entry_problem
 from ftcli.data.evalsplit import split_rows
 from ftcli.data.chat import ChatEncoder, TemplateBoundExceeded, describe, encode_prompt_completion_text, pad_token_id
-from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_split
+from ftcli.data.packing import IGNORE_INDEX, num_trained, pack_bfd, pack_none, pack_pairs, pack_split
 from ftcli.data.spec import data_spec
-from ftcli.data.stats import DataStats
+from ftcli.data.stats import POLICY_REASONS, DataStats
 from ftcli.data.synthetic import synthetic_examples
-from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, chat_turns
+from ftcli.data.validate import CALL_NOT_RENDERED, BadRow, as_bad_row, chat_turns
 from ftcli.config.errors import UserError
 
 Progress = Callable[[int, "int | None"], None]  # progress(examples read, total if known)
@@ -175,8 +175,86 @@ def encoded_examples(
         progress(stats.examples_read, grand_total)
 
 
-def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None):
-    """One source's (row index, *encoded) stream under its weight, and its row count if known."""
+def _resolve_pairs(src):
+    """A preference source with `format: auto` (or `preference`) replaced by the form of its first rows."""
+    if src.source == "synthetic":
+        raise UserError("a preference objective needs preference rows (chosen/rejected); synthetic data has none")
+    if src.format in preference.FORMS:
+        return src, f"data.format {src.format}"
+    if src.format not in ("auto", "preference"):
+        raise UserError(f"data.format {src.format!r} is an SFT format; a preference objective reads "
+                        f"{', '.join(preference.FORMS)} rows (or auto)")
+    rows, _ = sources.open_rows(src, limit=formats.DETECT_ROWS)
+    form, why = preference.detect(row for _, row in rows if not isinstance(row, sources.InvalidRow))
+    if form is None:
+        raise UserError(f"data source {src.label!r}: {why}; a preference objective needs "
+                        "{prompt, chosen, rejected} rows or chosen/rejected conversations")
+    return src, why + " (each row read in its own form)"
+
+
+def encoded_pairs(spec, tokenizer, stats: DataStats, progress: Progress | None = None) -> Iterator[tuple]:
+    """(row index, chosen ids, chosen mask, rejected ids, rejected mask) of every valid preference pair of
+    every source, in source order under its weight: the pair counterpart of `encoded_examples`. Each side is
+    cut to data.max_length (keep_start, as TRL); with packing on, a pair longer than the block is dropped
+    (`packing.overlong: drop`) or cut to it (`truncate`: `preference.fit_pair`); a side left with no trained
+    token skips the pair. Every row is counted once in `stats`: kept (perhaps truncated) or skipped."""
+    spec = data_spec(spec)
+    data = spec.data
+    resolved = [_resolve_pairs(s) for s in data.source_list()]
+    sources_ = [src for src, _ in resolved]
+    for src, why in resolved:
+        stats.source(src.label).format, stats.source(src.label).format_why = "preference", why
+    multi = not data.one_source
+    packing = data.packing
+    block = packing.block_len if packing.enabled else None
+    for k, src in enumerate(sources_):
+        results, _ = _source_results(data, src, k, tokenizer, spec.holdout, sources_, preference.PairEncoder)
+        counts = (stats, stats.source(src.label))
+
+        def bad(index: int, reason: str, detail: str = "") -> None:
+            if data.strict and reason not in POLICY_REASONS:
+                raise _strict_error(index, reason, detail, src.label if multi else None)
+            for st in counts:
+                st.skip(index, reason, detail)
+
+        for index, result in results:
+            for st in counts:
+                st.examples_read += 1
+            if progress is not None and stats.examples_read % PROGRESS_EVERY == 0:
+                progress(stats.examples_read, None)
+            if isinstance(result, BadRow):
+                bad(index, result.reason, result.detail)
+                continue
+            sides = [(result.chosen_ids, result.chosen_mask), (result.rejected_ids, result.rejected_mask)]
+            full = [len(ids) for ids, _ in sides]
+            keep = [min(n, data.max_length or n) for n in full]
+            if block is not None and sum(keep) > block:
+                if packing.overlong == "drop":
+                    for st in counts:
+                        st.trained_lost_overlong += sum(int(m.sum()) for _, m in sides)
+                    bad(index, "longer than block", f"pair of {full[0]} + {full[1]} tokens > block_len {block}")
+                    continue
+                keep = list(preference.fit_pair(keep[0], keep[1], block))
+            lost = sum(int(m[n:].sum()) for (_, m), n in zip(sides, keep))
+            sides = [(ids[:n], m[:n]) for (ids, m), n in zip(sides, keep)]
+            for st in counts:
+                st.trained_lost_truncation += lost
+            if not all(m[1:].any() for _, m in sides):  # counted once: as skipped, not also as truncated
+                bad(index, "zero trained tokens", "a side of this pair keeps no trained token")
+                continue
+            for st in counts:
+                st.truncated += keep != full
+                st.note(result.dropped, result.special_tokens)
+            counts[1].tokens += sum(len(ids) for ids, _ in sides)
+            counts[1].trained_tokens += sum(int(m[1:].sum()) for _, m in sides)
+            yield index, sides[0][0], sides[0][1], sides[1][0], sides[1][1]
+    if progress is not None:
+        progress(stats.examples_read, None)
+
+
+def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None, encoder=None):
+    """One source's (row index, *encoded) stream under its weight, and its row count if known. `encoder`:
+    the row encoder class (RowEncoder; preference.PairEncoder for pairs)."""
     limit = _limit(data, src)
     if src.source == "synthetic":
         exclude = list(getattr(tokenizer, "added_tokens_decoder", {}) or [])
@@ -194,7 +272,7 @@ def _source_results(data, src, k: int, tokenizer, holdout=None, sources_=None):
 
     rows = weighted(split_rows(holdout, passes), src.weight, data.mix_seed, k)
     encode = _parallel_encode if data.num_workers else _serial_encode
-    return encode(((k, i, row) for i, row in rows), data, tokenizer, sources_), total
+    return encode(((k, i, row) for i, row in rows), data, tokenizer, sources_, encoder or RowEncoder), total
 
 
 # A row's size bound (data.max_row_chars), checked before it is tokenized: a tokenizer holds several
@@ -266,18 +344,14 @@ class RowEncoder:
             if info["tool_calls_not_rendered"]:
                 dropped[CALL_NOT_RENDERED] = info["tool_calls_not_rendered"]
             return ids, mask, dropped, info["special_tokens_in_text"]
-        except BadRow as e:
-            return (e,)
         except TemplateBoundExceeded:
             raise  # the template's fault: every row would take as long
-        except UserError as e:
-            return (BadRow("template error", str(e)),)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, odd field types, ...
-            return (BadRow("template error", (str(e).strip() or type(e).__name__).splitlines()[0]),)
+            return (as_bad_row(e),)
 
 
-def _serial_encode(rows, data, tokenizer, sources_=None):
-    encode = RowEncoder(data, tokenizer, sources_)
+def _serial_encode(rows, data, tokenizer, sources_=None, encoder=None):
+    encode = (encoder or RowEncoder)(data, tokenizer, sources_)
     for k, index, row in rows:
         yield (index, *encode(k, row))
 
@@ -288,13 +362,13 @@ _WORKER: RowEncoder | None = None
 CHUNK = 256
 
 
-def _init_worker(data, tokenizer, sources_=None) -> None:
+def _init_worker(data, tokenizer, sources_=None, encoder=None) -> None:
     import os
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     global _WORKER
-    _WORKER = RowEncoder(data, tokenizer, sources_)
+    _WORKER = (encoder or RowEncoder)(data, tokenizer, sources_)
 
 
 def _encode_chunk(chunk: list) -> list[tuple]:
@@ -312,11 +386,12 @@ def _chunks(rows, size: int):
         yield chunk
 
 
-def _parallel_encode(rows, data, tokenizer, sources_=None):
+def _parallel_encode(rows, data, tokenizer, sources_=None, encoder=None):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(data.num_workers, initializer=_init_worker, initargs=(data, tokenizer, sources_)) as pool:
+    initargs = (data, tokenizer, sources_, encoder)
+    with ctx.Pool(data.num_workers, initializer=_init_worker, initargs=initargs) as pool:
         for chunk in pool.imap(_encode_chunk, _chunks(rows, CHUNK)):
             yield from chunk
 
@@ -333,8 +408,8 @@ def iter_examples(spec, tokenizer, stats: DataStats | None = None) -> Iterator[E
 # The modules whose code decides a cache entry (its blocks and its counts): their source text is part of
 # the cache key, so any change to the masking (or validation, truncation, packing, counting) code
 # invalidates entries written before it, even where a change forgets to bump ENCODER_VERSION.
-ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "delta.py", "synthetic.py", "packing.py", "pipeline.py", "stats.py",
-                   "evalsplit.py", "formats.py", "spec.py")
+ENCODER_MODULES = ("chat.py", "validate.py", "sources.py", "delta.py", "synthetic.py", "packing.py", "pipeline.py",
+                   "stats.py", "evalsplit.py", "formats.py", "spec.py", "preference.py")
 
 
 def encoder_fingerprint() -> dict[str, Any]:
@@ -377,6 +452,7 @@ def recipe_cache_parts(spec) -> dict[str, Any]:
         "max_row_chars": row_char_limit(data),
         "packing": packing,
         **({"holdout": vars(spec.holdout)} if spec.holdout else {}),
+        **({"units": "pairs"} if spec.pairs else {}),
     }
 
 
@@ -407,27 +483,26 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
     stats = DataStats()
     start = time.perf_counter()
     BUILDS["count"] += 1
-    examples = encoded_examples(spec, tokenizer, stats, progress)
     packing = data.packing
-    if not packing.enabled:
-        blocks = pack_none(examples)
-    elif packing.strategy == "split":
-        blocks = pack_split(examples, packing.block_len, stats)
+    if spec.pairs:
+        blocks = pack_pairs(encoded_pairs(spec, tokenizer, stats, progress),
+                            packing.block_len if packing.enabled else None, packing.bfd_buffer)
     else:
-        blocks = pack_bfd(examples, packing.block_len, packing.bfd_buffer, packing.overlong, stats)
+        blocks = _pack_examples(encoded_examples(spec, tokenizer, stats, progress), packing, stats)
     try:
         writer = BlockWriter(final)
     except OSError as e:
         raise _cache_not_written(final, e) from None
     max_len = 0
     try:
-        for ids, mask, seg_lens in blocks:
+        for ids, mask, seg_lens, *roles in blocks:
             if not num_trained(mask, seg_lens):  # e.g. the middle of a long prompt (split): nothing to step on
                 stats.blocks_without_trained += 1
                 continue
-            stats.trained_tokens += writer.add(ids, mask, seg_lens)
+            stats.trained_tokens += writer.add(ids, mask, seg_lens, *roles)
             stats.tokens += len(ids)
             stats.blocks += 1
+            stats.pairs += len(roles[0]) // 2 if roles else 0
             max_len = max(max_len, len(ids))
             if packing.enabled:
                 stats.padding_tokens += packing.block_len - len(ids)
@@ -436,6 +511,11 @@ def prepare(spec, tokenizer, progress: Progress | None = None) -> Path:
         if isinstance(e, OSError):
             raise _cache_not_written(final, e) from None
         raise
+    if spec.pairs and not stats.pairs:
+        writer.abort()
+        raise UserError(f"no usable preference pair in the data ({stats.examples_read} rows read"
+                        + "".join(f"; {n} {r}" for r, n in sorted(stats.skipped.items(), key=lambda x: -x[1]))
+                        + ")")
     stats.seconds = time.perf_counter() - start
     meta = {
         "format_version": DATA_FORMAT_VERSION,
@@ -460,6 +540,14 @@ def _cache_not_written(final: Path, e: OSError) -> UserError:
     free = shutil.disk_usage(where).free / 2**20
     return UserError(f"the pack cache entry {final} could not be written: {e.strerror or e} ({free:,.1f} MiB free "
                      "there); nothing half-written is left: free space or set data.cache_dir elsewhere")
+
+
+def _pack_examples(examples, packing, stats: DataStats):
+    if not packing.enabled:
+        return pack_none(examples)
+    if packing.strategy == "split":
+        return pack_split(examples, packing.block_len, stats)
+    return pack_bfd(examples, packing.block_len, packing.bfd_buffer, packing.overlong, stats)
 
 
 def open_prepared(spec, tokenizer) -> PackedDataset:

@@ -21,6 +21,7 @@ class DataSpec:
     name: str  # the recipe's (summaries name it)
     data: Any  # ftcli.config.recipe.DataConfig: sources, encoding, packing, cache
     holdout: Holdout | None = None  # None: every row read is used
+    pairs: bool = False  # preference rows (chosen/rejected), packed as whole pairs (ftcli.data.preference)
 
 
 def holdout_rule(recipe) -> Holdout | None:
@@ -35,4 +36,5 @@ def data_spec(recipe_or_spec) -> DataSpec:
     """A recipe's training data, or a DataSpec as it is."""
     if isinstance(recipe_or_spec, DataSpec):
         return recipe_or_spec
-    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout_rule(recipe_or_spec))
+    pairs = getattr(recipe_or_spec.training, "preference", None) is not None  # the preference objectives' knobs
+    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout_rule(recipe_or_spec), pairs)

@@ -27,6 +27,7 @@ class DataStats:
     tokens: int = 0  # tokens of the kept examples, as packed
     trained_tokens: int = 0  # loss tokens in the blocks (labels[1:] != -100, summed over blocks)
     blocks: int = 0
+    pairs: int = 0  # preference pairs in the blocks (0 for SFT data)
     blocks_without_trained: int = 0  # packed blocks dropped: no token of theirs gets loss (not in `blocks`)
     padding_tokens: int = 0
     seconds: float = 0.0  # tokenize + mask + pack wall time

@@ -20,6 +20,14 @@ class BadRow(Exception):
         self.reason, self.detail = reason, detail
 
 
+def as_bad_row(e: Exception) -> BadRow:
+    """What encoding a row raised, as the BadRow the pipeline counts: a BadRow as it is, anything else (a
+    template's raise_exception, a one-line UserError, odd field types) a "template error" with its first line."""
+    if isinstance(e, BadRow):
+        return e
+    return BadRow("template error", (str(e).strip() or type(e).__name__).splitlines()[0])
+
+
 # Turns dropped from a row that is otherwise kept (the keys of `DataStats.dropped_turns`).
 TRAILING = "trailing user/tool turn"  # nothing answers it: no response to train on
 EMPTY_ASSISTANT = "empty assistant turn"  # no content, reasoning or tool call: nothing to learn from

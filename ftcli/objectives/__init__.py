@@ -2,6 +2,7 @@
 holds and who asks it):
 
     sft      training.objective: sft     next-token cross-entropy on the trained tokens (the default)
+    preference  dpo | ipo | simpo | orpo  preference pairs: chosen vs rejected completions of one prompt
     methods  training.method: full | lora
 
 Adding an objective: `ftcli/objectives/<name>.py` with its `OBJECTIVE = Objective(...)`, one line in OBJECTIVES
@@ -11,11 +12,11 @@ package does not import torch.
 
 from __future__ import annotations
 
-from ftcli.objectives import sft
+from ftcli.objectives import preference, sft
 from ftcli.objectives.base import Method, Objective
 from ftcli.objectives.methods import METHODS
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (sft.OBJECTIVE,)}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (sft.OBJECTIVE, *preference.OBJECTIVES)}
 
 __all__ = ["METHODS", "OBJECTIVES", "Method", "Objective", "method_of", "objective_of"]
 

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from ftcli.objectives import OBJECTIVES
 from ftcli import data
 from ftcli.data.evalsplit import eval_problem, eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
@@ -77,6 +78,8 @@ class EvalResult:
     loss: float | None  # None: no trained eval token
     tokens: int
     sources: dict[str, dict[str, float | int | None]] = field(default_factory=dict)  # label -> {loss, tokens}
+    unit: str = "tokens"  # what `tokens` counts: the objective's loss count (pairs for preference objectives)
+    extra: dict[str, float] = field(default_factory=dict)  # the objective's eval metrics (eval_rewards/accuracies)
 
     @property
     def ppl(self) -> float | None:
@@ -87,6 +90,7 @@ class EvalResult:
         out = {"eval_loss": self.loss, "eval_ppl": self.ppl, "eval_tokens": self.tokens}
         if len(self.sources) > 1:
             out.update({f"eval_loss/{metric_key(k)}": v["loss"] for k, v in self.sources.items()})
+        out.update(self.extra)
         return {k: v for k, v in out.items() if v is not None}
 
     def line(self) -> str:
@@ -94,7 +98,8 @@ class EvalResult:
         if len(self.sources) > 1:
             per = " | " + ", ".join(f"{k} {v['loss']:.4f}" for k, v in self.sources.items() if v["loss"] is not None)
         loss = f"{self.loss:.4f} (ppl {self.ppl:.2f})" if self.loss is not None else "n/a"
-        return f"eval step {self.step} | eval loss {loss} | {self.tokens} tokens{per}"
+        extra = "".join(f" | {k} {v:.4f}" for k, v in self.extra.items())
+        return f"eval step {self.step} | eval loss {loss} | {self.tokens} {self.unit}{extra}{per}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ppl": self.ppl}
@@ -103,8 +108,11 @@ class EvalResult:
 class Evaluator:
     """This rank's share of every source's eval blocks; `run` is collective (every rank calls it)."""
 
-    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device):
+    def __init__(self, packed: dict[str, data.PackedDataset], rank: int, world_size: int, device: torch.device,
+                 objective=None):
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
+        # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
+        self.objective = objective if objective is not None else OBJECTIVES["sft"]
 
     def __bool__(self) -> bool:
         return bool(self.packed)
@@ -114,7 +122,7 @@ class Evaluator:
 
     def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:
         """The eval loss of `model` (module doc). `loss_sum(inputs)`: the summed token CE of one block's
-        model inputs (`model.loss_sum(**inputs)` under FSDP2)."""
+        model inputs (`model.loss_sum(**inputs)` under FSDP2), over the objective's count (trained tokens, or pairs)."""
         sums, counts = [], []
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = model.training
@@ -125,7 +133,7 @@ class Evaluator:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
                         summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += block.num_trained_tokens
+                        trained += self.objective.count(block)
                     sums.append(summed)
                     counts.append(trained)
         finally:
@@ -221,7 +229,16 @@ def evaluate_now(evaluator: Evaluator, evals: EvalTracker, model: torch.nn.Modul
     """Collective: the eval loss of `model` now, through `model.loss_sum` (`ftcli.train.loss.attach_loss`), recorded
     in `evals` (best step, early stopping: `evals.stop_reason()`). Returns (result, whether it is the new best).
     `say` (rank 0; None on the others) prints the per-source losses of an eval with several sources."""
-    result = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step)
+    sums = getattr(model, "preference_sums", None)  # preference objectives: TRL's metrics over the eval pairs
+    pending = sums.take() if sums is not None else None  # a training step's sums not logged yet wait meanwhile
+    result = evaluator.run(model, lambda inputs: evaluator.objective.loss_sum(model, inputs), step)
+    if sums is not None:
+        from ftcli.train.preference import reduced_means
+
+        evaluated = reduced_means(model, evaluator.device, prefix="eval_")
+        sums.add(pending)
+        result.unit = "pairs"
+        result.extra = {k: v for k, v in evaluated.items() if k in ("eval_rewards/accuracies", "eval_rewards/margins")}
     new_best = evals.add(result)
     if say is not None and len(result.sources) > 1:
         say(result.line())

@@ -62,6 +62,7 @@ from ftcli.train.evaluate import (EvalResult, EvalTracker, best_model_location, 
 from ftcli import features
 from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
+from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -90,7 +91,9 @@ from ftcli.train.session import RunSession
 # so 1 rank x 4 micro-batches, 2 ranks x 2 and one 4-block batch give the same gradient, however
 # unevenly the trained tokens are spread. Averaging per-block means instead would weight a block
 # with 3 trained tokens like one with 3,000, and an all-masked block would give 0/0 = NaN. A step
-# with N = 0 (every block masked: padding at the end of the data) is skipped on every rank.
+# with N = 0 (every block masked: padding at the end of the data) is skipped on every rank. The preference
+# objectives are the same algebra with pairs for tokens: N = the step's pairs, S = summed pair losses
+# (ftcli.objectives.preference, ftcli.train.preference).
 #
 # Context parallelism (training.context_parallel = C) changes only what a "block of rank r" is: the C ranks
 # of a CP group hold C disjoint slices of the same block, so S_{r,m} and n_{r,m} are a slice's summed CE and
@@ -147,6 +150,8 @@ def _padding_inputs(like: dict | None, device: torch.device) -> dict:
     if like is not None:
         out = dict(like)
         out["labels"] = torch.full_like(like["labels"], IGNORE_INDEX)
+        if "pairs" in out:  # a preference block: no pair either
+            out["pairs"] = like["pairs"][:0]
         return out
     n = 8
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
@@ -292,7 +297,14 @@ class FullRun:
                                                            context_parallel=world.cp_size > 1)
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe, world, attn)
-        attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
+        if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
+            reference = None
+            if self.objective.reference_model:  # the starting model again, sharded alike, frozen
+                reference = build_model(recipe, world, attn).requires_grad_(False).eval()
+                say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy")
+            attach_preference_loss(self.model, preference_config(tcfg), tcfg.loss.chunk_tokens, reference)
+        else:
+            attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
         for line in features.describe(self.model, recipe):  # what each training feature did, one line each
             say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -351,18 +363,21 @@ class FullRun:
         while len(micro_batches) < num_micro_batches:  # this rank ran out first
             micro_batches.append(_padding_inputs(self.last_inputs, world.device))
 
-        # 6b. count trained tokens, all ranks together, before any backward (the loss algebra above)
-        if world.cp_size > 1:  # this rank's slices (their labels hold the next slice's first target)
+        # 6b. count the objective's units (N of the loss algebra: SFT's trained tokens, or pairs) and the trained
+        # tokens, all ranks together, before any backward (the loss algebra above)
+        if world.cp_size > 1:  # this rank's slices (their labels hold the next slice's first target); SFT only
             num_valid_tokens = sum(count_trained_tokens(mb["labels"]) for mb in micro_batches[:len(blocks)])
+            num_units = num_valid_tokens
             num_seen_tokens = sum(mb["input_ids"].numel() for mb in micro_batches[:len(blocks)])
         else:
-            num_valid_tokens = sum(self.objective.count(b) for b in blocks)  # the objective's count (SFT: trained tokens)
+            num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
+            num_units = sum(self.objective.count(b) for b in blocks)
             num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
-        global_valid_tokens, global_seen_tokens = map(
-            int, all_reduce([num_valid_tokens, num_seen_tokens], dist.ReduceOp.SUM, world.device))
+        global_valid_tokens, global_units, global_seen_tokens = map(
+            int, all_reduce([num_valid_tokens, num_units, num_seen_tokens], dist.ReduceOp.SUM, world.device))
         result.steps += 1
         result.tokens_seen += global_seen_tokens
-        if global_valid_tokens == 0:
+        if global_units == 0:
             result.skipped_empty += 1
             say(f"step {result.steps}: no trained token on any rank; skipped")
             self.progress.advance(self.task)
@@ -370,10 +385,11 @@ class FullRun:
 
         # 6c. forward + backward, grad norm, then step or skip
         lr = self.scheduler.get_last_lr()[0]
-        summed_loss = forward_backward(self.model, micro_batches, global_valid_tokens, world.world_size,
+        summed_loss = forward_backward(self.model, micro_batches, global_units, world.world_size,
                                        self.objective.loss_sum)
         (global_loss_sum,) = all_reduce([summed_loss], dist.ReduceOp.SUM, world.device)
-        loss = global_loss_sum / global_valid_tokens
+        loss = global_loss_sum / global_units
+        objective_metrics = self.objective_metrics()
         grad_norm = grad_norm_and_clip(self.model, tcfg.grad_clip)
         loss_is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if loss_is_finite:
@@ -409,6 +425,7 @@ class FullRun:
         if loss_is_finite and (result.steps % tcfg.log_every == 0 or last or evaluated):
             m = self.meter.line(step=result.steps, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens_trained=result.tokens_trained, tokens_seen=result.tokens_seen)
+            m.update(objective_metrics)
             if evaluated is not None:
                 m.update(evaluated.metrics())
             if world.is_main:
@@ -427,6 +444,11 @@ class FullRun:
         inputs = data.slice_model_inputs(block, world.cp_rank, world.cp_size, world.device)
         inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, world.cp_rank, world.cp_size, world.cp_group)
         return inputs
+
+    def objective_metrics(self) -> dict[str, float]:
+        """Collective: the step's objective metrics over every rank (preference: TRL's rewards/* and logps/*, means
+        over the step's pairs); {} for SFT."""
+        return reduced_means(self.model, self.world.device)
 
     # ---- eval -------------------------------------------------------------------------------------
     def evaluate(self) -> EvalResult:

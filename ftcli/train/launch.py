@@ -130,7 +130,26 @@ def check_context_parallel(recipe) -> None:
                         f"{unit}(s) per node); use a divisor of {ranks}")
 
 
+def starting_model(recipe):
+    """`model.id` naming an earlier ftcli run (its dir, or its final/ or best/): the model that run wrote, so a
+    preference run starts from an SFT run (`ftcli.artifacts.resolve.locate`; its run.json says where it came from).
+    A LoRA run's adapter is refused in one line: merge it into its base first. Anything else stays as it is."""
+    from ftcli.artifacts.resolve import locate, run_dir_holding
+    from ftcli.config.recipe import resolve_path
+
+    ref = recipe.model.id
+    path = Path(resolve_path(ref)).expanduser() if ref and recipe.model.init == "pretrained" else None
+    if path is None or not path.is_dir() or run_dir_holding(path.resolve()) is None:
+        return recipe
+    target = locate(path, completed=True)
+    if target.kind == "adapter":
+        raise UserError(f"model.id {ref} is a LoRA run's adapter; merge it into its base first (`ftcli merge-lora "
+                        f"{ref}`) and set model.id to the merged model")
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"id": str(target.model_dir)})})
+
+
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
+    recipe = starting_model(recipe)  # model.id = an earlier run: the model it wrote
     run_dir = run_dir_of(recipe)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())

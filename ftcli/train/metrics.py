@@ -33,6 +33,10 @@ def format_step(m: dict[str, Any], total_steps: int) -> str:
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "n/a"
     reserved = f" (reserved {m['peak_mem_reserved']:.2f})" if m.get("peak_mem_reserved") is not None else ""
     evaluated = f" | eval {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if m.get("eval_loss") is not None else ""
+    if m.get("rewards/accuracies") is not None:  # preference objectives (TRL's names; all of them in metrics.jsonl)
+        evaluated = (f" | acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f}"
+                     + (f" | eval {m['eval_loss']:.4f} acc {m['eval_rewards/accuracies']:.2f}"
+                        if m.get("eval_loss") is not None else ""))
     return (
         f"step {m['step']}/{total_steps} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
         f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/dev) | MFU {mfu} | "

@@ -62,10 +62,11 @@ class RunSession:
 
         recipe = self.recipe
         self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
-        self.units = objective_of(recipe.training).units(recipe, self.tokenizer, rank0_first)
+        objective = objective_of(recipe.training)
+        self.units = objective.units(recipe, self.tokenizer, rank0_first)
         self.summary = data.data_summary(recipe, self.units)
         self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), self.rank, self.world_size,
-                                   self.device)
+                                   self.device, objective)
         announce_data(self.recipe, self.summary, self.evaluator, say=self.say, tracker=self.tracker)
 
     def record(self, **fields: Any) -> Path:

@@ -31,6 +31,7 @@ from ftcli.train.distributed import all_reduce, local_device, rank0_decides
 from ftcli.config.errors import UserError
 from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.artifacts.publish import begin_export, publish_export
+from ftcli.train.preference import reduced_means
 from ftcli.artifacts.rundir import BEST, FINAL
 from ftcli.artifacts.safe_files import refuse_links, remove_tree, write_atomic
 
@@ -103,7 +104,7 @@ def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> s
     return where
 
 
-def attach_loss_sum(model, chunk_tokens: int, objective=None) -> None:
+def attach_loss_sum(model, chunk_tokens: int, objective=None, training=None) -> None:
     """The objective's summed loss on the PEFT model (`ftcli.objectives`; SFT: the base's summed token CE,
     `ftcli.train.loss.attach_loss`, the LoRA layers included), the one loss of a LoRA run, reached two ways:
 
@@ -115,7 +116,9 @@ def attach_loss_sum(model, chunk_tokens: int, objective=None) -> None:
                                                  no_sync) and FSDP2's forward hooks run as for TRL's own loss
 
     accelerate makes the LM head an FSDP unit of its own, whose weight the loss reads without calling its forward:
-    gathered around the call (`FSDPModule.unshard` / `reshard`). Attaching again is a no-op."""
+    gathered around the call (`FSDPModule.unshard` / `reshard`). Attaching again is a no-op. A preference objective
+    (`training.preference` set) gets the pair loss instead (ftcli.train.preference.attach_preference_loss), its
+    reference the same model with the adapter off (PEFT's `disable_adapter`, no copy)."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     from ftcli.objectives import OBJECTIVES
@@ -125,7 +128,12 @@ def attach_loss_sum(model, chunk_tokens: int, objective=None) -> None:
         return
     objective = objective or OBJECTIVES["sft"]
     base = model.get_base_model()
-    attach_loss(base, "chunked", chunk_tokens)
+    if training is not None and training.preference is not None:
+        from ftcli.train.preference import attach_preference_loss, preference_config
+
+        attach_preference_loss(base, preference_config(training), chunk_tokens, adapter_off=model.disable_adapter)
+    else:
+        attach_loss(base, "chunked", chunk_tokens)
     head = base.lm_head if isinstance(base.lm_head, FSDPModule) else None
 
     def gathered(**inputs):
@@ -157,11 +165,11 @@ class ObjectiveLoss(TrainerCallback):
     """Attaches the objective's loss (`attach_loss_sum`) to the prepared model before the first step (after
     accelerate has sharded it: its LM head may then be a unit of its own)."""
 
-    def __init__(self, chunk_tokens: int, objective) -> None:
-        self.chunk_tokens, self.objective = chunk_tokens, objective
+    def __init__(self, chunk_tokens: int, objective, training=None) -> None:
+        self.chunk_tokens, self.objective, self.training = chunk_tokens, objective, training
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        attach_loss_sum(model, self.chunk_tokens, self.objective)
+        attach_loss_sum(model, self.chunk_tokens, self.objective, self.training)
 
 
 def _reshard(model) -> None:
@@ -246,6 +254,7 @@ class StepLog(TrainerCallback):
             return
         m = self.meter.line(step=state.global_step, loss=logs["loss"], grad_norm=logs.get("grad_norm") or 0.0,
                             lr=logs.get("learning_rate", 0.0), tokens_trained=self.trained, tokens_seen=self.seen)
+        m.update(reduced_means(self.model, self.device))  # preference: TRL's metrics since the last line
         if self.eval_callback is not None:
             m.update(self.eval_callback.take_metrics(state.global_step))
         logs.update({k: v for k, v in m.items() if k not in ("step", "loss", "grad_norm", "lr", "mem_unit")

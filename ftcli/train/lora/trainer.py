@@ -102,7 +102,8 @@ def collate_blocks(blocks: list) -> dict[str, Any]:
     input_ids = np.concatenate([np.asarray(b.input_ids) for b in blocks])
     trained = np.concatenate([np.asarray(b.labels) != IGNORE_INDEX for b in blocks])
     seg_lens = [int(n) for b in blocks for n in np.diff(np.asarray(b.cu_seqlens))]
-    return block_to_model_inputs(make_block(input_ids, trained, seg_lens, len(input_ids), pad_id=0))
+    roles = None if blocks[0].roles is None else np.concatenate([b.roles for b in blocks])  # preference pairs
+    return block_to_model_inputs(make_block(input_ids, trained, seg_lens, len(input_ids), pad_id=0, roles=roles))
 
 
 # ------------------------------------------------------------------------------- loss and sharding
@@ -151,6 +152,23 @@ def use_objective_loss(trainer, objective) -> None:
         return (loss, None) if return_outputs else loss
 
     trainer.compute_loss = compute_loss
+    if objective.unit == "pair":  # the step's count is its pairs, not its trained tokens
+        count_pairs(trainer)
+
+
+def count_pairs(trainer) -> None:
+    """`num_items_in_batch` of a preference step: the pairs of its micro-batches (`pairs` of each collated block),
+    summed over the ranks as transformers sums the token count (`average_tokens_across_devices`)."""
+    count_tokens = trainer.get_batch_samples
+
+    def get_batch_samples(epoch_iterator, num_batches, device):
+        batches, _ = count_tokens(epoch_iterator, num_batches, device)
+        pairs = torch.tensor(sum(int(b["pairs"].shape[0]) if "pairs" in b else 0 for b in batches), device=device)
+        if trainer.args.average_tokens_across_devices and trainer.args.world_size > 1:
+            pairs = trainer.accelerator.gather(pairs).sum()
+        return batches, pairs
+
+    trainer.get_batch_samples = get_batch_samples
 
 
 def fsdp_on_cpu_processes(trainer, args) -> None:
@@ -303,7 +321,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, blocks, args, *, metrics_pat
     step_log = StepLog(trainer.model, metrics_path=metrics_path, tracker=tracker, eval_callback=evals)
     # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
     trainer.callback_handler.callbacks[:0] = [cb for cb in (
-        ObjectiveLoss(recipe.training.loss.chunk_tokens, objective), step_log, TimedSave(recipe.training.checkpoint),
+        ObjectiveLoss(recipe.training.loss.chunk_tokens, objective, recipe.training), step_log, TimedSave(recipe.training.checkpoint),
         evals) if cb is not None]
     trainer.add_callback(Checksums())  # last: after every file of a save is written
     return trainer, step_log

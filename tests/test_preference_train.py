@@ -1,0 +1,108 @@
+"""`ftcli train` with a preference objective (the full FSDP2 loop, CPU, gloo): the tiny DPO recipe end to end,
+2 ranks x 2 micro-batches == 1 rank x 4 step by step, and a resume that continues the uninterrupted run exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from _run_common import env, ftcli, metrics, output_tail  # noqa: F401 (env: a fixture)
+
+STEPS = 4
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def _args(run_dir, *sets):
+    args = ["train", "--recipe", "tiny-dpo-cpu", "--set", f"output.dir={run_dir}"]
+    for s in (f"training.max_steps={STEPS}", "training.log_every=1", "eval.every_steps=2", *sets):
+        args += ["--set", s]
+    return args
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory, env):  # noqa: F811
+    """2 processes x grad_accum 2, checkpoints at steps 2 and 4."""
+    cwd = tmp_path_factory.mktemp("dpo")
+    res = ftcli(_args(cwd / "run", "training.checkpoint.every_steps=2"), cwd, env)
+    assert res.returncode == 0, output_tail(res)
+    return {"cwd": cwd, "run_dir": cwd / "run", "stdout": res.stdout + res.stderr}
+
+
+def test_dpo_recipe_trains_end_to_end_with_trl_metrics(dpo_run):
+    run_dir = dpo_run["run_dir"]
+    steps = metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=2e-3)  # policy == reference at step 1: -logsigmoid(0)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    for m in steps:
+        assert set(METRICS) <= set(m) and 0.0 <= m["rewards/accuracies"] <= 1.0
+        assert m["logps/chosen"] < 0 and m["logps/rejected"] < 0
+    evals = [m for m in steps if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [2, 4] and all(m["eval_tokens"] > 0 for m in evals)  # eval pairs
+    assert all(0.0 <= m["eval_rewards/accuracies"] <= 1.0 for m in evals)
+    summary = json.loads((run_dir / "run.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert "DPO reference: a frozen copy of the starting model" in dpo_run["stdout"]
+    assert " | acc " in dpo_run["stdout"] and "format preference" in dpo_run["stdout"]
+    assert (run_dir / "final" / "config.json").is_file()
+
+    # the next run can start from this one: model.id = the run dir means the model it wrote (its final/)
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.launch import starting_model
+
+    nxt = starting_model(load_recipe("tiny-dpo-cpu", ["model.init=pretrained", f"model.id={run_dir}"]))
+    assert nxt.model.id == str((run_dir / "final").resolve())
+
+
+def test_dpo_loss_same_for_1_and_2_ranks(dpo_run, tmp_path, env):  # noqa: F811
+    """1 process x 4 micro-batches per step gives the 2 x 2 run's losses, metrics and grad norms, step by step."""
+    run_dir = tmp_path / "one_rank"
+    res = ftcli(_args(run_dir, "training.cpu_processes=1", "training.grad_accum=4", "training.checkpoint.enabled=false",
+                      "training.checkpoint.save_final_hf=false"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    one, two = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert [m["step"] for m in one] == [m["step"] for m in two]
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+        assert a["tokens_trained"] == b["tokens_trained"]
+
+
+def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # noqa: F811
+    """The run dir as it was at its step-2 checkpoint, resumed: steps 3 and 4 as the uninterrupted run logged them
+    (the reference is rebuilt as the starting model, not the resumed policy)."""
+    run_dir = tmp_path / "run"
+    # what the run dir held after its step-2 save: no step-4 checkpoint, no final model, no run.json (written at the end)
+    shutil.copytree(dpo_run["run_dir"], run_dir, ignore=shutil.ignore_patterns("step_00000004", "final", "run.json"))
+    res = ftcli([*_args(run_dir, "training.checkpoint.every_steps=2"), "--resume", "latest"], tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    resumed, full = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert "resumed from" in res.stdout + res.stderr and (run_dir / "final" / "config.json").is_file()
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed[2:], full[2:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["rewards/chosen"] == pytest.approx(b["rewards/chosen"], rel=1e-5, abs=1e-8)
+
+
+def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
+    """training.method=lora (TRL + PEFT, the reference the adapter off): 2 processes x 2 micro-batches and 1 x 4 give
+    the same losses and preference metrics step by step (the step normalizes by its global pair count), and step 1
+    is log 2 (a fresh adapter: policy == reference)."""
+    lora = ["training.method=lora", "training.precision={}", "training.checkpoint.enabled=false",
+            "training.optimizer.lr=1.0e-2", "eval.every_steps=4"]
+    runs = {}
+    for name, sets in (("two", ["training.grad_accum=2"]), ("one", ["training.cpu_processes=1",
+                                                                    "training.grad_accum=4"])):
+        res = ftcli(_args(tmp_path / name, *lora, *sets), tmp_path, env)
+        assert res.returncode == 0, output_tail(res)
+        runs[name] = metrics(tmp_path / name)
+    assert [m["step"] for m in runs["one"]] == [m["step"] for m in runs["two"]] == list(range(1, STEPS + 1))
+    assert runs["two"][0]["loss"] == pytest.approx(0.693147, abs=1e-5)
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+    assert runs["two"][-1]["loss"] < 0.69 and "eval_rewards/accuracies" in runs["two"][-1]
+    assert (tmp_path / "two" / "final" / "adapter_config.json").is_file()
