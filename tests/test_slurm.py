@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,9 @@ def _fake_bin(tmp_path: Path) -> Path:
         "torchrun": ('[ "$1" = --help ] && { echo "${FAKE_TORCHRUN_HELP:-}"; exit 0; }\n'
                      'printf "%s\\0" "$@" > "$FAKE_LOG/torchrun.args"\nenv -0 > "$FAKE_LOG/torchrun.env"\n'
                      'prev=; for a in "$@"; do [ "$prev" = --recipe ] && cp "$a" "$FAKE_LOG/recipe.yaml"; prev=$a; done\n'
+                     '[ -n "${FAKE_TERM_TASK:-}" ] && kill -TERM "$PPID"\n'
+                     '[ -n "${FAKE_TORCHRUN_WAIT:-}" ] && { trap "exit 143" TERM; touch "$FAKE_LOG/training"; '
+                     'sleep 30 & wait $!; }\n'
                      'exit "${FAKE_TORCHRUN_EXIT:-0}"\n'),
         "scontrol": ('printf "%s\\0" "$@" >> "$FAKE_LOG/scontrol.args"\n'
                      '[ "$1" = show ] && printf "node-a\\nnode-b\\n"\nexit 0\n'),
@@ -172,7 +177,8 @@ def _fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def _run_script(text: str, tmp_path: Path, **env: str) -> tuple[int, dict[str, list[str]], Path]:
+def _run_script(text: str, tmp_path: Path, signal_all_after: Path | None = None,
+                **env: str) -> tuple[int, dict[str, list[str]], Path]:
     log = tmp_path / "log"
     log.mkdir(exist_ok=True)
     submit = tmp_path / "checkout"
@@ -182,9 +188,17 @@ def _run_script(text: str, tmp_path: Path, **env: str) -> tuple[int, dict[str, l
     run_env = {"PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
                "FAKE_LOG": str(log), "SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
                "SLURM_SUBMIT_DIR": str(submit), **env}
-    res = subprocess.run([BASH, str(script)], env=run_env, cwd=submit, capture_output=True, text=True, timeout=60)
+    proc = subprocess.Popen([BASH, str(script)], env=run_env, cwd=submit, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    if signal_all_after is not None:  # as Slurm signals a job: every process of it, shells and sleeps included
+        deadline = time.monotonic() + 30
+        while not signal_all_after.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+    returncode = proc.wait(timeout=60)
     args = {p.stem: p.read_text().split("\0")[:-1] for p in log.glob("*.args")}
-    return res.returncode, args, log
+    return returncode, args, log
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
@@ -210,23 +224,37 @@ def test_one_task_per_node_runs_torchrun_with_a_c10d_rendezvous_on_the_first_nod
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
-@pytest.mark.parametrize("restarts,checkpoint,task_exit,resumed,requeued", [
-    ("0", False, 143, False, True),  # stopped by SIGTERM with a checkpoint: requeue
-    ("1", True, 0, True, False),  # the requeued job resumes and finishes
-    ("1", False, 0, False, False),  # requeued before any checkpoint: starts again
-    ("0", False, 1, False, False),  # a failure is not requeued
+@pytest.mark.parametrize("restarts,checkpoint,task_exit,term,resumed,requeued", [
+    ("0", False, 143, "", False, True),  # the workers stopped with a checkpoint (exit 143): requeue
+    ("0", False, 1, "1", False, True),  # the task got Slurm's SIGTERM, torchrun failed on it: requeue
+    ("0", False, 0, "1", False, False),  # a SIGTERM as the run finished: done, no requeue
+    ("1", True, 0, "", True, False),  # the requeued job resumes and finishes
+    ("1", False, 0, "", False, False),  # requeued before any checkpoint: starts again
+    ("0", False, 1, "", False, False),  # a failure is not requeued
 ])
-def test_a_stop_requeues_and_a_requeued_job_resumes(tmp_path, restarts, checkpoint, task_exit, resumed, requeued):
+def test_a_stop_requeues_and_a_requeued_job_resumes(tmp_path, restarts, checkpoint, task_exit, term, resumed,
+                                                     requeued):
     run_dir = tmp_path / "run"
     if checkpoint:
         (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
     text = slurm.render(_recipe("tiny-qwen-cpu", "compute.slurm.devices=cpu", "compute.slurm.install=false",
                                 f"output.dir={run_dir}"))
-    rc, args, _ = _run_script(text, tmp_path, SLURM_RESTART_COUNT=restarts, FAKE_TORCHRUN_EXIT=str(task_exit))
-    assert rc == task_exit
+    rc, args, _ = _run_script(text, tmp_path, SLURM_RESTART_COUNT=restarts, FAKE_TORCHRUN_EXIT=str(task_exit),
+                              FAKE_TERM_TASK=term)
+    assert rc == (143 if term and task_exit else task_exit)
     assert ("--resume" in args["torchrun"]) == resumed
     assert (["requeue", "77"] == args["scontrol"][-2:]) == requeued
     assert "pip" not in args  # compute.slurm.install: false
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_a_sigterm_to_every_process_of_the_job_ends_in_a_requeue(tmp_path):
+    """Slurm signals every process of the job (proctrack linuxproc / cgroup): the batch shell, the task's shell and
+    its poll's `sleep`, torchrun. The shells keep waiting, torchrun's 143 comes through, the job requeues."""
+    text = slurm.render(_recipe("tiny-qwen-cpu", "compute.slurm.devices=cpu", "compute.slurm.install=false",
+                                f"output.dir={tmp_path / 'run'}"))
+    rc, args, _ = _run_script(text, tmp_path, signal_all_after=tmp_path / "log" / "training", FAKE_TORCHRUN_WAIT="1")
+    assert rc == 143 and args["scontrol"][-2:] == ["requeue", "77"]
 
 
 INJECT = ";touch${{IFS}}{canary};#"

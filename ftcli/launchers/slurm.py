@@ -116,7 +116,8 @@ def _header(recipe: Recipe) -> list[str]:
         "#!/bin/bash",
         f"# Slurm batch script for the ftcli recipe '{recipe.name}' (ftcli render-workload).",
         "# Submit: sbatch THIS_FILE  (check: ftcli render-workload --check THIS_FILE)",
-        f"# {c.num_nodes} {nodes} x {nproc} {unit} ({c.accelerator_type}): one srun task per node runs torchrun,",
+        f"# {c.num_nodes} {nodes} x {nproc} {unit} ({c.accelerator_type if unit == 'GPUs' else 'compute.slurm.devices: cpu'}): "
+        "one srun task per node runs torchrun,",
         "# c10d rendezvous on the first node.",
     ]
     lines += comment("Stops: a SIGTERM from Slurm (preemption, scancel --signal=TERM, or the time limit's --signal) "
@@ -148,11 +149,12 @@ def _task(recipe: Recipe) -> str:
         '--rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$FTCLI_RDZV_ENDPOINT" '
         '-m ftcli train --recipe "$work/recipe.yaml" ${FTCLI_RESUME:+--resume} &',
         "pid=$!",
-        "status=0",
+        "# poll, then wait: a trapped signal would end a `wait` early, and a second `wait` may have lost the status",
+        'while kill -0 "$pid" 2>/dev/null; do sleep 1 || true; done',
+        'status=0',
         'wait "$pid" || status=$?',
-        'while kill -0 "$pid" 2>/dev/null; do status=0; wait "$pid" || status=$?; done',
         'rm -rf "$work"',
-        'if [ "$stop" = 1 ]; then exit 143; fi',
+        'if [ "$stop" = 1 ] && [ "$status" -ne 0 ]; then exit 143; fi  # stopped, not finished just then',
         'exit "$status"',
     ])
 
@@ -203,10 +205,10 @@ def render_script(recipe: Recipe) -> str:
         "trap 'stopped=1' TERM",
         f'srun --nodes={c.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$FTCLI_TASK" &',
         "srun_pid=$!",
+        'while kill -0 "$srun_pid" 2>/dev/null; do sleep 1 || true; done',
         "status=0",
         'wait "$srun_pid" || status=$?',
-        'while kill -0 "$srun_pid" 2>/dev/null; do status=0; wait "$srun_pid" || status=$?; done',
-        'if [ "$status" -eq 143 ] || [ "$stopped" = 1 ]; then',
+        'if [ "$status" -ne 0 ] && { [ "$status" -eq 143 ] || [ "$stopped" = 1 ]; }; then',
     ]
     if s.requeue:
         lines += [
