@@ -45,11 +45,9 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
                          peft_config=lora_config(recipe, model))
     normalize_loss_by_tokens(trainer)  # and ftcli's loss, as build_trainer
     from ftcli.objectives import OBJECTIVES
-    from ftcli.train.lora.callbacks import ObjectiveLoss
     from ftcli.train.lora.trainer import use_objective_loss
 
-    use_objective_loss(trainer, OBJECTIVES["sft"])
-    trainer.add_callback(ObjectiveLoss(64, OBJECTIVES["sft"]))
+    use_objective_loss(trainer, OBJECTIVES["sft"], 64)
     torch.manual_seed(1)  # the same nonzero adapters on both ranks
     for p in trainer.model.parameters():
         if p.requires_grad:

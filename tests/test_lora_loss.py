@@ -91,7 +91,6 @@ def _worst_grad_diff_vs_token_mean(tmp_path, *, accepts_loss_kwargs: bool, norma
     """One grad-accum step of the trainer vs the token-mean reference: max relative grad difference."""
     from ftcli.model.kernels import enable_packed_kernels
     from ftcli.objectives import OBJECTIVES
-    from ftcli.train.lora.callbacks import ObjectiveLoss
     from ftcli.train.lora.trainer import normalize_loss_by_tokens, use_objective_loss
 
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
@@ -100,8 +99,7 @@ def _worst_grad_diff_vs_token_mean(tmp_path, *, accepts_loss_kwargs: bool, norma
     assert trainer.model_accepts_loss_kwargs is accepts_loss_kwargs
     if normalize:  # as build_trainer: the token normalization and ftcli's loss
         normalize_loss_by_tokens(trainer)
-        use_objective_loss(trainer, OBJECTIVES["sft"])
-        trainer.add_callback(ObjectiveLoss(64, OBJECTIVES["sft"]))
+        use_objective_loss(trainer, OBJECTIVES["sft"], 64)
     # LoRA B starts at zero, so give the adapters a nonzero state shared by both computations
     torch.manual_seed(1)
     for n, p in trainer.model.named_parameters():

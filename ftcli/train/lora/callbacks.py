@@ -112,8 +112,10 @@ def attach_loss_sum(model, chunk_tokens: int, objective=None, training=None) -> 
                                                  registered as an FSDP forward method, so that a root sharded by
                                                  accelerate's FSDP2 gathers its own parameters around it
         model(**inputs, ftcli_loss_sum=True)     training (`ftcli.train.lora.trainer.use_objective_loss`): through
-                                                 the model's call, so that DDP's forward (its gradient hooks and
-                                                 no_sync) and FSDP2's forward hooks run as for TRL's own loss
+                                                 the model's call (`route_loss_through_forward`, installed before
+                                                 accelerate prepares the model, so that its autocast wraps it), so
+                                                 that DDP's forward (its gradient hooks and no_sync) and FSDP2's
+                                                 forward hooks run as for TRL's own loss
 
     accelerate makes the LM head an FSDP unit of its own, whose weight the loss reads without calling its forward:
     gathered around the call (`FSDPModule.unshard` / `reshard`). Attaching again is a no-op. A preference objective
@@ -124,7 +126,7 @@ def attach_loss_sum(model, chunk_tokens: int, objective=None, training=None) -> 
     from ftcli.objectives import OBJECTIVES
     from ftcli.train.loss import attach_loss
 
-    if getattr(model, "_ftcli_plain_forward", None) is not None:
+    if getattr(model, "_ftcli_loss_inner", None) is not None:
         return
     objective = objective or OBJECTIVES["sft"]
     base = model.get_base_model()
@@ -150,15 +152,24 @@ def attach_loss_sum(model, chunk_tokens: int, objective=None, training=None) -> 
     def loss_sum(self, **inputs):
         return objective.loss_sum(inner, inputs)
 
+    model._ftcli_loss_inner = inner  # what the routed forward calls
+    model.loss_sum = types.MethodType(loss_sum, model)
+    register_fsdp_forward_method(model, "loss_sum")
+
+
+def route_loss_through_forward(model, objective) -> None:
+    """`model(**inputs, ftcli_loss_sum=True)` -> the objective's summed loss (`attach_loss_sum` gives it, after
+    accelerate has prepared the model); any other call is the model's own forward. Installed before accelerate
+    prepares the model, which wraps `forward` in its mixed-precision autocast: the loss then runs in the same
+    autocast as TRL's own did (outside it, DDP would apply the float32 adapters to bf16 activations in float32)."""
     plain_forward = model.forward
 
     def forward(self, *args, ftcli_loss_sum: bool = False, **kwargs):
-        return objective.loss_sum(inner, kwargs) if ftcli_loss_sum else plain_forward(*args, **kwargs)
+        if ftcli_loss_sum:
+            return objective.loss_sum(self._ftcli_loss_inner, kwargs)
+        return plain_forward(*args, **kwargs)
 
-    model._ftcli_plain_forward = plain_forward
     model.forward = types.MethodType(forward, model)
-    model.loss_sum = types.MethodType(loss_sum, model)
-    register_fsdp_forward_method(model, "loss_sum")
 
 
 class ObjectiveLoss(TrainerCallback):
@@ -333,7 +344,7 @@ class EvalCallback(TrainerCallback):
         self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded
         if not self.has_eval:
             return
-        attach_loss_sum(model, self.chunk_tokens)  # (attached already by ObjectiveLoss under build_trainer)
+        attach_loss_sum(model, self.chunk_tokens, self.evaluator.objective)  # (or ObjectiveLoss did: the same)
         if self.cfg.at_start and state.global_step == 0:
             result = self.evaluate(0)
             if self.is_main:

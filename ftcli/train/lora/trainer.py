@@ -40,7 +40,7 @@ from ftcli.config.errors import UserError
 from ftcli.objectives import method_of, objective_of
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
 from ftcli.train.lora.callbacks import Checksums, EvalCallback, ObjectiveLoss, StepLog, StopOnSignal, TimedSave, export_best
-from ftcli.train.lora.callbacks import save_adapter
+from ftcli.train.lora.callbacks import route_loss_through_forward, save_adapter
 from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.config.recipe import Recipe
 
@@ -125,7 +125,7 @@ def normalize_loss_by_tokens(trainer) -> None:
     trainer.loss_is_scaled_for_ga = True
 
 
-def use_objective_loss(trainer, objective) -> None:
+def use_objective_loss(trainer, objective, chunk_tokens: int, training=None) -> None:
     """One loss for the run, ftcli's, in training as in eval: the objective's summed loss of each micro-batch
     (`objective.loss_sum`; SFT: the summed token CE of `ftcli.train.loss`, the full loop's and the eval's) divided
     by the step's global count, the algebra the full loop writes out (`ftcli.objectives.sft.LOSS_ALGEBRA`):
@@ -141,7 +141,10 @@ def use_objective_loss(trainer, objective) -> None:
     logged loss (the micro-batches' losses summed, averaged over ranks) is sum S / N. This replaces TRL's own loss
     (its fused LM head's log-probs, an equal sum to fp32 rounding), which also logged entropy and token accuracy.
     A step with no trained token divides by 1 (loss 0), as TRL did. The loss is reached through the model's call
-    (`attach_loss_sum`, attached by the `ObjectiveLoss` callback once accelerate has prepared the model)."""
+    (`route_loss_through_forward` now, before accelerate wraps the forward in its autocast; `attach_loss_sum` by the
+    `ObjectiveLoss` callback once accelerate has prepared the model)."""
+    route_loss_through_forward(trainer.model, objective)
+    trainer.callback_handler.callbacks.insert(0, ObjectiveLoss(chunk_tokens, objective, training))
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         summed = model(**inputs, ftcli_loss_sum=True)
@@ -311,8 +314,7 @@ def build_trainer(recipe: Recipe, model, tokenizer, blocks, args, *, metrics_pat
         fsdp_on_cpu_processes(trainer, args)
         fp32_loss_and_reduce(trainer)
     normalize_loss_by_tokens(trainer)
-    objective = objective_of(recipe.training)
-    use_objective_loss(trainer, objective)
+    use_objective_loss(trainer, objective_of(recipe.training), recipe.training.loss.chunk_tokens, recipe.training)
     use_ftcli_schedule(trainer, recipe.training.schedule)
     trainer.remove_callback(ProgressCallback)  # (or PrinterCallback with disable_tqdm): StepLog prints instead
     trainer.remove_callback(PrinterCallback)
@@ -320,9 +322,8 @@ def build_trainer(recipe: Recipe, model, tokenizer, blocks, args, *, metrics_pat
                                                           metrics_path=metrics_path, tracker=tracker)
     step_log = StepLog(trainer.model, metrics_path=metrics_path, tracker=tracker, eval_callback=evals)
     # ahead of TRL's own (DefaultFlowCallback): step end counts the tokens, then saves by time, then evaluates
-    trainer.callback_handler.callbacks[:0] = [cb for cb in (
-        ObjectiveLoss(recipe.training.loss.chunk_tokens, objective, recipe.training), step_log, TimedSave(recipe.training.checkpoint),
-        evals) if cb is not None]
+    trainer.callback_handler.callbacks[:0] = [cb for cb in (step_log, TimedSave(recipe.training.checkpoint), evals)
+                                              if cb is not None]
     trainer.add_callback(Checksums())  # last: after every file of a save is written
     return trainer, step_log
 
