@@ -13,7 +13,7 @@ step reads / the card's copy bandwidth, measured in the same call):
     python3 benchmarks/generate_gpu.py --suite decode --batches 1,8,32 --new-tokens 256
     python3 benchmarks/generate_gpu.py --suite decode --device cpu --dtype float32 --prompt-len 20 \
         --new-tokens 6 --batches 1,2 --check-tokens 6 \
-        --models tiny-check:pkg://assets/tiny-qwen3_5.json:qwen3_5_text,g-check:pkg://assets/tiny-gpt-oss.json:gpt_oss
+        --models tiny-check:ftcli/assets/tiny-qwen3_5.json:qwen3_5_text,g-check:ftcli/assets/tiny-gpt-oss.json:gpt_oss
 
 The prompt is the published example's demo (system `reasoning language: German`, user
 `¿Cuál es el capital de Australia?`, temperature 0.6); batches take the first user turns of the shipped
