@@ -37,9 +37,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
+import common
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,13 +92,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def timed(fn, device) -> tuple[object, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - t) * 1e3
+    """(fn's result, its milliseconds): one call, no warm-up."""
+    out, seconds = common.timed(fn, device=device)
+    return out, seconds[0] * 1e3
 
 
 def run_cp(op, kernel, inputs: dict, dims: dict, cu: list[int], n: int, extra, out_dim: int, device):

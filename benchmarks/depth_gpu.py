@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
 from reference_loop_gpu import (bench_blocks, data_overrides, depth_config, step_flops,  # noqa: E402
                                 write_depth_config)
 from train_full_gpu import RECIPE, TINY, run_one, summarize  # noqa: E402
@@ -298,13 +299,6 @@ def _world():
     return init_distributed()
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def count_syncs(fn, device) -> tuple[int, dict[str, int]]:
     """Host syncs while fn() runs (torch.cuda.set_sync_debug_mode warns at each one), total and by the
     Python line that caused it; (0, {}) off CUDA."""
@@ -321,7 +315,7 @@ def count_syncs(fn, device) -> tuple[int, dict[str, int]]:
         try:
             fn()
             torch.cuda.set_sync_debug_mode(0)  # the synchronize below is the measurement's, not the step's
-            _sync(device)
+            common.sync(device)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     by_line: dict[str, int] = {}
@@ -335,13 +329,7 @@ def count_syncs(fn, device) -> tuple[int, dict[str, int]]:
 def _train_steps(run, blocks, warmup: int, device) -> dict:
     """FullRun.step over `blocks`, one block a step; the median s/step of the steps after `warmup` (each
     between two device syncs), the losses, and the host syncs of one more step on the first block."""
-    times = []
-    for block in blocks:
-        _sync(device)
-        start = time.perf_counter()
-        run.step([block], 1)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times = [common.timed(lambda b=block: run.step([b], 1), device=device)[1][0] for block in blocks]
     n_syncs, by_line = count_syncs(lambda: run.step([blocks[-1]], 1), device)
     losses = [round(loss, 4) for _, loss in run.result.losses[:len(blocks)]]
     return {"s_per_step": statistics.median(times[warmup:]), "times": [round(t, 4) for t in times],
@@ -364,15 +352,15 @@ def _eval_passes(run, blocks, warmup: int, device, impls: list[str], chunk_token
         times, ce = [], []
         with torch.no_grad():
             for block in blocks:
-                _sync(device)
-                start = time.perf_counter()
-                summed = run.model.loss_sum(**data.block_to_model_inputs(block, device))
-                _sync(device)
-                times.append(time.perf_counter() - start)
+                def eval_pass(b=block):  # the block's copy to the device is timed, as the training step's is
+                    return run.model.loss_sum(**data.block_to_model_inputs(b, device))
+
+                summed, (seconds,) = common.timed(eval_pass, device=device)
+                times.append(seconds)
                 ce.append(float(summed) / max(block.num_trained_tokens, 1))
         n_syncs, _ = count_syncs(lambda: run.model.loss_sum(**data.block_to_model_inputs(blocks[-1], device)), device) \
             if device.type == "cuda" else (0, {})
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        peak_gib = common.peak_gib(device)
         rows.append({"impl": impl, "s_per_pass": statistics.median(times[warmup:]), "peak_mem_gib": peak_gib,
                      "mean_ce": [round(x, 4) for x in ce], "syncs_per_pass": n_syncs})
     run.model.train()
@@ -430,7 +418,7 @@ def inproc(args, out: Path) -> None:
             row = _train_steps(run, blocks, args.warmup, device)
             data.block_to_model_inputs = original
             if device.type == "cuda":
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                row["peak_mem_gib"] = common.peak_gib(device)
             trained[part] = row
             label = {"after": "with the per-block tensors", "before": "without them (derived on the device)"}[part]
             mem = f"{row['peak_mem_gib']:.1f}" if row.get("peak_mem_gib") is not None else "-"

@@ -16,7 +16,8 @@ export HF_HUB_OFFLINE=1 TRITON_CACHE_AUTOTUNING=1
 {
   date -u +"%Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| triton', triton.__version__, '| fla', fla.__version__)"
+  python3 -c "import sys; sys.path.insert(0, '$HERE'); import common
+print(common.staging_line('torch', 'transformers', 'triton', 'fla'))"
 } 2>&1 | tee -a "$OUT/env.txt"
 # shellcheck disable=SC2086
 python3 "$HERE/depth_gpu.py" --block-len "$BLOCK" --layers $LAYERS --what $WHAT --timeout "$TREF" "$TFT" "$TPROF" \

@@ -61,6 +61,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+import common
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,23 +163,6 @@ def steady(times: list[float], tokens: int, warmup: int) -> float | None:
     """Median tokens/s over the steps after `warmup` (times: wall clock at the end of each step, step 0 = start)."""
     dts = [b - a for a, b in zip(times, times[1:])][warmup:]
     return tokens / statistics.median(dts) if dts else None
-
-
-def cuda_reset():
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**30
-    return 0.0
-
-
-def cuda_peak():
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 # ------------------------------------------------------------------------------------------------ profile
@@ -331,14 +315,14 @@ def run_ftcli(label: str, layers: int, init: Path, blocks, work: Path, tiny: boo
         dist.destroy_process_group()
     before = parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED
     parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED = not root_layout, keep_last
-    base = cuda_reset()
+    base = common.reset_peak()
     try:
         result = train(recipe, run_dir, None, blocks=feed)
     finally:
         parallelize.SEPARATE_EMBEDDING_UNITS, parallelize.KEEP_LAST_UNITS_GATHERED = before
         if snapshot_step is not None:  # a run that failed mid-way must not leave the recording on for the next ones
             torch.cuda.memory._record_memory_history(enabled=None)
-    peak = cuda_peak()
+    peak = common.peak_gib()
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dts = [m["s_per_step"] for m in metrics][warmup:]
     block_len = len(blocks[0].input_ids)
@@ -359,7 +343,7 @@ def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: boo
     from ftcli.config.recipe import resolve_path
 
     device = "cpu" if tiny else "cuda"
-    base = cuda_reset()
+    base = common.reset_peak()
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa",
                                                  device_map=device)
     rows = [{"input_ids": b.input_ids.astype(int).tolist(), "labels": b.labels.astype(int).tolist(),
@@ -403,7 +387,7 @@ def run_trl(layers: int, init: Path, blocks, tiny: bool, warmup: int, liger: boo
     trainer = SFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          callbacks=[Clock(), Profile()])
     trainer.train()
-    peak = cuda_peak()
+    peak = common.peak_gib()
     block_len = len(blocks[0].input_ids)
     rate = steady(times, block_len, warmup)
     del trainer, model
@@ -510,7 +494,7 @@ def torchtune_worker(args) -> int:
         row = dict(impl="torchtune", layers=layers, tokens_per_s=None, s_per_step=None, peak=None, base=None,
                    losses=[], steps=0, notes=[])
         try:
-            row["base"] = cuda_reset()
+            row["base"] = common.reset_peak()
             recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
             recipe.setup(cfg=cfg)
             recipe.save_checkpoint = lambda epoch: None  # the benchmark writes no model
@@ -518,7 +502,7 @@ def torchtune_worker(args) -> int:
             recs = this.TTLogger.records
             block_len = int(np.load(args.tt_blocks)["input_ids"].shape[1])
             rate = steady([t for t, _ in recs], block_len, args.warmup)
-            row.update(tokens_per_s=rate, s_per_step=block_len / rate, peak=cuda_peak(),
+            row.update(tokens_per_s=rate, s_per_step=block_len / rate, peak=common.peak_gib(),
                        losses=[r["loss"] for _, r in recs[1:]], steps=len(recs) - 1,
                        notes=["grad norms: " + " ".join(format(r.get("grad_norm", float("nan")), ".3g")
                                                         for _, r in recs[1:])])

@@ -30,13 +30,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -166,17 +166,8 @@ def gemm_part(args, device) -> dict:
         for r in rows:
             print(f"| {r['linear']} | {r['in_ratio']:.0f} | {r['tensorwise']:.4f} | {r['rowwise']:.4f} |")
         del model
-        _free(device)
+        common.reset_peak(device)
     return out
-
-
-def _free(device):
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _grad_norms(run) -> list[float]:
@@ -201,13 +192,7 @@ def train_part(args, world, out_dir: Path, block: int, steps: int, extra: list[s
             run = levers_gpu.build(args, block, args.layers, name, out_dir, world)
             if pretrained:
                 make_pretrained_like(run.model, args.channels, args.scale)
-            times = []
-            for b in blocks:
-                levers_gpu._sync(world.device)
-                t = time.perf_counter()
-                run.step([b], 1)
-                levers_gpu._sync(world.device)
-                times.append(time.perf_counter() - t)
+            times = [common.timed(lambda b=b: run.step([b], 1), device=world.device)[1][0] for b in blocks]
             losses = [loss for _, loss in run.result.losses]
             result[recipe] = {"losses": losses, "grad_norms": _grad_norms(run), "times": times,
                               "s_per_step": statistics.median(times[min(3, len(times) - 1):])}
@@ -219,7 +204,7 @@ def train_part(args, world, out_dir: Path, block: int, steps: int, extra: list[s
 
             traceback.print_exc()
             result[recipe] = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"}
-        _free(world.device)
+        common.reset_peak(world.device)
     return result
 
 

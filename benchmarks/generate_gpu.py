@@ -13,7 +13,7 @@ step reads / the card's copy bandwidth, measured in the same call):
     python3 benchmarks/generate_gpu.py --suite decode --batches 1,8,32 --new-tokens 256
     python3 benchmarks/generate_gpu.py --suite decode --device cpu --dtype float32 --prompt-len 20 \
         --new-tokens 6 --batches 1,2 --check-tokens 6 \
-        --models tiny-check:pkg://assets/tiny-qwen3_5.json:qwen3_5_text,g-check:pkg://assets/tiny-gpt-oss.json:gpt_oss
+        --models tiny-check:ftcli/assets/tiny-qwen3_5.json:qwen3_5_text,g-check:ftcli/assets/tiny-gpt-oss.json:gpt_oss
 
 The prompt is the published example's demo (system `reasoning language: German`, user
 `¿Cuál es el capital de Australia?`, temperature 0.6); batches take the first user turns of the shipped
@@ -29,8 +29,8 @@ import argparse
 import json
 import time
 
+import common
 import torch
-
 
 QWEN27B = "benchmarks/qwen27b-4layer.json"  # the 27B width; --layers 64 makes it the full Qwen3.5-27B text model
 
@@ -90,13 +90,10 @@ def build_random(config: str, model_type: str, layers: int | None, device: str, 
 
 def decode_suite(args) -> None:
     """Issue 30: ftcli.model.decode against the bandwidth limit (and transformers' generate where cheap)."""
-    import gc
-
     from ftcli.model import decode
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     bw = copy_bandwidth(device) if cuda else float("nan")
     card = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{card}: copy bandwidth {bw / 1e12:.2f} TB/s (2 GiB device-to-device, read + write), torch "
@@ -110,11 +107,8 @@ def decode_suite(args) -> None:
         return torch.randint(10, vocab[0], (n,), generator=gen).tolist()
 
     def timed(fn):
-        sync()
-        t = time.perf_counter()
-        out = fn()
-        sync()
-        return out, time.perf_counter() - t
+        out, seconds = common.timed(fn, device=device)
+        return out, seconds[0]
 
     models = [m.split(":") for m in args.models.split(",") if m]
     for spec in models:
@@ -163,18 +157,15 @@ def decode_suite(args) -> None:
                   f"{r['tokens_per_s']:.1f} tokens/s ({r['per_stream']:.1f} per stream; bandwidth limit "
                   f"{limit:.1f} steps/s, {100 * r['of_limit']:.0f}%)", flush=True)
         if cuda:
-            print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+            print(f"peak memory {common.peak_gib():.1f} GiB", flush=True)
         del model, decoder
         decode._DECODERS.clear()
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    print("\n| model | batch | prompt | first token s | tokens/s | per stream | limit (steps/s) | of limit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['first_token_s']:.3f} | {r['tokens_per_s']:.1f} | "
-              f"{r['per_stream']:.1f} | {r['limit_steps_per_s']:.1f} | {100 * r['of_limit']:.0f}% |")
+        common.reset_peak(device)
+    print("\n" + common.table(
+        ["model", "batch", "prompt", "first token s", "tokens/s", "per stream", "limit (steps/s)", "of limit"],
+        [[r["model"], r["batch"], r["prompt"], f"{r['first_token_s']:.3f}", f"{r['tokens_per_s']:.1f}",
+          f"{r['per_stream']:.1f}", f"{r['limit_steps_per_s']:.1f}", f"{100 * r['of_limit']:.0f}%"] for r in rows],
+        sep=" --- "))
     for c in checks:
         print(f"check {c['model']}: {c['tokens']} greedy tokens identical to transformers: {c['identical']} "
               f"(first difference {c['first_difference']}), graph == eager: {c['graph_equals_eager']}")
@@ -237,22 +228,17 @@ def main() -> None:
               for conv in firsts]
     for batch in (int(b) for b in args.batches.split(",") if b):
         conversations = firsts[:batch]
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = generate.generate(loaded, conversations, sampling, batch_size=batch)
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        out, (seconds,) = common.timed(lambda: generate.generate(loaded, conversations, sampling, batch_size=batch),
+                                       device=args.device)
         new = sum(len(c.token_ids) for c in out)
         rows.append({"mode": "generate (left-padded batch)", "batch": batch, "new_tokens": new, "s": seconds,
                      "tokens_per_s": new / seconds, "first_token_s": None})
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
+    peak = common.peak_gib(args.device) if args.device.startswith("cuda") else float("nan")
 
-    print(f"\n| mode | batch | new tokens | s | tokens/s | first token s |\n| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        first = f"{r['first_token_s']:.3f}" if r["first_token_s"] is not None else "-"
-        print(f"| {r['mode']} | {r['batch']} | {r['new_tokens']} | {r['s']:.2f} | {r['tokens_per_s']:.1f} | {first} |")
+    print("\n" + common.table(
+        ["mode", "batch", "new tokens", "s", "tokens/s", "first token s"],
+        [[r["mode"], r["batch"], r["new_tokens"], f"{r['s']:.2f}", f"{r['tokens_per_s']:.1f}",
+          None if r["first_token_s"] is None else f"{r['first_token_s']:.3f}"] for r in rows], sep=" --- "))
     print(f"\npeak memory allocated: {peak:.1f} GiB")
 
 

@@ -34,7 +34,6 @@ CPU logic check (tiny config, 512-token blocks): python benchmarks/levers_gpu.py
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -46,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from depth_gpu import _sync, _train_steps, _world, b300_settings, fit, peak  # noqa: E402
+import common  # noqa: E402
+from depth_gpu import _train_steps, _world, b300_settings, fit, peak  # noqa: E402
 from reference_loop_gpu import bench_blocks, data_overrides, depth_config, step_flops, write_depth_config  # noqa: E402
 from train_full_gpu import RECIPE, TINY  # noqa: E402
 
@@ -76,18 +76,7 @@ def build(args, block_len: int, layers: int, variant: str, out: Path, world):
     return FullRun(recipe, recipe.output_dir, None, world)
 
 
-def free(device) -> None:
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def measure(args, part: str, out: Path, world, blocks_by_len: dict) -> dict:
-    import torch
-
     block_s, layers_s, variant = part.split(":")
     block_len, layers = int(block_s), int(layers_s)
     blocks = blocks_by_len.setdefault(block_len, bench_blocks(block_len, args.tiny, args.steps))[:args.steps]
@@ -97,8 +86,8 @@ def measure(args, part: str, out: Path, world, blocks_by_len: dict) -> dict:
     built = time.perf_counter() - start
     row = _train_steps(run, blocks, args.warmup, device)
     del run
-    row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    free(device)
+    row["peak_mem_gib"] = common.peak_gib(device)
+    common.reset_peak(device)
     flops = step_flops(depth_config(layers, args.tiny), blocks[args.warmup:])
     tokens = statistics.mean(len(b.input_ids) for b in blocks[args.warmup:])
     row.update(part=part, block=block_len, layers=layers, variant=variant, build_s=round(built, 1),
@@ -149,18 +138,12 @@ def curve(args, spec: str, out: Path, world) -> None:
     curves = {}
     for variant in variants.split(","):
         run = build(args, block_len, layers, variant, out / "curve", world)
-        times = []
-        for block in blocks:
-            _sync(world.device)
-            t = time.perf_counter()
-            run.step([block], 1)
-            _sync(world.device)
-            times.append(time.perf_counter() - t)
+        times = [common.timed(lambda b=block: run.step([b], 1), device=world.device)[1][0] for block in blocks]
         curves[variant] = [loss for _, loss in run.result.losses[:steps]]
         print(f"curve {variant}: {steps} steps, median {statistics.median(times[2:]):.3f} s/step; losses every 5: "
               f"{[round(x, 4) for x in curves[variant][::5]]}", flush=True)
         del run
-        free(world.device)
+        common.reset_peak(world.device)
     names = list(curves)
     for other in names[1:]:
         a, b = curves[names[0]], curves[other]
@@ -212,7 +195,7 @@ def main() -> int:
             r = measure(args, item[1], out, world, blocks)
         except Exception as e:  # noqa: BLE001 - a lever that fails is a result: say why, go on
             print(f"### {item[1]}: failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
-            free(world.device)
+            common.reset_peak(world.device)
             continue
         rows.append(r)
         print(f"{HEADER}\n{row_line(r)}\nstep times {r['times']}; build {r['build_s']} s; syncs "

@@ -53,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +291,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
         "steps": args.steps, "tokens_per_step": (seen1 - seen0) / args.steps,
         "trained_tokens_per_s": (trained1 - trained0) / seconds, "seen_tokens_per_s": (seen1 - seen0) / seconds,
         "s_per_step": seconds / args.steps,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": common.peak_gib(device),
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "build_s": build_s, "warmup_s": t0 - marks[0][0], "losses": losses, "graph_breaks": sum(breaks.values()),
         "graphs": counters["stats"]["unique_graphs"] - graphs_before, "grouped_modules": grouped, "kept_mxfp4_gib": kept,

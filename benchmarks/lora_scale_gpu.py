@@ -38,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
 RECIPE = "gpt-oss-120b-h100"
 CONFIG_120B = ROOT / "ftcli" / "assets" / "models" / "openai--gpt-oss-120b.json"
 
@@ -114,17 +117,19 @@ def run_depth(args, layers: int, out: Path, experts: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layers | experts | AC | exit | s/step | tokens/s | peak GiB allocated (reserved) | memory model, 1 GPU, "
-             "GiB | measured / model | losses |", "|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    cells = []
     for r in rows:
-        head = f"| {r['layers']} | {r['experts']} | {r['ac']} | {r['exit']} |"
+        head, model = [r["layers"], r["experts"], r["ac"], r["exit"]], f"{r['predicted_1gpu']['total']:.1f}"
         if "s_per_step" not in r:
-            lines.append(f"{head} - | - | - | {r['predicted_1gpu']['total']:.1f} | - | - |")
+            cells.append([*head, "-", "-", "-", model, "-", "-"])
             continue
         ratio = r["peak_mem"] / r["predicted_1gpu"]["total"] if r["peak_mem"] else float("nan")
-        lines.append(f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['peak_mem']:.1f} ({r['peak_reserved']:.1f}) {r['mem_unit']} | "
-                     f"{r['predicted_1gpu']['total']:.1f} | {ratio:.2f} | {r['losses']} |")
+        memory = f"{r['peak_mem']:.1f} ({r['peak_reserved']:.1f}) {r['mem_unit']}"
+        cells.append([*head, f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", memory, model, f"{ratio:.2f}",
+                      r["losses"]])
+    lines = [common.table(["layers", "experts", "AC", "exit", "s/step", "tokens/s", "peak GiB allocated (reserved)",
+                           "memory model, 1 GPU, GiB", "measured / model", "losses"], cells,
+                          sep=["---:", "---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---"])]
     done = [r for r in rows if "s_per_step" in r and r["experts"] == rows[0]["experts"]]
     if len({r["layers"] for r in done}) >= 2:
         from ftcli.estimate.steptime import depth_fit

@@ -10,8 +10,13 @@ ftcli/estimate/memory.py, where `ftcli plan` and `render-workload` use it; this 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from ftcli.estimate import memory
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under runpy (tests/test_memory_model.py)
+
+import common  # noqa: E402
+from ftcli.estimate import memory  # noqa: E402
 
 CARDS = {"8xH100 (80 GB)": 80, "8xH200 (141 GB)": 141, "8xB300 (288 GB)": 288}
 ROWS = [(32768, m, ac, "liger") for m in ("fp32", "bf16") for ac in ("full", "selective", "none")]
@@ -37,27 +42,25 @@ def main() -> None:
     print(f"fitted: stored layer {fitted['stored_layer_bytes']} bytes per token x hidden; full logits "
           f"{fitted['full_logits_bytes']:.3f} bytes per token x vocab")
     if args.check:
-        print("\n| model | layers | method | block | master | checkpointing | loss | measured GiB | model GiB | error |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for p, pred in check():
-            print(f"| {p['model']} | {p['layers']} | {p['method']} | {p['block_len']} | {p['master']} | "
-                  f"{p['checkpointing']} | {p['loss']} | {p['peak_gib']:.1f} | {pred:.1f} | "
-                  f"{100 * (pred / p['peak_gib'] - 1):+.1f}% |")
+        columns = ["model", "layers", "method", "block", "master", "checkpointing", "loss", "measured GiB", "model GiB",
+                   "error"]
+        print("\n" + common.table(columns, [
+            [p["model"], p["layers"], p["method"], p["block_len"], p["master"], p["checkpointing"], p["loss"],
+             f"{p['peak_gib']:.1f}", f"{pred:.1f}", f"{100 * (pred / p['peak_gib'] - 1):+.1f}%"] for p, pred in check()]))
     print(f"\n64-layer Qwen3.8-27B: {shape.total_params / 1e9:.2f}B text params + {shape.frozen_params / 1e9:.2f}B frozen "
           f"vision; 8 GPUs; GiB per GPU; 'fits' = total <= {memory.USABLE:.0%} of the card\n")
-    print("| block | master | checkpointing | loss | state | transient | total | " + " | ".join(CARDS) + " |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(CARDS))
+    rows = []
     for tokens, master, ac, loss in ROWS:
         e = memory.estimate(shape, memory.Setting(tokens=tokens, world=8, master=master, checkpointing=ac, loss=loss))
         fits = ["yes" if e.total <= memory.usable_gib(gb) else "no" for gb in CARDS.values()]
-        print(f"| {tokens // 1024}k | {master} | {ac} | {loss} | {e.state:.1f} | {e.total - e.state:.1f} | "
-              f"{e.total:.1f} | {' | '.join(fits)} |")
+        rows.append([f"{tokens // 1024}k", master, ac, loss, f"{e.state:.1f}", f"{e.total - e.state:.1f}",
+                     f"{e.total:.1f}", *fits])
+    print(common.table(["block", "master", "checkpointing", "loss", "state", "transient", "total", *CARDS], rows))
     print("\nFull checkpointing, 32k blocks: layers that can keep their activations "
           "(training.activation_checkpointing_keep) and still fit\n")
-    print("| master | " + " | ".join(CARDS) + " |\n|---|" + "---|" * len(CARDS))
-    for master in ("fp32", "bf16"):
-        s = memory.Setting(tokens=32768, world=8, master=master, loss="liger")
-        print(f"| {master} | " + " | ".join(str(memory.layers_to_keep(shape, s, gb)) for gb in CARDS.values()) + " |")
+    settings = {master: memory.Setting(tokens=32768, world=8, master=master, loss="liger") for master in ("fp32", "bf16")}
+    keep = [[master] + [memory.layers_to_keep(shape, s, gb) for gb in CARDS.values()] for master, s in settings.items()]
+    print(common.table(["master", *CARDS], keep))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
+
 MID = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=8, num_local_experts=32,
            num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=201088,
            layer_types=["sliding_attention", "full_attention"] * 4)
@@ -98,11 +100,12 @@ def main() -> None:
         base_shard = max(f.stat().st_size for f in (tmp / "base").glob("*.safetensors"))
         report = json.loads((tmp / "merged" / "merge.json").read_text())
     gib = 2**30
-    print(f"| model | params | bf16 size | import-only RSS | merge-lora peak RSS | merge - imports | in model copies |")
-    print(f"|---|---:|---:|---:|---:|---:|---:|")
     name = f"gpt-oss {args.size}" + (f" ({args.layers} layers)" if args.size == "20b" else "")
-    print(f"| {name} | {n_params / 1e6:,.1f}M | {model_bytes / gib:.2f} GiB | {baseline / gib:.2f} GiB | "
-          f"{peak / gib:.2f} GiB | {(peak - baseline) / gib:.2f} GiB | {(peak - baseline) / model_bytes:.2f} |")
+    print(common.table(["model", "params", "bf16 size", "import-only RSS", "merge-lora peak RSS", "merge - imports",
+                        "in model copies"],
+                       [[name, f"{n_params / 1e6:,.1f}M", f"{model_bytes / gib:.2f} GiB", f"{baseline / gib:.2f} GiB",
+                         f"{peak / gib:.2f} GiB", f"{(peak - baseline) / gib:.2f} GiB",
+                         f"{(peak - baseline) / model_bytes:.2f}"]], sep=["---"] + ["---:"] * 6))
     shard = max(base_shard, report["largest_shard_bytes"])
     print(f"\nlargest shard (base {base_shard / gib:.2f} GiB, merged {report['largest_shard_bytes'] / gib:.2f} GiB): "
           f"merge - imports = {(peak - baseline) / shard:.2f} x the largest shard; the largest unit (a layer or a "

@@ -19,11 +19,11 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
 SHAPES = {  # family -> config kwargs at the real width (one experts module)
@@ -53,17 +53,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _time(fn, reps: int, device) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(common.timed(fn, warmup=1, repeats=reps, device=device)[1])
 
 
 def check(family: str, args, device) -> dict:

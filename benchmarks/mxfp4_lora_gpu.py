@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import common
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def run(model, batch, args, device, tag):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    peak = common.peak_gib() if cuda else 0.0
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     row = {"base": tag, "losses": [round(x, 5) for x in losses], "s_per_step": round(step, 3),
            "tok_per_s": round(batch["input_ids"].numel() / step), "start_gib": round(start_gib, 2),
@@ -182,12 +183,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     diffs = [abs(a - b) / abs(a) for r in rows[2:] for a, b in zip(rows[1]["losses"], r["losses"])]
     print(f"{args.shape} width, {args.layers} layers, {args.block}-token block, {dtype}")
-    print("| base | losses | step-1 LoRA grads vs fp32: all / worst tensor | s/step | tok/s | GiB at start | peak GiB |"
-          "\n|---|---|---|---|---|---|---|")
-    for r, g in zip(rows, grads):
-        err = "-" if g is grads[0] else "{:.2e} / {:.2e} ({})".format(*grad_errors(grads[0], g))
-        print(f"| {r['base']} | {', '.join(f'{x:.4f}' for x in r['losses'])} | {err} | {r['s_per_step']} "
-              f"| {r['tok_per_s']:,} | {r['start_gib']} | {r['peak_gib']} |")
+    print(common.table(
+        ["base", "losses", "step-1 LoRA grads vs fp32: all / worst tensor", "s/step", "tok/s", "GiB at start",
+         "peak GiB"],
+        [[r["base"], ", ".join(f"{x:.4f}" for x in r["losses"]),
+          "-" if g is grads[0] else "{:.2e} / {:.2e} ({})".format(*grad_errors(grads[0], g)),
+          r["s_per_step"], f"{r['tok_per_s']:,}", r["start_gib"], r["peak_gib"]] for r, g in zip(rows, grads)]))
     err = grad_errors(grads[1], grads[2])
     print(f"bf16-grouped vs bf16 (PEFT folded) step-1 LoRA grads: {err[0]:.2e} all, {err[1]:.2e} worst ({err[2]})")
     err = grad_errors(grads[2], grads[3])

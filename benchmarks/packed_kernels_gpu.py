@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+import common
 import torch
 import torch.nn.functional as F
 
@@ -153,11 +154,6 @@ def block_loss(logits, input_ids, lengths, with_padding_last=True) -> torch.Tens
     return total
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def fwd_bwd(model, batch, lengths):
     model.zero_grad(set_to_none=True)
     logits = model(**batch, use_cache=False).logits
@@ -214,15 +210,8 @@ def grad_errors(grads: dict, ref: dict) -> tuple[float, float, str]:
 
 def timed(fn, device, repeats: int) -> float:
     """Median seconds of fn() after one warm-up call (kernel JIT compiles happen there)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    times = sorted(common.timed(fn, warmup=1, repeats=repeats, device=device)[1])
+    return times[len(times) // 2]
 
 
 def op_error(fast_fn, ref_fn, inputs: dict, seed: int) -> tuple[float, float, str]:
@@ -384,7 +373,7 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
     handles = tape.replay(ref)
     t0 = time.perf_counter()
     ref_logits, ref_grads = fwd_bwd(ref, batch, lengths)
-    sync(device)
+    common.sync(device)
     ref_seconds = time.perf_counter() - t0
     unhook(handles)
     logits_err = rel(fast_logits, ref_logits)
@@ -408,7 +397,7 @@ def check(label: str, model_type: str, config, tokens: int, args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = timed(lambda: fwd_bwd(fast, batch, lengths), device, args.repeats)
-    peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda" else "-"
+    peak = f"{common.peak_gib(device):.1f}" if device.type == "cuda" else "-"
     print(f"{label}: worst single-parameter gradient error vs fp32 {grad_worst:.1e} ({grad_worst_name}; "
           "informational: small parameters carry more bf16 noise)")
 

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import common  # noqa: E402
 from train_full_gpu import RECIPE, TINY  # noqa: E402  (the benchmark recipe and its CPU overrides)
 
 from ftcli.model import kernels  # noqa: E402
@@ -208,8 +209,7 @@ def run_depth(n_layers: int, blocks: list, warmup: int, steps: int, device, dtyp
     losses, start = [], time.perf_counter()
     for step in range(warmup + steps):
         if step == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            common.sync(device)
             start = time.perf_counter()
         ran_out = torch.zeros(1, dtype=torch.int32, device=device)  # a rank whose shard ended sets 1
         dist.all_reduce(ran_out, op=dist.ReduceOp.MAX)
@@ -220,15 +220,14 @@ def run_depth(n_layers: int, blocks: list, warmup: int, steps: int, device, dtyp
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    common.sync(device)
     seconds = (time.perf_counter() - start) / steps
     flops = step_flops(cfg, blocks[warmup:warmup + steps])
     row = {"loop": "reference", "layers": n_layers, "block": len(blocks[0].input_ids), "s_per_step": seconds,
            "tokens_per_s": flops["tokens"] / seconds, "losses": [round(float(x), 4) for x in losses],
            "flops": flops}
     if device.type == "cuda":
-        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_mem_gib"] = common.peak_gib(device)
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     del model, optimizer, loss
     gc.collect()
@@ -277,10 +276,11 @@ def main() -> int:
             with open(args.json_out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print(f"\npublished loop, block {block_len}, {device}, mean over {args.steps} steps after "
-          f"{args.warmup}\n\n| layers | s/step | tokens/s | peak GiB (reserved) | losses |\n|---|---|---|---|---|")
-    for r in rows:
-        mem = f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if "peak_mem_gib" in r else "-"
-        print(f"| {r['layers']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {mem} | {r['losses']} |")
+          f"{args.warmup}\n")
+    print(common.table(["layers", "s/step", "tokens/s", "peak GiB (reserved)", "losses"],
+                       [[r["layers"], f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                         f"{r['peak_mem_gib']:.1f} ({r['peak_reserved_gib']:.1f})" if "peak_mem_gib" in r else "-",
+                         r["losses"]] for r in rows]))
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -5,7 +5,8 @@ machine_header() {  # the date, the card, torch / transformers and the commit, a
   {
     date -u +"%Y-%m-%d %H:%M UTC"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "no nvidia-smi"
-    $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+    $PY -c "import sys; sys.path.insert(0, 'benchmarks'); import common
+print(common.staging_line('torch', 'transformers', 'triton', 'fla'))"
     git -C "$ROOT" log --oneline -1 2>/dev/null || true
   } 2>&1 | tee -a "$LOG"
 }

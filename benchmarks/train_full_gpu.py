@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "benchmarks" / "recipes" / "qwen27b-4layer-h200.yaml"
 VARIANTS = {
@@ -95,10 +97,7 @@ def summarize(row: dict, warmup: int) -> dict:
 
 
 def table(rows: list[dict], block_len: str) -> str:
-    lines = [
-        "| variant | devices | block | tokens/s/device | MFU | s/step | peak mem (reserved) | final loss | exit |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         tps = f"{r['tokens_per_s_per_device']:,.0f}" if "tokens_per_s_per_device" in r else "-"
@@ -107,9 +106,9 @@ def table(rows: list[dict], block_len: str) -> str:
         if r.get("peak_reserved") is not None:
             mem = f"{r['peak_mem']:.1f} ({r['peak_reserved']:.1f}) {r['mem_unit']}"
         loss = f"{r['final_loss']:.3f}" if "final_loss" in r else "-"
-        cells = [r["variant"], r["n"], block_len, tps, mfu, sps, mem, loss, r["exit"]]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        cells.append([r["variant"], r["n"], block_len, tps, mfu, sps, mem, loss, r["exit"]])
+    return common.table(["variant", "devices", "block", "tokens/s/device", "MFU", "s/step", "peak mem (reserved)",
+                         "final loss", "exit"], cells)
 
 
 def main() -> int:
