@@ -608,11 +608,15 @@ def test_a_recipe_reading_a_delta_table_renders_a_workload_that_passes_check(tmp
     assert rendered["parameters"]["data"]["source"] == "delta"
     assert (rendered["parameters"]["data"]["path"], rendered["parameters"]["data"]["revision"]) == ("main.sft.chats", "12")
     pip = next(line for line in rendered["command"].splitlines() if line.startswith("pip install"))
-    assert pip.split()[-1] == workload.DELTALAKE == "deltalake==1.6.6"
+    from ftcli.launchers.base import DELTALAKE
+
+    assert pip.split()[-1] == DELTALAKE == "deltalake==1.6.6"
     assert "deltalake==1.6.6: data.source=delta reads the Delta table with delta-rs." in " ".join(text.split())
     path = tmp_path / "w.yaml"
     path.write_text(text)
     assert workload.check_workload_file(path) == []
     ok = CliRunner().invoke(app, ["render-workload", "--check", str(path)])
     assert ok.exit_code == 0 and "valid AI Runtime workload" in " ".join(ok.output.split())
-    assert workload.data_requirements(load_recipe("qwen-b300")) == []
+    from ftcli.launchers.base import data_requirements
+
+    assert data_requirements(load_recipe("qwen-b300")) == []
