@@ -27,16 +27,17 @@ def test_one_card_table_serves_the_plan_and_the_mfu():
 
 def test_accelerator_types_are_the_vendors():
     """ftcli's AI Runtime accelerator types are databricks-sdk-air's `AcceleratorType`, name for name, with the same
-    GPUs per node; each names a card ftcli plans for, and each matches the recipe's accelerator_type form. This
+    GPUs per node; each names a card ftcli plans for, and ftcli's accelerator parser reads the same card and count. This
     fails when the vendor adds a type ftcli does not know."""
-    from ftcli.config.recipe import ACCELERATOR_RE
+    from ftcli.config.accelerators import parse_accelerator
 
     compute = pytest.importorskip("databricks.air.compute")  # the `databricks` and `dev` extras install it
     vendor = {t.value: t.gpus_per_node for t in compute.AcceleratorType}
     ours = {name: gpus for name, (_, gpus) in hardware.ACCELERATOR_TYPES.items()}
     assert ours == vendor, f"the vendor's accelerator types differ: theirs {vendor}, ftcli's {ours}"
     for name, (card, gpus) in hardware.ACCELERATOR_TYPES.items():
-        assert hardware.CARDS[card].memory_gb and int(ACCELERATOR_RE.fullmatch(name).group(1)) == gpus
+        accelerator = parse_accelerator(name)  # ftcli's one parser of accelerator strings reads the same card and count
+        assert hardware.CARDS[card].memory_gb and (accelerator.card, accelerator.gpus_per_node) == (card, gpus)
         assert card.lower() in compute.AcceleratorType(name).gpu_type.value  # a10, h100_80gb, b300
 
 

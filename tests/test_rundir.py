@@ -69,7 +69,8 @@ def test_new_run_record_fills_the_common_part_and_reads_back(tmp_path):
     assert saved["objective"] == "sft"  # run.json says what was optimized (ftcli.objectives)
     assert list(saved) == ["ftcli_version", "method", "objective", "recipe", "model_dir", "base_model", "mlflow", "steps", "tokens",
                            "final_loss", "throughput", "status", "data", "eval_data", "evals", "best_step",
-                           "best_eval_loss", "best_checkpoint", "best_model_dir", "stopped_early"]
+                           "best_eval_loss", "best_checkpoint", "best_model_dir", "stopped_early", "recipe_digest",
+                           "data_sources"]
     assert (saved["data"], saved["evals"], saved["best_step"], saved["best_model_dir"]) == (None, [], None, None)
     full = new_run_record(load_recipe("tiny-qwen-cpu"), method="full", mlflow=None, model_dir=None)
     assert full.base_model.path is None and full.mlflow is None and full.model_path(tmp_path) is None
