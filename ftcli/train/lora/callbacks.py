@@ -303,7 +303,7 @@ class EvalCallback(TrainerCallback):
         self.cfg, self.evaluator, self.tokenizer = recipe.eval, evaluator, tokenizer
         self.run_dir, self.metrics_path, self.tracker = run_dir, metrics_path, tracker
         self.keep_best, self.save_on_stop = recipe.training.checkpoint.keep_best, recipe.training.checkpoint.enabled
-        self.chunk_tokens = recipe.training.loss.chunk_tokens
+        self.chunk_tokens, self.training = recipe.training.loss.chunk_tokens, recipe.training
         self.has_eval = evaluator is not None and bool(evaluator)
         self.schedule = CheckpointSchedule(self.has_eval, self.cfg.every_steps, self.cfg.every_minutes)
         self.evals = EvalTracker(self.cfg)
@@ -344,7 +344,8 @@ class EvalCallback(TrainerCallback):
         self.model, self.is_main = model, args.process_index == 0  # the prepared model: FSDP's root when sharded
         if not self.has_eval:
             return
-        attach_loss_sum(model, self.chunk_tokens, self.evaluator.objective)  # (or ObjectiveLoss did: the same)
+        # (or ObjectiveLoss did: the same loss, the pair loss for a preference objective)
+        attach_loss_sum(model, self.chunk_tokens, self.evaluator.objective, self.training)
         if self.cfg.at_start and state.global_step == 0:
             result = self.evaluate(0)
             if self.is_main:
