@@ -156,7 +156,7 @@ def cp_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("cp")
     out = tmp / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss", "off,on", "2,4"]
+           str(REPO / "tests" / "support" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss", "off,on", "2,4"]
     res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(tmp / "cache"), capture_output=True, text=True,
                          timeout=400)
     assert res.returncode == 0, output_tail(res)

@@ -97,7 +97,7 @@ def worker_evals(tmp_path_factory, env, plain_run):
     out = tmp_path_factory.mktemp("evals")
     for n in (1, 2):
         res = torchrun(n, [str(out), str(out / "cache"), str(plain_run / "final")], out, env,
-                       worker=REPO / "tests" / "_eval_worker.py")
+                       worker=REPO / "tests" / "support" / "_eval_worker.py")
         assert res.returncode == 0, output_tail(res)
     return {n: json.loads((out / f"evals_{n}.json").read_text()) for n in (1, 2)}
 

@@ -569,7 +569,7 @@ def test_sample_greedy_under_fsdp2_equals_unsharded(model_dirs, tmp_path):
     after 3 tokens, rank 1 after 8) does not hang and each rank still gets the unsharded replies."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/_generate_fsdp_worker.py", str(model_dirs["qwen"]), str(tmp_path)],
+                           "tests/support/_generate_fsdp_worker.py", str(model_dirs["qwen"]), str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from _lora_common import run_ftcli
-from test_lora_train import _adapter, _metrics
+from _lora_common import adapter_weights as _adapter
+from _run_common import metrics as _metrics
 
 STEPS, SAVE_EVERY = 6, 3
 EVAL_TOKENS = 201  # the trained tokens of the eval.max_examples=12 rows of tiny_chat.jsonl (measured)
@@ -27,7 +28,7 @@ EVAL_TOKENS = 201  # the trained tokens of the eval.max_examples=12 rows of tiny
 def _worker(out: Path, sharding: str, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__).with_name("_lora_fsdp_worker.py")), str(out), sharding, *extra],
+                           str(Path(__file__).parents[1] / "support" / "_lora_fsdp_worker.py"), str(out), sharding, *extra],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

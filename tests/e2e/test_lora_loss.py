@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _lora_common import packed_row, tiny_model, tiny_recipe
+from _lora_common import packed_row, tiny_model, tiny_recipe, token_mean_grads as _token_mean_grads
 
 
 def _rows():
@@ -53,23 +52,6 @@ def _reference_copy(trainer, attn):
     model = get_peft_model(model, lora_config(tiny_recipe(), model))
     model.load_state_dict(trainer.model.state_dict())
     return model
-
-
-def _token_mean_grads(model, rows):
-    """Reference: one backward of sum over both rows of token NLL / total trained tokens."""
-    from ftcli.train.lora.trainer import collate_rows
-
-    model.zero_grad()
-    total_loss, total_tokens = 0.0, 0
-    for row in rows:
-        batch = collate_rows([row])
-        labels = batch.pop("labels")
-        logits = model(**batch).logits[0, :-1].float()
-        target = labels[0, 1:]
-        total_loss = total_loss + F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-        total_tokens += int((target != -100).sum())
-    (total_loss / total_tokens).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _trainer_step_grads(trainer):
@@ -136,7 +118,7 @@ def test_loss_normalized_by_global_tokens_across_2_ranks(tmp_path):
     """2 gloo ranks x grad_accum 2, four blocks with 6..170 trained tokens, on a model class that says
     accepts_loss_kwargs=False (like Qwen3_5ForConditionalGeneration): the DDP-averaged gradient of one
     step equals the gradient of the token mean over all four blocks."""
-    script = Path(__file__).with_name("_lora_ddp_grad.py")
+    script = Path(__file__).parents[1] / "support" / "_lora_ddp_grad.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from _lora_common import run_ftcli, tiny_model, tiny_recipe
+from _lora_common import adapter_weights as _adapter, run_ftcli, tiny_model, tiny_recipe
+from _run_common import metrics as _metrics
 
 STEPS, SAVE_EVERY, LOG_EVERY = 30, 15, 5
 
@@ -43,16 +44,6 @@ def trained(tmp_path_factory, mxfp4_base):
     proc = run_ftcli(_train_args(mxfp4_base, run_dir), cwd=work)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return work, run_dir, proc
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _adapter(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "adapter_model.safetensors"))
 
 
 def test_mxfp4_base_loads_dequantized_through_ftcli_modeling(mxfp4_base):

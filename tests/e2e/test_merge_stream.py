@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from test_merge import lora_run  # noqa: F401 - the shared fixture: a LoRA run over a tiny MXFP4 base
 
 
 def _tensors(folder):

@@ -21,7 +21,7 @@ import pytest
 from _run_common import REPO, env, ftcli, metrics, output_tail, recipe_file, torchrun  # noqa: F401 (env: a fixture)
 
 STEPS, STOP, STOP2 = 8, 4, 6
-WORKER = REPO / "tests" / "_preempt_worker.py"
+WORKER = REPO / "tests" / "support" / "_preempt_worker.py"
 COMMON = [f"training.max_steps={STEPS}", "training.log_every=1", "tracking.enabled=false",
           "training.checkpoint.save_final_hf=false", "training.checkpoint.every_steps=100"]
 

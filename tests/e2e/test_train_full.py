@@ -239,7 +239,7 @@ def test_readme_quickstart_generates_from_the_run_it_trains(reference_run, monke
     from typer.testing import CliRunner
 
     from ftcli import cli
-    from test_docs import QUICKSTART_GENERATE
+    from _run_common import QUICKSTART_GENERATE
 
     (reference_run["cwd"] / "runs").mkdir(exist_ok=True)
     link = reference_run["cwd"] / "runs" / "tiny-qwen-cpu"

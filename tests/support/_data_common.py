@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parents[1] / "ftcli" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "ftcli" / "assets"
 WORDS = "the capital of Kenya is Nairobi count from one to nine river quiet light 7 plus 6 13 ok , . ?".split()
 
 

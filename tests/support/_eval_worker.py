@@ -60,5 +60,5 @@ def main(out: Path, cache: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

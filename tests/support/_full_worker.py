@@ -182,7 +182,7 @@ if __name__ == "__main__":
     parser.add_argument("--mask-from", type=int, default=None)
     parser.add_argument("--block-delay-ms", type=float, default=0.0)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     if args.mode == "grads":
         grads(args.out)
     else:

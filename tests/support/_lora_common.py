@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_recipe(*overrides: str, output_dir: Path | None = None):
@@ -47,3 +48,27 @@ def run_ftcli(args: list[str], cwd: Path, timeout: int = 600, env: dict | None =
                 "FTCLI_CACHE": str(cwd / "cache"), **(env or {})}
     return subprocess.run([sys.executable, "-m", "ftcli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def adapter_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The trained adapter of a LoRA run dir (final/adapter_model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+
+
+def token_mean_grads(model, rows):
+    """Reference: one backward of sum over both rows of token NLL / total trained tokens."""
+    from ftcli.train.lora.trainer import collate_rows
+
+    model.zero_grad()
+    total_loss, total_tokens = 0.0, 0
+    for row in rows:
+        batch = collate_rows([row])
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[0, :-1].float()
+        target = labels[0, 1:]
+        total_loss = total_loss + F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+        total_tokens += int((target != -100).sum())
+    (total_loss / total_tokens).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -27,7 +27,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     from ftcli.train.loss import count_trained_tokens
     from ftcli.config.recipe import resolve_path
     from ftcli.train.lora.trainer import collate_rows, lora_config, normalize_loss_by_tokens, sft_config_kwargs
-    from test_lora_loss import _token_mean_grads
+    from _lora_common import token_mean_grads as _token_mean_grads
 
     if not accepts_loss_kwargs:
         GptOssForCausalLM.accepts_loss_kwargs = False

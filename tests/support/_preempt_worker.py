@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--sigterm-at-block", type=int, default=0)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
     from ftcli.train import full as train_full
     from ftcli.train.preempt import Stopped

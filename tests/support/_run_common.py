@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "_full_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_full_worker.py")
 FAST = ["training.log_every=1", "tracking.enabled=false"]
+# The README's quickstart and test commands (test_docs pins them there; test_train_full runs the generate line)
+QUICKSTART_TRAIN = ("python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints/cpu.txt -e . && "
+                    "ftcli train --recipe tiny-qwen-cpu")
+QUICKSTART_GENERATE = 'ftcli generate runs/tiny-qwen-cpu -p "What is 2 plus 4?" --greedy --max-new-tokens 32'
+TESTS = 'python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints/cpu.txt -e ".[dev]" && pytest'
 
 
 def subprocess_env(cache_dir: Path) -> dict[str, str]:

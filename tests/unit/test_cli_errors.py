@@ -22,7 +22,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from test_workload import _DELETE, _set
+from _recipe_common import DELETE as _DELETE, set_key as _set
 
 from ftcli import cli
 from ftcli.config.recipe import builtin_recipe_text

@@ -11,16 +11,13 @@ from pathlib import Path
 
 import pytest
 from _data_common import tokenizer, write_jsonl
+from _run_common import QUICKSTART_GENERATE, QUICKSTART_TRAIN, TESTS
 from typer.testing import CliRunner
 
 from ftcli import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-QUICKSTART_TRAIN = ("python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints/cpu.txt -e . && "
-                    "ftcli train --recipe tiny-qwen-cpu")
-QUICKSTART_GENERATE = 'ftcli generate runs/tiny-qwen-cpu -p "What is 2 plus 4?" --greedy --max-new-tokens 32'
-TESTS = 'python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints/cpu.txt -e ".[dev]" && pytest'
 
 
 def bash_blocks(text: str, section: str | None = None) -> list[str]:

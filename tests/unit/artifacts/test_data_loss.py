@@ -10,7 +10,6 @@ import pytest
 from typer.testing import CliRunner
 
 from _run_common import train_args
-from test_merge import lora_run  # noqa: F401 - the fixture: a LoRA run dir over a tiny MXFP4 base
 
 BAD_TOKENIZER = "model.tokenizer=/nonexistent/tokenizer"
 

@@ -7,38 +7,7 @@ import json
 import pytest
 import torch
 
-from _lora_common import tiny_model, tiny_recipe
-
-
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base."""
-    from peft import get_peft_model
-    from transformers import AutoTokenizer
-
-    from ftcli.model import mxfp4
-    from ftcli.model.build import load_model
-    from ftcli.config.recipe import ModelConfig, resolve_path
-    from ftcli.train.lora.trainer import lora_config
-
-    root = tmp_path_factory.mktemp("merge")
-    tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
-    base = mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), root / "base-mxfp4", tokenizer=tok)
-    model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize"))
-    peft_model = get_peft_model(model, lora_config(tiny_recipe(), model))
-    torch.manual_seed(3)
-    for name, p in peft_model.named_parameters():
-        if "lora_" in name:
-            p.data.normal_(0, 0.01)
-    run = root / "run"
-    peft_model.save_pretrained(run / "final")
-    tok.save_pretrained(run / "final")
-    (run / "run.json").write_text(json.dumps({
-        "method": "lora", "model_dir": "final", "status": "completed",
-        "base_model": {"id": str(base), "revision": None, "init": "pretrained", "model_type": "gpt_oss",
-                       "model_class": "causal_lm"},
-    }))
-    return run, base
+from _lora_common import tiny_model
 
 
 def _logits(model, ids):

@@ -68,7 +68,7 @@ def test_scrub_recipe_hides_secret_and_env_values():
 
 def _ftcli_imports(module: str) -> set[str]:
     """Every ftcli module `module` imports, at the top or inside a function."""
-    path = Path(__file__).resolve().parents[1] / "ftcli" / (module.removeprefix("ftcli.").replace(".", "/") + ".py")
+    path = Path(__file__).resolve().parents[3] / "ftcli" / (module.removeprefix("ftcli.").replace(".", "/") + ".py")
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ftcli"):

@@ -310,7 +310,7 @@ def _fake_hub_cache(root: Path, repo_id: str, config: dict) -> None:
 def test_hub_model_in_the_local_cache_is_checked_offline(monkeypatch, tmp_path):
     from ftcli.model.checks import check_model_config
 
-    config = json.loads((Path(__file__).parents[1] / "ftcli/assets/tiny-gpt-oss.json").read_text())
+    config = json.loads((Path(__file__).parents[3] / "ftcli/assets/tiny-gpt-oss.json").read_text())
     _fake_hub_cache(tmp_path, "openai/gpt-oss-20b", config)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     assert check_model_config(load_recipe("gpt-oss-h100")).hidden_size == config["hidden_size"]

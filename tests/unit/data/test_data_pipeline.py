@@ -390,7 +390,7 @@ def test_synthetic_data_is_seeded_long_tailed_and_masked(tmp_path):
 
 
 def test_data_package_is_pure_data_code():
-    root = Path(__file__).resolve().parents[1] / "ftcli" / "data"
+    root = Path(__file__).resolve().parents[3] / "ftcli" / "data"
     for f in root.glob("*.py"):
         text = f.read_text()
         assert not re.search(r"^\s*(import|from)\s+(torch\.distributed|mlflow|typer|ftcli\.cli)", text, re.M), f

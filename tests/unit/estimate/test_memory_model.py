@@ -14,7 +14,7 @@ import pytest
 from ftcli.estimate import memory
 from ftcli.config.recipe import resolve_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def meta_param_count(cfg: dict) -> int:

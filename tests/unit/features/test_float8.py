@@ -11,7 +11,7 @@ import torch
 
 from ftcli.config.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_fp8_takes_the_27b_layers_big_linears_only():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ftcli.config.errors import UserError
 from ftcli.features.fused_ops import Kernels, check_fused_device, fuse_decoder_ops, fused_module_counts, load_kernels
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "ftcli" / "assets" / "tiny-qwen3_5.json"
 
 

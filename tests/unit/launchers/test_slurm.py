@@ -80,7 +80,7 @@ def test_bad_slurm_values_are_refused_in_one_line(key, value):
 def test_secrets_are_refused_and_ai_runtime_keys_are_said_to_be_ignored(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"compute.secrets \(HF_TOKEN\) are Databricks secret references"):
         slurm.render(_recipe("gpt-oss-h100", "compute.secrets.HF_TOKEN=scope/key"), fit_check=False)
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the checkout: no warning about the submit dir
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])  # the checkout: no warning about the submit dir
     warnings = slurm.render_warnings(_recipe("gpt-oss-h100", "output.dir=runs/x"), fit_check=False)
     assert warnings[-1] == ("ignored by the Slurm launcher (AI Runtime keys): compute.experiment_name, "
                             "compute.timeout_minutes; the job's time limit is compute.slurm.time_limit")

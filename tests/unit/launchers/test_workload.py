@@ -1,7 +1,7 @@
 """AI Runtime workloads: golden renders, the check rules, shell quoting, and no heavy imports.
 
 Regenerate the golden files after an intended change with:
-    FTCLI_UPDATE_GOLDEN=1 pytest tests/test_workload.py
+    FTCLI_UPDATE_GOLDEN=1 pytest tests/unit/launchers/test_workload.py
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _recipe_common import DELETE as _DELETE, set_key as _set
 
 from ftcli.launchers import databricks as workload
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import Recipe, builtin_recipe_names, load_recipe
 from ftcli.config.pipspec import check_pip_spec
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 UPDATE = os.environ.get("FTCLI_UPDATE_GOLDEN") == "1"
 BASH = shutil.which("bash")
 
@@ -368,20 +369,6 @@ def _check(tmp_path: Path, data) -> list[str]:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return workload.check_workload_file(path)
 
-
-def _set(data: dict, dotted: str, value) -> dict:
-    *parents, last = dotted.split(".")
-    node = data
-    for p in parents:
-        node = node.setdefault(p, {})
-    if value is _DELETE:
-        node.pop(last)
-    else:
-        node[last] = value
-    return data
-
-
-_DELETE = object()
 
 RULES = [
     # (key, value, expected substring of the one problem)

@@ -14,7 +14,7 @@ from ftcli.hardware import Machine
 from ftcli.model.compat import FAIL, NA, OK, WARN
 from ftcli.config.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 H100 = ("NVIDIA H100 80GB HBM3", 85_031_714_816)
 H200 = ("NVIDIA H200", 150_109_880_320)
 B300 = ("NVIDIA B300 SXM6 AC", 287_000_000_000)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ftcli.features.fused_ops import Kernels, fuse_decoder_ops, fused_module_counts
 
-ASSETS = Path(__file__).resolve().parents[1] / "ftcli" / "assets"
+ASSETS = Path(__file__).resolve().parents[3] / "ftcli" / "assets"
 
 
 def liger_rms_norm(x, weight, eps, offset, casting_mode, in_place):
