@@ -93,7 +93,7 @@ def main() -> int:
     from ftcli.features.fused_ops import FUSED_OPS, load_kernels
 
     if args.stand_ins:
-        sys.path.insert(0, str(HERE.parent / "tests"))
+        sys.path.insert(0, str(HERE.parent / "tests" / "unit" / "features"))
         from test_fused_ops import STAND_INS as kernels
         device, tokens = torch.device("cpu"), 256
     else:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under runpy (tests/test_memory_model.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under runpy (tests/unit/estimate/test_memory_model.py)
 
 import common  # noqa: E402
 from ftcli.estimate import memory  # noqa: E402

@@ -90,7 +90,7 @@ app.add_typer(recipes_app, name="recipes")
 console = Console()
 err_console = Console(stderr=True)
 
-# `--help` of each command ends with these (one command a line; tests/test_cli.py runs the cheap ones).
+# `--help` of each command ends with these (one command a line; tests/unit/test_cli.py runs the cheap ones).
 EXAMPLES = {
     "recipes list": ["ftcli recipes list"],
     "recipes show": ["ftcli recipes show tiny-qwen-cpu --set training.optimizer.lr=2e-5"],
@@ -199,7 +199,7 @@ def recipes_list() -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("method", no_wrap=True)
     table.add_column("compute", no_wrap=True)
-    table.add_column("model", overflow="fold")  # fold, never cut (tests/test_tables.py)
+    table.add_column("model", overflow="fold")  # fold, never cut (tests/unit/commands/test_tables.py)
     for name in builtin_recipe_names():
         r = load_recipe(name)
         model = r.model.id or f"tiny {r.model.model_type} (random)"

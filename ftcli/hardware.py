@@ -9,7 +9,7 @@
                      is present (or `deep`)
     CARDS            name -> Card: peak dense bf16 FLOP/s (MFU), memory as sold and GPUs per node (`ftcli plan`)
     ACCELERATOR_TYPES  Databricks AI Runtime's `compute.accelerator_type` names -> (card, GPUs per node), checked
-                     against databricks-sdk-air's `AcceleratorType` when it is installed (tests/test_hardware.py)
+                     against databricks-sdk-air's `AcceleratorType` when it is installed (tests/unit/test_hardware.py)
 
 Importing this module does not import torch. Low in the house: it imports nothing of ftcli's but config/.
 """

@@ -1,5 +1,5 @@
 #!/bin/bash
-# A single-node Slurm cluster on this host, for tests/test_slurm_e2e.py (and by hand):
+# A single-node Slurm cluster on this host, for tests/e2e/test_slurm_e2e.py (and by hand):
 #
 #   scripts/slurm_local.sh start    writes slurm.conf for this host under $FTCLI_SLURM_DIR, starts munged,
 #                                   slurmctld and slurmd (as root), waits until the node is idle, and prints

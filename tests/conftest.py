@@ -1,14 +1,16 @@
-"""Test isolation shared by every test module."""
+"""Test isolation shared by every test module, the fixtures that test modules of several rooms use, and the
+order of the heavy modules. Helpers to import (`from _run_common import ...`) live in tests/support/."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 # One thread per pytest-xdist worker (`-n 2` on the 2-core CI box): each worker's in-process torch would start one
 # OpenMP thread per core, and the two workers' spinning threads take the cores from each other and from the
-# training runs they launch (measured: tests/test_packed_kernels.py + test_decode.py beside one busy core took
+# training runs they launch (measured: tests/unit/model/test_packed_kernels.py + test_decode.py beside one busy core took
 # 62-86 s with 2 threads, 14-22 s with 1). Set before torch is imported; a serial run keeps torch's default.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -41,6 +43,40 @@ def one_rank(tmp_path_factory):
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base
+    (test_merge, test_merge_stream, test_data_loss)."""
+    import torch
+    from _lora_common import tiny_model, tiny_recipe
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+
+    from ftcli.model import mxfp4
+    from ftcli.model.build import load_model
+    from ftcli.config.recipe import ModelConfig, resolve_path
+    from ftcli.train.lora.trainer import lora_config
+
+    root = tmp_path_factory.mktemp("merge")
+    tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
+    base = mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), root / "base-mxfp4", tokenizer=tok)
+    model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize"))
+    peft_model = get_peft_model(model, lora_config(tiny_recipe(), model))
+    torch.manual_seed(3)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.01)
+    run = root / "run"
+    peft_model.save_pretrained(run / "final")
+    tok.save_pretrained(run / "final")
+    (run / "run.json").write_text(json.dumps({
+        "method": "lora", "model_dir": "final", "status": "completed",
+        "base_model": {"id": str(base), "revision": None, "init": "pretrained", "model_type": "gpt_oss",
+                       "model_class": "causal_lm"},
+    }))
+    return run, base
+
+
 # The modules that launch training runs (torchrun, `ftcli train`, an MLflow server), heaviest first: seconds of
 # one 2-worker run (`pytest --durations=60 --junitxml=...`, summed per module). Under `--dist loadfile` a module
 # is one unit of work on one worker; xdist would hand them out by test count, which sends these few-test heavy
@@ -51,7 +87,7 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
-               "test_data_checks", "test_preference_train"]
+               "test_data_checks", "test_preference_train", "test_tracking"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -440,7 +440,8 @@ def _base_folder(resolved: BaseRef) -> Path:
 class CheckpointReader:
     """The base's tensors by the model's state-dict names, one at a time, from its safetensors files (one file
     or a sharded index); MXFP4 expert weights (`{name}_blocks` + `{name}_scales`) dequantized by
-    `ftcli.model.mxfp4.dequantize_mxfp4` (checked against transformers' loader in tests/test_lora_mxfp4.py)."""
+    `ftcli.model.mxfp4.dequantize_mxfp4` (checked against transformers' loader in
+    tests/unit/model/test_lora_mxfp4.py)."""
 
     def __init__(self, folder: Path, dtype, per_expert: dict[str, tuple[str, ...]] | None = None) -> None:
         self.folder, self.dtype = Path(folder), dtype

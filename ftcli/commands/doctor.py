@@ -52,7 +52,7 @@ def version(dist: str) -> str | None:
 
 
 # What two checks would import transformers (and torch, ~3 s) to learn, as found by importing the transformers
-# versions of the tested matrix (constraints/*.txt); tests/test_doctor.py compares it with the import on the
+# versions of the tested matrix (constraints/*.txt); tests/e2e/test_doctor.py compares it with the import on the
 # installed one. Another transformers version is imported; `ftcli doctor --deep` always imports.
 RECORDED_TRANSFORMERS = {
     # the kernels.QWEN35_GLOBALS the Qwen3.5 modeling module lacks
@@ -369,7 +369,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     console = Console()
     table = Table(title="Versions", title_justify="left")
-    table.add_column("package", overflow="fold")  # fold, never cut, at any width (80 columns: tests/test_tables.py)
+    table.add_column("package", overflow="fold")  # fold, never cut, at any width (80 columns: test_tables)
     table.add_column("version", overflow="fold")
     for dist, found in versions.items():
         shown = found or "-"

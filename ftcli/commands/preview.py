@@ -130,7 +130,7 @@ def block_to_json(block) -> dict[str, Any]:
 def _show_summary(out: Console, summary) -> None:
     t = Table(title=f"pack-preview: {summary.recipe}", show_header=False, title_justify="left")
     t.add_column(style="bold", overflow="fold")
-    t.add_column(overflow="fold")  # fold, never cut (a cache path, a source label): tests/test_tables.py
+    t.add_column(overflow="fold")  # fold, never cut (a cache path, a source label): tests/unit/commands/test_tables.py
     for label, value in summary.rows():
         t.add_row(label, value)
     out.print(t)

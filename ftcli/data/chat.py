@@ -17,14 +17,14 @@ How ftcli finds it (`ChatEncoder`):
   format's markers but does not parse as it (Phi-4's `<|im_sep|>`) is refused with one line
   (`_fit_format`), never masked by a guess. Message text cannot fake a marker: special-token and marker
   strings in the text are swapped for private-use placeholders before rendering and tokenized as plain
-  text afterwards (`special_tokens_in_text`). tests/test_data_masks.py checks every mask against an
+  text afterwards (`special_tokens_in_text`). tests/unit/data/test_data_masks.py checks every mask against an
   independent token-level oracle on 46 edge-case conversations and 7 real templates.
 * For templates of no registered format's markers, the published example's definition: for assistant
   turn i, the text that `render(messages[:i+1])` adds after `render(messages[:i], add_generation_prompt=True)`.
   ftcli computes it once per conversation *shape* (roles, which fields are set) on a skeleton with
   sentinel strings in place of the text (`skeleton_spans`), checks the filled skeleton equals the real
   render, and otherwise re-renders per turn on the real text (`rerender_spans`, also the comparison
-  method; it is wrong wherever a template rewrites earlier turns: tests/test_data_masks.py counts it on
+  method; it is wrong wherever a template rewrites earlier turns: tests/unit/data/test_data_masks.py counts it on
   gpt-oss).
 * `reference_encode` is the published method verbatim (token-count differences of per-turn renders);
   kept as an oracle for prefix-preserving templates and the benchmark baseline.

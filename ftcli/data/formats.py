@@ -1,7 +1,7 @@
 """Row formats by name (`data.format`), and `auto`: which one a source's rows are in.
 
 Every format becomes the same `validate.Conversation` before the chat template sees it, so the masks
-and the counting rules are those of `messages` rows (tests/test_data_masks.py runs its oracle on rows of
+and the counting rules are those of `messages` rows (tests/unit/data/test_data_masks.py runs its oracle on rows of
 each format):
 
     messages           {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}

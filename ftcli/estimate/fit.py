@@ -110,7 +110,7 @@ def grouped_expert_lora(recipe: Recipe) -> bool:
     trainer installs it where this says so): its family declares its experts' layout (gpt-oss, Qwen3-MoE), and
     the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped. Over a
     base whole per rank (ddp) and one sharded by FSDP2 alike (inside a sharded unit's forward and backward
-    FSDP2 hands the module its gathered weights: tests/test_lora_fsdp.py)."""
+    FSDP2 hands the module its gathered weights: tests/e2e/test_lora_fsdp.py)."""
     if method_of(recipe.training).trains_base or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
         return False
     if recipe.model.quantization == "mxfp4":

@@ -36,7 +36,7 @@
 
     T = tokens per micro-batch (block_len x per_device_batch). K and F are fitted by least squares
     (`fit`) on the measured peaks in ftcli/assets/measured.json (one H200; BENCHMARKS.md); the fitted
-    values are the constants below, and tests/test_memory_model.py checks both the fit and every measured
+    values are the constants below, and tests/unit/estimate/test_memory_model.py checks both the fit and every measured
     point (within 10%). The 64-layer figures are extrapolations: no 64-layer run was measured.
 
 Pure Python, no torch: `ftcli plan` and `render-workload` stay fast. Parameter counts come from the
@@ -60,7 +60,7 @@ GiB = 1024**3
 USABLE = 0.92  # CUDA context, NCCL buffers, allocator fragmentation: plan on ~92% of the card
 
 # Fitted on ftcli/assets/measured.json by `fit()` (bytes per token per hidden unit of one stored layer, in
-# bf16; bytes per token per vocab entry of the full-logit loss). tests/test_memory_model.py refits them.
+# bf16; bytes per token per vocab entry of the full-logit loss). tests/unit/estimate/test_memory_model.py refits them.
 # K lives in each family's record (ftcli.families); families without measurements borrow one (the record says which).
 STORED_LAYER_BYTES = {name: f.stored_layer_bytes for name, f in FAMILIES.items() if f.stored_layer_bytes_source == "fit"}
 FULL_LOGITS_BYTES = 9.744

@@ -6,7 +6,7 @@ model types belong to it, which ops a packed block goes through and how their ba
 swaps (ftcli.features.fused_ops), the known-bad rules that apply to it (ftcli.model.compat), the pip pins
 its workload installs (ftcli.launchers.base), and the name of its chat format (ftcli.chat_formats holds
 the format's facts). Consumers ask `family_of(model_type)` and never name a model type themselves
-(tests/test_architecture.py checks it).
+(tests/unit/test_architecture.py checks it).
 
 Adding a family: one module here (its `Family`), one line in ftcli/families/__init__.py, its assets
 (tiny config + tokenizer from scripts/build_tiny_assets.py, the hub config under assets/models/) and a recipe.

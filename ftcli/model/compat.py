@@ -2,9 +2,9 @@
 whether the recipe's GPUs (count, type, memory) are here.
 
 Everything is a pure function of a `ftcli.hardware.Machine` (what the machine has) and a recipe, so each rule is
-tested on faked versions and machines (tests/test_compat.py); `hardware.read_here` reads the real machine (torch is imported
-there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine without a GPU never
-imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.model.kernels and the
+tested on faked versions and machines (tests/unit/model/test_compat.py); `hardware.read_here` reads the real
+machine (torch is imported there only, and only on a CUDA device; `gpu_probe` asks nvidia-smi first, so a machine
+without a GPU never imports torch). `ftcli doctor` renders the results; it says "kernels correct here" (ftcli.model.kernels and the
 known-bad rules) and "fits here" (ftcli.estimate.fit's memory model against this machine) separately.
 
 Known-bad combinations:

@@ -24,7 +24,7 @@ and replayed per token (no host work in between but the replay and a non-blockin
 
 The decoding itself is greedy or sampled (temperature -> top-k -> top-p, as transformers orders them; the
 draw is an exponential race, which needs no host sync). Greedy output is transformers' own greedy output
-(tests/test_decode.py on the tiny models; benchmarks/generate_gpu.py on the 27B width).
+(tests/unit/model/test_decode.py on the tiny models; benchmarks/generate_gpu.py on the 27B width).
 
 One `Decoder` per model per process (`decoder_for` keeps it), so `ftcli chat` pays the graph capture once
 per state shape; positions are bucketed to multiples of 1024 so later turns reuse it. A capture is said

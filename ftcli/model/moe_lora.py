@@ -33,7 +33,7 @@ tensors before `grouped_experts_forward` reads them (a DTensor never reaches it)
 (frees the gathered storage) and its pre-backward hook gathers it again into the same tensor objects before
 `GroupedLoraMatmul.backward` asks `source` for W, and FSDP2's activation checkpointing (whole units) recomputes
 the forward after that gather. The factors' gradients flow into the gathered LoRA parameters, which FSDP2
-reduce-scatters like any other (tests/test_lora_fsdp.py: losses, gradients and adapters against PEFT's folded path
+reduce-scatters like any other (tests/e2e/test_lora_fsdp.py: losses, gradients and adapters against PEFT's folded path
 under FSDP2 and the grouped path on one rank; a kept-MXFP4 base is DDP only, the recipe schema refuses FSDP).
 
 Which experts modules go this way, and how each computes, is its family's `ExpertLayout` (ftcli.families):

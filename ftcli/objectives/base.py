@@ -7,7 +7,7 @@ A run is two choices, asked separately:
     training.method      how the parameters train and what the run writes: every weight (full, the FSDP2
                          loop) or an adapter over a frozen base (lora, TRL + PEFT)
 
-Every consumer asks the records; none branches on the names (tests/test_architecture.py checks that no module
+Every consumer asks the records; none branches on the names (tests/unit/test_architecture.py checks that no module
 outside this room compares `method` or `objective` to a string):
 
     consumer                               asks the Objective

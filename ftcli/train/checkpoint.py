@@ -16,7 +16,7 @@ renamed over it: the only large-file-free rename of the commit besides DCP's own
 (kill -9 of any rank) at any point leaves either the old set of checkpoints or the new one. No directory
 is renamed: on a Unity Catalog Volume (`/Volumes/...`, a FUSE mount over object storage) a rename is a
 server-side copy whose cost scales with the bytes moved, so renaming a 320 GB checkpoint dir would copy
-320 GB; here a commit moves meta.json and `.metadata` only (`tests/test_checkpoint.py` counts the bytes).
+320 GB; here a commit moves meta.json and `.metadata` only (`tests/unit/train/test_checkpoint.py` counts the bytes).
 Under /Volumes, DCP writes through databricks-sdk-air's `UCVolumeWriter` when it is installed (each shard
 staged on local disk and copied once, with retries; `dcp_storage`). Then rank 0 deletes all but the
 newest `keep_last`, only after the new one is committed. The checkpoint dir must be on a filesystem every

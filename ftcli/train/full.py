@@ -23,7 +23,7 @@ default). FSDP2's MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16) 
 reduce-scatters gradients in `reduce_dtype` (fp32); AdamW then updates the fp32 shards, so an update
 of 1e-5 on a weight of 0.02 is kept. `master_dtype: bfloat16` is the published qwen-b300 example's setup (weights loaded
 in bf16): an update smaller than half a bf16 ulp of its weight rounds away (see
-tests/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
+tests/e2e/test_train_full.py::test_bf16_master_loses_small_updates for the measured fraction).
 
 Model construction (meta build, the training features, activation checkpointing, compile, `fully_shard`,
 random init or pretrained weights) is ftcli.model.parallelize; the loss never materializes full-vocabulary

@@ -10,7 +10,7 @@
 
 A block holds whole pairs (ftcli.data.packing.pack_pairs): `Block.pairs` [P, 2] names the chosen and the rejected
 segment of each. Because each segment is document-isolated (positions, cu_seqlens and seq_idx restart), the
-log-prob of a side in the block equals the log-prob of that side run alone (tests/test_preference_loss.py).
+log-prob of a side in the block equals the log-prob of that side run alone (tests/unit/objectives/test_preference_loss.py).
 
 ================================================================================ loss algebra
 Per pair i with completion log-probs (sums over the trained tokens of the side) c_i, r_i, token counts

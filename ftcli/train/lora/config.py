@@ -1,8 +1,8 @@
 """What a LoRA recipe becomes for TRL and PEFT: the SFTConfig keywords (`sft_config_kwargs`), the LoraConfig
 (`lora_config`) and the recipe settings that run differently than written (`ignored_settings`, warned at start).
 
-Pure mappings, tested value by value (tests/test_lora_config.py): no I/O and no torch state; only the installed
-TrainingArguments' field names decide the checkpointing keyword. `ftcli.train.lora.trainer` hands them to TRL.
+Pure mappings, tested value by value (tests/unit/train/lora/test_lora_config.py): no I/O and no torch state;
+only the installed TrainingArguments' field names decide the checkpointing keyword. `ftcli.train.lora.trainer` hands them to TRL.
 """
 
 from __future__ import annotations

@@ -1,0 +1,433 @@
+"""Every user-reachable error is one line on stderr, exit code 2, never a traceback; file errors name
+the path.
+
+The error format: one line `error: <what is wrong, where, what to do>`. Where several problems are
+found at once (several recipe keys, several workload rules), the first line counts them and each follows
+on its own line indented by two spaces (`  - ...`). Nothing else reaches stderr.
+
+The malformed-recipe corpus (`CORPUS`, 119 recipes) runs each file through `recipes show` and
+`render-workload --recipe`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from _recipe_common import DELETE as _DELETE, set_key as _set
+
+from ftcli import cli
+from ftcli.config.recipe import builtin_recipe_text
+
+runner = CliRunner()
+TINY_TEXT = builtin_recipe_text("tiny-qwen-cpu")
+TINY = yaml.safe_load(TINY_TEXT)
+
+
+def assert_one_error(res, *must_contain: str) -> str:
+    """exit 2, nothing on stdout, `error: ...` (+ indented lines) on stderr, no exception escaped."""
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines and lines[0].startswith("error: "), res.stderr
+    assert all(line.startswith("  ") for line in lines[1:]), res.stderr
+    assert "Traceback" not in res.output
+    for text in must_contain:
+        assert text in res.stderr, res.stderr
+    return res.stderr
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, list(args))
+
+
+# ------------------------------------------------------------------------------- the corpus
+def _with(path: str, value) -> str:
+    """The tiny recipe's YAML with `path` (dotted) set to `value`, or deleted for `value is _DELETE`."""
+    return yaml.safe_dump(_set(json.loads(json.dumps(TINY)), path, value), sort_keys=False)
+
+_BOMB = "\n".join(
+    ["  config_overrides:", "    a0: &a0 [" + ",".join(['"lol"'] * 10) + "]"]
+    + [f"    a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 24)]
+)
+
+CORPUS: dict[str, str | bytes] = {
+    # --- YAML syntax
+    "unclosed-flow-list": "name: x\nmodel: [\n",
+    "unclosed-flow-map": TINY_TEXT.replace("optimizer: {", "optimizer: {{", 1),
+    "bad-indentation": "name: x\nmodel:\n  init: random\n    config: a\n",
+    "tab-indentation": "name: x\nmodel:\n\tinit: random\n",
+    "unterminated-quote": 'name: "x\nmodel: {}\n',
+    "stray-bracket": TINY_TEXT + "]\n",
+    "mapping-in-scalar": "name: a: b\n",
+    "list-and-map-mixed": "name: x\n- a\n",
+    "two-documents": TINY_TEXT + "---\nname: y\n",
+    "bad-directive": "%YAML 9.9\n---\nname: x\n",
+    "undefined-alias": TINY_TEXT.replace("  dtype: float32\n", "  dtype: *nope\n", 1),
+    "python-tag": "name: !!python/object/apply:os.system ['echo hi']\n",
+    "unknown-tag": TINY_TEXT.replace("name: tiny-qwen-cpu", "name: !secret x", 1),
+    "bad-binary-tag": "name: !!binary 'not base64 ~~~'\n",
+    "unhashable-key": "? [a, b]\n: c\n",
+    # --- top level
+    "empty-file": "",
+    "only-a-comment": "# nothing here\n",
+    "top-level-list": "- name: x\n- model: {}\n",
+    "top-level-scalar": "tiny-qwen-cpu\n",
+    "top-level-null": "~\n",
+    "top-level-number": "42\n",
+    # --- missing keys
+    "missing-name": _with("name", _DELETE),
+    "missing-model": _with("model", _DELETE),
+    "missing-data": _with("data", _DELETE),
+    "missing-model-type": _with("model.model_type", _DELETE),
+    "random-init-without-config": _with("model.config", _DELETE),
+    "local-data-without-path": _with("data.path", _DELETE),
+    # --- wrong types
+    "name-is-a-number": _with("name", 123),
+    "model-is-a-list": _with("model", [1, 2]),
+    "data-is-a-string": _with("data", "chat.jsonl"),
+    "training-is-a-number": _with("training", 5),
+    "lr-is-a-word": _with("training.optimizer.lr", "fast"),
+    "betas-one-value": _with("training.optimizer.betas", [0.9]),
+    "betas-a-scalar": _with("training.optimizer.betas", 0.9),
+    "epochs-a-list": _with("training.epochs", [1]),
+    "grad-accum-fraction": _with("training.grad_accum", 1.5),
+    "num-accelerators-word": _with("compute.num_accelerators", "eight"),
+    "env-variables-list": _with("compute.env_variables", ["A=1"]),
+    "env-variable-number": _with("compute.env_variables", {"A": 1}),
+    "target-modules-number": _with("lora.target_modules", 5),
+    "config-overrides-list": _with("model.config_overrides", [1, 2]),
+    "tracking-enabled-maybe": _with("tracking.enabled", "maybe"),
+    "dtype-unknown": _with("model.dtype", "float8"),
+    "method-unknown": _with("training.method", "dpo"),
+    # --- unknown keys
+    "unknown-section": _with("trainig", {"epochs": 1}),
+    "unknown-training-lr": _with("training.lr", 0.1),
+    "unknown-model-key": _with("model.weights", "x"),
+    "unknown-packing-key": _with("data.packing.block_length", 4096),
+    "unknown-compute-key": _with("compute.gpus", 8),
+    "non-string-key": TINY_TEXT.replace("name: tiny-qwen-cpu", "name: tiny-qwen-cpu\n1: one", 1),
+    # --- inf / nan
+    "lr-inf": _with("training.optimizer.lr", float("inf")),
+    "epochs-inf": _with("training.epochs", float("inf")),
+    "warmup-nan": _with("training.schedule.warmup", float("nan")),
+    "grad-clip-minus-inf": _with("training.grad_clip", float("-inf")),
+    "min-lr-ratio-nan": _with("training.schedule.min_lr_ratio", float("nan")),
+    "every-minutes-inf": _with("training.checkpoint.every_minutes", float("inf")),
+    "override-rope-theta-inf": _with("model.config_overrides", {"rope_theta": float("inf")}),
+    "betas-nan": _with("training.optimizer.betas", [0.9, float("nan")]),
+    # --- impossible sizes in the model config
+    "override-zero-layers": _with("model.config_overrides", {"num_hidden_layers": 0}),
+    "override-negative-layers": _with("model.config_overrides", {"num_hidden_layers": -1}),
+    "override-negative-hidden-size": _with("model.config_overrides", {"text_config": {"hidden_size": -4}}),
+    "override-heads-as-bool": _with("model.config_overrides", {"num_attention_heads": True}),
+    "data-sources-not-a-list": _with("data.sources", 5),
+    "eval-sources-not-a-list": _with("eval", {"sources": 5}),
+    "lr-huge-exponent": TINY_TEXT.replace("lr: 3.0e-3", "lr: 1.0e999", 1),
+    # --- booleans as numbers
+    "lr-true": _with("training.optimizer.lr", True),
+    "grad-accum-true": _with("training.grad_accum", True),
+    "epochs-false": _with("training.epochs", False),
+    "block-len-true": _with("data.packing.block_len", True),
+    "num-accelerators-true": _with("compute.num_accelerators", True),
+    "betas-true": _with("training.optimizer.betas", [True, 0.9]),
+    "max-steps-true": _with("training.max_steps", True),
+    "keep-last-true": _with("training.checkpoint.keep_last", True),
+    "lora-r-true": _with("lora.r", True),
+    # --- out of range
+    "lr-zero": _with("training.optimizer.lr", 0),
+    "lr-negative": _with("training.optimizer.lr", -1e-5),
+    "epochs-zero": _with("training.epochs", 0),
+    "grad-accum-zero": _with("training.grad_accum", 0),
+    "block-len-4": _with("data.packing.block_len", 4),
+    "block-len-a-trillion": _with("data.packing.block_len", 1_000_000_000_000),
+    "block-len-over-max-positions": _with("data.packing.block_len", 8192),
+    "dropout-one": _with("lora.dropout", 1.0),
+    "min-lr-ratio-two": _with("training.schedule.min_lr_ratio", 2),
+    "num-accelerators-not-multiple": _with("compute.num_accelerators", 3).replace("GPU_1xA10", "GPU_2xH100"),
+    "accelerator-type-lowercase": _with("compute.accelerator_type", "gpu_8xh100"),
+    "secret-ref-without-slash": _with("compute.secrets", {"HF_TOKEN": "token"}),
+    "priority-without-pool": _with("compute.priority_class", "NORMAL"),
+    "keep-without-full-checkpointing": _with("training.activation_checkpointing_keep", 2),
+    "eager-attention-with-packing": _with("model.attn_implementation", "eager"),
+    "permission-two-principals": _with("compute.permissions", [{"user_name": "a", "group_name": "b",
+                                                                "level": "CAN_VIEW"}]),
+    "secret-and-env-both": _with("compute.env_variables", {"HF_TOKEN": "x"}).replace(
+        "compute:\n", "compute:\n  secrets: {HF_TOKEN: scope/key}\n", 1),
+    # --- names
+    "name-with-space": _with("name", "has space"),
+    "name-with-newline": _with("name", "a\nb"),
+    "name-too-long": _with("name", "x" * 101),
+    "experiment-with-newline": _with("tracking.experiment", "exp\nname"),
+    "run-name-with-escape": _with("tracking.run_name", "run\x1b[31m"),
+    "run-name-blank": _with("tracking.run_name", "   "),
+    # --- duplicate keys
+    "duplicate-section": TINY_TEXT + "training:\n  epochs: 2\n",
+    "duplicate-name": "name: a\n" + TINY_TEXT,
+    "duplicate-nested": TINY_TEXT.replace("  dtype: float32\n", "  dtype: float32\n  dtype: bfloat16\n", 1),
+    "duplicate-in-flow-map": TINY_TEXT.replace("lr: 3.0e-3,", "lr: 3.0e-3, lr: 1.0,", 1),
+    # --- aliases
+    "alias-bomb-in-config-overrides": TINY_TEXT.replace("model:\n", f"model:\n{_BOMB}\n", 1),
+    "alias-reuse": TINY_TEXT.replace("  dtype: float32\n", "  dtype: &d float32\n", 1)
+    + "lora:\n  bias: *d\n",
+    "merge-key": "name: x\nbase: &b {epochs: 1}\ntraining:\n  <<: *b\n",
+    "self-referential-alias": "name: x\nmodel: &m\n  config_overrides: {self: *m}\n",
+    # --- deep nesting
+    "deep-flow-list": "name: x\nmodel:\n  config_overrides:\n    deep: " + "[" * 5000 + "]" * 5000 + "\n",
+    "deep-flow-map": "name: x\nmodel:\n  config_overrides:\n    deep: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n",
+    "deep-block-map": "".join("  " * i + "k:\n" for i in range(200)),
+    "deep-block-list": "".join("  " * i + "-\n" for i in range(200)),
+    # --- binary and encodings
+    "binary-random": bytes(range(256)) * 4,
+    "binary-gzip-header": b"\x1f\x8b\x08\x00" + b"\x00" * 20,
+    "nul-bytes-in-utf8": TINY_TEXT.replace("name: tiny-qwen-cpu", "name: tiny\x00qwen", 1).encode(),
+    "bell-character": "name: x\x07\n",
+    "latin-1-text": TINY_TEXT.replace("description:", "description: caf\xe9", 1).encode("latin-1"),
+    "utf-16-with-bom": TINY_TEXT.encode("utf-16"),
+    "truncated-utf8": TINY_TEXT.encode() + "é".encode()[:1],
+    "lone-surrogate-escape": 'name: "\\ud800"\n',
+    "elf-binary": b"\x7fELF\x02\x01\x01\x00" + bytes(200),
+    "oversized-file": b"# " + b"x" * (8 * 2**20) + b"\n",
+}
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 60
+    assert len(CORPUS) == 119
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for name, content in CORPUS.items():
+        path = root / f"{name}.yaml"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
+    return root
+
+
+@pytest.mark.parametrize("command", [["recipes", "show"], ["render-workload", "--recipe"]])
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_malformed_recipe_is_one_error_line(case, command, corpus_dir):
+    path = corpus_dir / f"{case}.yaml"
+    stderr = assert_one_error(invoke(*command, str(path)))
+    assert str(path) in stderr.splitlines()[0]  # file errors name the path
+
+
+def test_real_process_prints_no_traceback(corpus_dir):
+    """The same through `python -m ftcli` (a real stderr, rich's real console) for the nastiest files."""
+    for case in ("binary-random", "latin-1-text", "alias-bomb-in-config-overrides", "deep-flow-list"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ftcli", "recipes", "show", str(corpus_dir / f"{case}.yaml")],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"},
+        )
+        assert proc.returncode == 2 and proc.stdout == "", (case, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), (case, proc.stderr)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("binary-random", "recipe {path} is not UTF-8 text (byte 0x80 at offset 128); is it a binary file?"),
+    ("latin-1-text", "recipe {path} is not UTF-8 text (byte 0xe9 at offset %d); is it a binary file?"
+     % (TINY_TEXT.index("description:") + len("description: caf"))),
+    ("nul-bytes-in-utf8", "invalid recipe {path}: not valid YAML: control character #x0000 at offset %d "
+                          "(a binary file?)" % (TINY_TEXT.index("name: tiny-qwen-cpu") + len("name: tiny"))),
+    ("oversized-file", "recipe {path} is larger than 8 MiB; is it the right file?"),
+    ("empty-file", "invalid recipe {path}: expected a mapping of sections at the top level"),
+    ("top-level-list", "invalid recipe {path}: expected a mapping of sections at the top level"),
+    ("override-zero-layers", "invalid recipe {path}: model.config_overrides: num_hidden_layers must be at least 1 (got 0)"),
+    ("override-negative-hidden-size",
+     "invalid recipe {path}: model.config_overrides: text_config.hidden_size must be at least 1 (got -4)"),
+])
+def test_file_errors_name_the_path(case, expected, corpus_dir):
+    path = corpus_dir / f"{case}.yaml"
+    assert invoke("recipes", "show", str(path)).stderr == f"error: {expected.format(path=path)}\n"
+
+
+def _denied(path: Path) -> PermissionError:
+    """The error the OS gives a non-root user for `path` under chmod 0 (injected: root reads and writes
+    through chmod 0, and CI runs as root)."""
+    return PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
+def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
+    import ftcli.config.recipe
+
+    path = tmp_path / "locked.yaml"
+    path.write_text(TINY_TEXT)
+
+    def open_denied(file, *args, **kwargs):
+        if Path(file) == path:
+            raise _denied(path)
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(ftcli.config.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    res = invoke("recipes", "show", str(path))
+    assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
+
+
+# ---------------------------------------------------------------------------- workload --check
+@pytest.mark.parametrize("content,expected", [
+    (bytes(range(256)), "workload {path} is not UTF-8 text (byte 0x80 at offset 128); is it a binary file?"),
+    (b"experiment_name: a\x00b\n", "not valid YAML: control character #x0000 at offset 18 (a binary file?)"),
+    (b"experiment_name: a\nexperiment_name: b\n", "not valid YAML line 2: duplicate key 'experiment_name' "
+                                                  "(first set at line 1)"),
+    (b"x: &a [1]\ny: *a\n", "not valid YAML line 2: YAML aliases (*a) are not supported; write the value out"),
+    (b"x: " + b"[" * 5000 + b"]" * 5000 + b"\n", "not valid YAML line 1: nested deeper than 64 levels"),
+])
+def test_check_of_a_bad_workload_file_is_one_line(content, expected, tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_bytes(content)
+    res = invoke("render-workload", "--check", str(path))
+    assert assert_one_error(res) == f"error: {path}: {expected.format(path=path)}\n"
+
+
+def test_check_with_several_problems_lists_them_indented(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text("experiment_name: x\nbogus: 1\n")
+    stderr = assert_one_error(invoke("render-workload", "--check", str(path)))
+    assert stderr.splitlines() == [
+        f"error: {path}: 4 problems",
+        "  - missing required key 'compute'",
+        "  - missing required key 'command'",
+        "  - unknown key 'bogus'",
+        "  - environment.version: not set; set it explicitly (e.g. databricks_ai_v6), the CLI's default changes",
+    ]
+
+
+# --------------------------------------------------------------------------------- output paths
+@pytest.mark.parametrize("command", [
+    ["recipes", "cp", "tiny-qwen-cpu", "{out}"],
+    ["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"],
+    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--dump", "{out}"],
+])
+def test_writing_into_a_missing_directory_is_refused_before_any_work(command, tmp_path, monkeypatch):
+    import ftcli.commands.preview
+
+    monkeypatch.setattr(ftcli.commands.preview, "run_preview", lambda *a, **k: pytest.fail("tokenized before the check"))
+    out = tmp_path / "missing" / "out.yaml"
+    res = invoke(*[a.format(out=out) for a in command])
+    parent = out.parent
+    assert assert_one_error(res) == (
+        f"error: cannot write {out}: {parent} does not exist; create it first (mkdir -p {parent})\n"
+    )
+    assert not parent.exists()
+
+
+def test_writing_below_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out.yaml"
+    assert assert_one_error(invoke("recipes", "cp", "tiny-qwen-cpu", str(out))) == (
+        f"error: cannot write {out}: {out.parent} is not a directory; create it first (mkdir -p {out.parent})\n"
+    )
+
+
+@pytest.mark.parametrize("command", [
+    ["recipes", "cp", "tiny-qwen-cpu", "{out}"],
+    ["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"],
+    ["render-workload", "--recipe", "tiny-qwen-cpu", "--launcher", "slurm", "-o", "{out}"],
+    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--blocks", "1", "--dump", "{out}"],
+])
+@pytest.mark.parametrize("dangling", [True, False])
+def test_a_link_is_never_written_through_and_force_replaces_it(command, dangling, tmp_path):
+    """Without --force a link is refused (dangling or not); with --force the link is replaced by the output and its
+    target is left alone (issue 47, item 15: as `generate -o --force` does)."""
+    target = tmp_path / "elsewhere" / "target.yaml"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_text("VICTIM\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(target)
+    res = invoke(*[a.format(out=link) for a in command])
+    assert assert_one_error(res) == (
+        f"error: {link} is a symbolic link (to {target}); pass --force to replace the link (its target is left alone)\n"
+    )
+    assert link.is_symlink()
+    res = invoke(*[a.format(out=link) for a in command], "--force")
+    assert res.exit_code == 0, res.output
+    assert not link.is_symlink() and link.stat().st_size > 0
+    assert (not target.exists()) if dangling else target.read_text() == "VICTIM\n"
+
+
+def test_cp_of_a_path_like_name_is_an_unknown_recipe(tmp_path):
+    (tmp_path / "evil.yaml").write_text(TINY_TEXT)
+    res = invoke("recipes", "cp", f"../../../../../../..{tmp_path}/evil", str(tmp_path / "out.yaml"))
+    assert_one_error(res, "no recipe file or built-in recipe named")
+    assert not (tmp_path / "out.yaml").exists()
+
+
+def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "locked" / "w.yaml"
+    out.parent.mkdir()
+    os_open = os.open
+
+    def open_denied(path, *args, **kwargs):
+        if Path(path) == out:
+            raise _denied(out)
+        return os_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_denied)  # what ftcli.cli._write calls (safe_files.open_output)
+    res = invoke("render-workload", "--recipe", "tiny-qwen-cpu", "-o", str(out))
+    assert assert_one_error(res) == f"error: cannot write {out}: Permission denied\n"
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ register
+@pytest.mark.parametrize("flag,value,shown", [
+    ("--name", "a\nb", "'a\\nb': contains the control character '\\n'"),
+    ("--name", "model\x1b[2J", "'model\\x1b[2J': contains the control character '\\x1b'"),
+    ("--name", "a\u202eb", "'a\\u202eb': contains the control character '\\u202e'"),
+    ("--name", "  ", "'  ': must not be empty"),
+    ("--alias", "champ\r", "'champ\\r': contains the control character '\\r'"),
+])
+def test_register_names_must_be_printable(flag, value, shown, tmp_path, monkeypatch):
+    import ftcli.commands.register
+
+    monkeypatch.setattr(ftcli.commands.register, "run_register", lambda *a, **k: pytest.fail("registered"))
+    name = value if flag == "--name" else "ok.model"
+    alias = ["--alias", value] if flag == "--alias" else []
+    stderr = assert_one_error(invoke("register", str(tmp_path), "--name", name, *alias))
+    assert stderr.startswith(f"error: {flag} {shown}")
+
+
+# ------------------------------------------------------------------------------------ #47 items 11, 12
+def test_output_dir_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("keep")
+    res = runner.invoke(cli.app, ["train", "--recipe", "tiny-qwen-cpu", "--set", f"output.dir={tmp_path / 'afile'}",
+                                  "--set", "tracking.enabled=false"])
+    assert assert_one_error(res) == f"error: output dir {tmp_path / 'afile'} is a file; set output.dir to a directory\n"
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_epochs_beyond_any_run_is_refused_by_the_schema():
+    res = runner.invoke(cli.app, ["recipes", "show", "tiny-qwen-cpu", "--set", "training.epochs=1e300"])
+    assert "training.epochs" in assert_one_error(res) and "100000" in res.stderr
+
+
+@pytest.mark.parametrize("setting, problem", [
+    ("model.config_overrides.hidden_size=abc", "model pkg://assets/tiny-qwen3_5.json: hidden_size is 'abc'; it must "
+                                               "be a whole number >= 1 (model.config or model.config_overrides)"),
+    ("model.config_overrides.hidden_size=128.5", "model pkg://assets/tiny-qwen3_5.json: hidden_size is 128.5; it must "
+                                                 "be a whole number >= 1 (model.config or model.config_overrides)"),
+    ("model.config=/nonexistent/config.json", "model.config /nonexistent/config.json: cannot read it (No such file or "
+                                              "directory)"),
+])
+def test_a_config_that_builds_no_model_is_refused_alike_by_plan_doctor_and_train(setting, problem, tmp_path):
+    """One validation (ftcli.estimate.shape) for the three: plan and train refuse in one line, doctor says
+    `fits here: no` with the same words and exits 1 (it said `yes` and train refused 6-10 s later)."""
+    plan = runner.invoke(cli.app, ["plan", "--recipe", "tiny-qwen-cpu", "--set", setting])
+    assert assert_one_error(plan) == f"error: {problem}\n"
+    train = runner.invoke(cli.app, ["train", "--recipe", "tiny-qwen-cpu", "--set", setting, "--set",
+                                    f"output.dir={tmp_path / 'run'}", "--set", "tracking.enabled=false"])
+    assert assert_one_error(train) == f"error: recipe tiny-qwen-cpu cannot run here: {problem}\n"
+    assert not (tmp_path / "run").exists()
+    doctor = runner.invoke(cli.app, ["doctor", "--recipe", "tiny-qwen-cpu", "--set", setting, "--json"])
+    report = json.loads(doctor.stdout)
+    assert doctor.exit_code == 1 and (report["fits_here"], report["fits_detail"]) == (False, problem)
