@@ -266,7 +266,7 @@ def render_workload(
             _fail(f"{check}: {problems[0]}")
         if problems:
             _fail(f"{check}: {len(problems)} problems\n" + "\n".join(f"  - {p}" for p in problems))
-        console.print(f"{check}: valid {what}")
+        console.print(f"{check}: valid {what}", soft_wrap=True, highlight=False)  # a path is never cut
         return
     if launcher is not None:
         overrides = [*(overrides or []), f"compute.launcher={launcher}"]

@@ -12,7 +12,9 @@ from ftcli.families.base import DENSE, ExpertLayout, Family, LayerShapes, attent
 
 
 def layer_shapes(cfg: dict[str, Any]) -> LayerShapes:
-    h, inter, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    # transformers 5.25 writes the expert count as num_local_experts; earlier releases (and the hub configs) num_experts
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ValueError("ftcli sizes Qwen3-MoE models whose every layer is sparse (mlp_only_layers=[], "

@@ -271,11 +271,13 @@ def check_resume(recipe, run_dir: Path, resume: str | None, *, world_size: int) 
     kind = method_of(recipe.training).checkpoint_kind
     checkpoint = resolve_resume(run_dir, resume, kind=kind)
     meta = read_meta(checkpoint) if kind == "dcp" else {}
-    same_batch = meta.get("blocks_per_step") == world_size * recipe.training.grad_accum
+    # blocks per optimizer step: one per data-parallel group (a context-parallel group shares its block) x grad_accum
+    groups = world_size // getattr(recipe.training, "context_parallel", 1)
+    same_batch = meta.get("blocks_per_step") == groups * recipe.training.grad_accum
     warn = lambda line: print(line, file=sys.stderr)  # noqa: E731
     written_by = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
     if kind == "dcp":
-        check_global_batch(checkpoint, meta, recipe.training.grad_accum, world_size)
+        check_global_batch(checkpoint, meta, recipe.training.grad_accum, groups)
     if is_own_run(run_dir, recipe):
         check_resume_recipe(run_dir, recipe, warn=warn, same_global_batch=same_batch)
     if written_by is not None and written_by.resolve() != run_dir.resolve():

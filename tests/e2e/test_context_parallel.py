@@ -219,7 +219,7 @@ def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
     cp_run = tmp_path / "cp2"
     res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2", *common), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
-    assert "steps of 1 block(s) per group of 2 context-parallel ranks" in res.stdout
+    assert "steps of 1 block per group of 2 context-parallel ranks" in res.stdout
     resumed = tmp_path / "cp1"
     res = ftcli([*train_args(resumed, "training.cpu_processes=1", "training.grad_accum=2", *common),
                  "--resume", str(cp_run / "checkpoints" / "step_00000002")], tmp_path, env)
