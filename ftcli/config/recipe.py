@@ -25,7 +25,6 @@ This module imports no torch: `ftcli --help` and `ftcli render-workload` stay in
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import re
 import typing
@@ -292,13 +291,7 @@ def _other_method_key(root: type[BaseModel], loc: tuple) -> str | None:
     where, owner = schema_walk(root, loc[:-1])
     if owner is None or loc[-1] not in getattr(owner, "other_keys", ()):
         return None
-    path = ".".join(map(str, [*where, loc[-1]]))
-    this = owner.model_fields["method"].default
-    default = owner._other().model_fields[loc[-1]].get_default(call_default_factory=True)
-    # the --set value that leaves it at its default
-    reset = "{}" if isinstance(default, BaseModel) else default if isinstance(default, str) else json.dumps(default)
-    return (f"{path} belongs to training.method={owner.other_method} (this recipe's is {this}): leave it out "
-            f"(switching a recipe's method with --set: also --set {path}={reset})")
+    return owner.other_method_problem(".".join(map(str, [*where, loc[-1]])), loc[-1])
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -5,6 +5,7 @@ and the rendered workload without being listed anywhere."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -130,6 +131,16 @@ class _Training(Section):
     @classmethod
     def _other(cls) -> type[_Training]:
         return TRAINING_BY_METHOD[cls.other_method]
+
+    @classmethod
+    def other_method_problem(cls, path: str, key: str) -> str:
+        """The line for `key`, one of the other method's keys, given in this method's section (at `path`)."""
+        default = cls._other().model_fields[key].get_default(call_default_factory=True)
+        # the --set value that leaves it at its default
+        reset = "{}" if isinstance(default, BaseModel) else default if isinstance(default, str) else json.dumps(default)
+        return (f"{path} belongs to training.method={cls.other_method} (this recipe's is "
+                f"{cls.model_fields['method'].default}): leave it out (switching a recipe's method with --set: also "
+                f"--set {path}={reset})")
 
     @model_validator(mode="after")
     def _preference_knobs(self) -> _Training:
