@@ -153,6 +153,25 @@ def test_estimates_and_trainers_import_no_command():
     assert {n: up for n, up in upward.items() if up} == {}
 
 
+# ------------------------------------------------------------------------------- the recipe schema's sections
+# A section may nest another section's records where its keys hold them (eval lists data sources).
+SECTION_NESTS = {"ftcli.config.sections.eval": {"ftcli.config.sections.data"}}
+
+
+def test_recipe_sections_see_no_other_section():
+    """Each recipe section (ftcli/config/sections/) imports the shared base and config's helpers, no other section:
+    a rule between sections can only be written in ftcli.config.recipe (`Recipe`), the one module that sees them
+    all, and `from ftcli.config.recipe import X` keeps naming the whole schema."""
+    modules = _modules()
+    sections = [n for n in modules if n.startswith("ftcli.config.sections.")]
+    assert {"ftcli.config.sections.training", "ftcli.config.sections.data"} <= set(sections)
+    seen = {n: {m for m in _imports(n, modules[n], set(modules)) if m.startswith("ftcli.config.sections.")}
+            - {"ftcli.config.sections.base"} - SECTION_NESTS.get(n, set()) for n in sections}
+    assert {n: sorted(m) for n, m in seen.items() if m} == {}
+    assert "ftcli.config.sections.training" in _imports("ftcli.config.recipe", modules["ftcli.config.recipe"],
+                                                         set(modules))
+
+
 # ------------------------------------------------------------------------------------- chat formats have a room
 def _code_strings(source: str) -> list[tuple[int, str]]:
     """(line, text) of every string literal of `source` that is not a docstring (docstrings teach, code acts)."""
@@ -203,9 +222,10 @@ def test_chat_marker_walker_skips_docstrings_only():
 FEATURE_WORDS = ("fp8", "float8", "torchao", "liger")
 # Where a feature's name may still be written outside ftcli/features/, and why:
 NAMING_ALLOWED = {
-    # the schema: a recipe is data validated by one typed schema, and config/ is the bottom of the house (it
-    # imports nothing above it), so the keys' declarations (fields, Literal choices, descriptions) stay there
-    "ftcli.config.recipe": ("PrecisionConfig", "LossConfig", "FullTraining", "LoraTraining"),
+    # the schema's training section: a recipe is data validated by one typed schema, and config/ is the bottom of
+    # the house (it imports nothing above it), so the keys' declarations (fields, Literal choices, descriptions)
+    # stay there
+    "ftcli.config.sections.training": ("PrecisionConfig", "LossConfig", "FullTraining", "LoraTraining"),
     # the package's import-time silencing of torchao's warnings: transformers imports torchao whenever it is
     # installed, whatever the recipe, so it is the environment's noise, not a feature's
     "ftcli": None,
@@ -257,8 +277,9 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
     assert feature_mentions("ftcli.somewhere", source) == [
         "ftcli.somewhere:1: 'Uses fp8.'", "ftcli.somewhere:2: 'fp8'", "ftcli.somewhere:3: 'liger'",
         "ftcli.somewhere:6: 'liger'"]
-    assert feature_mentions("ftcli.config.recipe", source) == [
-        "ftcli.config.recipe:1: 'Uses fp8.'", "ftcli.config.recipe:2: 'fp8'", "ftcli.config.recipe:3: 'liger'"]
+    assert feature_mentions("ftcli.config.sections.training", source) == [
+        "ftcli.config.sections.training:1: 'Uses fp8.'", "ftcli.config.sections.training:2: 'fp8'",
+        "ftcli.config.sections.training:3: 'liger'"]
 
 
 # ------------------------------------------------------------------------------------------ rooms
@@ -312,9 +333,9 @@ def test_nothing_imports_a_command_but_the_cli():
 
 # ------------------------------------------------------------------ objectives and methods have a room
 # Where `method` / `objective` may still be compared with a name, and why: the schema (config/ is the bottom of the
-# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining, and a rule
-# between sections (model.quantization=mxfp4 needs LoRA).
-BRANCHING_ALLOWED = {"ftcli.config.recipe"}
+# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining (the training
+# section), and the rules between sections (model.quantization=mxfp4 needs LoRA: the recipe).
+BRANCHING_ALLOWED = {"ftcli.config.recipe", "ftcli.config.sections.training"}
 AXES = ("method", "objective")
 
 

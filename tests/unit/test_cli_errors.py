@@ -258,7 +258,7 @@ def _denied(path: Path) -> PermissionError:
 
 
 def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
-    import ftcli.config.recipe
+    import ftcli.config.strict_yaml
 
     path = tmp_path / "locked.yaml"
     path.write_text(TINY_TEXT)
@@ -268,7 +268,7 @@ def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
             raise _denied(path)
         return open(file, *args, **kwargs)
 
-    monkeypatch.setattr(ftcli.config.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    monkeypatch.setattr(ftcli.config.strict_yaml, "open", open_denied, raising=False)  # the open read_text_file uses
     res = invoke("recipes", "show", str(path))
     assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
 
