@@ -176,6 +176,10 @@ def test_adapter_that_does_not_fit_is_refused_before_peft_builds_it(lora_run, tm
             "(e.g. model.layers.1.self_attn.q_proj.lora_A.weight)" % lora_run[1]) in case(drop_module)
     assert "cannot read the adapter weights (" in case(
         lambda final: (final / "adapter_model.safetensors").write_bytes(b"\x00" * 64))
+    lying = b'{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":{"dtype":"F32","shape":[16,128],' \
+            b'"data_offsets":[0,8192]}}'  # #47 item 11: a header that promises more bytes than the file has
+    assert "cannot read the adapter weights (" in case(lambda final: (final / "adapter_model.safetensors").write_bytes(
+        len(lying).to_bytes(8, "little") + lying + b"\0" * 16))
 
     def edit_config(**changes):  # #47 item 11: r: 10^8 allocated 51 GB in PEFT before any check
         def edit(final):
