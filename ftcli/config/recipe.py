@@ -55,6 +55,7 @@ from pydantic import (
 from ftcli.config.accelerators import Accelerator, parse_accelerator
 from ftcli.config.errors import UserError
 from ftcli.config.pipspec import check_env_name, check_pip_spec
+from ftcli.config.rowfilter import RowFilter
 
 PKG_PREFIX = "pkg://"
 # Shared with ftcli.launchers (experiment and workload names follow the same rules).
@@ -242,6 +243,8 @@ class SourceConfig(_Section):
     split: str = "train"
     streaming: bool = False
     columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
+    filter: RowFilter = Field(None, description="delta: read only the rows where [[column, op, value], ...] holds "
+                              "(ftcli.config.rowfilter).")
     format: DataFormat | None = None
     messages_field: str | None = None
     tools_field: str | None = None
@@ -285,17 +288,18 @@ def parse_delta_revision(revision: str | int | None):
 
 
 def _check_delta_keys(src) -> None:
-    """A delta source's revision is a version or a timestamp; `columns` belongs to delta sources only."""
+    """A delta source's revision is a version or a timestamp; `columns` and `filter` belong to delta sources only."""
     if src.source == "delta":
         parse_delta_revision(src.revision)
-    elif src.columns is not None:
-        raise ValueError(f"columns is for source=delta (a Delta table's columns), not source={src.source}")
+    elif src.columns is not None or src.filter is not None:
+        key, what = ("columns", "columns") if src.columns is not None else ("filter", "row filter")
+        raise ValueError(f"{key} is for source=delta (a Delta table's {what}), not source={src.source}")
 
 
 class DataConfig(_Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
                                                 "sources": None, "mix_seed": 0, "allow_empty_sources": False,
-                                                "max_row_chars": None, "columns": None}
+                                                "max_row_chars": None, "columns": None, "filter": None}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow); "
                              "delta: a table path or a Unity Catalog name catalog.schema.table.")
@@ -303,6 +307,8 @@ class DataConfig(_Section):
     split: str = "train"
     streaming: bool = False
     columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
+    filter: RowFilter = Field(None, description="delta: read only the rows where [[column, op, value], ...] holds "
+                              "(ftcli.config.rowfilter).")
     format: DataFormat = Field(
         "auto", description="Row format: auto (detected from the first rows), messages, sharegpt, alpaca, "
         "prompt_completion, text (ftcli.data.formats)."
@@ -341,7 +347,8 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
 
     # The one-source shorthand: these keys describe the single entry of `sources` (`shorthand_source`).
-    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "columns", "synthetic")
+    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "columns", "filter",
+                                            "synthetic")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -375,7 +382,7 @@ class DataConfig(_Section):
     def shorthand_source(self) -> SourceConfig:
         """The `sources` entry the one-source keys describe."""
         return SourceConfig(source=self.source, path=self.path, revision=self.revision, split=self.split,
-                            streaming=self.streaming, columns=self.columns, synthetic=self.synthetic)
+                            streaming=self.streaming, columns=self.columns, filter=self.filter, synthetic=self.synthetic)
 
     @property
     def one_source(self) -> bool:
