@@ -48,6 +48,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -192,6 +193,10 @@ def _check_replaceable(out: Path, force: bool) -> None:
         return
     refuse_links([out / name for name in names], where="a merge-lora output", fix="remove it or pass another --output")
     pending = _pending(out)
+    if pending is not None and pending.get("host", socket.gethostname()) != socket.gethostname():
+        raise UserError(f"{out}: a merge-lora on {pending['host']} (pid {pending['pid']}) is writing there, or was "
+                        f"killed; once it is gone, remove {out / PENDING} and {out}/model-{pending['tag']}-*.safetensors "
+                        "(or pass another --output)")
     if pending is not None and pending["pid"] != os.getpid() and _running(pending["pid"]):
         raise UserError(f"{out}: another merge-lora (pid {pending['pid']}) is writing there; wait for it to end, "
                         "or pass another --output")
@@ -223,6 +228,7 @@ def _pending(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     ok = (isinstance(record, dict) and isinstance(record.get("pid"), int) and isinstance(record.get("tag"), str)
+          and isinstance(record.get("host", ""), str)
           and all(isinstance(f, str) and "/" not in f for f in record.get("files", [])))
     return record if ok else None
 
@@ -277,7 +283,11 @@ class _InPlace:
         taken = {p.name for p in entries(out)}
         self.tag = next(t for t in iter(lambda: secrets.token_hex(4), None)
                         if not any(name.startswith(f"model-{t}-") for name in taken))
-        write_atomic(out / PENDING, json.dumps({"pid": os.getpid(), "tag": self.tag}) + "\n")
+        write_atomic(out / PENDING, json.dumps(self._pending()) + "\n")
+
+    def _pending(self) -> dict[str, Any]:
+        """The pending record: a pid means something only on its host (a Volume is shared between machines)."""
+        return {"host": socket.gethostname(), "pid": os.getpid(), "tag": self.tag}
 
     def shard_name(self, number: int) -> str:
         return f"model-{self.tag}-{number:05d}.safetensors"
@@ -288,7 +298,7 @@ class _InPlace:
         report["files"] = sorted([*small, *shards, MERGE_REPORT])
         if not self.fresh:
             unpublish_export(out)  # the earlier merge is unpublished before its first file goes
-        write_atomic(out / PENDING, json.dumps({"pid": os.getpid(), "tag": self.tag, "files": report["files"]}) + "\n")
+        write_atomic(out / PENDING, json.dumps({**self._pending(), "files": report["files"]}) + "\n")
         self.replacing = True
         if not self.fresh:
             for name in sorted((_merged_files(out) or set()) - {MERGE_REPORT, EXPORT_RECORD, PENDING}, key=str):

@@ -469,6 +469,14 @@ def test_a_merge_into_a_dir_a_running_merge_writes_is_refused(lora_run, tmp_path
     assert result.exit_code == 2 and _one_error_line(result.output)
     assert f"{out}: another merge-lora (pid {os.getppid()}) is writing there" in " ".join(result.output.split())
     assert sorted(p.name for p in out.iterdir()) == [".merge-lora.pending.json", "model-0123abcd-00001.safetensors"]
+    # on a Volume shared between machines, a pid of another host says nothing: never taken as dead
+    (out / ".merge-lora.pending.json").write_text(json.dumps({"host": "other-node", "pid": 1, "tag": "0123abcd"}))
+    result = _cli(["merge-lora", str(run), "--output", str(out), "--dtype", "float32", "--force"])
+    assert result.exit_code == 2 and _one_error_line(result.output)
+    assert (f"{out}: a merge-lora on other-node (pid 1) is writing there, or was killed; once it is gone, remove "
+            f"{out / '.merge-lora.pending.json'} and {out}/model-0123abcd-*.safetensors (or pass another --output)"
+            ) in " ".join(result.output.split())
+    assert sorted(p.name for p in out.iterdir()) == [".merge-lora.pending.json", "model-0123abcd-00001.safetensors"]
 
 
 def test_a_link_in_the_output_is_refused_before_anything_loads(lora_run, tmp_path):
