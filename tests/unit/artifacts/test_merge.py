@@ -564,3 +564,32 @@ def test_disk_full_during_a_merge_is_one_line_and_leaves_no_partial_files(lora_r
                               f"left on device: '{out / 'model.safetensors.index.json'}'; it needs about ")
     assert message.endswith("nothing half-written is left")  # the earlier merge was already unpublished
     assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []  # a dir it did not create stays, empty
+
+
+def test_a_base_whose_safetensors_header_lies_is_one_line_through_the_cli(lora_run, tmp_path):
+    """#47 item 11 through `ftcli merge-lora`: the base's header promises a tensor past the end of the file, or
+    gives a tensor a dtype its bytes do not fit: one line naming the file (safetensors' own reason); nothing is
+    left in -o."""
+    import shutil
+
+    run, base = lora_run
+    for how in ("past-the-end", "other-dtype"):
+        lying = tmp_path / f"base-{how}"
+        shutil.copytree(base, lying)
+        blob = (lying / "model.safetensors").read_bytes()
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8:8 + n])
+        name = next(k for k in header if k != "__metadata__" and header[k]["dtype"] == "BF16")
+        if how == "past-the-end":
+            header[name]["data_offsets"][1] += 10**9
+        else:
+            header[name]["dtype"] = "F32"  # the same bytes hold half as many values as the shape says
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        (lying / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + blob[8 + n:])
+        out = tmp_path / f"out-{how}"
+        result = _cli(["merge-lora", str(run), "--base", str(lying), "--output", str(out), "--dtype", "float32"])
+        assert result.exit_code == 2 and _one_error_line(result.output), result.output
+        assert (f"error: base file {lying / 'model.safetensors'}: safetensors cannot read it (Error while "
+                "deserializing header: ") in " ".join(result.output.split()), result.output
+        assert not out.exists()
