@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +89,27 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
                "test_data_checks", "test_preference_train", "test_tracking"]
+
+
+@pytest.fixture
+def renames(monkeypatch) -> list[tuple[str, int]]:
+    """(destination name, bytes moved) of every rename from here on (os.rename, os.replace, Path.rename: what
+    a UC Volume's FUSE mount turns into a server-side copy of that many bytes): test_checkpoint, test_merge."""
+    moved, rename, replace = [], os.rename, os.replace
+
+    def size(path) -> int:
+        path = Path(path)
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+    def counted(real):
+        def move(src, dst, *args, **kwargs):
+            moved.append((Path(dst).name, size(src)))
+            return real(src, dst, *args, **kwargs)
+        return move
+
+    monkeypatch.setattr(os, "rename", counted(rename))
+    monkeypatch.setattr(os, "replace", counted(replace))
+    return moved
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -316,13 +316,15 @@ class DataSourceRecord(_Record):
     revision: str | None = None  # hub commit, Delta table version read; None: unpinned hub data, files
     split: str | None = None
     digest: str | None = None  # of what identifies the rows (ftcli.data.sources.origin)
+    filter: str | None = None  # a Delta table's row filter (ftcli.config.rowfilter.describe_filter)
     rows_read: int = 0
     rows_kept: int = 0
 
     def describe(self) -> str:
-        """One line: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest 0123abcd...`."""
+        """One line: `delta main.sft.chats@12 where lang = "en" (train) rows 1000 read, 990 kept, digest 0123...`."""
         at = f"@{self.revision}" if self.revision else ""
-        return (f"{self.kind} {self.path or self.label}{at} ({self.split}) rows {self.rows_read} read, "
+        where = f" where {self.filter}" if self.filter else ""
+        return (f"{self.kind} {self.path or self.label}{at}{where} ({self.split}) rows {self.rows_read} read, "
                 f"{self.rows_kept} kept, digest {self.digest}")
 
 

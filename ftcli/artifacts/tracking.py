@@ -308,7 +308,7 @@ class MlflowTracking(NoTracking):
 
     def log_lineage(self, sources: list, recipe_digest: str) -> None:
         """Each data source (ftcli.artifacts.rundir.DataSourceRecord) as an MLflow dataset input of this run, in
-        its context (training, eval), tagged with its split, revision and rows read and kept; the recipe digest as
+        its context (training, eval), tagged with its split, revision, row filter and rows read and kept; the recipe digest as
         the run's tag `ftcli.recipe_digest`. The MLflow UI lists them under the run's "Datasets used"."""
         def log() -> None:
             self._mlflow.set_tag("ftcli.recipe_digest", recipe_digest)
@@ -317,6 +317,8 @@ class MlflowTracking(NoTracking):
                         "ftcli.rows_kept": str(src.rows_kept), "ftcli.kind": src.kind}
                 if src.revision is not None:
                     tags["ftcli.revision"] = src.revision
+                if src.filter is not None:
+                    tags["ftcli.filter"] = src.filter
                 try:
                     self._mlflow.log_input(dataset_of(src), context=src.context, tags=tags)
                 except Exception as e:  # noqa: BLE001 - one source MLflow cannot describe: the rest is logged

@@ -12,6 +12,7 @@ Pure data code: no torch.distributed, MLflow or CLI imports.
 from __future__ import annotations
 
 from ftcli.config.errors import UserError
+from ftcli.config.rowfilter import describe_filter
 from ftcli.data import formats, preference, sources
 from ftcli.data.spec import data_spec
 from ftcli.data.stats import DataStats
@@ -58,6 +59,8 @@ def _problem(data, k: int, src, st: DataStats) -> str | None:
     reasons = _reasons(st)
     line = (f"data source {src.label!r} keeps {kept} of the {read} rows read"
             + (f" ({reasons})" if reasons else "") + (f" [format {st.format}]" if st.format else ""))
+    if not read and getattr(src, "filter", None):  # a delta source's row filter that selects nothing
+        return line + f"; its filter ({describe_filter(src.filter)}) matches no row of the table: fix {key}.filter"
     hint = _hint(src, key)
     return line + (f"; {hint}" if hint else "")
 

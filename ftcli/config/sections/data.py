@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_serializer, model_validator
 
+from ftcli.config.rowfilter import RowFilter
 from ftcli.config.sections.base import Section
 
 
@@ -63,6 +64,8 @@ class SourceConfig(Section):
     split: str = "train"
     streaming: bool = False
     columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
+    filter: RowFilter = Field(None, description="delta: read only the rows where [[column, op, value], ...] holds "
+                              "(ftcli.config.rowfilter).")
     format: DataFormat | None = None
     messages_field: str | None = None
     tools_field: str | None = None
@@ -106,11 +109,12 @@ def parse_delta_revision(revision: str | int | None):
 
 
 def _check_delta_keys(src) -> None:
-    """A delta source's revision is a version or a timestamp; `columns` belongs to delta sources only."""
+    """A delta source's revision is a version or a timestamp; `columns` and `filter` belong to delta sources only."""
     if src.source == "delta":
         parse_delta_revision(src.revision)
-    elif src.columns is not None:
-        raise ValueError(f"columns is for source=delta (a Delta table's columns), not source={src.source}")
+    elif src.columns is not None or src.filter is not None:
+        key, what = ("columns", "columns") if src.columns is not None else ("filter", "row filter")
+        raise ValueError(f"{key} is for source=delta (a Delta table's {what}), not source={src.source}")
 
 
 class DataConfig(Section):
@@ -124,6 +128,8 @@ class DataConfig(Section):
     split: str = "train"
     streaming: bool = False
     columns: list[str] | None = Field(None, description="delta: read only these columns (default: all).")
+    filter: RowFilter = Field(None, description="delta: read only the rows where [[column, op, value], ...] holds "
+                              "(ftcli.config.rowfilter).")
     format: DataFormat = Field(
         "auto", description="Row format: auto (detected from the first rows), messages, sharegpt, alpaca, "
         "prompt_completion, text (ftcli.data.formats)."
@@ -162,7 +168,8 @@ class DataConfig(Section):
     cache_dir: str | None = Field(None, description="Tokenize/pack cache; default ~/.cache/ftcli or $FTCLI_CACHE.")
 
     # The one-source shorthand: these keys describe the single entry of `sources` (`shorthand_source`).
-    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "columns", "synthetic")
+    SHORTHAND: ClassVar[tuple[str, ...]] = ("source", "path", "revision", "split", "streaming", "columns", "filter",
+                                            "synthetic")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -196,7 +203,7 @@ class DataConfig(Section):
     def shorthand_source(self) -> SourceConfig:
         """The `sources` entry the one-source keys describe."""
         return SourceConfig(source=self.source, path=self.path, revision=self.revision, split=self.split,
-                            streaming=self.streaming, columns=self.columns, synthetic=self.synthetic)
+                            streaming=self.streaming, columns=self.columns, filter=self.filter, synthetic=self.synthetic)
 
     @property
     def one_source(self) -> bool:

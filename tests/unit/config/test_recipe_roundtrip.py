@@ -25,6 +25,7 @@ HAND_VALUES: dict[str, list[Any]] = {
     "data.columns": [["messages"]],  # with data.source=delta
     "data.sources.0.columns": [["messages"]],
     "eval.sources.0.columns": [["messages"]],
+    **{f"{k}.filter": [[[["lang", "=", "en"], ["score", ">=", 3]]]] for k in ("data", "data.sources.0", "eval.sources.0")},
     "model.id": ["org/other-model"],
     "model.revision": ["0123456789abcdef0123456789abcdef01234567"],
     "model.tokenizer": ["pkg://assets/tokenizers/qwen"],
@@ -49,6 +50,9 @@ WITH = {
     "data.columns": {"data.source": "delta", "data.path": "main.sft.chats"},  # columns: a Delta table's
     "data.sources.0.columns": {"data.sources.0.source": "delta", "data.sources.0.path": "main.sft.chats"},
     "eval.sources.0.columns": {"eval.sources.0.source": "delta", "eval.sources.0.path": "main.sft.chats"},
+    "data.filter": {"data.source": "delta", "data.path": "main.sft.chats"},  # filter: a Delta table's rows
+    "data.sources.0.filter": {"data.sources.0.source": "delta", "data.sources.0.path": "main.sft.chats"},
+    "eval.sources.0.filter": {"eval.sources.0.source": "delta", "eval.sources.0.path": "main.sft.chats"},
     "eval.export": {"training.checkpoint.keep_best": True},
     "training.activation_checkpointing_keep": {"training.activation_checkpointing": "full"},
     "compute.permissions.0.group_name": {"compute.permissions.0.user_name": None},
