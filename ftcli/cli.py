@@ -135,7 +135,7 @@ def _fail(message: str) -> None:
 def _check_output(path: Path, force: bool) -> None:
     """Refuse before any work: an existing file or a symbolic link (dangling or not: writing through it would
     write wherever it points) without --force, a missing or non-directory parent. With --force a link is
-    replaced by the file (`_write`, ftcli.artifacts.safe_files.open_output), its target left alone."""
+    replaced by the file (`_write`, ftcli.config.safe_files.open_output), its target left alone."""
     if path.is_symlink():
         if not force:
             _fail(f"{path} is a symbolic link (to {os.readlink(path)}); pass --force to replace the link (its "
@@ -152,7 +152,7 @@ def _check_output(path: Path, force: bool) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    from ftcli.artifacts.safe_files import open_output
+    from ftcli.config.safe_files import open_output
 
     try:
         with open_output(path) as f:

@@ -47,7 +47,7 @@ from ftcli.families import find_family
 from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
-from ftcli.artifacts.safe_files import entries, remove_tree
+from ftcli.config.safe_files import entries, remove_tree
 from ftcli.artifacts.tracking import first_line
 
 PROBE_TOKENS = 48

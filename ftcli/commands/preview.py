@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ftcli.artifacts.safe_files import open_output
+from ftcli.config.safe_files import open_output
 from ftcli.config.recipe import Recipe
 
 MAX_SHOWN_TOKENS = 2000  # per block in the rich view
