@@ -1,5 +1,6 @@
-"""The Slurm launcher (ftcli.launchers.slurm): the sbatch script for a recipe and its check (its shell logic run with
-stand-ins for srun / torchrun / pip is tests/e2e/test_slurm_script.py, the real Slurm run tests/e2e/test_slurm_e2e.py)."""
+"""The Slurm launcher (ftcli.launchers.slurm): the sbatch script for a recipe and its check. Its shell logic run
+with stand-ins for srun / torchrun / pip is tests/e2e/test_slurm_script.py, the real Slurm run
+tests/e2e/test_slurm_e2e.py."""
 
 from __future__ import annotations
 
