@@ -348,7 +348,7 @@ def test_writing_below_a_file_is_refused(tmp_path):
     ["recipes", "cp", "tiny-qwen-cpu", "{out}"],
     ["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"],
     ["render-workload", "--recipe", "tiny-qwen-cpu", "--launcher", "slurm", "-o", "{out}"],
-    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--blocks", "1", "--dump", "{out}"],
+    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--examples", "30", "--blocks", "1", "--dump", "{out}"],
 ])
 @pytest.mark.parametrize("dangling", [True, False])
 def test_a_link_is_never_written_through_and_force_replaces_it(command, dangling, tmp_path):
