@@ -47,7 +47,7 @@ def one_rank(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base
-    (test_merge, test_merge_stream, test_data_loss)."""
+    (tests/e2e/test_merge, test_merge_stream, tests/unit/artifacts/test_data_loss)."""
     import torch
     from _lora_common import tiny_model, tiny_recipe
     from peft import get_peft_model
@@ -88,7 +88,10 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
-               "test_data_checks", "test_preference_train", "test_tracking"]
+               "test_data_checks", "test_preference_train", "test_tracking",
+               # not runs, but seconds each (moved out of the fast tier): a model merged, 200 recipes round-tripped,
+               # the sbatch script's shell logic, fresh interpreters
+               "test_merge", "test_slurm_script", "test_recipe_roundtrip", "test_data_workers", "test_light_imports"]
 
 
 @pytest.fixture

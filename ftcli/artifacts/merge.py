@@ -61,7 +61,7 @@ from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
 from ftcli.artifacts.publish import EXPORT_RECORD, begin_export, export_problem, publish_export, unpublish_export
-from ftcli.artifacts.safe_files import entries, refuse_links, remove_tree, write_atomic
+from ftcli.config.safe_files import entries, refuse_links, remove_tree, write_atomic
 from ftcli.artifacts.tracking import first_line
 
 PROBE_TOKENS = 48

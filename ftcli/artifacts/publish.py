@@ -21,7 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.config.safe_files import write_atomic
 
 EXPORT_RECORD = "ftcli_export.json"
 

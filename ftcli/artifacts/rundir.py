@@ -34,8 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ftcli.artifacts.safe_files import entries, refuse_links, remove_tree
-from ftcli.artifacts.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
+from ftcli.config.safe_files import entries, refuse_links, remove_tree
+from ftcli.config.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
 from ftcli.config.errors import UserError
 
 RECIPE_FILE = "recipe.yaml"
@@ -50,7 +50,7 @@ LOCK_FILE = ".ftcli.lock"  # ftcli.train.launch's one-writer lock; never counts 
 _RUN_OUTPUTS = (FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
 _CHECKPOINT_NAME = re.compile(r"^(\.tmp_)?step_\d{8}$")
 # every name a run writes, renames or deletes in its dir (besides the lock file, opened with O_NOFOLLOW), the
-# temp names of the exports included: none may be a link (`check_run_dir`, ftcli.artifacts.safe_files.refuse_links)
+# temp names of the exports included: none may be a link (`check_run_dir`, ftcli.config.safe_files.refuse_links)
 _WRITTEN = (OWNER_FILE, RECIPE_FILE, "tracking.json", METRICS_FILE, SAMPLES_FILE, RUN_JSON, CHECKPOINTS, FINAL, BEST,
             "base", f".tmp_{FINAL}", f".tmp_{BEST}", f".old_{FINAL}", ".tmp_base")
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.config.safe_files import write_atomic
 from ftcli.config.errors import UserError
 from ftcli.config.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
 

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ftcli.artifacts.safe_files import open_output
+from ftcli.config.safe_files import open_output
 from ftcli.config.recipe import Recipe
 
 MAX_SHOWN_TOKENS = 2000  # per block in the rich view
@@ -130,10 +130,15 @@ def block_to_json(block) -> dict[str, Any]:
 def _show_summary(out: Console, summary) -> None:
     t = Table(title=f"pack-preview: {summary.recipe}", show_header=False, title_justify="left")
     t.add_column(style="bold", overflow="fold")
-    t.add_column(overflow="fold")  # fold, never cut (a cache path, a source label): tests/unit/commands/test_tables.py
+    t.add_column(overflow="fold")  # fold, never cut (a source label): tests/unit/commands/test_tables.py
     for label, value in summary.rows():
-        t.add_row(label, value)
+        if label != "cache":  # below the table, where it does not fold
+            t.add_row(label, value)
     out.print(t)
+    # the cache path on a line of its own, never broken (soft_wrap): a narrow terminal wraps it for the eye, and
+    # a copy takes it whole
+    out.print("cache (the packed blocks train reads):", highlight=False)
+    out.print(summary.cache, soft_wrap=True, highlight=False, markup=False)
     if len(summary.sources) > 1:
         out.print(_sources_table(summary))
 

@@ -235,9 +235,9 @@ def check_render(tokenizer, messages: list[dict], **context) -> None:
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """What `apply_chat_template` does to messages before rendering (drop None values, alias reasoning),
-    plus what every template expects and real data often differs in: text given as a list of parts
-    (`[{"type": "text", "text": ...}]`) joined into one string, and tool-call arguments given as a JSON
-    string parsed into the object the templates iterate over."""
+    plus text given as a list of parts (`[{"type": "text", "text": ...}]`) joined into one string. The
+    messages come as the row readers give them (`ftcli.data.validate.normalize_turns`, the one parser of
+    tool calls: OpenAI's JSON-string `arguments` are objects by then, as every template iterates them)."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
@@ -246,26 +246,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        if isinstance(m.get("tool_calls"), list):
-            m["tool_calls"] = [_parsed_call(c) for c in m["tool_calls"]]
         out.append(m)
     return out
-
-
-def _parsed_call(call):
-    if not isinstance(call, dict):
-        return call
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            return call
-        if isinstance(parsed, dict):
-            fn = {**fn, "arguments": parsed}
-            return {**call, "function": fn} if fn is not call and "function" in call else fn
-    return call
 
 
 def _lcp(a: str, b: str) -> int:

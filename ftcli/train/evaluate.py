@@ -47,7 +47,7 @@ from ftcli import data
 from ftcli.data.evalsplit import eval_problem, eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
-from ftcli.artifacts.safe_files import open_append
+from ftcli.config.safe_files import open_append
 
 
 def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:

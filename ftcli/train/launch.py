@@ -39,7 +39,7 @@ from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped,
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
                           read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
-from ftcli.artifacts.safe_files import entries, open_lock, refuse_unsafe
+from ftcli.config.safe_files import entries, open_lock, refuse_unsafe
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
@@ -395,7 +395,7 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
     refusal rule (check_run_dir, which writes nothing), and only then are the run dir (and its missing
     parents: a failed start removes what it created) and the lock file created. The lock file is never
-    a link and never someone else's file (`ftcli.artifacts.safe_files.open_lock`: O_NOFOLLOW, a regular
+    a link and never someone else's file (`ftcli.config.safe_files.open_lock`: O_NOFOLLOW, a regular
     file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks
     (the run dir is shared); a filesystem without flock (some network mounts) gets a warning, not a refusal."""
     import fcntl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ftcli
@@ -19,11 +20,17 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A module's tree, parsed once for every walk of this file (the walks only read it)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Every ftcli module `name` imports, at module level or inside a function."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,8 +93,7 @@ def test_walker_finds_a_planted_circle():
 
 # ------------------------------------------------------------------------------------------ families
 def _string_constants(path: Path) -> set[str]:
-    return {node.value for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return {node.value for node in ast.walk(_parsed(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
 def test_no_module_outside_families_names_a_model_type():

@@ -339,7 +339,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.train.preempt import Stopped
     from ftcli.train.session import RunSession
     from ftcli.artifacts.rundir import METRICS_FILE
-    from ftcli.artifacts.safe_files import refuse_links
+    from ftcli.config.safe_files import refuse_links
 
     run_dir = Path(run_dir)
     if not method_of(recipe.training).writes_adapter:

@@ -93,7 +93,7 @@ def test_run_files_refuse_links_and_leave_their_targets(tmp_path, dangling):
     """metrics.jsonl (appended), run.json (replaced), samples.jsonl: a link in their place is one UserError;
     a link planted as write_atomic's temp file is removed, not followed."""
     from ftcli.artifacts.rundir import RunRecord, write_run_record
-    from ftcli.artifacts.safe_files import write_atomic
+    from ftcli.config.safe_files import write_atomic
     from ftcli.train.metrics import log_step
 
     run_dir = tmp_path / "run"
@@ -207,7 +207,7 @@ def test_removing_and_replacing_never_follow_a_link(tmp_path):
     """What every writer uses when a link turns up after the launcher's check: remove_tree unlinks a link
     (dangling or not) and leaves its target; replace_dir puts the new dir in place of a link, never into it,
     and refuses a temp dir that is a link."""
-    from ftcli.artifacts.safe_files import remove_tree, replace_dir
+    from ftcli.config.safe_files import remove_tree, replace_dir
 
     victim = tmp_path / "victim"
     victim.mkdir()
