@@ -987,9 +987,6 @@ class Recipe(_Section):
             return self
         if not self.data.packing.enabled:
             raise ValueError(f"training.context_parallel={n} splits packed blocks; set data.packing.enabled: true")
-        if self.training.objective != "sft":  # a pair's two sequences would land on different ranks
-            raise ValueError(f"training.context_parallel={n} trains training.objective: sft only (not "
-                             f"{self.training.objective}: a preference pair is not split across ranks yet)")
         block_len = self.data.packing.block_len
         if block_len % (n * CP_SLICE_MULTIPLE):
             raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "

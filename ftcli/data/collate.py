@@ -91,7 +91,9 @@ def slice_model_inputs(block: Block, rank: int, size: int, device="cpu") -> dict
                                                                   pads one -100
 
     The block's `trained_positions` are re-derived for the slice, and the fla_* tensors left out (fla derives them
-    from the slice's cu_seqlens). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N positions."""
+    from the slice's cu_seqlens). A preference block's `pairs` and `num_segments` stay the block's (seq_idx holds the
+    block's segment numbers): each rank sums the log-probs of its part of every segment, and the CP group adds
+    them up (ftcli.train.preference). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N positions."""
     total = len(block.input_ids)
     if total % size:
         raise ValueError(f"a block of {total} tokens does not split into {size} equal slices")
@@ -104,7 +106,9 @@ def slice_model_inputs(block: Block, rank: int, size: int, device="cpu") -> dict
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
 
     local_cu = tensor(cu, np.int32)
-    return {
+    pairs = {} if block.roles is None else {  # preference blocks: the block's pairs, in its segment numbers
+        "pairs": tensor(block.pairs, np.int64), "num_segments": len(block.cu_seqlens) - 1}
+    return {**pairs,
         "input_ids": tensor(block.input_ids[start:end], np.int64).unsqueeze(0),
         "labels": tensor(labels, np.int64).unsqueeze(0),
         "position_ids": tensor(block.position_ids[start:end], np.int64).unsqueeze(0),

@@ -4,7 +4,8 @@ block whole (ftcli.model.kernels.cp, ftcli.data.collate.slice_model_inputs, the 
     op level, no launch      the slices' inputs (labels that reach across, positions, pieces of segments), which
                              ranks carry a gated-delta state in, the loss of T/N + 1 labels
     one 4-rank launch        tiny Qwen3.5, Llama, Gemma 3 and gpt-oss: CP=2 and CP=4 against the whole block,
-                             activation checkpointing off and on (tests/support/_cp_worker.py)
+                             activation checkpointing off and on (tests/support/_cp_worker.py); the DPO loss with
+                             a frozen reference on pairs crossing the slice boundaries (tiny Qwen3.5)
     two training launches    2 x CP=2 on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
                              rank (CP=1): steps 3 and 4 agree
 """
@@ -189,7 +190,7 @@ def cp_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("cp")
     out = tmp / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests" / "support" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss", "off,on", "2,4"]
+           str(REPO / "tests" / "support" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss,dpo", "off,on", "2,4"]
     res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(tmp / "cache"), capture_output=True, text=True,
                          timeout=400)
     assert res.returncode == 0, output_tail(res)
@@ -207,6 +208,19 @@ def test_context_parallel_equals_the_whole_block(cp_report, name):
         assert d["loss"] <= 1e-5 * d["loss_value"], key
         assert d["grads"] <= GRAD_RTOL * d["grad_scale"], key
         assert d["logits_slice_alone"] > LEAK, key
+
+
+def test_preference_loss_over_slices_equals_the_whole_block(cp_report):
+    """DPO with a frozen reference on a block of two pairs whose sides cross the slice boundaries: the CP group's
+    losses add up to the whole block's, the per-segment log-prob sums and token counts added over the group are the
+    block's (so SimPO's and ORPO's per-token means are too), each pair is counted once, and the gradients agree."""
+    for size in (2, 4):
+        d = cp_report[f"dpo/qwen3_5/cp={size}"]
+        assert d["loss"] <= 1e-5 * d["loss_value"], size
+        assert d["logps"] <= 1e-6 * d["logps_scale"] and d["counts"] == 0 and d["pairs_counted"] == 2, size
+        assert d["simpo"] < 1e-5, size
+        # float32: the DPO gradient's noise measured 1.1e-5 (CP=2) and 1.5e-6 (CP=4) of the largest entry
+        assert d["grads"] <= 2 * GRAD_RTOL * d["grad_scale"] and d["num_grads"] > 50, size
 
 
 # ------------------------------------------------------------------------------------- the training loop

@@ -132,6 +132,22 @@ def gather_slices(x: torch.Tensor, cp: CPSlice, dim: int) -> torch.Tensor:
     return _GatherSlices.apply(moved, cp.group, cp.rank, cp.size).movedim(0, dim)
 
 
+def sum_over_group(x: torch.Tensor, cp: CPSlice) -> torch.Tensor:
+    """The sum of every rank's `x` (same shape on each), differentiable: each rank's gradient is the sum of the
+    gradients of every rank's copy of the result (the group's per-segment sums of a preference loss)."""
+    return gather_slices(x[None], cp, 0).sum(0)
+
+
+def slice_of_block(block, rank: int, size: int, group, device="cpu") -> dict:
+    """The model call's kwargs for CP rank `rank`'s slice of `block` (ftcli.data.collate.slice_model_inputs), with
+    the slice's place in the block under `CP_KWARG` for the ops below."""
+    from ftcli.data.collate import slice_model_inputs
+
+    inputs = slice_model_inputs(block, rank, size, device)
+    inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, rank, size, group)
+    return inputs
+
+
 # ------------------------------------------------------------------------------------------- attention
 def _piece_mask(q0: int, q1: int, k0: int, window: int | None, device) -> torch.Tensor:
     """bool [q1 - q0, q1 - k0]: query at block position q attends key k iff k <= q (and q - k < window)."""
