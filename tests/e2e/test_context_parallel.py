@@ -7,7 +7,7 @@ block whole (ftcli.model.kernels.cp, ftcli.data.collate.slice_model_inputs, the 
                              activation checkpointing off and on (tests/support/_cp_worker.py); the DPO loss with
                              a frozen reference on pairs crossing the slice boundaries (tiny Qwen3.5)
     two training launches    2 x CP=2 on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
-                             rank (CP=1): steps 3 and 4 agree
+                             rank (CP=1): steps 3 and 4 and the eval at step 4 agree
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ def test_preference_loss_over_slices_equals_the_whole_block(cp_report):
 def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
     """4 ranks as 2 data-parallel groups x CP=2 (two blocks per step, each in two slices) for 4 steps, checkpoint at
     step 2; the step-2 checkpoint resumed on 1 rank without CP (grad_accum 2: the same two blocks per step) trains
-    steps 3 and 4 with the same losses, grad norms and token counts."""
-    common = ["training.max_steps=4", "data.packing.block_len=256", "eval=null", "training.checkpoint.every_steps=2",
+    steps 3 and 4 with the same losses, grad norms and token counts; the eval at the end (the held-out blocks in
+    slices over each CP group) gives the same loss."""
+    common = ["training.max_steps=4", "data.packing.block_len=256", "training.checkpoint.every_steps=2",
               "training.checkpoint.save_final_hf=false", *FAST]
     cp_run = tmp_path / "cp2"
     res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2", *common), tmp_path, env)
@@ -245,3 +246,6 @@ def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert (a["tokens_trained"], a["tokens_seen"]) == (b["tokens_trained"], b["tokens_seen"])
+    # the last step's eval: the held-out blocks in slices over each CP group (2 groups) == whole on 1 rank
+    assert two[3]["eval_loss"] == pytest.approx(one[1]["eval_loss"], rel=1e-5)
+    assert two[3]["eval_tokens"] == one[1]["eval_tokens"] > 0
