@@ -620,7 +620,8 @@ class _Training(_Section):
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1,
+                                                "context_parallel_balance": False}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
@@ -646,6 +647,11 @@ class FullTraining(_Training):
         "slices: ftcli/model/kernels/cp.py); blocks per step = ranks / N x grad_accum. `ftcli plan` says which N "
         "fits a block length."
     )
+    context_parallel_balance: bool = Field(
+        False, description="With context_parallel N: cut each block into 2N chunks, rank r holding chunks r and "
+        "2N-1-r (zigzag), so every rank does the same causal attention work; block_len must be a multiple of "
+        "2N x 64 (benchmarks/cp_balance.py prints the per-rank FLOPs either way)."
+    )
 
     @field_validator("method", mode="before")
     @classmethod
@@ -666,7 +672,7 @@ class LoraTraining(_Training):
 
     other_method: ClassVar[str] = "full"
     other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops",
-                                             "context_parallel")
+                                             "context_parallel", "context_parallel_balance")
     method: Literal["lora"] = "lora"
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole (LoRA linears, attention, router and "
@@ -991,6 +997,10 @@ class Recipe(_Section):
         if block_len % (n * CP_SLICE_MULTIPLE):
             raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
                              f"of {n * CP_SLICE_MULTIPLE} (N slices of a multiple of {CP_SLICE_MULTIPLE} tokens)")
+        if self.training.context_parallel_balance and block_len % (2 * n * CP_SLICE_MULTIPLE):
+            raise ValueError(f"training.context_parallel_balance with context_parallel={n}: data.packing.block_len="
+                             f"{block_len} must be a multiple of {2 * n * CP_SLICE_MULTIPLE} (2N chunks of a multiple "
+                             f"of {CP_SLICE_MULTIPLE} tokens); or set context_parallel_balance: false")
         if self.training.compile is True:  # a whole compiled layer would trace the slice's metadata (not checked)
             raise ValueError(f"training.context_parallel={n} runs with training.compile: regions or false, not true "
                              "(whole compiled layers are not checked with context parallelism)")

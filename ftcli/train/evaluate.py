@@ -113,14 +113,14 @@ class Evaluator:
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
         # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
         self.objective = objective if objective is not None else OBJECTIVES["sft"]
-        self.cp_rank, self.cp_size, self.cp_group = 0, 1, None  # context parallelism: `split_blocks`
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = 0, 1, None, False  # `split_blocks`
 
-    def split_blocks(self, cp_rank: int, cp_size: int, cp_group) -> None:
+    def split_blocks(self, cp_rank: int, cp_size: int, cp_group, balanced: bool = False) -> None:
         """Context parallelism (training.context_parallel): the `cp_size` consecutive ranks of a group evaluate each
         block together, each its slice (as in training: ftcli.model.kernels.cp), the group's first rank counting
         the block. A block that does not split into slices of whole gated-delta chunks (eval.block_len, or
         eval.strategy: none) runs whole on every rank of the group, the first one counting its loss."""
-        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = cp_rank, cp_size, cp_group, balanced
 
     def __bool__(self) -> bool:
         return bool(self.packed)
@@ -138,10 +138,11 @@ class Evaluator:
         first = self.cp_rank == 0
         if self.cp_size == 1:
             return float(loss_sum(data.block_to_model_inputs(block, self.device)).double()), self.objective.count(block)
-        if len(block.input_ids) % (self.cp_size * FLA_CHUNK):  # whole on every rank: the first one counts it
+        chunks = self.cp_size * (2 if self.cp_balanced else 1)
+        if len(block.input_ids) % (chunks * FLA_CHUNK):  # whole on every rank of the group: the first one counts it
             summed = float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
             return (summed, self.objective.count(block)) if first else (0.0, 0)
-        inputs = slice_of_block(block, self.cp_rank, self.cp_size, self.cp_group, self.device)
+        inputs = slice_of_block(block, self.cp_rank, self.cp_size, self.cp_group, self.device, self.cp_balanced)
         return float(loss_sum(inputs).double()), self.objective.count(block) if first else 0
 
     def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:

@@ -275,7 +275,7 @@ class FullRun:
         self.tokenizer, self.data_summary, self.evaluator = self.session.tokenizer, self.session.summary, \
             self.session.evaluator
         if world.cp_size > 1:  # eval blocks in slices too: the memory of a training block is the memory of eval's
-            self.evaluator.split_blocks(world.cp_rank, world.cp_size, world.cp_group)
+            self.evaluator.split_blocks(world.cp_rank, world.cp_size, world.cp_group, tcfg.context_parallel_balance)
         # one stream per data-parallel group: the ranks of a CP group read the same blocks, each its slice
         self.stream = data.BlockStream(self.session.units, world.dp_rank, world.dp_size, epochs=tcfg.epochs,
                                        seed=tcfg.seed)
@@ -441,7 +441,8 @@ class FullRun:
         world = self.world
         if world.cp_size == 1:
             return data.block_to_model_inputs(block, world.device)
-        return slice_of_block(block, world.cp_rank, world.cp_size, world.cp_group, world.device)
+        return slice_of_block(block, world.cp_rank, world.cp_size, world.cp_group, world.device,
+                              balanced=self.tcfg.context_parallel_balance)
 
     def objective_metrics(self) -> dict[str, float]:
         """Collective: the step's objective metrics over every rank (preference: TRL's rewards/* and logps/*, means

@@ -2,9 +2,9 @@
 activation checkpointing off and on, the packed block whole on every rank (context_parallel 1) against this rank's
 slice of it (context_parallel = world size): logits, summed loss and gradients. Writes the largest differences to
 the JSON file named by argv[1] (rank 0); argv[2]: the models, argv[3]: checkpointing modes (off,on), argv[4]: the
-context-parallel sizes to check (each divides the world size; comma-separated lists). The model name `dpo` checks
-the preference loss instead (`preference_check`): tiny Qwen3.5 with a frozen reference copy, DPO on pairs whose sides
-cross the slice boundaries."""
+context-parallel sizes to check (each divides the world size; comma-separated lists; "4b" is CP=4 balanced). The
+model name `dpo` checks the preference loss instead (`preference_check`): tiny Qwen3.5 with a frozen reference copy,
+DPO on pairs whose sides cross the slice boundaries."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ftcli.data.collate import block_to_model_inputs, slice_model_inputs
+from ftcli.data.collate import block_to_model_inputs
 from ftcli.data.packing import make_block
 from ftcli.model import kernels
-from ftcli.model.kernels.cp import CP_KWARG, CPSlice, slice_of_block
+from ftcli.model.kernels.cp import CP_KWARG, slice_of_block
 from ftcli.train.loss import token_loss_sum
 
 ASSETS = "ftcli/assets"
@@ -82,10 +82,12 @@ def grad_difference(model, full_grads: dict, group) -> dict[str, float]:
     return {"grads": grad_diff, "grad_scale": grad_scale}
 
 
-def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_sizes: list[int]) -> None:
+def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_sizes: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    groups = {n: dist.new_subgroups(group_size=n)[0] for n in cp_sizes}  # consecutive ranks, as ftcli's
+    # "4": CP=4 contiguous, "4b": balanced (two chunks per rank, training.context_parallel_balance)
+    layouts = [(int(n.rstrip("b")), n.endswith("b")) for n in cp_sizes]
+    groups = {n: dist.new_subgroups(group_size=n)[0] for n in sorted({n for n, _ in layouts})}  # consecutive ranks
     report = {}
     for name in names:
         if name == "dpo":
@@ -102,15 +104,15 @@ def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_si
             full_loss.backward()
             full_loss = full_loss.detach()
             full_grads = grads(model)
-            for size, group in groups.items():
+            for size, balanced in layouts:
+                group = groups[size]
                 model.zero_grad(set_to_none=True)
-                cp_rank = rank % size
-                inputs = slice_model_inputs(block, cp_rank, size)
-                inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, cp_rank, size, group)
+                inputs = slice_of_block(block, rank % size, size, group, balanced=balanced)
+                order = inputs[CP_KWARG].block_order()
                 loss, logits = loss_and_logits(model, inputs)
                 loss.backward()
                 diffs = {"loss_value": float(full_loss), "num_grads": len(full_grads)}
-                diffs["logits"] = float((gather(logits, size, group) - full_logits).abs().max())
+                diffs["logits"] = float((gather(logits, size, group, order) - full_logits).abs().max())
                 total = loss.detach().clone()
                 dist.all_reduce(total, group=group)
                 diffs["loss"] = float((total - full_loss).abs())
@@ -118,8 +120,8 @@ def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_si
                 with torch.no_grad():  # the control: the slice alone (no op looks across the boundary) differs
                     del inputs[CP_KWARG]
                     _, alone = loss_and_logits(model, inputs)
-                    diffs["logits_slice_alone"] = float((gather(alone, size, group) - full_logits).abs().max())
-                report[f"{name}/cp={size}/ac={'on' if checkpointing else 'off'}"] = diffs
+                    diffs["logits_slice_alone"] = float((gather(alone, size, group, order) - full_logits).abs().max())
+                report[f"{name}/cp={size}{'b' if balanced else ''}/ac={'on' if checkpointing else 'off'}"] = diffs
         del model
     if rank == 0:
         with open(out_path, "w") as f:
@@ -180,12 +182,13 @@ def preference_check(groups: dict) -> dict:
     return report
 
 
-def gather(logits: torch.Tensor, size: int, group) -> torch.Tensor:
+def gather(logits: torch.Tensor, size: int, group, order=None) -> torch.Tensor:
+    """Every rank's logits in block order (`order`: CPSlice.block_order, the balanced layout's)."""
     pieces = [torch.empty_like(logits) for _ in range(size)]
     dist.all_gather(pieces, logits.contiguous(), group=group)
-    return torch.cat(pieces, dim=1)
+    out = torch.cat(pieces, dim=1)
+    return out if order is None else out.index_select(1, order)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2].split(","), [m == "on" for m in sys.argv[3].split(",")],
-         [int(n) for n in sys.argv[4].split(",")])
+    main(sys.argv[1], sys.argv[2].split(","), [m == "on" for m in sys.argv[3].split(",")], sys.argv[4].split(","))
