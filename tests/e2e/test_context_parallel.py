@@ -246,12 +246,14 @@ def test_preference_loss_over_slices_equals_the_whole_block(cp_report):
     """DPO with a frozen reference on a block of two pairs whose sides cross the slice boundaries: the CP group's
     losses add up to the whole block's, the per-segment log-prob sums and token counts added over the group are the
     block's (so SimPO's and ORPO's per-token means are too), each pair is counted once, and the gradients agree."""
-    for size in (2, 4):
+    for size in ("2", "4", "2b", "4b"):  # b: balanced
         d = cp_report[f"dpo/qwen3_5/cp={size}"]
-        assert d["loss"] <= 1e-5 * d["loss_value"], size
+        # float32: the loss is beta (0.5) x a margin of log-prob sums of ~264, each rounded to ~3e-5; measured up to
+        # 1.5e-5 on 1.79 (CP=2 balanced)
+        assert d["loss"] <= 2e-5 * d["loss_value"], size
         assert d["logps"] <= 1e-6 * d["logps_scale"] and d["counts"] == 0 and d["pairs_counted"] == 2, size
         assert d["simpo"] < 1e-5, size
-        # float32: the DPO gradient's noise measured 1.1e-5 (CP=2) and 1.5e-6 (CP=4) of the largest entry
+        # float32: the DPO gradient's noise measured up to 1.1e-5 of the largest entry (CP=2)
         assert d["grads"] <= 2 * GRAD_RTOL * d["grad_scale"] and d["num_grads"] > 50, size
 
 

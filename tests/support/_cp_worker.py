@@ -91,7 +91,7 @@ def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_si
     report = {}
     for name in names:
         if name == "dpo":
-            report.update(preference_check(groups))
+            report.update(preference_check(groups, layouts))
             continue
         model = tiny_model(name)
         block = the_block(model.config.vocab_size)
@@ -130,7 +130,7 @@ def main(out_path: str, names: list[str], checkpointing_modes: list[bool], cp_si
     dist.destroy_process_group()
 
 
-def preference_check(groups: dict) -> dict:
+def preference_check(groups: dict, layouts: list[tuple[int, bool]]) -> dict:
     """DPO through `attach_preference_loss` with a frozen reference (a perturbed copy, as method full's frozen model):
     the whole block against CP=N slices. The loss (the group's returns added up), the policy's per-segment log-prob
     sums and token counts (added up over the group), the SimPO loss of those sums and counts, and the gradients."""
@@ -159,11 +159,11 @@ def preference_check(groups: dict) -> dict:
         full_sums, full_counts = model.sequence_logps(**whole_inputs)
     full_simpo = pair_losses(simpo, SideLogps.of_block(full_sums, full_counts, whole_inputs["pairs"]))[0]
     report = {}
-    for size, group in groups.items():
+    for size, balanced in layouts:
+        group = groups[size]
         model.zero_grad(set_to_none=True)
         model.preference_sums.take()
-        cp_rank = dist.get_rank() % size
-        inputs = slice_of_block(block, cp_rank, size, group)
+        inputs = slice_of_block(block, dist.get_rank() % size, size, group, balanced=balanced)
         loss = model.loss_sum(**inputs)
         loss.backward()
         total = loss.detach().clone()
@@ -178,7 +178,7 @@ def preference_check(groups: dict) -> dict:
              "counts": float((counts - full_counts).abs().max()), "pairs_counted": float(counted),
              "simpo": float((cp_simpo - full_simpo).abs().max()), "num_grads": len(full_grads)}
         d.update(grad_difference(model, full_grads, group))
-        report[f"dpo/qwen3_5/cp={size}"] = d
+        report[f"dpo/qwen3_5/cp={size}{'b' if balanced else ''}"] = d
     return report
 
 
