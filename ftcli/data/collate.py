@@ -105,7 +105,8 @@ def slice_model_inputs(block: Block, rank: int, size: int, device="cpu", balance
     The block's `trained_positions` are re-derived for the slice, and the fla_* tensors left out (fla derives them
     from the slice's cu_seqlens). A preference block's `pairs` and `num_segments` stay the block's (seq_idx holds the
     block's segment numbers): each rank sums the log-probs of its part of every segment, and the CP group adds
-    them up (ftcli.train.preference). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N positions."""
+    them up (ftcli.train.preference). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N
+    positions."""
     total = len(block.input_ids)
     chunks = cp_chunks(rank, size, balanced)
     num_chunks = size * len(chunks)
