@@ -379,7 +379,11 @@ def state_passing(args) -> int:
             out.backward(grad_out.index_select(1, positions))
             return positions, local, out
 
-        step()  # warm-up (autotuning, the collectives' first use)
+        try:
+            step()  # warm-up (autotuning, the collectives' first use)
+        except (TypeError, ValueError, NotImplementedError) as e:  # an fla version with another CP API: every rank
+            rows.append([label, n, "-", "-", "-", f"not run: {type(e).__name__}: {str(e)[:120]}"])
+            continue
         times = []
         for _ in range(args.repeats):
             dist.barrier()
@@ -399,7 +403,7 @@ def state_passing(args) -> int:
             print(fla_note)
         print(common.table(["state passing", "CP", "out rel err", "worst grad rel err",
                             "fwd+bwd ms (slowest rank, median)", "ok"], rows))
-    failed = any(r[-1] == "NO" for r in rows)
+    failed = any(r[-1] != "yes" for r in rows)
     dist.destroy_process_group()
     return 1 if failed else 0
 
