@@ -147,13 +147,14 @@ class Recipe(Section):
             return self
         if not self.data.packing.enabled:
             raise ValueError(f"training.context_parallel={n} splits packed blocks; set data.packing.enabled: true")
-        if self.training.objective != "sft":  # a pair's two sequences would land on different ranks
-            raise ValueError(f"training.context_parallel={n} trains training.objective: sft only (not "
-                             f"{self.training.objective}: a preference pair is not split across ranks yet)")
         block_len = self.data.packing.block_len
         if block_len % (n * CP_SLICE_MULTIPLE):
             raise ValueError(f"training.context_parallel={n}: data.packing.block_len={block_len} must be a multiple "
                              f"of {n * CP_SLICE_MULTIPLE} (N slices of a multiple of {CP_SLICE_MULTIPLE} tokens)")
+        if self.training.context_parallel_balance and block_len % (2 * n * CP_SLICE_MULTIPLE):
+            raise ValueError(f"training.context_parallel_balance with context_parallel={n}: data.packing.block_len="
+                             f"{block_len} must be a multiple of {2 * n * CP_SLICE_MULTIPLE} (2N chunks of a multiple "
+                             f"of {CP_SLICE_MULTIPLE} tokens); or set context_parallel_balance: false")
         if self.training.compile is True:  # a whole compiled layer would trace the slice's metadata (not checked)
             raise ValueError(f"training.context_parallel={n} runs with training.compile: regions or false, not true "
                              "(whole compiled layers are not checked with context parallelism)")

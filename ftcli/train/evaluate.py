@@ -113,12 +113,37 @@ class Evaluator:
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
         # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
         self.objective = objective if objective is not None else OBJECTIVES["sft"]
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = 0, 1, None, False  # `split_blocks`
+
+    def split_blocks(self, cp_rank: int, cp_size: int, cp_group, balanced: bool = False) -> None:
+        """Context parallelism (training.context_parallel): the `cp_size` consecutive ranks of a group evaluate each
+        block together, each its slice (as in training: ftcli.model.kernels.cp), the group's first rank counting
+        the block. A block that does not split into slices of whole gated-delta chunks (eval.block_len, or
+        eval.strategy: none) runs whole on every rank of the group, the first one counting its loss."""
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = cp_rank, cp_size, cp_group, balanced
 
     def __bool__(self) -> bool:
         return bool(self.packed)
 
     def blocks(self, label: str):
-        return data.BlockStream(self.packed[label], self.rank, self.world_size, epochs=1.0, shuffle=False)
+        """This rank's share of a source's blocks: one stream per data-parallel group (a CP group reads the same)."""
+        return data.BlockStream(self.packed[label], self.rank // self.cp_size, self.world_size // self.cp_size,
+                                epochs=1.0, shuffle=False)
+
+    def loss_terms(self, block, loss_sum: Callable[[dict], torch.Tensor]) -> tuple[float, int]:
+        """This rank's share of a block's (summed loss, count): all of it, or its slice's (context parallelism)."""
+        from ftcli.data.collate import FLA_CHUNK
+        from ftcli.model.kernels.cp import slice_of_block
+
+        first = self.cp_rank == 0
+        if self.cp_size == 1:
+            return float(loss_sum(data.block_to_model_inputs(block, self.device)).double()), self.objective.count(block)
+        chunks = self.cp_size * (2 if self.cp_balanced else 1)
+        if len(block.input_ids) % (chunks * FLA_CHUNK):  # whole on every rank of the group: the first one counts it
+            summed = float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
+            return (summed, self.objective.count(block)) if first else (0.0, 0)
+        inputs = slice_of_block(block, self.cp_rank, self.cp_size, self.cp_group, self.device, self.cp_balanced)
+        return float(loss_sum(inputs).double()), self.objective.count(block) if first else 0
 
     def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:
         """The eval loss of `model` (module doc). `loss_sum(inputs)`: the summed token CE of one block's
@@ -132,8 +157,9 @@ class Evaluator:
                 for label in self.packed:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
-                        summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += self.objective.count(block)
+                        block_sum, block_count = self.loss_terms(block, loss_sum)
+                        summed += block_sum
+                        trained += block_count
                     sums.append(summed)
                     counts.append(trained)
         finally:

@@ -51,7 +51,7 @@ from torch import nn
 from ftcli import data
 
 from ftcli.model import kernels
-from ftcli.model.kernels.cp import CP_KWARG, CPSlice
+from ftcli.model.kernels.cp import slice_of_block
 from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
@@ -96,11 +96,13 @@ from ftcli.train.session import RunSession
 # (ftcli.objectives.preference, ftcli.train.preference).
 #
 # Context parallelism (training.context_parallel = C) changes only what a "block of rank r" is: the C ranks
-# of a CP group hold C disjoint slices of the same block, so S_{r,m} and n_{r,m} are a slice's summed CE and
-# trained-token count (a slice's last position predicts the next slice's first token: its n counts it), the
-# slices of a block add up to the block's S and n, and the same sums over all W ranks give the same N and
-# grad(L). W stays the number of ranks FSDP averages over (all of them); the data-parallel groups (W / C) read
-# different blocks.
+# of a CP group hold C disjoint slices of the same block, so S_{r,m} is a slice's summed CE (a slice's last
+# position predicts the next slice's first token) and the slices' S add up to the block's; the block's n is
+# counted once, by the group's first rank, so the same sums over all W ranks give the same N and grad(L). A
+# preference block's pair losses need whole sequences: every rank of the group sums its part of each segment's
+# log-probs, the group adds them up (differentiably), and each rank returns S / C (ftcli.train.preference).
+# W stays the number of ranks FSDP averages over (all of them); the data-parallel groups (W / C) read different
+# blocks.
 def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int,
                      loss_sum_of: Callable = OBJECTIVES["sft"].loss_sum):
     """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss. `loss_sum_of`:
@@ -272,6 +274,8 @@ class FullRun:
         self.session.open_data()  # tokenizer, the objective's units, summary, eval data; announced
         self.tokenizer, self.data_summary, self.evaluator = self.session.tokenizer, self.session.summary, \
             self.session.evaluator
+        if world.cp_size > 1:  # eval blocks in slices too: the memory of a training block is the memory of eval's
+            self.evaluator.split_blocks(world.cp_rank, world.cp_size, world.cp_group, tcfg.context_parallel_balance)
         # one stream per data-parallel group: the ranks of a CP group read the same blocks, each its slice
         self.stream = data.BlockStream(self.session.units, world.dp_rank, world.dp_size, epochs=tcfg.epochs,
                                        seed=tcfg.seed)
@@ -365,14 +369,10 @@ class FullRun:
 
         # 6b. count the objective's units (N of the loss algebra: SFT's trained tokens, or pairs) and the trained
         # tokens, all ranks together, before any backward (the loss algebra above)
-        if world.cp_size > 1:  # this rank's slices (their labels hold the next slice's first target); SFT only
-            num_valid_tokens = sum(count_trained_tokens(mb["labels"]) for mb in micro_batches[:len(blocks)])
-            num_units = num_valid_tokens
-            num_seen_tokens = sum(mb["input_ids"].numel() for mb in micro_batches[:len(blocks)])
-        else:
-            num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
-            num_units = sum(self.objective.count(b) for b in blocks)
-            num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+        counted = blocks if world.cp_rank == 0 else []  # the ranks of a CP group share each block: the first counts it
+        num_valid_tokens = sum(count_trained_tokens(b) for b in counted)
+        num_units = sum(self.objective.count(b) for b in counted)
+        num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in counted)
         global_valid_tokens, global_units, global_seen_tokens = map(
             int, all_reduce([num_valid_tokens, num_units, num_seen_tokens], dist.ReduceOp.SUM, world.device))
         result.steps += 1
@@ -441,9 +441,8 @@ class FullRun:
         world = self.world
         if world.cp_size == 1:
             return data.block_to_model_inputs(block, world.device)
-        inputs = data.slice_model_inputs(block, world.cp_rank, world.cp_size, world.device)
-        inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, world.cp_rank, world.cp_size, world.cp_group)
-        return inputs
+        return slice_of_block(block, world.cp_rank, world.cp_size, world.cp_group, world.device,
+                              balanced=self.tcfg.context_parallel_balance)
 
     def objective_metrics(self) -> dict[str, float]:
         """Collective: the step's objective metrics over every rank (preference: TRL's rewards/* and logps/*, means

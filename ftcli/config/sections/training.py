@@ -186,7 +186,8 @@ class _Training(Section):
 class FullTraining(_Training):
     """Full-parameter SFT (ftcli.train.full: the FSDP2 loop)."""
 
-    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1}
+    quiet_defaults: ClassVar[dict[str, Any]] = {**_Training.quiet_defaults, "fused_ops": [], "context_parallel": 1,
+                                                "context_parallel_balance": False}
     other_method: ClassVar[str] = "lora"
     other_keys: ClassVar[tuple[str, ...]] = ("sharding",)
     method: Literal["full"] = "full"
@@ -212,6 +213,11 @@ class FullTraining(_Training):
         "slices: ftcli/model/kernels/cp.py); blocks per step = ranks / N x grad_accum. `ftcli plan` says which N "
         "fits a block length."
     )
+    context_parallel_balance: bool = Field(
+        False, description="With context_parallel N: cut each block into 2N chunks, rank r holding chunks r and "
+        "2N-1-r (zigzag), so every rank does the same causal attention work; block_len must be a multiple of "
+        "2N x 64 (benchmarks/cp_balance.py prints the per-rank FLOPs either way)."
+    )
 
     @field_validator("method", mode="before")
     @classmethod
@@ -232,7 +238,7 @@ class LoraTraining(_Training):
 
     other_method: ClassVar[str] = "full"
     other_keys: ClassVar[tuple[str, ...]] = ("precision", "activation_checkpointing_keep", "fused_ops",
-                                             "context_parallel")
+                                             "context_parallel", "context_parallel_balance")
     method: Literal["lora"] = "lora"
     compile: bool | Literal["regions"] = Field(
         False, description="true: torch.compile each decoder layer whole (LoRA linears, attention, router and "
