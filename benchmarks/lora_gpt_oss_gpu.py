@@ -214,7 +214,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
     recipe = mode_recipe(mode, args, work)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     attn = _attn_implementation(recipe, device)
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     rows = training_blocks(recipe, tokenizer)
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ def units(recipe, tokenizer, first):
     packs into the on-disk cache first (`first`), then every rank opens it; a source that keeps no row stops here."""
     from ftcli import data
 
-    return first(lambda: data.check_sources(recipe, data.prepare_blocks(recipe, tokenizer)),
+    return first(lambda: data.check_sources(recipe.data, data.prepare_blocks(recipe, tokenizer)),
                  then=lambda: data.open_prepared(recipe, tokenizer))
 
 

@@ -45,6 +45,7 @@ import torch
 from ftcli.objectives import OBJECTIVES
 from ftcli import data
 from ftcli.data.evalsplit import eval_problem, eval_specs
+from ftcli.data.spec import data_spec
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
 from ftcli.artifacts.safe_files import open_append
@@ -54,9 +55,9 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
     """source label -> the packed eval blocks of that source (empty without eval data). `first` is
     `ftcli.train.distributed.rank0_first` under torchrun (rank 0 fills the cache, the others read it)."""
     out = {}
-    for label, r in eval_specs(recipe).items():
+    for label, r in eval_specs(data_spec(recipe), recipe.eval).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
-    problem = eval_problem(recipe, out)  # the launcher refused it before start: a worker started by hand
+    problem = eval_problem(recipe.eval, out)  # the launcher refused it before start: a worker started by hand
     if problem:
         raise TrainingStopped(problem)  # every rank
     return out
@@ -64,7 +65,7 @@ def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) 
 
 def eval_summaries(recipe, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
     """The data summary of each source's eval split (pack-preview, the train log)."""
-    specs = eval_specs(recipe)
+    specs = eval_specs(data_spec(recipe), recipe.eval)
     return {label: data.data_summary(specs[label], p) for label, p in packed.items()}
 
 

@@ -156,10 +156,11 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     if resume is not None:  # before anything is written: recipe.yaml stays the run's
         check_resume(recipe, run_dir, resume, world_size=_processes_per_node(recipe)[0] * int(os.environ.get("NUM_NODES", "1")))
     from ftcli.data.checks import quick_check
+    from ftcli.data.spec import data_spec
     from ftcli.model.checks import check_model_config
 
     refuse_gpu_recipe_on_cpu(recipe)  # doctor's verdict first: a GPU recipe's data is not read here
-    quick_check(recipe)  # a source whose rows are all unreadable in its format: refused before torch is imported
+    quick_check(data_spec(recipe))  # a source whose rows are all unreadable in its format: refused before torch is imported
     check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
     try:
         _preflight(recipe)  # before anything in the run dir is cleared or written
@@ -296,12 +297,13 @@ def _preflight(recipe) -> None:
         import torch
 
         features.preflight(recipe, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
     from ftcli.data.evalsplit import check_eval, eval_specs
 
-    check_eval(recipe, {label: data.prepare_blocks(spec, tokenizer) for label, spec in eval_specs(recipe).items()})
+    specs = eval_specs(data.data_spec(recipe), recipe.eval)
+    check_eval(recipe.eval, {label: data.prepare_blocks(spec, tokenizer) for label, spec in specs.items()})
 
 
 def _say_data(recipe, packed) -> None:
@@ -312,10 +314,10 @@ def _say_data(recipe, packed) -> None:
     for label, st in packed.stats.sources.items():
         if st.format_why:
             print(f"data {label}: format {st.format} ({st.format_why})", file=sys.stderr)
-    check_sources(recipe, packed)
-    for problem in source_problems(recipe, packed.stats):
+    check_sources(recipe.data, packed)
+    for problem in source_problems(recipe.data, packed.stats):
         print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
-    for problem in source_warnings(recipe, packed.stats):
+    for problem in source_warnings(recipe.data, packed.stats):
         print(f"warning: {problem}", file=sys.stderr)
 
 

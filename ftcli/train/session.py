@@ -61,7 +61,7 @@ class RunSession:
         from ftcli.train.evaluate import Evaluator, prepare_eval
 
         recipe = self.recipe
-        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe.model, recipe.data))
         objective = objective_of(recipe.training)
         self.units = objective.units(recipe, self.tokenizer, rank0_first)
         self.summary = data.data_summary(recipe, self.units)

@@ -65,7 +65,7 @@ def _eval_in_one_process(run_dir, adapter: str) -> float:
     recipe, model = _load_adapter(run_dir, adapter)
     base = model.get_base_model()
     attach_loss(base, "chunked", 4096)
-    evaluator = Evaluator(prepare_eval(recipe, load_tokenizer(recipe)), 0, 1, torch.device("cpu"))
+    evaluator = Evaluator(prepare_eval(recipe, load_tokenizer(recipe.model, recipe.data)), 0, 1, torch.device("cpu"))
     return evaluator.run(model, lambda inputs: base.loss_sum(**inputs), 0).loss
 
 

@@ -258,7 +258,7 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
                              f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false", "eval=null",
                              "data.max_length=256", "data.packing.block_len=256")  # short blocks: fast
         run_dir = tmp_path / quantization
-        tokenizer = load_tokenizer(recipe)
+        tokenizer = load_tokenizer(recipe.model, recipe.data)
         trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_blocks(recipe, tokenizer),
                                    SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
                                              use_cpu=True), metrics_path=run_dir / "metrics.jsonl")

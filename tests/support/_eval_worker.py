@@ -34,7 +34,7 @@ def main(out: Path, cache: str, model_dir: str) -> None:
     recipe = load_recipe("tiny-qwen-cpu", base)
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
     model = build_model(recipe, world, attn)
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     variants = {
         "bfd_1024": ([], "chunked"), "bfd_2048": (["eval.block_len=2048"], "chunked"),
         "one_per_block": (["eval.strategy=none"], "chunked"), "bfd_1024_full_loss": ([], "full"),

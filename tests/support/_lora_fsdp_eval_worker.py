@@ -53,7 +53,7 @@ def eval_run(out: Path, sharding: str) -> None:
     args = SFTConfig(**kwargs)  # also starts torch.distributed (gloo)
     run_dir.mkdir(parents=True, exist_ok=True)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
-    tok = rank0_first(lambda: data.load_tokenizer(recipe))
+    tok = rank0_first(lambda: data.load_tokenizer(recipe.model, recipe.data))
     rows = training_blocks(recipe, tok, rank0_first)
     evaluator = Evaluator(prepare_eval(recipe, tok, rank0_first), args.process_index, args.world_size,
                           torch.device("cpu"))

@@ -219,7 +219,7 @@ def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_pa
     steps = 30
     recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
                          f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     args = SFTConfig(**{**sft_config_kwargs(recipe, tmp_path / "run"), "disable_tqdm": True}, use_cpu=True)
     trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_blocks(recipe, tokenizer), args)
     trainer.create_optimizer_and_scheduler(num_training_steps=steps)

@@ -33,7 +33,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     overrides = ["data.packing.enabled=false", "data.max_length=96"] if packing == "unpacked" else []
     recipe = _recipe(tmp_path, *overrides, "tracking.enabled=false")
     dumped = _dump(recipe, tmp_path / "dump.jsonl")
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     blocks = training_blocks(recipe, tokenizer)
     assert len(blocks) == len(dumped) > 10
     if packing == "unpacked":
