@@ -332,9 +332,11 @@ def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: 
         if not chosen:
             backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
         backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
-    problems = [*compat.known_bad(recipe, m), compat.matrix_check(m)]
-    if recipe is not None:
-        problems += compat.gpu_notes(recipe, m)
+    if recipe is None:
+        problems = [*compat.known_bad(None, None, m), compat.matrix_check(m)]
+    else:
+        problems = [*compat.known_bad(recipe.model, recipe.data.packing, m), compat.matrix_check(m)]
+        problems += compat.gpu_notes(recipe.model, recipe.training, recipe.compute, m)
     checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
     version_based = any(c.version_based for c in checks)
     basis = tf.basis if version_based or not tf.version_based else ""

@@ -161,7 +161,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
 
     refuse_gpu_recipe_on_cpu(recipe)  # doctor's verdict first: a GPU recipe's data is not read here
     quick_check(data_spec(recipe))  # a source whose rows are all unreadable in its format: refused before torch is imported
-    check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
+    check_model_config(recipe.model, recipe.data.packing)  # a config that builds no model fails here, before the run dir is touched
     try:
         _preflight(recipe)  # before anything in the run dir is cleared or written
     except KeyboardInterrupt:
