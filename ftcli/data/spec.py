@@ -37,4 +37,5 @@ def data_spec(recipe_or_spec) -> DataSpec:
     if isinstance(recipe_or_spec, DataSpec):
         return recipe_or_spec
     pairs = getattr(recipe_or_spec.training, "preference", None) is not None  # the preference objectives' knobs
-    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout_rule(getattr(recipe_or_spec, "eval", None)), pairs)
+    holdout = holdout_rule(getattr(recipe_or_spec, "eval", None))
+    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout, pairs)

@@ -76,7 +76,7 @@ def test_eval_data_without_trained_tokens_stops_every_rank_and_only_rank_0_repor
     r = load_recipe("tiny-qwen-cpu", [f"data.cache_dir={tmp_path / 'cache'}", f"data.path={train}",
                                       f"eval={{path: {bad}, source: local, split: train}}"])
     with pytest.raises(TrainingStopped) as e:
-        prepare_eval(r, tokenizer("qwen"))
+        prepare_eval(data_spec(r), r.eval, tokenizer("qwen"))
     assert str(e.value) == (f"the eval data ({bad}) has no trained token; check eval.path / eval.sources, or train "
                             "without eval: --set eval.enabled=false")
 

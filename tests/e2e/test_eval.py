@@ -245,7 +245,7 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, torch.device("cpu"))
     model = load_model(recipe.model, dtype=torch.float32, attn_implementation=attn)
     attach_loss(model, "chunked", 64)
-    result = Evaluator(prepare_eval(recipe, tokenizer), 0, 1, torch.device("cpu")).run(
+    result = Evaluator(prepare_eval(data_spec(recipe), recipe.eval, tokenizer), 0, 1, torch.device("cpu")).run(
         model, lambda inputs: model.loss_sum(**inputs), step=5)
     assert list(result.sources) == ["a", "b"]
 

@@ -90,7 +90,7 @@ def test_flex_sinks_layer_compiles_without_a_break_when_masks_are_built_ahead(mo
     attn = install_backends("gpt_oss", [Backend("attention", "flex_sinks", "forward check on CPU")])
     torch.manual_seed(0)
     base = load_model(recipe.model, attn_implementation=attn)
-    model = get_peft_model(base, lora_config(recipe, base)).eval()
+    model = get_peft_model(base, lora_config(recipe.lora, recipe.model, base)).eval()
     rng = np.random.default_rng(1)
     batch = collate_blocks([packed_row(rng, [50, 30, 48], 0.5)])
     batch.pop("labels")

@@ -136,7 +136,7 @@ def _peft_models(base, which=("peft", "grouped", "kept")):
         quantization = "mxfp4" if name == "kept" else "mxfp4_dequantize"
         model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization=quantization))
         torch.manual_seed(0)
-        models[name] = get_peft_model(model, lora_config(tiny_recipe(), model))
+        models[name] = get_peft_model(model, lora_config(tiny_recipe().lora, tiny_recipe().model, model))
         if name != "peft":
             assert install_grouped_experts(models[name]) == 2
     if "kept" in models:

@@ -42,7 +42,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     model = tiny_model(attn=attn)
     trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(rows), data_collator=BlockCollator(rows), processing_class=tok,
-                         peft_config=lora_config(recipe, model))
+                         peft_config=lora_config(recipe.lora, recipe.model, model))
     normalize_loss_by_tokens(trainer)  # and ftcli's loss, as build_trainer
     from ftcli.objectives import OBJECTIVES
     from ftcli.train.lora.trainer import use_objective_loss
@@ -67,7 +67,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     trainer.train()
     if args.process_index == 0:
         base = tiny_model(attn=attn)
-        ref_model = get_peft_model(base, lora_config(recipe, base))
+        ref_model = get_peft_model(base, lora_config(recipe.lora, recipe.model, base))
         ref_model.load_state_dict(state)
         ref = _token_mean_grads(ref_model, rows)
         worst = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)

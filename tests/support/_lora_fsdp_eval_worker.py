@@ -55,7 +55,7 @@ def eval_run(out: Path, sharding: str) -> None:
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     tok = rank0_first(lambda: data.load_tokenizer(recipe.model, recipe.data))
     rows = training_blocks(recipe, tok, rank0_first)
-    evaluator = Evaluator(prepare_eval(recipe, tok, rank0_first), args.process_index, args.world_size,
+    evaluator = Evaluator(prepare_eval(data.data_spec(recipe), recipe.eval, tok, rank0_first), args.process_index, args.world_size,
                           torch.device("cpu"))
     trainer, step_log = build_trainer(recipe, tiny_model(attn=attn), tok, rows, args, evaluator=evaluator,
                                       run_dir=run_dir, metrics_path=run_dir / "metrics.jsonl" if args.process_index == 0

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe
+from ftcli.config.recipe import LoraConfig as LoraSection
+from ftcli.config.recipe import ModelConfig, Recipe, TrainingConfig
 
 # Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
 _VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
@@ -90,11 +91,10 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
     )
 
 
-def lora_config(recipe: Recipe, model):
-    """PEFT LoraConfig: target modules, expert parameters, vision tower excluded on VLM classes."""
+def lora_config(lora: LoraSection, model_cfg: ModelConfig, model):
+    """PEFT LoraConfig from the recipe's lora and model sections: target modules, expert parameters, vision tower
+    excluded on VLM classes of `model`."""
     from peft import LoraConfig
-
-    lora = recipe.lora
     if lora.target_parameters and lora.dropout:
         raise UserError(
             f"lora.dropout={lora.dropout} cannot be used with lora.target_parameters (PEFT applies no dropout to "
@@ -105,7 +105,7 @@ def lora_config(recipe: Recipe, model):
         if not any(n == target or n.endswith("." + target) for n in names):
             raise UserError(f"lora.target_parameters: no parameter named '{target}' in {type(model).__name__}")
     exclude = None
-    if lora.exclude_vision and recipe.model.model_class == "image_text_to_text":
+    if lora.exclude_vision and model_cfg.model_class == "image_text_to_text":
         towers = set()
         for name, _ in model.named_modules():
             parts = name.split(".")
@@ -117,14 +117,14 @@ def lora_config(recipe: Recipe, model):
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias, target_modules=lora.target_modules,
         target_parameters=list(lora.target_parameters) or None, exclude_modules=exclude,
-        revision=recipe.model.revision, task_type="CAUSAL_LM",
+        revision=model_cfg.revision, task_type="CAUSAL_LM",
     )
 
 
-def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
+def ignored_settings(training: TrainingConfig, sharding: str = "ddp") -> list[str]:
     """Recipe settings that run differently than written on the LoRA path (warned at start). Full SFT's own keys
     never get here: a LoRA recipe that sets one is refused at load (ftcli.config.recipe.LoraTraining)."""
-    t, out = recipe.training, []
+    t, out = training, []
     if sharding == "fsdp" and t.activation_checkpointing == "selective":
         out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
                    "(FSDP2 checkpoints whole units)")

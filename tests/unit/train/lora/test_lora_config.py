@@ -108,7 +108,7 @@ def _lora_targets(recipe, model):
 
     from ftcli.train.lora.trainer import lora_config
 
-    peft_model = get_peft_model(model, lora_config(recipe, model))
+    peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
     return sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in peft_model.named_parameters()
                    if "lora_" in n})
 
@@ -128,9 +128,9 @@ def test_target_parameters_with_dropout_is_a_one_line_error():
     from ftcli.train.lora.trainer import lora_config
 
     with pytest.raises(UserError, match="lora.dropout=0.05 cannot be used with lora.target_parameters"):
-        lora_config(tiny_recipe("lora.dropout=0.05"), tiny_model())
+        lora_config(tiny_recipe("lora.dropout=0.05").lora, tiny_recipe().model, tiny_model())
     with pytest.raises(UserError, match="no parameter named 'mlp.experts.nope'"):
-        lora_config(tiny_recipe("lora.target_parameters=[mlp.experts.nope]"), tiny_model())
+        lora_config(tiny_recipe("lora.target_parameters=[mlp.experts.nope]").lora, tiny_recipe().model, tiny_model())
 
 
 def test_vision_tower_excluded_on_vlm_classes():

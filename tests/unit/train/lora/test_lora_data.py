@@ -58,7 +58,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     kwargs.update(disable_tqdm=True)
     model = tiny_model()
     trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=rows, data_collator=BlockCollator(blocks),
-                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+                         processing_class=tokenizer, peft_config=lora_config(recipe.lora, recipe.model, model))
     batches = list(trainer.get_train_dataloader())
     assert len(batches) == len(dumped)
     seen = sorted(tuple(b["input_ids"][0].tolist()) + tuple(b["labels"][0].tolist()) for b in batches)
