@@ -248,7 +248,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
         experts += " + PEFT ParamWrapper"
     build_s = time.perf_counter() - t_build
 
-    kwargs = sft_config_kwargs(recipe, work / mode)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, work / mode)
     kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=m.get("log", 1),
                   use_cpu=device.type == "cpu")
     if m.get("trl_compile"):

@@ -28,7 +28,7 @@ def _train(tmp_path, compile_setting: str):
                          "model.config_overrides.layer_types=[sliding_attention]")  # one layer: fewer graphs to build
     rng = np.random.default_rng(0)
     rows = [packed_row(rng, [70, 58], 0.5) for _ in range(2)]  # the same segment and trained counts: no recompile
-    kwargs = sft_config_kwargs(recipe, tmp_path)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
     kwargs.update(disable_tqdm=True, use_cpu=True, logging_steps=1)
     torch.manual_seed(0)
     model = load_model(recipe.model, attn_implementation="ftcli_eager_segments")

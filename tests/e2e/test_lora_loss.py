@@ -29,7 +29,7 @@ def _trainer(tmp_path, rows, model):
 
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
-    kwargs = sft_config_kwargs(recipe, tmp_path)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
     kwargs.update(disable_tqdm=True, logging_first_step=False)
     from transformers import AutoTokenizer
 

@@ -259,9 +259,10 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
                              "data.max_length=256", "data.packing.block_len=256")  # short blocks: fast
         run_dir = tmp_path / quantization
         tokenizer = load_tokenizer(recipe.model, recipe.data)
+        kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, run_dir)
         trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_blocks(recipe, tokenizer),
-                                   SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
-                                             use_cpu=True), metrics_path=run_dir / "metrics.jsonl")
+                                   SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True),
+                                   metrics_path=run_dir / "metrics.jsonl")
         GroupedLoraMatmul.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
         try:
             trainer.train()
@@ -272,6 +273,7 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
         if experts == "peft":
             assert not calls  # lora.experts=peft never goes through the grouped path
     assert calls and len(losses["mxfp4"]) == 3
-    assert sft_config_kwargs(recipe, tmp_path)["ddp_broadcast_buffers"] is False  # the same blocks on every rank
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
+    assert kwargs["ddp_broadcast_buffers"] is False  # the same blocks on every rank
     torch.testing.assert_close(torch.tensor(losses["mxfp4"]), torch.tensor(losses["mxfp4_dequantize"]),
                                rtol=1e-5, atol=0)

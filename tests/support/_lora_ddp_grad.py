@@ -35,7 +35,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
             packed_row(rng, [20], 0.5), packed_row(rng, [90, 10, 50], 0.3)]
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
-    kwargs = sft_config_kwargs(recipe, out / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, out / "run")
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")

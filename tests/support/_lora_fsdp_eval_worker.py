@@ -48,7 +48,7 @@ def eval_run(out: Path, sharding: str) -> None:
                          "eval.holdout=null", "eval.path=pkg://assets/tiny_chat.jsonl", "eval.max_examples=12",
                          "eval.at_start=true", f"eval.samples={SAMPLES}", "eval.samples_max_new_tokens=5",
                          f"training.sharding={sharding}", output_dir=run_dir)
-    kwargs = sft_config_kwargs(recipe, run_dir, sharding)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, run_dir, sharding)
     kwargs.update(disable_tqdm=True, use_cpu=True, learning_rate=0.0)  # the adapter stays what the seed made it
     args = SFTConfig(**kwargs)  # also starts torch.distributed (gloo)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -397,8 +397,6 @@ RECIPE_ALLOWED = {  # "module:function": why it still takes the whole recipe
     "ftcli.estimate.plan:card_plan": "setting_of on one card, its suggestions and step time",
     "ftcli.estimate.plan:make_plan": "`ftcli plan`: card_plan per card",
     "ftcli.estimate.plan:fit_check": "card_plan on the recipe's own card",
-    # the LoRA trainer's SFTConfig (train/lora/trainer.py is being reworked; 15 call sites in tests)
-    "ftcli.train.lora.config:sft_config_kwargs": "SFTConfig from training, model, tracking.run_name and name",
 }
 
 

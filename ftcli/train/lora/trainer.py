@@ -355,7 +355,9 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
-    args = SFTConfig(**sft_config_kwargs(recipe, run_dir, sharding), use_cpu=device.type == "cpu")
+    run_name = recipe.tracking.run_name or recipe.name
+    args = SFTConfig(**sft_config_kwargs(recipe.training, recipe.model, run_name, run_dir, sharding),
+                     use_cpu=device.type == "cpu")
     if args.process_index == 0:
         for message in ignored_settings(recipe.training, sharding):
             print(f"warning: {message}", flush=True)

@@ -54,7 +54,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     # TRL's dataset holds block indices only; what its data loader yields (shuffled) is the same multiset of blocks
     rows = block_rows(blocks)
     assert rows.column_names == ["block"]
-    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
     kwargs.update(disable_tqdm=True)
     model = tiny_model()
     trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=rows, data_collator=BlockCollator(blocks),
