@@ -155,8 +155,8 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world) -> 
     cfg = preference_config(recipe.training)
     method = CASES[case][3]
     if method == "full":
-        model = build_model(recipe, world, attn)
-        reference = build_model(recipe, world, attn).requires_grad_(False).eval()
+        model = build_model(recipe.model, recipe.training, world, attn)
+        reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
         attach_preference_loss(model, cfg, recipe.training.loss.chunk_tokens, reference)
         optimizer = build_optimizer(model, recipe, device)
         trained = model

@@ -62,7 +62,7 @@ def lora_run(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
     base = mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), root / "base-mxfp4", tokenizer=tok)
     model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize"))
-    peft_model = get_peft_model(model, lora_config(tiny_recipe(), model))
+    peft_model = get_peft_model(model, lora_config(tiny_recipe().lora, tiny_recipe().model, model))
     torch.manual_seed(3)
     for name, p in peft_model.named_parameters():
         if "lora_" in name:

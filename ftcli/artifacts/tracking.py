@@ -123,11 +123,12 @@ def resolve_tracking_uri(uri: str | None = None, *, recorded: str | None = None)
     return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
 
 
-def export_credentials(recipe) -> None:
+def export_credentials(tracking) -> None:
     """The launcher: the workers read recipe.yaml, where the tracking URI's credentials are masked, so
     the URI with them goes to the workers as $MLFLOW_TRACKING_URI (inherited through torchrun; MLflow's
-    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI)."""
-    uri = recipe.tracking.tracking_uri
+    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI). `tracking`: the recipe's
+    tracking section."""
+    uri = tracking.tracking_uri
     if uri and mask_uri(uri) != uri and not has_masked_credentials(uri):
         os.environ["MLFLOW_TRACKING_URI"] = uri
 

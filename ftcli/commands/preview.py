@@ -52,7 +52,7 @@ def run_preview(
     recipe = _preview_recipe(recipe, examples, strict)
     err = Console(stderr=True)
     out = Console()
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
 
     start = time.perf_counter()
     with Progress(
@@ -72,8 +72,9 @@ def run_preview(
 
     table = data_summary(recipe, packed)
     from ftcli.data.evalsplit import eval_specs
+    from ftcli.data.spec import data_spec
 
-    specs = eval_specs(recipe)
+    specs = eval_specs(data_spec(recipe), recipe.eval)
     eval_packed = {label: data.prepare_blocks(r, tokenizer) for label, r in specs.items()}
     evals = {label: data_summary(specs[label], p) for label, p in eval_packed.items()}
     summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
@@ -89,9 +90,9 @@ def run_preview(
     from ftcli.data.checks import source_problems, source_warnings
     from ftcli.data.evalsplit import eval_problem
 
-    problems = source_problems(recipe, packed.stats)  # what `train` refuses (data.allow_empty_sources)
-    problems += source_warnings(recipe, packed.stats)  # and warns about: most rows skipped for a missing field
-    problems += [p for p in [eval_problem(recipe, eval_packed)] if p]  # and an empty eval split
+    problems = source_problems(recipe.data, packed.stats)  # what `train` refuses (data.allow_empty_sources)
+    problems += source_warnings(recipe.data, packed.stats)  # and warns about: most rows skipped for a missing field
+    problems += [p for p in [eval_problem(recipe.eval, eval_packed)] if p]  # and an empty eval split
     if as_json:
         _warn(err, problems)
         print(json.dumps(summary, indent=1))

@@ -97,16 +97,15 @@ _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
-def load_tokenizer(recipe):
-    """The recipe's tokenizer: `model.tokenizer`, else `model.id` at `model.revision`; `data.chat_template`
-    (a Jinja file) replaces its chat template. Paths may be `pkg://`."""
+def load_tokenizer(model, data):
+    """The tokenizer of `model` (the model section): `model.tokenizer`, else `model.id` at `model.revision`;
+    `data.chat_template` (a Jinja file) replaces its chat template. Paths may be `pkg://`."""
     from transformers import AutoTokenizer
 
     from ftcli.config.recipe import resolve_path
 
     from ftcli import hub
 
-    model = recipe.model
     name = resolve_path(model.tokenizer or model.id)
     revision = None if model.tokenizer else model.revision
     offline = hub.offline_for(name)  # no Hub: the local HF cache only, no retries
@@ -120,8 +119,8 @@ def load_tokenizer(recipe):
         raise UserError(f"cannot load tokenizer {name!r}: {_first_line(e)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"tokenizer {name!r} is not a fast tokenizer; ftcli needs character offsets to mask turns")
-    if recipe.data.chat_template:
-        path = resolve_path(recipe.data.chat_template)
+    if data.chat_template:
+        path = resolve_path(data.chat_template)
         try:
             with open(path, encoding="utf-8") as f:
                 tokenizer.chat_template = f.read()

@@ -18,7 +18,7 @@ inside `torch.random.fork_rng`: the training RNG stream is untouched, so a run w
 like one without. Every rank evaluates its equal share of each source's blocks (`BlockStream`, padded
 with all-masked blocks), so FSDP2's collectives line up; one all-reduce adds the sums and counts.
 
-    packed = prepare_eval(recipe, tokenizer)                      rank 0 first (the data cache)
+    packed = prepare_eval(data_spec(recipe), recipe.eval, tokenizer)   rank 0 first (the data cache)
     evaluator = Evaluator(packed, rank, world_size, device)
     result = evaluator.run(model, loss_sum, step)                 loss_sum(inputs) -> summed CE (a tensor)
     tracker = EvalTracker(recipe.eval)                            best step, early stopping
@@ -50,21 +50,24 @@ from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
 from ftcli.config.safe_files import open_append
 
 
-def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:
-    """source label -> the packed eval blocks of that source (empty without eval data). `first` is
+def prepare_eval(train: data.DataSpec, ev, tokenizer,
+                 first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:
+    """source label -> the packed eval blocks of that source (empty without eval data), for the training data
+    `train` (`ftcli.data.data_spec(recipe)`) and the eval section `ev`. `first` is
     `ftcli.train.distributed.rank0_first` under torchrun (rank 0 fills the cache, the others read it)."""
     out = {}
-    for label, r in eval_specs(recipe).items():
+    for label, r in eval_specs(train, ev).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
-    problem = eval_problem(recipe, out)  # the launcher refused it before start: a worker started by hand
+    problem = eval_problem(ev, out)  # the launcher refused it before start: a worker started by hand
     if problem:
         raise TrainingStopped(problem)  # every rank
     return out
 
 
-def eval_summaries(recipe, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
-    """The data summary of each source's eval split (pack-preview, the train log)."""
-    specs = eval_specs(recipe)
+def eval_summaries(train: data.DataSpec, ev, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
+    """The data summary of each source's eval split (pack-preview, the train log), for the training data `train`
+    and the eval section `ev`."""
+    specs = eval_specs(train, ev)
     return {label: data.data_summary(specs[label], p) for label, p in packed.items()}
 
 

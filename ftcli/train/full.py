@@ -300,16 +300,16 @@ class FullRun:
             attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device,
                                                            context_parallel=world.cp_size > 1)
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
-        self.model = build_model(recipe, world, attn)
+        self.model = build_model(recipe.model, recipe.training, world, attn)
         if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
             reference = None
             if self.objective.reference_model:  # the starting model again, sharded alike, frozen
-                reference = build_model(recipe, world, attn).requires_grad_(False).eval()
+                reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
                 say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy")
             attach_preference_loss(self.model, preference_config(tcfg), tcfg.loss.chunk_tokens, reference)
         else:
             attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        for line in features.describe(self.model, recipe):  # what each training feature did, one line each
+        for line in features.describe(self.model, recipe.training):  # what each training feature did, one line each
             say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)

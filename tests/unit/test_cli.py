@@ -68,7 +68,7 @@ def test_recipes_cp_renames_the_copy_so_it_trains_into_its_own_run_dir(tmp_path)
     assert _flat(res.output) == (f"wrote {dest} (name: my-recipe, was tiny-qwen-cpu: it trains into runs/my-recipe); "
                                  f"edit it, then: ftcli train --recipe {dest}")
     assert load_recipe(str(dest)) == load_recipe("tiny-qwen-cpu", ["name=my-recipe"])
-    assert run_dir_of(load_recipe(str(dest))).name == "my-recipe"
+    assert run_dir_of(load_recipe(str(dest)).output_dir).name == "my-recipe"
     odd = tmp_path / "my recipe.yaml"  # no valid recipe name: the name is kept
     assert invoke("recipes", "cp", "tiny-qwen-cpu", str(odd)).exit_code == 0
     assert odd.read_text() == builtin_recipe_text("tiny-qwen-cpu")

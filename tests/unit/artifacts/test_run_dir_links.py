@@ -49,16 +49,15 @@ def test_planted_lock_symlink_is_refused_and_its_target_untouched(tmp_path, dang
 
 def test_a_dir_holding_only_a_planted_lock_link_is_not_empty(tmp_path):
     from ftcli.artifacts.rundir import check_run_dir
-    from ftcli.config.recipe import load_recipe
 
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / ".ftcli.lock").symlink_to(_victim(tmp_path))
     with pytest.raises(UserError, match=r"holds files that are not an ftcli run \(\.ftcli\.lock\)"):
-        check_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={shared}"]))
+        check_run_dir("tiny-qwen-cpu", shared)
     (shared / ".ftcli.lock").unlink()
     (shared / ".ftcli.lock").write_text("123\n")  # a regular lock file a failed start left: still empty
-    assert check_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={shared}"])) == shared
+    assert check_run_dir("tiny-qwen-cpu", shared) == shared
 
 
 def test_lock_file_with_foreign_text_or_hard_links_is_never_truncated(tmp_path):

@@ -127,13 +127,17 @@ def test_delta_source_keys_are_checked_in_the_recipe(tmp_path, monkeypatch):
 def test_plan_sizes_a_delta_source_from_its_rows_as_it_does_files(tmp_path):
     """`ftcli plan`'s data size reads a Delta table's first rows and its row count like a JSONL file's: the same
     estimate for the same rows."""
+    from ftcli.data import data_spec
     from ftcli.estimate.datasize import data_size
+
+    def size(r):
+        return data_size(data_spec(r), r.model)
 
     rows = [FORMATS["messages"](i) for i in range(40)]
     _write(tmp_path / "table", rows)
     jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
-    by_table = data_size(recipe(tmp_path / "d", data__source="delta", data__path=tmp_path / "table"))
-    by_file = data_size(recipe(tmp_path / "f", data__path=jsonl))
+    by_table = size(recipe(tmp_path / "d", data__source="delta", data__path=tmp_path / "table"))
+    by_file = size(recipe(tmp_path / "f", data__path=jsonl))
     assert by_table.tokens == by_file.tokens > 0 and by_table.blocks == by_file.blocks
     assert by_table.source.startswith("estimate: first 40 of 40 rows")
 

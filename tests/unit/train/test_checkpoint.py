@@ -320,7 +320,8 @@ def test_the_hf_export_is_written_in_place_and_published_by_its_record(tmp_path,
     out.mkdir()
     (out / "model-00009-of-00009.safetensors").write_bytes(b"an earlier export's shard")
     moved = renames
-    save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32), load_tokenizer(recipe),
+    save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32),
+                       load_tokenizer(recipe.model, recipe.data),
                        out, torch.float32)
     assert {name for name, _ in moved} == {EXPORT_RECORD}
     assert sum(n for _, n in moved) < 4096
