@@ -120,7 +120,7 @@ def _check_delta_keys(src) -> None:
 class DataConfig(Section):
     quiet_defaults: ClassVar[dict[str, Any]] = {"tools_field": "tools", "special_tokens_in_text": "keep",
                                                 "sources": None, "mix_seed": 0, "allow_empty_sources": False,
-                                                "max_row_chars": None, "columns": None}
+                                                "max_row_chars": None, "columns": None, "filter": None}
     source: SourceKind = "hub"
     path: str | None = Field(None, description="Hub dataset id, or a local file/dir (JSONL, Parquet, CSV, Arrow); "
                              "delta: a table path or a Unity Catalog name catalog.schema.table.")

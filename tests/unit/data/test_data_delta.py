@@ -247,6 +247,6 @@ def test_a_row_filter_is_in_the_cache_key_and_the_lineage_and_bad_ones_are_one_l
     from ftcli.data.checks import source_problems
 
     nothing = recipe(tmp_path, data__source="delta", data__path=table, data__filter='[["lang", "=", 3]]')
-    assert source_problems(nothing, prepare_blocks(nothing, tokenizer("qwen")).stats) == [
+    assert source_problems(nothing.data, prepare_blocks(nothing, tokenizer("qwen")).stats) == [
         f"data source '{table}' keeps 0 of the 0 rows read [format messages]; its filter (lang = 3) matches no row "
         "of the table: fix data.filter"]
