@@ -146,12 +146,15 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
         return
     parts = urlsplit(uri)  # /health needs no credentials, and urllib would take user:password@ for the host
     health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
+    proxy = proxy_for(health)  # as MLflow's requests will: through $HTTP(S)_PROXY unless $NO_PROXY says not
+    proxies = {parts.scheme: os.environ[proxy[0]]} if proxy else {}
     try:
-        urllib.request.urlopen(health, timeout=timeout_s).close()
+        urllib.request.build_opener(urllib.request.ProxyHandler(proxies)).open(health, timeout=timeout_s).close()
     except urllib.error.HTTPError as e:
         if e.code < 500:
             return  # it answered: reachable (auth or routing is MLflow's to report)
-        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} (it answers HTTP {e.code}); {fix}") from None
+        via = f", through the proxy {proxy[1]} (${proxy[0]})" if proxy else ""
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} (it answers HTTP {e.code}{via}); {fix}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)  # URLError wraps the socket's error
         if isinstance(reason, ConnectionRefusedError):
@@ -162,7 +165,25 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
             why = "unknown host"
         else:
             why = str(reason)
+        if proxy:  # the connection that failed was the one to the proxy: the server itself was never asked
+            raise UserError(f"cannot reach the proxy {proxy[1]} (${proxy[0]}) that the {what} at {mask_uri(uri)} is "
+                            f"reached through ({why}); fix the proxy setting, or add the server's host to $NO_PROXY"
+                            ) from None
         raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
+
+
+def proxy_for(url: str) -> tuple[str, str] | None:
+    """(the environment variable, the masked proxy URL) that urllib and requests send `url` through: $https_proxy /
+    $HTTPS_PROXY (or $http_proxy / $HTTP_PROXY, $all_proxy) for its scheme, unless $no_proxy / $NO_PROXY names its
+    host; None when it goes direct."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    names = [f"{key}_proxy" for key in (parts.scheme, "all")]
+    var = next((v for name in names for v in (name, name.upper()) if os.environ.get(v) == proxy), None)
+    return (var, mask_uri(proxy)) if var else None  # (a proxy from the system's settings, not the environment)
 
 
 @contextlib.contextmanager
