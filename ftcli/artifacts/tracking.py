@@ -138,6 +138,39 @@ def first_line(exc: BaseException) -> str:
     return mask_uri((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
+# Lines of an MLflow error that say where it came from, not what went wrong (SQLAlchemy's wrapper text)
+_NOT_THE_PROBLEM = ("(raised as a result of", "(Background on this error", "[SQL:", "[parameters:")
+
+
+def mlflow_problem(exc: BaseException) -> str:
+    """What went wrong in an MLflow error, in one line: its first line that is not SQLAlchemy's wrapper text (a
+    full sqlite store says "(raised as a result of Query-invoked autoflush ..." first, the reason two lines
+    later), credentials masked."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    found = next((ln for ln in lines if not ln.startswith(_NOT_THE_PROBLEM)), None)
+    return mask_uri(found) if found else first_line(exc)
+
+
+@contextlib.contextmanager
+def quiet_library_logs(names: tuple[str, ...] = ("mlflow", "alembic", "sqlalchemy")) -> Iterator[None]:
+    """MLflow's (and its store's) own log records dropped for the block: a failed call logs its exception, with
+    pages of traceback, once per layer it passes (1,173 lines for a register on a full disk), and a new store
+    logs its migrations. The caller says what happened in its own line."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in names] + [  # and those below them with a level of their own
+        logger for key, logger in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger) and key.split(".")[0] in names and key not in names and logger.level]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, what="MLflow tracking server") -> None:
     """An http(s) MLflow server must answer one quick GET /health, so a wrong URI fails in seconds
     (not after MLflow's retries) with a UserError naming the masked URI, why, and `fix`. Other stores

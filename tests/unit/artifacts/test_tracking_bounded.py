@@ -187,3 +187,16 @@ def test_a_dead_proxy_is_named_not_reported_as_the_live_server_refusing(stalling
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     assert proxy_for(server + "/health") is None
     check_reachable(server, fix="start it")  # $NO_PROXY: direct again
+
+
+def test_an_mlflow_error_is_told_by_its_reason_not_sqlalchemys_wrapper_text():
+    from mlflow.exceptions import MlflowException
+
+    from ftcli.artifacts.tracking import mlflow_problem
+
+    wrapped = MlflowException("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush "
+                              "block)\n(sqlite3.OperationalError) database or disk is full\n[SQL: UPDATE runs]\n"
+                              "(Background on this error at: https://sqlalche.me/e/21/e3q8)")
+    assert mlflow_problem(wrapped) == "(sqlite3.OperationalError) database or disk is full"
+    assert mlflow_problem(MlflowException("RESOURCE_DOES_NOT_EXIST: at https://u:pw@host/x\nmore")) == \
+        "RESOURCE_DOES_NOT_EXIST: at https://***@host/x"
