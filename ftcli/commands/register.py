@@ -295,12 +295,38 @@ def _ends(client, run, attached: bool) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        with contextlib.suppress(Exception):  # the store may be what failed (a full disk): the error is that one
+            _remove_unfinished_models(client, run)
         if not attached:
-            with contextlib.suppress(Exception):  # the store may be what failed (a full disk): the error is that one
+            with contextlib.suppress(Exception):
                 client.set_terminated(run.info.run_id, status="FAILED")
         raise
     if not attached:
         client.set_terminated(run.info.run_id)
+
+
+def _remove_unfinished_models(client, run) -> None:
+    """The models this register began to log into `run` and did not finish (not READY; a training run's earlier
+    registers are READY and stay): their files in a local artifact store are removed (a full disk gets its
+    space back; links are unlinked, never followed), then the model itself, where the store still takes it."""
+    from urllib.parse import unquote, urlsplit
+
+    from mlflow.entities import LoggedModelStatus
+
+    from ftcli.config.safe_files import remove_tree
+
+    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    for model in models:
+        if model.status == LoggedModelStatus.READY:
+            continue
+        where = urlsplit(model.artifact_location or "")
+        if where.scheme in ("", "file") and where.path:
+            files = Path(unquote(where.path))
+            remove_tree(files)
+            with contextlib.suppress(OSError):
+                files.parent.rmdir()  # models/<model id>/, when the artifacts were all it held
+        with contextlib.suppress(Exception):
+            client.delete_logged_model(model.model_id)
 
 
 def merge_adapter(source: Source) -> Path:

@@ -436,8 +436,8 @@ def test_a_store_that_fills_up_while_logging_is_one_line_and_no_mlflow_log(tmp_p
                                                                           monkeypatch, capfd):
     """The model's copy into the store fails as on a full disk: MLflow logs the exception with its traceback at each
     layer (1,173 lines on a real full tmpfs) and raises an MlflowException whose first line is SQLAlchemy's wrapper
-    text. Register prints none of MLflow's records and one line saying the store is full; its run is ended FAILED
-    even so, or left as is when the store cannot take that either."""
+    text. Register prints none of MLflow's records and one line saying the store is full, removes the model's
+    partial files and the model, and ends its run FAILED (each only where the store still takes it)."""
     import logging
 
     from mlflow import MlflowClient
@@ -448,9 +448,17 @@ def test_a_store_that_fills_up_while_logging_is_one_line_and_no_mlflow_log(tmp_p
             "flush is occurring prematurely)\n(sqlite3.OperationalError) database or disk is full\n"
             "[SQL: UPDATE runs SET status=? WHERE runs.run_uuid = ?]\n(Background on this error at: https://sqlalche.me)")
 
-    def log_chat_model(*args, **kwargs):
+    partial = []
+
+    def log_chat_model(model_dir, *, run, **kwargs):  # MLflow began the model and copied part of its files
+        client = MlflowClient(tracking_uri=sqlite_uri)
+        model = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run.info.run_id)
+        files = Path(model.artifact_location.removeprefix("file://"))
+        (files / "model").mkdir(parents=True)
+        (files / "model" / "model.safetensors").write_bytes(b"\0" * 1024)
+        partial.append((model.model_id, files))
         try:
-            raise OSError(28, "No space left on device", str(tmp_path / "mlruns" / "model.safetensors"))
+            raise OSError(28, "No space left on device", str(files / "model" / "model.safetensors"))
         except OSError:
             for name in ("mlflow.store.db.utils", "mlflow.tracking.fluent", "alembic.runtime", "sqlalchemy.engine"):
                 logging.getLogger(name).exception("SQLAlchemy database error. The following exception is caught.")
@@ -467,6 +475,9 @@ def test_a_store_that_fills_up_while_logging_is_one_line_and_no_mlflow_log(tmp_p
     (run,) = MlflowClient(tracking_uri=sqlite_uri).search_runs(
         [e.experiment_id for e in MlflowClient(tracking_uri=sqlite_uri).search_experiments()])
     assert run.info.status == "FAILED"
+    (model_id, files), = partial
+    assert not files.exists() and not files.parent.exists()  # the space the partial copy took is given back
+    assert MlflowClient(tracking_uri=sqlite_uri).search_logged_models([run.info.experiment_id]) == []
 
 
 def test_unreachable_server_fails_fast_in_one_line_with_the_uri(tmp_path, tiny_full_final):
