@@ -139,6 +139,39 @@ def first_line(exc: BaseException) -> str:
     return mask_uri((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
+# Lines of an MLflow error that say where it came from, not what went wrong (SQLAlchemy's wrapper text)
+_NOT_THE_PROBLEM = ("(raised as a result of", "(Background on this error", "[SQL:", "[parameters:")
+
+
+def mlflow_problem(exc: BaseException) -> str:
+    """What went wrong in an MLflow error, in one line: its first line that is not SQLAlchemy's wrapper text (a
+    full sqlite store says "(raised as a result of Query-invoked autoflush ..." first, the reason two lines
+    later), credentials masked."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    found = next((ln for ln in lines if not ln.startswith(_NOT_THE_PROBLEM)), None)
+    return mask_uri(found) if found else first_line(exc)
+
+
+@contextlib.contextmanager
+def quiet_library_logs(names: tuple[str, ...] = ("mlflow", "alembic", "sqlalchemy")) -> Iterator[None]:
+    """MLflow's (and its store's) own log records dropped for the block: a failed call logs its exception, with
+    pages of traceback, once per layer it passes (1,173 lines for a register on a full disk), and a new store
+    logs its migrations. The caller says what happened in its own line."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in names] + [  # and those below them with a level of their own
+        logger for key, logger in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger) and key.split(".")[0] in names and key not in names and logger.level]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, what="MLflow tracking server") -> None:
     """An http(s) MLflow server must answer one quick GET /health, so a wrong URI fails in seconds
     (not after MLflow's retries) with a UserError naming the masked URI, why, and `fix`. Other stores
@@ -147,12 +180,15 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
         return
     parts = urlsplit(uri)  # /health needs no credentials, and urllib would take user:password@ for the host
     health = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path.rstrip("/") + "/health", "", ""))
+    proxy = proxy_for(health)  # as MLflow's requests will: through $HTTP(S)_PROXY unless $NO_PROXY says not
+    proxies = {parts.scheme: os.environ[proxy[0]]} if proxy else {}
     try:
-        urllib.request.urlopen(health, timeout=timeout_s).close()
+        urllib.request.build_opener(urllib.request.ProxyHandler(proxies)).open(health, timeout=timeout_s).close()
     except urllib.error.HTTPError as e:
         if e.code < 500:
             return  # it answered: reachable (auth or routing is MLflow's to report)
-        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} (it answers HTTP {e.code}); {fix}") from None
+        via = f", through the proxy {proxy[1]} (${proxy[0]})" if proxy else ""
+        raise UserError(f"cannot reach the {what} at {mask_uri(uri)} (it answers HTTP {e.code}{via}); {fix}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)  # URLError wraps the socket's error
         if isinstance(reason, ConnectionRefusedError):
@@ -163,7 +199,25 @@ def check_reachable(uri: str, *, fix: str, timeout_s: float = PROBE_TIMEOUT_S, w
             why = "unknown host"
         else:
             why = str(reason)
+        if proxy:  # the connection that failed was the one to the proxy: the server itself was never asked
+            raise UserError(f"cannot reach the proxy {proxy[1]} (${proxy[0]}) that the {what} at {mask_uri(uri)} is "
+                            f"reached through ({why}); fix the proxy setting, or add the server's host to $NO_PROXY"
+                            ) from None
         raise UserError(f"cannot reach the {what} at {mask_uri(uri)} ({why}); {fix}") from None
+
+
+def proxy_for(url: str) -> tuple[str, str] | None:
+    """(the environment variable, the masked proxy URL) that urllib and requests send `url` through: $https_proxy /
+    $HTTPS_PROXY (or $http_proxy / $HTTP_PROXY, $all_proxy) for its scheme, unless $no_proxy / $NO_PROXY names its
+    host; None when it goes direct."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    names = [f"{key}_proxy" for key in (parts.scheme, "all")]
+    var = next((v for name in names for v in (name, name.upper()) if os.environ.get(v) == proxy), None)
+    return (var, mask_uri(proxy)) if var else None  # (a proxy from the system's settings, not the environment)
 
 
 @contextlib.contextmanager

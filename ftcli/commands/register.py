@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -68,11 +69,13 @@ from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, resolve_base
 from ftcli.artifacts.merge import default_output, is_newer_merge, merge_lora
 from ftcli.config.redact import mask_uri, masked_output
 from ftcli.artifacts.rundir import RunRecord, read_run_record
-from ftcli.artifacts.tracking import check_reachable, create_run, first_line, http_settings, recipe_params, resolve_tracking_uri
+from ftcli.artifacts.tracking import (check_reachable, create_run, first_line, http_settings, mlflow_problem,
+                                     quiet_library_logs, recipe_params, resolve_tracking_uri)
 
 Mode = Literal["full", "merged", "adapter"]
 
 PROBE_TIMEOUT_S = 5
+_DISK_FULL = re.compile(r"disk is full|No space left|Errno 28\]|Disk quota exceeded")  # sqlite's words, the OS's
 PROBE_PROMPT = "Hello! In one sentence, what can you do?"
 PROBE_MAX_NEW_TOKENS = 16
 
@@ -292,11 +295,38 @@ def _ends(client, run, attached: bool) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        with contextlib.suppress(Exception):  # the store may be what failed (a full disk): the error is that one
+            _remove_unfinished_models(client, run)
         if not attached:
-            client.set_terminated(run.info.run_id, status="FAILED")
+            with contextlib.suppress(Exception):
+                client.set_terminated(run.info.run_id, status="FAILED")
         raise
     if not attached:
         client.set_terminated(run.info.run_id)
+
+
+def _remove_unfinished_models(client, run) -> None:
+    """The models this register began to log into `run` and did not finish (not READY; a training run's earlier
+    registers are READY and stay): their files in a local artifact store are removed (a full disk gets its
+    space back; links are unlinked, never followed), then the model itself, where the store still takes it."""
+    from urllib.parse import unquote, urlsplit
+
+    from mlflow.entities import LoggedModelStatus
+
+    from ftcli.config.safe_files import remove_tree
+
+    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    for model in models:
+        if model.status == LoggedModelStatus.READY:
+            continue
+        where = urlsplit(model.artifact_location or "")
+        if where.scheme in ("", "file") and where.path:
+            files = Path(unquote(where.path))
+            remove_tree(files)
+            with contextlib.suppress(OSError):
+                files.parent.rmdir()  # models/<model id>/, when the artifacts were all it held
+        with contextlib.suppress(Exception):
+            client.delete_logged_model(model.model_id)
 
 
 def merge_adapter(source: Source) -> Path:
@@ -409,11 +439,17 @@ def run_register(
     # use none. A value the user exported wins.
     retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     try:  # stdout carries the result only (--json): whatever MLflow prints goes to stderr, URLs masked
-        with masked_output(stdout=sys.stderr), http_settings(max_retries=retries):
+        with masked_output(stdout=sys.stderr), http_settings(max_retries=retries), quiet_library_logs():
             result = log_and_register(source, mode, name=name, alias=alias, force=force, tracking_uri=tracking_uri,
                                       registry_uri=registry_uri or tracking_uri, uc=uc)
-    except MlflowException as e:  # the server or registry said no (permissions, quotas, UC rules)
-        raise UserError(f"MLflow: {first_line(e)}") from None
+    except MlflowException as e:  # the server, the registry or the store said no (permissions, quotas, UC rules)
+        problem = mlflow_problem(e)
+        full = (f" (free space for the store {mask_uri(tracking_uri)} and its artifacts, then register again)"
+                if _DISK_FULL.search(problem) else "")
+        raise UserError(f"MLflow: {problem}{full}") from None
+    except OSError as e:  # MLflow copying the model into a local artifact store (a full disk, permissions)
+        raise UserError(f"MLflow could not store the model: {e.strerror or e}"
+                        + (f" ({e.filename})" if e.filename else "") + "; nothing was registered") from None
     _print(result, as_json)
     return result
 

@@ -180,8 +180,16 @@ class Dumper(YamlDumper):
     """Block style for multi-line strings; quotes every string a YAML 1.1 or 1.2 resolver reads as another type."""
 
 
+# Line breaks other than \n: YAML 1.1 (PyYAML) reads NEL, LS and PS as line breaks, YAML 1.2 as characters, so a
+# value holding one raw reads back differently (or not at all); written as the escapes \N \L \P (and \r) that a
+# double-quoted scalar has in both versions, it round-trips. The same characters end a comment line in YAML 1.1.
+_OTHER_LINE_BREAKS = "\r\x85\u2028\u2029"
+
+
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    if "\n" in value:
+    if any(ch in value for ch in _OTHER_LINE_BREAKS):
+        style = '"'
+    elif "\n" in value:
         style = "|"
     elif _YAML12_NOT_STR.fullmatch(value):
         style = "'"
@@ -198,6 +206,9 @@ def dump_yaml(mapping: dict[str, Any]) -> str:
 
 
 def comment(text: str, indent: str = "") -> list[str]:
+    """`text` as `# ` lines of at most 108 columns; a line break inside it (a recipe value's NEL, LS or PS, which
+    would end the comment for a YAML 1.1 reader) is written as its escape."""
+    text = "".join(ch.encode("unicode_escape").decode() if ch in _OTHER_LINE_BREAKS else ch for ch in text)
     return textwrap.wrap(
         text, 108, initial_indent=f"# {indent}", subsequent_indent="#   ",
         break_on_hyphens=False, break_long_words=False,

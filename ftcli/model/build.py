@@ -6,6 +6,11 @@ Three sources, one function:
 - `init: random` + a config.json: random weights, on `device` (default CPU). The FSDP2 trainer does not
   come here for random init: it builds on the meta device, shards, and materializes only each rank's
   shard (ftcli.model.parallelize.build_model), so a 27B config never exists whole anywhere.
+
+Weights load from safetensors only (`use_safetensors=True`): a pickled `pytorch_model.bin` is refused in one line,
+never unpickled (transformers would unpickle it with torch.load(weights_only=True), an allowlist, but a pickle
+from anywhere is still a parser of code-shaped data ftcli does not need), and a safetensors file whose header
+lies about its tensors is one line naming the file.
 """
 
 from __future__ import annotations
@@ -119,15 +124,50 @@ def load_model(
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if device is not None:
         kwargs["device_map"] = str(device)
+    from safetensors import SafetensorError
+
     from ftcli import hub
 
-    offline = hub.offline_for(resolve_path(cfg.id))
+    source = resolve_path(cfg.id)
+    refuse_pickled_weights(source, f"model.id {cfg.id!r}")
+    offline = hub.offline_for(source)
     try:
-        return cls.from_pretrained(resolve_path(cfg.id), local_files_only=bool(offline), **kwargs)
+        return cls.from_pretrained(source, local_files_only=bool(offline), use_safetensors=True, **kwargs)
     except OSError as e:
         if offline:
             raise UserError(hub.no_connection(f"the weights of model.id {cfg.id!r}", offline)) from None
         raise UserError(f"model.id {cfg.id!r}: cannot load weights ({str(e).splitlines()[0]})") from None
+    except SafetensorError as e:
+        bad = damaged_safetensors(source) if Path(source).is_dir() else None
+        why = f"{bad[0]} is not what its header says ({bad[1]})" if bad else str(e).splitlines()[0]
+        raise UserError(f"model.id {cfg.id!r}: cannot load weights: {why}; export or download it again") from None
+
+
+def refuse_pickled_weights(source: str, what: str) -> None:
+    """A local model dir whose weights are only pickles (pytorch_model*.bin, no *.safetensors): one UserError,
+    before anything reads them."""
+    path = Path(source)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    if pickles:
+        raise UserError(f"{what}: {path / pickles[0]} is a pickle and there are no safetensors weights; ftcli never "
+                        "unpickles a weights file (loading one can run code): convert it to safetensors where you "
+                        "trust it (save_pretrained(..., safe_serialization=True)), then point at that")
+
+
+def damaged_safetensors(model_dir: Path | str) -> tuple[str, str] | None:
+    """(file name, safetensors' reason) of the first *.safetensors in `model_dir` whose header does not open
+    (offsets past the end, a bad shape or dtype, a truncated header), or None. Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return path.name, str(e).splitlines()[0]
+    return None
 
 
 def _local_snapshot(cfg: ModelConfig) -> Path:

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.publish import begin_export, publish_export, remove_export
-from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
+from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE, ran_a_step
 from ftcli.config.safe_files import write_atomic, write_new
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -207,7 +207,7 @@ def save_checkpoint(
         dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp_storage(final, "writer"))
         write_rank_state(final, rank, rank_state)
     except (OSError, CheckpointException) as e:
-        problem = _os_error(e)
+        problem = _save_problem(e, final, _state_bytes(model_state, optim_state))
         if problem is None:
             raise
     _raise_if_not_saved(root, step, final, _gathered(problem))  # a barrier: every rank's files are on disk
@@ -419,13 +419,45 @@ class CheckpointNotSaved(TrainingStopped):
     together, rank 0 reports it in one line."""
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind a failed save: `e` itself, or the first one a rank's DCP write raised
-    (DCP gathers every rank's failure into one CheckpointException, raised on every rank)."""
+def _save_problem(e: BaseException, ckpt_dir: Path, rank_bytes: int) -> str | None:
+    """The write error behind a failed save, as a phrase; None when it is not one (a bug: raised as it is).
+    `e` is an OSError, or the CheckpointException in which DCP gathers every rank's failure (raised on every
+    rank). A full disk reaches DCP's shard writes as torch.save's RuntimeError ("unexpected pos ...": the
+    OSError it swallowed does not survive DCP's pickling), so a RuntimeError or SafetensorError with less
+    space free there than this rank's shards (`rank_bytes`) take is reported as the full disk it is."""
     if isinstance(e, OSError):
-        return e
-    failures = e.failures.values() if isinstance(e, CheckpointException) else []
-    return next((exc for exc, _ in failures if isinstance(exc, OSError)), None)
+        return _describe(e)
+    failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
+    found = next((exc for exc in failures if isinstance(exc, OSError)), None) or \
+        next((exc for exc in failures if isinstance(exc, WRITE_ERRORS)), None)
+    if found is None:
+        return None
+    problem = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", _write_problem(found))  # torch's C++ prefix
+    free = _free_bytes(ckpt_dir)
+    if not isinstance(found, OSError) and not _DISK_FULL.search(problem) and free is not None and free < rank_bytes:
+        problem = (f"No space left on device: {free / 2**20:,.1f} MiB free in {ckpt_dir.parent}, this rank's "
+                   f"shards take about {rank_bytes / 2**20:,.1f} MiB ({problem})")
+    return problem
+
+
+def _state_bytes(*states: dict) -> int:
+    """The bytes of this rank's tensors (its local shards) in nested state dicts."""
+    total = 0
+    for state in states:
+        for value in state.values():
+            if isinstance(value, dict):
+                total += _state_bytes(value)
+            elif isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _describe(e: OSError) -> str:
@@ -442,10 +474,10 @@ def _write_problem(e: BaseException) -> str:
     return _describe(e) if isinstance(e, OSError) else (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
-def _gathered(problem: OSError | None) -> str | None:
+def _gathered(problem: str | None) -> str | None:
     """The first rank's problem, as every rank sees it (collective)."""
     problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, _describe(problem) if problem is not None else None)
+    dist.all_gather_object(problems, problem)
     return next((p for p in problems if p), None)
 
 
@@ -473,8 +505,10 @@ def _not_saved(step: int, problem: str, last: Path | None, recipe: Path) -> Chec
     if last is not None:
         then = (f"the last good checkpoint, step {checkpoint_step(last)} ({last}), is intact: {fix}, then resume "
                 f"with `ftcli train --recipe {recipe} --resume`")
-    else:
+    elif ran_a_step(recipe.parent):  # its logged steps stay: a new start replaces them
         then = f"there is no earlier checkpoint: {fix}, then start again with `ftcli train --recipe {recipe} --force`"
+    else:  # the launcher removes a start that left no step behind (ftcli.artifacts.rundir.remove_failed_start)
+        then = f"there is no earlier checkpoint: {fix}, then run the same `ftcli train` again (this start is removed)"
     return CheckpointNotSaved(f"the checkpoint of step {step} could not be saved: {problem}; {then}")
 
 

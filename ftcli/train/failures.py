@@ -9,6 +9,10 @@ cause. So:
                                           the file @record writes) and the worker exits PEER_LOST_EXIT
                                           quietly; any other error prints as it always did (a UserError as
                                           one line, a bug as its traceback)
+    worker, a TrainingStopped             every rank raised the same one together (a save that could not be
+      (launched by ftcli train)           written, a non-finite loss): each records it and exits
+                                          DECIDED_STOP_EXIT quietly, and the launcher prints that line alone
+                                          (`decided_stop`): no worker races another to print it
     launcher                              `summary` of the exit codes: the rank that failed first for its
                                           own reason, the ranks that stopped with it, or, when every rank
                                           only lost its peers, the first recorded message; a stop signal
@@ -23,6 +27,7 @@ import signal
 from dataclasses import dataclass
 
 PEER_LOST_EXIT = 3
+DECIDED_STOP_EXIT = 4  # every rank stopped on the same TrainingStopped; its line is in the error file
 _PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
                       "Broken pipe", "communicator was aborted", "NCCL communicator", "Socket Timeout")
 
@@ -55,6 +60,16 @@ def recorded_message(error_file_data: dict) -> str:
     (torchrun fills in a placeholder of its own when there is no error file)."""
     message = error_file_data.get("message") if isinstance(error_file_data, dict) else None
     return str(message.get("message") or "") if isinstance(message, dict) else ""
+
+
+def decided_stop(failures: list[Failure]) -> str | None:
+    """The line of a TrainingStopped the ranks raised together (the first such rank's recorded message, without
+    the exception's name that torchrun's error file puts first), or None when the job did not end that way."""
+    decided = sorted((f for f in failures if f.exitcode == DECIDED_STOP_EXIT and f.message), key=lambda f: f.rank)
+    if not decided or any(f.own_error and f.exitcode != DECIDED_STOP_EXIT for f in failures):
+        return None
+    name, _, line = decided[0].message.partition(": ")
+    return line if name.isidentifier() and line else decided[0].message
 
 
 def _killed_by(code: int) -> str | None:

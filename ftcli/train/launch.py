@@ -216,16 +216,17 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
     except SignalException as e:  # the launcher was signalled; the agent forwarded it and waited
         _stopped(recipe.training, run_dir, int(e.sigval), started)
     except ChildFailedError as e:
-        from ftcli.train.failures import Failure, recorded_message, stop_signal, summary
+        from ftcli.train.failures import Failure, decided_stop, recorded_message, stop_signal, summary
 
         failures = [Failure(rank, f.exitcode, recorded_message(f.error_file_data))
                     for rank, f in e.failures.items()]  # global ranks; a message where a worker wrote its error file
         signum = stop_signal(failures, _STOP_EXIT_CODES)
         if signum is not None:  # the workers were signalled directly (not through the launcher)
             _stopped(recipe.training, run_dir, signum, started)
-        ckpts = run_dir / CHECKPOINTS
-        committed = any(not p.name.startswith((".tmp", "tmp-")) for p in entries(ckpts))  # not a save cut short
-        hint = " (--resume continues from the last checkpoint)" if committed else ""
+        line = decided_stop(failures)
+        if line is not None:  # every rank stopped on it together: the line says what happened and how to go on
+            raise UserError(line) from None
+        hint = " (--resume continues from the last checkpoint)" if _newest_checkpoint(recipe.training, run_dir) else ""
         raise UserError(summary(failures, _STOP_EXIT_CODES, hint)) from None
 
 
@@ -242,18 +243,25 @@ def _completed_since(run_dir: Path, started: float) -> bool:
         return False
 
 
+def _newest_checkpoint(training, run_dir: Path) -> Path | None:
+    """The committed checkpoint `--resume` would continue from, or None: a save cut short (a `step_*` dir without
+    meta.json, a `checkpoint-N` without trainer_state.json) is none."""
+    from ftcli.train.checkpoint import resolve_resume
+
+    try:
+        return resolve_resume(run_dir, "latest", kind=method_of(training).checkpoint_kind)
+    except UserError:  # none saved yet
+        return None
+
+
 def _stopped(training, run_dir: Path, signum: int, started: float) -> None:
     """After a SIGTERM / SIGINT: one line naming the step --resume continues from, and the exit code
     (none when the run had completed: it returns)."""
-    from ftcli.train.checkpoint import checkpoint_step, resolve_resume
+    from ftcli.train.checkpoint import checkpoint_step
 
     if _completed_since(run_dir, started):
         return
-
-    try:
-        newest = resolve_resume(run_dir, "latest", kind=method_of(training).checkpoint_kind)
-    except UserError:  # none saved yet
-        newest = None
+    newest = _newest_checkpoint(training, run_dir)
     step = checkpoint_step(newest) if newest is not None else None
     print(resume_hint(step, str(run_dir / RECIPE_FILE), checkpoints_enabled=training.checkpoint.enabled),
           file=sys.stderr)
@@ -368,7 +376,15 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
         if rank == 0 and os.environ.get("FTCLI_LAUNCHED") != "1":  # started by hand: no launcher to say it
             print(resume_hint(e.step if e.checkpoint else None, str(run_dir / RECIPE_FILE)), file=sys.stderr)
         raise SystemExit(e.exit_code) from None
-    except TrainingStopped:
+    except TrainingStopped as e:
+        if under_torchrun and os.environ.get("FTCLI_LAUNCHED") == "1":  # every rank decided the same: the
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # launcher says it once
+
+            from ftcli.train.distributed import exit_worker
+            from ftcli.train.failures import DECIDED_STOP_EXIT
+
+            get_error_handler().record_exception(e)
+            exit_worker(DECIDED_STOP_EXIT)
         if rank != 0:
             raise SystemExit(2) from None  # rank 0 reports it; every rank decided the same
         raise

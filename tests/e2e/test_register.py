@@ -432,6 +432,54 @@ def test_alias_is_moved_only_with_force(tmp_path, tiny_full_final, sqlite_uri):
 
 
 # ------------------------------------------------------------------------------ errors, no MLflow
+def test_a_store_that_fills_up_while_logging_is_one_line_and_no_mlflow_log(tmp_path, tiny_full_final, sqlite_uri,
+                                                                          monkeypatch, capfd):
+    """The model's copy into the store fails as on a full disk: MLflow logs the exception with its traceback at each
+    layer (1,173 lines on a real full tmpfs) and raises an MlflowException whose first line is SQLAlchemy's wrapper
+    text. Register prints none of MLflow's records and one line saying the store is full, removes the model's
+    partial files and the model, and ends its run FAILED (each only where the store still takes it)."""
+    import logging
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
+    full = ("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush block if this "
+            "flush is occurring prematurely)\n(sqlite3.OperationalError) database or disk is full\n"
+            "[SQL: UPDATE runs SET status=? WHERE runs.run_uuid = ?]\n(Background on this error at: https://sqlalche.me)")
+
+    partial = []
+
+    def log_chat_model(model_dir, *, run, **kwargs):  # MLflow began the model and copied part of its files
+        client = MlflowClient(tracking_uri=sqlite_uri)
+        model = client.create_logged_model(run.info.experiment_id, name="model", source_run_id=run.info.run_id)
+        files = Path(model.artifact_location.removeprefix("file://"))
+        (files / "model").mkdir(parents=True)
+        (files / "model" / "model.safetensors").write_bytes(b"\0" * 1024)
+        partial.append((model.model_id, files))
+        try:
+            raise OSError(28, "No space left on device", str(files / "model" / "model.safetensors"))
+        except OSError:
+            for name in ("mlflow.store.db.utils", "mlflow.tracking.fluent", "alembic.runtime", "sqlalchemy.engine"):
+                logging.getLogger(name).exception("SQLAlchemy database error. The following exception is caught.")
+        raise MlflowException(full)
+
+    monkeypatch.setattr(mlflow_model, "log_chat_model", log_chat_model)
+    with pytest.raises(UserError) as err:
+        reg.run_register(run_dir, name="q", tracking_uri=sqlite_uri)
+    assert str(err.value) == ("MLflow: (sqlite3.OperationalError) database or disk is full (free space for the store "
+                              f"{sqlite_uri} and its artifacts, then register again)")
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err and "SQLAlchemy database error" not in out.err and " INFO " not in out.err
+    assert logging.getLogger("mlflow").level != logging.CRITICAL + 1  # the loggers' levels are given back
+    (run,) = MlflowClient(tracking_uri=sqlite_uri).search_runs(
+        [e.experiment_id for e in MlflowClient(tracking_uri=sqlite_uri).search_experiments()])
+    assert run.info.status == "FAILED"
+    (model_id, files), = partial
+    assert not files.exists() and not files.parent.exists()  # the space the partial copy took is given back
+    assert MlflowClient(tracking_uri=sqlite_uri).search_logged_models([run.info.experiment_id]) == []
+
+
 def test_unreachable_server_fails_fast_in_one_line_with_the_uri(tmp_path, tiny_full_final):
     run_dir = make_full_run(tmp_path, tiny_full_final, tracking_uri=None)
     uri = f"http://127.0.0.1:{_free_port()}"
@@ -709,7 +757,8 @@ def test_model_that_cannot_produce_a_token_is_refused_in_one_line_before_registe
         shutil.copytree(tiny_full_final, run_dir / "final")
         for f in (run_dir / "final").glob("*.safetensors"):
             f.write_bytes(b"\x00" * 64)
-        expected = f"error: probe generation on {run_dir / 'final'} failed ("
+        expected = (f"error: probe generation on {run_dir / 'final'} failed: model.id '{run_dir / 'final'}': cannot load "
+                    "weights: model.safetensors is not what its header says (")
 
     result = CliRunner().invoke(app, ["register", str(run_dir), "--name", "silent", "--tracking-uri", sqlite_uri])
     assert result.exit_code == 2 and result.stdout == ""

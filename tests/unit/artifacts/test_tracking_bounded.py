@@ -160,3 +160,43 @@ def test_bounded_keeps_an_outer_alarm_running():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_a_dead_proxy_is_named_not_reported_as_the_live_server_refusing(stalling, monkeypatch):
+    """$HTTP_PROXY on a dead local port in front of a live local server (it answers /health): the line names the
+    proxy (credentials masked) and the variable that set it, not the server; $NO_PROXY naming the host goes direct."""
+    import socket
+
+    from ftcli.artifacts.tracking import check_reachable, proxy_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed again: nothing listens there
+    server = f"http://127.0.0.1:{stalling.server_address[1]}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+                 "NO_PROXY", "REQUEST_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    check_reachable(server, fix="start it")  # direct: the live server answers
+    monkeypatch.setenv("HTTP_PROXY", f"http://user:secret@127.0.0.1:{dead}")
+    assert proxy_for(server + "/health") == ("HTTP_PROXY", f"http://***@127.0.0.1:{dead}")
+    with pytest.raises(UserError) as err:
+        check_reachable(server, fix="start it or pass --tracking-uri")
+    assert str(err.value) == (
+        f"cannot reach the proxy http://***@127.0.0.1:{dead} ($HTTP_PROXY) that the MLflow tracking server at {server} "
+        "is reached through (connection refused); fix the proxy setting, or add the server's host to $NO_PROXY")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert proxy_for(server + "/health") is None
+    check_reachable(server, fix="start it")  # $NO_PROXY: direct again
+
+
+def test_an_mlflow_error_is_told_by_its_reason_not_sqlalchemys_wrapper_text():
+    from mlflow.exceptions import MlflowException
+
+    from ftcli.artifacts.tracking import mlflow_problem
+
+    wrapped = MlflowException("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush "
+                              "block)\n(sqlite3.OperationalError) database or disk is full\n[SQL: UPDATE runs]\n"
+                              "(Background on this error at: https://sqlalche.me/e/21/e3q8)")
+    assert mlflow_problem(wrapped) == "(sqlite3.OperationalError) database or disk is full"
+    assert mlflow_problem(MlflowException("RESOURCE_DOES_NOT_EXIST: at https://u:pw@host/x\nmore")) == \
+        "RESOURCE_DOES_NOT_EXIST: at https://***@host/x"

@@ -179,6 +179,36 @@ def test_a_workload_file_with_a_pip_variable_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["databricks", "slurm"])
+def test_line_breaks_other_than_newline_round_trip_in_the_rendered_file(launcher):
+    """NEL, LS, PS and CR in recipe values (description, an env value, data.path, output.dir): YAML 1.1 reads them
+    as line breaks (in a value, and as the end of a comment line), YAML 1.2 as characters; a NEL failed the
+    render's own parse-back check (an AssertionError traceback). The YAML holds them only as escapes, and every
+    value reads back as it was."""
+    from ftcli.launchers import launcher_named
+
+    breaks = "\x85\u2028\u2029\r"
+    description, env_value, path, out = "a\x85b: 1", "a\u2028b: 1\nc", "/data/a\u2029b", "/out/a\x85b"  # one each
+    recipe = load_recipe("gpt-oss-h100", [f"compute.launcher={launcher}", f"description={json.dumps(description)}",
+                                          f"compute.env_variables.V={json.dumps(env_value)}",
+                                          f"data.path={json.dumps(path)}", f"output.dir={json.dumps(out)}"])
+    text = launcher_named(launcher).render(recipe, fit_check=False)
+    if launcher == "slurm":
+        yaml_text = text.split(slurm.RECIPE_START + "\n")[1].split("\n" + slurm.RECIPE_END)[0]
+        comments = [line for line in text.split("\n") if line.lstrip().startswith("#")]
+        assert not [line for line in comments if any(ch in line for ch in breaks)]
+        data = yaml.safe_load(yaml_text)
+        env, parameters = data["compute"]["env_variables"], data
+    else:
+        yaml_text = text
+        data = yaml.safe_load(text)
+        env, parameters = data["env_variables"], data["parameters"]
+    assert not [ch for ch in yaml_text if ch in breaks]  # escapes only
+    assert '"a\\Nb: 1"' in yaml_text and '"a\\Lb: 1\\nc"' in yaml_text and '\\P' in yaml_text
+    assert env["V"] == env_value and parameters["description"] == description
+    assert parameters["data"]["path"] == path and parameters["output"]["dir"] == out
+
+
+@pytest.mark.parametrize("launcher", ["databricks", "slurm"])
 def test_strings_a_yaml_reader_would_retype_are_quoted(launcher):
     """YAML 1.2 reads 1e3, 12345e67 and 0o17 as numbers and YAML 1.1 reads y / n as booleans; PyYAML writes
     them plain unless told. Every such string in the rendered file is quoted and reads back as the string."""

@@ -139,6 +139,60 @@ def test_disk_full_during_a_save_is_one_line_and_the_last_checkpoint_survives(tm
     assert "Traceback" not in capsys.readouterr().err
 
 
+def _torch_save_fails_on_a_full_disk(monkeypatch):
+    """torch.save of a shard stops as on a full tmpfs (seen there: 2 ranks, 8 MiB): it has written a little, the
+    write's ENOSPC is swallowed by its C++ writer and a RuntimeError comes out, the only error DCP passes on."""
+    import torch
+
+    def save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+@pytest.mark.parametrize("free", [0, None])
+def test_a_full_disk_that_torch_save_reports_as_a_runtime_error_is_one_line(tmp_path, one_rank, monkeypatch, free):
+    """A shard write that a full disk stops inside torch.save: one line, the partial step dir removed, the previous
+    checkpoint intact; named as a full disk when less is free there than the rank's shards take (free=0), else the
+    error as torch.save gave it (free=None: this disk's real free space)."""
+    import ftcli.train.checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    good = _save(root, 1)
+    files = {p.name: p.read_bytes() for p in good.iterdir()}
+    _torch_save_fails_on_a_full_disk(monkeypatch)
+    if free is not None:
+        monkeypatch.setattr(ckpt, "_free_bytes", lambda path: free)
+    with pytest.raises(ckpt.CheckpointNotSaved) as err:
+        _save(root, 2)
+    rest = (f"; the last good checkpoint, step 1 ({good}), is intact: {'free space' if free == 0 else 'fix that'}, "
+            f"then resume with `ftcli train --recipe {tmp_path}/recipe.yaml --resume`")
+    problem = "unexpected pos 704 vs 598"  # torch's C++ prefix left out
+    if free == 0:  # Linear(4, 2) + AdamW: 10 weights x 3 (param, 2 moments) + steps: well under 0.05 MiB
+        problem = f"No space left on device: 0.0 MiB free in {root}, this rank's shards take about 0.0 MiB ({problem})"
+    assert str(err.value) == f"the checkpoint of step 2 could not be saved: {problem}{rest}"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # no partial step_00000002/
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == files
+    assert ckpt.resolve_resume(tmp_path, "latest") == good
+
+
+def test_a_save_that_fails_with_no_committed_checkpoint_gives_no_resume_hint(tmp_path):
+    """The launcher's line after a failed job hints --resume only when a committed checkpoint exists: a partial
+    `step_*` dir (no meta.json) or an older ftcli's `.tmp_step_*` is none."""
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.launch import _newest_checkpoint
+
+    recipe = load_recipe("tiny-qwen-cpu", [f"output.dir={tmp_path / 'run'}"])
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_00000002").mkdir(parents=True)
+    (ckpts / "step_00000002" / "__0_0.distcp").write_bytes(b"partial")
+    (ckpts / ".tmp_step_00000001").mkdir()
+    assert _newest_checkpoint(recipe.training, tmp_path / "run") is None
+    committed = _dcp(ckpts, 1)
+    assert _newest_checkpoint(recipe.training, tmp_path / "run") == committed
+
+
 def test_a_commit_renames_only_its_two_small_markers(tmp_path, one_rank, monkeypatch, renames):
     """Shards are written at their final paths; a commit renames DCP's .metadata and ftcli's meta.json (written
     last) and nothing else: the bytes renamed per checkpoint are those two files' sizes, whatever the model size.
@@ -240,10 +294,15 @@ def test_a_rank_state_that_cannot_be_written_stops_the_save_in_one_line(tmp_path
     monkeypatch.setattr(ckpt, "write_rank_state", write_rank_state)
     with pytest.raises(ckpt.CheckpointNotSaved) as err:
         _save(tmp_path / "checkpoints", 3)
-    assert str(err.value) == (
+    assert str(err.value) == (  # no step logged: the launcher removes this start, so no --force and no --resume
         "the checkpoint of step 3 could not be saved: Disk quota exceeded (rank_00000.json) [errno 122]; there is no "
-        f"earlier checkpoint: free space, then start again with `ftcli train --recipe {tmp_path}/recipe.yaml --force`")
+        "earlier checkpoint: free space, then run the same `ftcli train` again (this start is removed)")
     assert list((tmp_path / "checkpoints").iterdir()) == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # a logged step stays: a new start needs --force
+    with pytest.raises(ckpt.CheckpointNotSaved) as err:
+        _save(tmp_path / "checkpoints", 3)
+    assert str(err.value).endswith(
+        f"earlier checkpoint: free space, then start again with `ftcli train --recipe {tmp_path}/recipe.yaml --force`")
 
 
 def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export(tmp_path, one_rank, monkeypatch):
@@ -412,5 +471,4 @@ def test_a_lora_save_that_a_full_disk_stops_is_one_line_and_leaves_no_partial_ch
     torch_full = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
                               "data/0: file write failed")
     assert str(trl_save_failed(only.parent, 3, torch_full, tmp_path / "fresh")).endswith(
-        f"there is no earlier checkpoint: free space, then start again with "
-        f"`ftcli train --recipe {tmp_path / 'fresh' / 'recipe.yaml'} --force`")
+        "there is no earlier checkpoint: free space, then run the same `ftcli train` again (this start is removed)")
