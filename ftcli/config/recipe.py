@@ -536,6 +536,11 @@ class PreferenceSection(_Section):
                                    "flipped (conservative DPO).")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin.")
     orpo_lambda: float = Field(0.1, gt=0, description="orpo: the weight of the odds-ratio term beside the SFT term.")
+    reference: Literal["model", "precomputed"] = Field(
+        "model", description="dpo/ipo: where the reference's log-probs come from. model: a frozen copy of the "
+        "starting model beside the policy (method full) or the base with the adapter off (lora), one more forward "
+        "per block; precomputed (method full): one pass of the starting model over the packed blocks before step 1, "
+        "stored beside the pack cache (keyed by the blocks and the reference model), then no second model.")
 
 
 class _Training(_Section):
@@ -584,6 +589,9 @@ class _Training(_Section):
         if not pairs and self.preference is not None:
             raise ValueError(f"training.preference applies to the preference objectives "
                              f"({', '.join(PREFERENCE_OBJECTIVES)}); training.objective is {self.objective}")
+        if pairs and self.preference.reference == "precomputed" and self.method != "full":
+            raise ValueError("training.preference.reference=precomputed is for training.method=full (a LoRA run's "
+                             "reference is its base with the adapter off): leave it out or set it to model")
         if pairs and self.loss.impl != "chunked":
             raise ValueError(f"training.loss.impl={self.loss.impl} is SFT's token loss; the preference objectives' "
                              "log-probs are chunked (training.loss.chunk_tokens): leave training.loss.impl out")

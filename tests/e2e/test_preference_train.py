@@ -71,6 +71,25 @@ def test_dpo_loss_same_for_1_and_2_ranks(dpo_run, tmp_path, env):  # noqa: F811
         assert a["tokens_trained"] == b["tokens_trained"]
 
 
+def test_precomputed_reference_equals_the_live_reference(dpo_run, tmp_path, env):  # noqa: F811
+    """training.preference.reference=precomputed (the starting model's log-probs stored once beside the pack cache, no
+    second model): the live-reference run's losses, grad norms, TRL metrics and evals, step by step (1e-6)."""
+    run_dir = tmp_path / "precomputed"
+    res = ftcli(_args(run_dir, "training.preference.reference=precomputed", "training.checkpoint.enabled=false",
+                      "training.checkpoint.save_final_hf=false"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    out = res.stdout + res.stderr
+    assert "DPO reference: the starting model's log-probs, precomputed (no second model)" in out
+    assert "frozen copy" not in out and "reference log-probs (train): " in out
+    stored, live = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert [m["step"] for m in stored] == [m["step"] for m in live] == list(range(1, STEPS + 1))
+    for a, b in zip(stored, live):
+        keys = ["loss", "grad_norm", *METRICS, *(k for k in b if k.startswith("eval_") and k != "eval_tokens")]
+        assert set(keys) <= set(a)
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+
+
 def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # noqa: F811
     """The run dir as it was at its step-2 checkpoint, resumed: steps 3 and 4 as the uninterrupted run logged them
     (the reference is rebuilt as the starting model, not the resumed policy)."""

@@ -56,12 +56,13 @@ WITH = {
     "data.format": {"training.objective": "dpo", "data.format": "preference", "data.packing.strategy": "bfd"},
     **{f"training.preference.{k}": {"training.objective": "dpo", "data.format": "preference",
                                     "data.packing.strategy": "bfd"}
-       for k in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda")},
+       for k in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "reference")},
     "training.objective": {"data.format": "preference", "data.packing.strategy": "bfd"},
 }
 # Keys with one allowed value so far (a second objective or optimizer adds the next): checked to load back
 ONE_VALUE = {("full", "training.optimizer.name"),
-             ("lora", "training.optimizer.name"), ("lora", "training.loss.impl")}
+             ("lora", "training.optimizer.name"), ("lora", "training.loss.impl"),
+             ("lora", "training.preference.reference")}  # a LoRA run's reference: the base with the adapter off
 EVAL = {"holdout": 0.1}
 DROPS_SECTION = {"eval.enabled": "eval"}  # false turns the section off: it loads as None
 # Lists of sections, walked through their first entry: the entries each list starts from (two data sources, so
