@@ -334,7 +334,9 @@ class FullRun:
                                      reference_identity(self.recipe), logps, rank=world.rank,
                                      world_size=world.world_size, device=world.device, say=self.say)
         self.model.train()
-        for module in self.model.modules():  # FSDP2 keeps the root gathered after a forward: sharded again
+        # every FSDP unit sharded again: after this eval-mode pass FSDP2 left the root gathered, and a 2-rank run's
+        # step 2 then differed from the live reference's (tests/e2e/test_preference_train.py)
+        for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
         self.session.units = sets.pop("train")
