@@ -125,3 +125,39 @@ def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
     assert runs["two"][-1]["loss"] < 0.69 and "eval_rewards/accuracies" in runs["two"][-1]
     assert (tmp_path / "two" / "final" / "adapter_config.json").is_file()
+
+
+def _one_rank(run_dir, *sets):
+    return _args(run_dir, "training.cpu_processes=1", "training.grad_accum=1", "eval.enabled=false",
+                 "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false", *sets)
+
+
+def test_ipo_step_1_is_the_squared_target_margin(tmp_path, env):  # noqa: F811
+    """training.objective=ipo through `ftcli train`: at step 1 the policy is the reference, every pair's per-token
+    log-ratio margin h is 0, so the loss is (0 - 1 / (2 beta))^2 = 25 at beta 0.1; step 2's is below (h moved up)."""
+    res = ftcli(_one_rank(tmp_path / "ipo", "training.objective=ipo", "training.max_steps=2"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    steps = metrics(tmp_path / "ipo")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["loss"] == pytest.approx((0 - 1 / (2 * 0.1)) ** 2, rel=1e-6)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[1]["loss"] < steps[0]["loss"] - 1 and steps[1]["rewards/margins"] > 0
+    assert "IPO reference: a frozen copy of the starting model" in res.stdout + res.stderr
+
+
+def test_simpo_step_1_follows_from_its_logged_mean_logps(tmp_path, env):  # noqa: F811
+    """training.objective=simpo through `ftcli train`, no reference: one pair (data.max_examples=1), so step 1's loss
+    is -logsigmoid(beta * (avg_c - avg_r) - gamma) of its logged per-token mean log-probs, and its rewards
+    beta * avg."""
+    import math
+
+    res = ftcli(_one_rank(tmp_path / "simpo", "training.objective=simpo", "data.max_examples=1",
+                          "training.preference.beta=2.0", "training.preference.simpo_gamma=0.3"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    (step,) = metrics(tmp_path / "simpo")
+    c, r = step["logps/chosen"], step["logps/rejected"]
+    assert -20 < c < 0 and -20 < r < 0 and c != r
+    z = 2.0 * (c - r) - 0.3
+    assert step["loss"] == pytest.approx(math.log1p(math.exp(-z)), rel=1e-5)  # -logsigmoid(z)
+    assert (step["rewards/chosen"], step["rewards/rejected"]) == (pytest.approx(2.0 * c), pytest.approx(2.0 * r))
+    assert "reference:" not in res.stdout + res.stderr and "reference log-probs" not in res.stdout + res.stderr
