@@ -132,16 +132,31 @@ def _one_rank(run_dir, *sets):
                  "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false", *sets)
 
 
-def test_ipo_step_1_is_the_squared_target_margin(tmp_path, env):  # noqa: F811
-    """training.objective=ipo through `ftcli train`: at step 1 the policy is the reference, every pair's per-token
-    log-ratio margin h is 0, so the loss is (0 - 1 / (2 beta))^2 = 25 at beta 0.1; step 2's is below (h moved up)."""
-    res = ftcli(_one_rank(tmp_path / "ipo", "training.objective=ipo", "training.max_steps=2"), tmp_path, env)
+def test_ipo_step_1_is_the_squared_target_margin(dpo_run, tmp_path, env):  # noqa: F811
+    """training.objective=ipo through `ftcli train`, started from the DPO run (model.id = its run dir): at step 1 the
+    policy is the reference, every pair's per-token log-ratio margin h is 0, so the loss is (0 - 1 / (2 beta))^2 = 25
+    at beta 0.1; step 2's is below (h moved up). run.json and the MLflow run name the run it started from."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = ftcli(_one_rank(tmp_path / "ipo", "training.objective=ipo", "training.max_steps=2", "model.init=pretrained",
+                          f"model.id={dpo_run['run_dir']}", "tracking.enabled=true", f"tracking.tracking_uri={uri}",
+                          "tracking.log_system_metrics=false"), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
+    parent_json = json.loads((dpo_run["run_dir"] / "run.json").read_text())
+    run = json.loads((tmp_path / "ipo" / "run.json").read_text())
+    assert run["parent_run"] == {
+        "run_dir": str(dpo_run["run_dir"].resolve()), "model_dir": "final", "recipe": "tiny-dpo-cpu",
+        "recipe_digest": parent_json["recipe_digest"], "method": "full", "objective": "dpo", "mlflow_run_id": None,
+        "mlflow_experiment_id": None}  # the DPO run ran without tracking
+    tags = MlflowClient(uri).get_run(run["mlflow"]["run_id"]).data.tags
+    assert (tags["ftcli.parent.run_dir"], tags["ftcli.parent.recipe_digest"], tags["ftcli.parent.objective"]) == \
+        (str(dpo_run["run_dir"].resolve()), parent_json["recipe_digest"], "dpo")
     steps = metrics(tmp_path / "ipo")
     assert [m["step"] for m in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx((0 - 1 / (2 * 0.1)) ** 2, rel=1e-6)
     assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
-    assert steps[1]["loss"] < steps[0]["loss"] - 1 and steps[1]["rewards/margins"] > 0
+    assert steps[1]["loss"] < steps[0]["loss"] and steps[1]["rewards/margins"] > 0
     assert "IPO reference: a frozen copy of the starting model" in res.stdout + res.stderr
 
 
