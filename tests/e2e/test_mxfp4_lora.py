@@ -275,3 +275,51 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
     assert sft_config_kwargs(recipe, tmp_path)["ddp_broadcast_buffers"] is False  # the same blocks on every rank
     torch.testing.assert_close(torch.tensor(losses["mxfp4"]), torch.tensor(losses["mxfp4_dequantize"]),
                                rtol=1e-5, atol=0)
+
+
+def test_dpo_over_kept_mxfp4_is_log_2_at_step_1_and_trains_as_over_the_dequantized_base(mxfp4_base, tmp_path):
+    """training.objective=dpo on the kept-MXFP4 base (gpt-oss-120b's setting, experts kept at 4.25 bits and run
+    through the grouped expert LoRA): the reference is the same base with the adapter off (PEFT's disable_adapter, no
+    copy), so step 1 (a fresh adapter, B = 0) is log 2 with zero margins; the steps after it train, and every step's
+    loss, log-probs and reward margin equal DPO over the dequantized base with PEFT's folded expert LoRA (float32: 1e-5
+    relative, the margins 1e-5 absolute)."""
+    import math
+
+    from trl import SFTConfig
+
+    from ftcli.data import load_tokenizer
+    from ftcli.model.build import load_model
+    from ftcli.model.moe_lora import GroupedLoraMatmul
+    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
+
+    steps, calls = {}, []
+    forward = GroupedLoraMatmul.forward
+    for quantization, experts in (("mxfp4_dequantize", "peft"), ("mxfp4", "grouped")):
+        recipe = tiny_recipe("model.init=pretrained", f"model.id={mxfp4_base}", f"model.quantization={quantization}",
+                             f"lora.experts={experts}", "training.objective=dpo", "data.format=preference",
+                             "data.path=pkg://assets/tiny_prefs.jsonl", "data.max_examples=40", "training.max_steps=3",
+                             "training.log_every=1", "training.checkpoint.enabled=false",
+                             f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false", "eval=null",
+                             "data.max_length=256", "data.packing.block_len=256")
+        run_dir = tmp_path / quantization
+        tokenizer = load_tokenizer(recipe)
+        trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_blocks(recipe, tokenizer),
+                                   SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
+                                             use_cpu=True), metrics_path=run_dir / "metrics.jsonl")
+        GroupedLoraMatmul.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
+        try:
+            trainer.train()
+        finally:
+            GroupedLoraMatmul.forward = staticmethod(forward)
+        steps[quantization] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        if experts == "peft":
+            assert not calls
+    kept, dequantized = steps["mxfp4"], steps["mxfp4_dequantize"]
+    assert calls and [m["step"] for m in kept] == [m["step"] for m in dequantized] == [1, 2, 3]
+    assert kept[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and kept[0]["rewards/margins"] == 0.0
+    assert kept[-1]["rewards/margins"] != 0.0 and kept[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    # the margins (~0.05) are beta x differences of summed log-probs many times larger: compared absolutely
+    for key, rtol, atol in (("loss", 1e-5, 0), ("logps/chosen", 1e-5, 0), ("logps/rejected", 1e-5, 0),
+                            ("rewards/margins", 0, 1e-5)):
+        torch.testing.assert_close(torch.tensor([m[key] for m in kept]), torch.tensor([m[key] for m in dequantized]),
+                                   rtol=rtol, atol=atol)
