@@ -539,8 +539,9 @@ class PreferenceSection(_Section):
     reference: Literal["model", "precomputed"] = Field(
         "model", description="dpo/ipo: where the reference's log-probs come from. model: a frozen copy of the "
         "starting model beside the policy (method full) or the base with the adapter off (lora), one more forward "
-        "per block; precomputed (method full): one pass of the starting model over the packed blocks before step 1, "
-        "stored beside the pack cache (keyed by the blocks and the reference model), then no second model.")
+        "per block; precomputed: one pass of the starting model (lora: the base, training.sharding=ddp) over the "
+        "packed blocks before step 1, stored beside the pack cache (keyed by the blocks and the reference model), "
+        "then no second model and no reference forward.")
 
 
 class _Training(_Section):
@@ -589,9 +590,6 @@ class _Training(_Section):
         if not pairs and self.preference is not None:
             raise ValueError(f"training.preference applies to the preference objectives "
                              f"({', '.join(PREFERENCE_OBJECTIVES)}); training.objective is {self.objective}")
-        if pairs and self.preference.reference == "precomputed" and self.method != "full":
-            raise ValueError("training.preference.reference=precomputed is for training.method=full (a LoRA run's "
-                             "reference is its base with the adapter off): leave it out or set it to model")
         if pairs and self.loss.impl != "chunked":
             raise ValueError(f"training.loss.impl={self.loss.impl} is SFT's token loss; the preference objectives' "
                              "log-probs are chunked (training.loss.chunk_tokens): leave training.loss.impl out")

@@ -331,7 +331,7 @@ class FullRun:
 
         self.model.eval()
         sets = precomputed_reference({"train": self.session.units, **self.evaluator.packed},
-                                     reference_identity(self.recipe), logps, rank=world.rank,
+                                     reference_identity(self.recipe, world.device.type), logps, rank=world.rank,
                                      world_size=world.world_size, device=world.device, say=self.say)
         self.model.train()
         # every FSDP unit sharded again: after this eval-mode pass FSDP2 left the root gathered, and a 2-rank run's

@@ -28,20 +28,23 @@ from ftcli.data.packing import padding_block
 from ftcli.data.reference import ReferencedBlocks, num_segments, store_path, store_problem, write_store
 
 
-def reference_identity(recipe) -> dict[str, Any]:
+def reference_identity(recipe, device_type: str) -> dict[str, Any]:
     """What names the reference model, the starting model as it computes: its weights (a local directory's or the hub
     snapshot's files by name, size and mtime: the snapshot's path holds its commit), or for model.init=random the
-    config's bytes, overrides and training.seed; with the dtype, quantization, attention and training precision."""
+    config's bytes, overrides, training.seed and the device type that drew it (a GPU draws other weights than the CPU
+    from one seed); with the dtype, quantization, attention, the method and its
+    precision section (full: training.precision)."""
     from ftcli.config.recipe import resolve_path
+    from ftcli.objectives import method_of
 
     m, t = recipe.model, recipe.training
     common = {"model_type": m.model_type, "model_class": m.model_class, "dtype": m.dtype,
-              "quantization": m.quantization, "attn_implementation": m.attn_implementation,
-              "precision": t.precision.model_dump()}
+              "quantization": m.quantization, "attn_implementation": m.attn_implementation, "method": t.method,
+              "precision": t.precision.model_dump() if method_of(t.method).master_weights else None}
     if m.init == "random":
         config = Path(resolve_path(m.config)).read_bytes()
         return {**common, "init": "random", "config_sha256": hashlib.sha256(config).hexdigest(),
-                "config_overrides": m.config_overrides, "seed": t.seed}
+                "config_overrides": m.config_overrides, "seed": t.seed, "device_type": device_type}
     from ftcli.model.build import local_snapshot
 
     root = local_snapshot(m).resolve()

@@ -109,20 +109,26 @@ def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # 
 def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
     """training.method=lora (TRL + PEFT, the reference the adapter off): 2 processes x 2 micro-batches and 1 x 4 give
     the same losses and preference metrics step by step (the step normalizes by its global pair count), and step 1
-    is log 2 (a fresh adapter: policy == reference)."""
+    is log 2 (a fresh adapter: policy == reference). The 1-process run reads the reference's log-probs precomputed
+    by the base (training.preference.reference=precomputed: no adapter-off forward), the 2-process run computes them
+    live, so the two also agree that the stored reference is the live one."""
     lora = ["training.method=lora", "training.precision={}", "training.checkpoint.enabled=false",
             "training.optimizer.lr=1.0e-2", "eval.every_steps=4"]
-    runs = {}
-    for name, sets in (("two", ["training.grad_accum=2"]), ("one", ["training.cpu_processes=1",
-                                                                    "training.grad_accum=4"])):
+    runs, outputs = {}, {}
+    for name, sets in (("two", ["training.grad_accum=2"]),
+                       ("one", ["training.cpu_processes=1", "training.grad_accum=4",
+                                "training.preference.reference=precomputed"])):
         res = ftcli(_args(tmp_path / name, *lora, *sets), tmp_path, env)
         assert res.returncode == 0, output_tail(res)
-        runs[name] = metrics(tmp_path / name)
+        runs[name], outputs[name] = metrics(tmp_path / name), res.stdout + res.stderr
+    assert "DPO reference: the base's log-probs, precomputed (no adapter-off forward)" in outputs["one"]
+    assert "reference log-probs" not in outputs["two"]
     assert [m["step"] for m in runs["one"]] == [m["step"] for m in runs["two"]] == list(range(1, STEPS + 1))
     assert runs["two"][0]["loss"] == pytest.approx(0.693147, abs=1e-5)
     for a, b in zip(runs["one"], runs["two"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+    assert runs["one"][-1]["eval_loss"] == pytest.approx(runs["two"][-1]["eval_loss"], rel=1e-5)
     assert runs["two"][-1]["loss"] < 0.69 and "eval_rewards/accuracies" in runs["two"][-1]
     assert (tmp_path / "two" / "final" / "adapter_config.json").is_file()
 

@@ -61,8 +61,7 @@ WITH = {
 }
 # Keys with one allowed value so far (a second objective or optimizer adds the next): checked to load back
 ONE_VALUE = {("full", "training.optimizer.name"),
-             ("lora", "training.optimizer.name"), ("lora", "training.loss.impl"),
-             ("lora", "training.preference.reference")}  # a LoRA run's reference: the base with the adapter off
+             ("lora", "training.optimizer.name"), ("lora", "training.loss.impl")}
 EVAL = {"holdout": 0.1}
 DROPS_SECTION = {"eval.enabled": "eval"}  # false turns the section off: it loads as None
 # Lists of sections, walked through their first entry: the entries each list starts from (two data sources, so

@@ -103,10 +103,17 @@ def test_a_corrupt_store_is_rebuilt_with_one_line(tmp_path, damage, reason):
     np.testing.assert_array_equal(blocks.block(2).reference_logps, _expected(blocks.block(2)).astype(np.float32))
 
 
-def test_a_lora_run_refuses_a_precomputed_reference_in_one_line():
-    from ftcli.config.recipe import RecipeError, load_recipe
 
-    with pytest.raises(RecipeError, match=r"training.preference.reference=precomputed is for training.method=full "
-                                          r"\(a LoRA run's reference is its base with the adapter off\)"):
-        load_recipe("tiny-dpo-cpu", ["training.method=lora", "training.precision={}",
-                                     "training.preference.reference=precomputed"])
+def test_a_lora_run_over_a_sharded_base_refuses_a_precomputed_reference_in_one_line():
+    """A LoRA run's precomputed reference is its base's log-probs, computed before the trainer starts: a base that
+    only accelerate's FSDP2 makes whole (training.sharding=fsdp) cannot compute them then."""
+    from ftcli.config.errors import UserError
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.lora.trainer import read_stored_reference
+
+    recipe = load_recipe("tiny-dpo-cpu", ["training.method=lora", "training.precision={}",
+                                          "training.preference.reference=precomputed"])
+    with pytest.raises(UserError, match=r"^training.preference.reference=precomputed needs a whole base per process "
+                                        r"\(training.sharding=ddp; this run's is fsdp\): set "
+                                        r"training.preference.reference=model$"):
+        read_stored_reference(recipe, None, None, "fsdp", torch.device("cpu"))
