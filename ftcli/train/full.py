@@ -334,8 +334,9 @@ class FullRun:
                                      reference_identity(self.recipe, world.device.type), logps, rank=world.rank,
                                      world_size=world.world_size, device=world.device, say=self.say)
         self.model.train()
-        # every FSDP unit sharded again: after this eval-mode pass FSDP2 left the root gathered, and a 2-rank run's
-        # step 2 then differed from the live reference's (tests/e2e/test_preference_train.py)
+        # every FSDP unit sharded again before the optimizer is built from model.parameters(): a unit left gathered
+        # (the root, after this eval-mode pass) has its unsharded tensors set as the module's parameters (FSDP2's
+        # to_unsharded), and a 2-rank run's step 2 then differed from the live reference's (tests/e2e)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
