@@ -30,6 +30,17 @@ optional):
     source .gpu/activate.sh && python benchmarks/cp_gpu.py --tokens 32768 --cp 2 4 8 --memory
 CPU logic check (fp32 torch references, tiny widths, the same code path):
     python benchmarks/cp_gpu.py --device cpu --small --tokens 512 --cp 2 4
+
+Each N runs both layouts where the block splits into 2N chunks of 64: contiguous slices and balanced (zigzag: rank r
+holds chunks r and 2N-1-r, training.context_parallel_balance).
+
+ftcli's state passing against fla's (`fla.ops.cp`, gated delta), over real ranks (one process per GPU, NCCL; fla
+must be importable, else only ftcli's rows print), the slowest rank's fwd+bwd ms beside the errors against the
+serial rule, so a device session can decide whether ftcli should call fla's CP kernels instead:
+    source .gpu/activate.sh && torchrun --standalone --nproc_per_node=2 benchmarks/cp_gpu.py --state-passing \
+        --tokens 32768
+    (CPU logic check: torchrun --standalone --nproc_per_node=2 benchmarks/cp_gpu.py --state-passing --device cpu
+     --small --tokens 512)
 """
 
 from __future__ import annotations
@@ -82,9 +93,10 @@ def segments(tokens: int, n: int) -> list[int]:
     return [b - a for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 
-def local_cu(cu: list[int], start: int, end: int, device) -> torch.Tensor:
-    clipped = sorted({min(max(c, start), end) - start for c in cu})
-    return torch.tensor(clipped, dtype=torch.int32, device=device)
+def local_cu(s: CPSlice, device) -> torch.Tensor:
+    """The rank's own cu_seqlens: its segment pieces one after another (what slice_model_inputs builds)."""
+    lengths = [q1 - q0 for _, q0, q1 in s.pieces()]
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,17 +109,17 @@ def timed(fn, device) -> tuple[object, float]:
     return out, seconds[0] * 1e3
 
 
-def run_cp(op, kernel, inputs: dict, dims: dict, cu: list[int], n: int, extra, out_dim: int, device):
-    """`op` (a cp.*_across function) over n virtual ranks: (the ranks' outputs concatenated along the token dim,
+def run_cp(op, kernel, inputs: dict, dims: dict, cu: list[int], n: int, extra, out_dim: int, device, balanced=False):
+    """`op` (a cp.*_across function) over n virtual ranks: (the ranks' outputs in block order along the token dim,
     the slowest rank's pass-2 forward ms). `inputs`: name -> whole-block leaf tensor; `dims`: name -> its token
-    dim; `extra(slice, local inputs)`: the call's other arguments."""
+    dim; `extra(slice, local inputs)`: the call's other arguments; `balanced`: two chunks per rank (zigzag)."""
     group = VirtualGroup()
     original = cp_ops.gather_slices
     cp_ops.gather_slices = group.gather
     try:
         def rank_call(r):
-            s = CPSlice.of(cu, r, n, None)
-            local = {k: v.narrow(dims[k], s.start, s.end - s.start) for k, v in inputs.items()}
+            s = CPSlice.of(cu, r, n, None, balanced)
+            local = {k: v.index_select(dims[k], s.positions(v.device)) for k, v in inputs.items()}
             return op(kernel, **local, **extra(s, local), **{CP_KWARG: s})
 
         for r in range(n):
@@ -120,10 +132,12 @@ def run_cp(op, kernel, inputs: dict, dims: dict, cu: list[int], n: int, extra, o
             slowest = max(slowest, ms)
     finally:
         cp_ops.gather_slices = original
-    return torch.cat(outs, dim=out_dim), slowest
+    order = CPSlice.of(cu, 0, n, None, balanced).block_order(device)
+    out = torch.cat(outs, dim=out_dim)
+    return (out if order is None else out.index_select(out_dim, order)), slowest
 
 
-def check_gated_delta(kernel, w, tokens, n, dtype, device, seed=0):
+def check_gated_delta(kernel, w, tokens, n, dtype, device, seed=0, balanced=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -144,11 +158,11 @@ def check_gated_delta(kernel, w, tokens, n, dtype, device, seed=0):
         return out
 
     return compare(serial, leaves, grad_out, cu, n, device, cp_ops.gated_delta_across, kernel,
-                   lambda s, local: {"cu_seqlens": local_cu(cu, s.start, s.end, device), "use_qk_l2norm_in_kernel": True},
-                   {name: 1 for name in leaves}, out_dim=1)
+                   lambda s, local: {"cu_seqlens": local_cu(s, device), "use_qk_l2norm_in_kernel": True},
+                   {name: 1 for name in leaves}, out_dim=1, balanced=balanced)
 
 
-def check_conv(kernel, w, tokens, n, dtype, device, seed=1):
+def check_conv(kernel, w, tokens, n, dtype, device, seed=1, balanced=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(1, w["channels"], tokens, generator=g).to(device, dtype).requires_grad_()
     weight = (torch.randn(w["channels"], w["conv"], generator=g) * 0.5).to(device, dtype).requires_grad_()
@@ -163,15 +177,16 @@ def check_conv(kernel, w, tokens, n, dtype, device, seed=1):
 
     leaves = dict(hidden_states=x)
     return compare(serial, leaves, grad_out, cu, n, device, cp_ops.conv_across, kernel,
-                   lambda s, local: {"weight": weight, "activation": "silu", "seq_idx": seq_idx[:, s.start:s.end]},
-                   {"hidden_states": 2}, out_dim=2, more={"weight": weight})
+                   lambda s, local: {"weight": weight, "activation": "silu",
+                                     "seq_idx": seq_idx.index_select(1, s.positions(device))},
+                   {"hidden_states": 2}, out_dim=2, more={"weight": weight}, balanced=balanced)
 
 
 class _Attn(torch.nn.Module):
     is_causal = True
 
 
-def check_attention(kernel, w, tokens, n, dtype, device, seed=2):
+def check_attention(kernel, w, tokens, n, dtype, device, seed=2, balanced=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
     d = w["head_dim"]
     q = torch.randn(1, w["q_heads"], tokens, d, generator=g).to(device, dtype).requires_grad_()
@@ -193,7 +208,7 @@ def check_attention(kernel, w, tokens, n, dtype, device, seed=2):
         return cp_ops.attention_across(kernel, module, query, key, value, None, scaling=d ** -0.5, **kw)
 
     return compare(serial, dict(query=q, key=k, value=v), grad_out, cu, n, device, attention, kernel,
-                   lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1)
+                   lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1, balanced=balanced)
 
 
 class _SinksAttn(torch.nn.Module):
@@ -208,7 +223,7 @@ class _SinksAttn(torch.nn.Module):
         self.num_key_value_groups = heads // kv_heads  # read by gpt-oss's eager attention (the CPU reference)
 
 
-def check_sinks_attention(kernel, w, tokens, n, dtype, device, seed=3, window=None):
+def check_sinks_attention(kernel, w, tokens, n, dtype, device, seed=3, window=None, balanced=False):
     """gpt-oss-20b's attention (64 query / 8 key-value heads of 64, learned sinks; window 128 on sliding layers)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     heads, kv_heads, d = (4, 2, 16) if w is WIDTH[True] else (64, 8, 64)
@@ -230,10 +245,11 @@ def check_sinks_attention(kernel, w, tokens, n, dtype, device, seed=3, window=No
                                        s_aux=module.sinks, **kw)
 
     return compare(serial, dict(query=q, key=k, value=v), grad_out, cu, n, device, attention, kernel,
-                   lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1, more={"sinks": module.sinks})
+                   lambda s, local: {}, {"query": 2, "key": 2, "value": 2}, out_dim=1, more={"sinks": module.sinks},
+                   balanced=balanced)
 
 
-def compare(serial, leaves, grad_out, cu, n, device, op, kernel, extra, dims, out_dim, more=None):
+def compare(serial, leaves, grad_out, cu, n, device, op, kernel, extra, dims, out_dim, more=None, balanced=False):
     """(out rel err, worst input-grad rel err, serial ms, CP slowest-rank ms)."""
     more = more or {}
     everything = {**leaves, **more}
@@ -242,7 +258,7 @@ def compare(serial, leaves, grad_out, cu, n, device, op, kernel, extra, dims, ou
     for t in everything.values():
         t.grad = None
 
-    out_cp, cp_ms = run_cp(op, kernel, leaves, dims, cu, n, extra, out_dim, device)
+    out_cp, cp_ms = run_cp(op, kernel, leaves, dims, cu, n, extra, out_dim, device, balanced)
     _, backward_ms = timed(lambda: out_cp.backward(grad_out), device)
     cp_ms += backward_ms / n  # the ranks' backward runs as one graph here: each rank's share
     worst = max(rel(t.grad, grads_serial[name]) for name, t in everything.items())
@@ -258,6 +274,7 @@ def memory_check(kernel, w, tokens, n, dtype, device) -> tuple[float, float]:
     d = w["head_dim"]
     s = CPSlice.of([0, tokens], n - 1, n, None)  # the last slice: its queries see every key
     t = tokens // n
+    start, end = s.spans()[0]
     q = torch.randn(1, w["q_heads"], t, d, device=device, dtype=dtype, requires_grad=True)
     keys = torch.randn(1, w["kv_heads"], tokens, d, device=device, dtype=dtype, requires_grad=True)
     values = torch.randn_like(keys, requires_grad=True)
@@ -270,7 +287,7 @@ def memory_check(kernel, w, tokens, n, dtype, device) -> tuple[float, float]:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        out, _ = cp_ops.attention_across(kernel, _Attn(), q, keys[:, :, s.start:s.end], values[:, :, s.start:s.end],
+        out, _ = cp_ops.attention_across(kernel, _Attn(), q, keys[:, :, start:end], values[:, :, start:end],
                                          None, scaling=d ** -0.5, **{CP_KWARG: s})
         out.backward(torch.ones_like(out))
     finally:
@@ -282,6 +299,115 @@ def memory_check(kernel, w, tokens, n, dtype, device) -> tuple[float, float]:
     return measured, model
 
 
+def state_passing(args) -> int:
+    """--state-passing, under torchrun (one process per GPU, NCCL; or gloo on CPU for a logic check): the gated-delta
+    rule of one block split over the real ranks, ftcli's state passing (`cp.gated_delta_across` over the installed
+    rule, contiguous and balanced) and, when fla is importable, fla's own (`chunk_gated_delta_rule(...,
+    cp_context=fla.ops.cp.build_cp_context(cu_seqlens, group))`, contiguous only), both against the serial rule on
+    the whole block (each rank runs it and keeps its part): output and input-gradient errors, and forward + backward
+    ms of the slowest rank (median of --repeats, after one warm-up)."""
+    import torch.distributed as dist
+
+    device = torch.device(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    w = WIDTH[args.small]
+    backends = {b.op: b for b in kernels.decide_backends("qwen3_5_text", device)}
+    kernels.install_backends("qwen3_5_text", list(backends.values()))  # the module globals the torch rule reads
+    backend = backends["gated_delta_rule"]
+    from ftcli.model.kernels.ops import KERNELS
+
+    kernel = KERNELS["gated_delta_rule"][backend.name]
+    g = torch.Generator(device="cpu").manual_seed(0)  # the same block on every rank
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    tokens = args.tokens
+    q, k = rand(1, tokens, w["k_heads"], w["dk"]), rand(1, tokens, w["k_heads"], w["dk"])
+    v = rand(1, tokens, w["v_heads"], w["dv"])
+    gate = (-torch.rand(1, tokens, w["v_heads"], generator=g) * 0.05).to(device, torch.float32)
+    beta = torch.rand(1, tokens, w["v_heads"], generator=g).to(device, dtype)
+    grad_out = rand(1, tokens, w["v_heads"], w["dv"])
+    cu = [0, *torch.tensor(segments(tokens, n)).cumsum(0).tolist()]
+    whole = dict(query=q, key=k, value=v, g=gate, beta=beta)
+
+    def leaves(positions):
+        return {name: t.index_select(1, positions).detach().requires_grad_() for name, t in whole.items()}
+
+    serial_in = {name: t.detach().requires_grad_() for name, t in whole.items()}
+    serial_out, _ = kernel(**serial_in, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+                           use_qk_l2norm_in_kernel=True)
+    serial_out.backward(grad_out)
+
+    def ftcli_call(balanced):
+        s = CPSlice.of(cu, rank, n, dist.group.WORLD, balanced)
+        local = leaves(s.positions(device))
+        out, _ = cp_ops.gated_delta_across(kernel, **local, cu_seqlens=local_cu(s, device),
+                                           use_qk_l2norm_in_kernel=True, **{CP_KWARG: s})
+        return s.positions(device), local, out
+
+    def fla_call():
+        from fla.ops.cp import build_cp_context
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        s = CPSlice.of(cu, rank, n, None)
+        local = leaves(s.positions(device))
+        context = build_cp_context(torch.tensor(cu, dtype=torch.long, device=device), dist.group.WORLD)
+        out, _ = chunk_gated_delta_rule(local["query"], local["key"], local["value"], g=local["g"],
+                                        beta=local["beta"], use_qk_l2norm_in_kernel=True, cp_context=context)
+        return s.positions(device), local, out
+
+    variants = {"ftcli, contiguous": lambda: ftcli_call(False)}
+    if tokens % (2 * n * 64) == 0:
+        variants["ftcli, balanced"] = lambda: ftcli_call(True)
+    try:
+        import fla.ops.cp  # noqa: F401
+
+        variants["fla.ops.cp, contiguous"] = fla_call
+        fla_note = ""
+    except ImportError as e:
+        fla_note = f"fla.ops.cp not importable here ({e}): ftcli's state passing only"
+    rows = []
+    for label, call in variants.items():
+        def step():
+            positions, local, out = call()
+            out.backward(grad_out.index_select(1, positions))
+            return positions, local, out
+
+        try:
+            step()  # warm-up (autotuning, the collectives' first use)
+        except (TypeError, ValueError, NotImplementedError) as e:  # an fla version with another CP API: every rank
+            rows.append([label, n, "-", "-", "-", f"not run: {type(e).__name__}: {str(e)[:120]}"])
+            continue
+        times = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            (positions, local, out), seconds = common.timed(step, device=device)
+            times.append(seconds[0] * 1e3)
+        errors = [rel(out.detach(), serial_out.detach().index_select(1, positions))]
+        errors += [rel(t.grad, serial_in[name].grad.index_select(1, positions)) for name, t in local.items()]
+        worst = torch.tensor([errors[0], max(errors[1:]), sorted(times)[len(times) // 2]], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        rows.append([label, n, f"{worst[0]:.2e}", f"{worst[1]:.2e}", f"{worst[2]:.2f}",
+                     "yes" if max(worst[0], worst[1]) <= args.tol else "NO"])
+    if rank == 0:
+        print(f"gated-delta state passing over {n} ranks ({device.type}, {dtype}), {tokens:,} tokens, backend "
+              f"{backend.name}; segments {cu}")
+        if fla_note:
+            print(fla_note)
+        print(common.table(["state passing", "CP", "out rel err", "worst grad rel err",
+                            "fwd+bwd ms (slowest rank, median)", "ok"], rows))
+    failed = any(r[-1] != "yes" for r in rows)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
@@ -290,7 +416,12 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny widths (a CPU logic check)")
     ap.add_argument("--tol", type=float, default=2e-2)
     ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--state-passing", action="store_true",
+                    help="under torchrun: ftcli's gated-delta state passing against fla.ops.cp over real ranks")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    if args.state_passing:
+        return state_passing(args)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     w = WIDTH[args.small]
@@ -310,17 +441,18 @@ def main() -> int:
                                                        functools.partial(check_sinks_attention, window=128))}
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
           f"{args.tokens:,} tokens, torch {torch.__version__}")
-    print("| op | backend | CP | out rel err | worst grad rel err | serial fwd+bwd ms | CP ms per rank (slowest forward + backward / N) | ok |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| op | backend | CP | layout | out rel err | worst grad rel err | serial fwd+bwd ms | CP ms per rank (slowest forward + backward / N) | ok |")
+    print("|---|---|---|---|---|---|---|---|---|")
     failed = False
     for label, (op, name, check) in chosen.items():
         kernel = KERNELS[op][name]
         for n in args.cp:
-            out_err, grad_err, serial_ms, cp_ms = check(kernel, w, args.tokens, n, dtype, device)
-            ok = out_err <= args.tol and grad_err <= args.tol
-            failed |= not ok
-            print(f"| {label} | {name} | {n} | {out_err:.2e} | {grad_err:.2e} | {serial_ms:.1f} | {cp_ms:.1f} | "
-                  f"{'yes' if ok else 'NO'} |", flush=True)
+            for balanced in (False, True) if args.tokens % (2 * n * 64) == 0 else (False,):
+                out_err, grad_err, serial_ms, cp_ms = check(kernel, w, args.tokens, n, dtype, device, balanced=balanced)
+                ok = out_err <= args.tol and grad_err <= args.tol
+                failed |= not ok
+                print(f"| {label} | {name} | {n} | {'balanced' if balanced else 'contiguous'} | {out_err:.2e} | "
+                      f"{grad_err:.2e} | {serial_ms:.1f} | {cp_ms:.1f} | {'yes' if ok else 'NO'} |", flush=True)
     if args.memory and device.type == "cuda":
         print("\n| CP | slice tokens | measured GiB (one layer's CP attention, fwd+bwd) | memory model GiB |")
         print("|---|---|---|---|")

@@ -92,7 +92,7 @@ def ftcli_blocks(tiny: bool, steps: int, work: Path):
     from ftcli import data
 
     recipe = load(base_sets(tiny, steps) + [f"output.dir={work / 'data-run'}"])
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     packed = data.prepare_blocks(recipe, tokenizer)
     stream = data.BlockStream(packed, 0, 1, epochs=recipe.training.epochs, seed=recipe.training.seed)
     blocks = list(islice(stream, steps))

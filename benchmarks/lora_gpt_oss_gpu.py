@@ -214,7 +214,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
     recipe = mode_recipe(mode, args, work)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     attn = _attn_implementation(recipe, device)
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     rows = training_blocks(recipe, tokenizer)
 
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def run_mode(mode: str, args, work: Path) -> dict:
         experts += " + PEFT ParamWrapper"
     build_s = time.perf_counter() - t_build
 
-    kwargs = sft_config_kwargs(recipe, work / mode)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, work / mode)
     kwargs.update(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=m.get("log", 1),
                   use_cpu=device.type == "cpu")
     if m.get("trl_compile"):

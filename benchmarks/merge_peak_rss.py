@@ -69,7 +69,8 @@ def make(size: str, out: Path, layers: int) -> None:
     (out / "n_params").write_text(str(sum(p.numel() for p in model.parameters())))
     tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
     mxfp4.save_mxfp4(model, out / "base", tokenizer=tok)
-    peft_model = get_peft_model(model, lora_config(load_recipe("tiny-gpt-oss-cpu"), model))
+    recipe = load_recipe("tiny-gpt-oss-cpu")
+    peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.01)

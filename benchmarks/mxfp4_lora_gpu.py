@@ -154,7 +154,7 @@ def main() -> None:
                 keep_experts_mxfp4(model.get_submodule(name), tensors, base_dtype, device)
         del kept
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        peft_model = get_peft_model(model, lora_config(recipe, model))
+        peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
         if tag != "bf16":
             assert install_grouped_experts(peft_model) == args.layers
         if tag == "mxfp4":

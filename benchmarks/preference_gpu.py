@@ -187,8 +187,9 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world, pre
     cfg = preference_config(recipe.training)
     method = CASES[case][3]
     if method == "full":
-        model = build_model(recipe, world, attn)
-        reference = None if precompute else build_model(recipe, world, attn).requires_grad_(False).eval()
+        model = build_model(recipe.model, recipe.training, world, attn)
+        reference = None if precompute else build_model(recipe.model, recipe.training, world,
+                                                        attn).requires_grad_(False).eval()
         attach_preference_loss(model, cfg, recipe.training.loss.chunk_tokens, reference)
         if precompute:  # no second model: the blocks carry the starting model's log-probs
             blocks, reference_pass_s = precompute_reference(model, blocks, device)

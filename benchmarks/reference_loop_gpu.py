@@ -87,7 +87,7 @@ def bench_blocks(block_len: int, tiny: bool, count: int) -> list:
     from ftcli.config.recipe import load_recipe
 
     recipe = load_recipe(RECIPE, data_overrides(block_len, tiny))
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     stream = data.BlockStream(data.prepare_blocks(recipe, tokenizer), 0, 1, epochs=recipe.training.epochs,
                               seed=recipe.training.seed)
     blocks = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import re
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from rich.markup import escape
 
 from ftcli import __version__
 from ftcli.config.errors import UserError
+from ftcli.config.safe_files import check_output_path, write_output
 
 _UsageError = typer.BadParameter.__mro__[1]  # typer's vendored click UsageError, reached through its public subclass
 
@@ -132,35 +132,6 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _check_output(path: Path, force: bool) -> None:
-    """Refuse before any work: an existing file or a symbolic link (dangling or not: writing through it would
-    write wherever it points) without --force, a missing or non-directory parent. With --force a link is
-    replaced by the file (`_write`, ftcli.artifacts.safe_files.open_output), its target left alone."""
-    if path.is_symlink():
-        if not force:
-            _fail(f"{path} is a symbolic link (to {os.readlink(path)}); pass --force to replace the link (its "
-                  "target is left alone)")
-        return
-    if path.is_dir():
-        _fail(f"{path} is a directory; give a file path")
-    if path.exists() and not force:
-        _fail(f"{path} exists; pass --force to overwrite it")
-    parent = path.parent
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        _fail(f"cannot write {path}: {parent} {what}; create it first (mkdir -p {parent})")
-
-
-def _write(path: Path, text: str) -> None:
-    from ftcli.artifacts.safe_files import open_output
-
-    try:
-        with open_output(path) as f:
-            f.write(text)
-    except OSError as e:
-        _fail(f"cannot write {path}: {e.strerror or e}")
-
-
 def _load(recipe: str | None, overrides: list[str] | None):
     from ftcli.features import load_recipe
 
@@ -237,8 +208,8 @@ def recipes_cp(
     if dest.is_dir():
         dest = dest / f"{Path(name).stem}.yaml"
     text, old = renamed(recipe_text(name), dest.stem)
-    _check_output(dest, force)
-    _write(dest, text)  # a link at DEST (--force) is replaced, never written through
+    check_output_path(dest, force)
+    write_output(dest, text)  # a link at DEST (--force) is replaced, never written through
     named = f" (name: {dest.stem}, was {old}: it trains into runs/{dest.stem})" if old and old != dest.stem else ""
     console.print(f"wrote {dest}{named}; edit it, then: ftcli train --recipe {dest}", soft_wrap=True)
 
@@ -274,12 +245,12 @@ def render_workload(
     if r is None:
         _fail("render-workload needs --recipe (or --check FILE)")
     if output is not None:
-        _check_output(output, force)
+        check_output_path(output, force)
     rendered = workload.render(r, fit_check=not no_fit_check)
     if output is None:
         print(rendered.text, end="")
     else:
-        _write(output, rendered.text)
+        write_output(output, rendered.text)
     for warning in rendered.warnings:  # after the file: the last lines on screen
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if output is not None:
@@ -305,7 +276,7 @@ def pack_preview(
     from ftcli.commands.preview import run_preview
 
     if dump is not None:
-        _check_output(dump, force)
+        check_output_path(dump, force, "blocks.jsonl")
     run_preview(r, blocks=blocks, examples=examples, as_json=as_json, dump=dump, strict=strict)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ def one_rank(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base
-    (test_merge, test_merge_stream, test_data_loss)."""
+    (tests/e2e/test_merge, test_merge_stream, tests/unit/artifacts/test_data_loss)."""
     import torch
     from _lora_common import tiny_model, tiny_recipe
     from peft import get_peft_model
@@ -61,7 +62,7 @@ def lora_run(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(resolve_path("pkg://assets/tokenizer-gpt-oss"))
     base = mxfp4.save_mxfp4(tiny_model(seed=0, dtype=torch.bfloat16), root / "base-mxfp4", tokenizer=tok)
     model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization="mxfp4_dequantize"))
-    peft_model = get_peft_model(model, lora_config(tiny_recipe(), model))
+    peft_model = get_peft_model(model, lora_config(tiny_recipe().lora, tiny_recipe().model, model))
     torch.manual_seed(3)
     for name, p in peft_model.named_parameters():
         if "lora_" in name:
@@ -87,7 +88,31 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_resume_world_size", "test_secrets", "test_eval_lora", "test_run_lock", "test_mxfp4_lora",
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
-               "test_data_checks", "test_preference_train", "test_tracking"]
+               "test_data_checks", "test_preference_train", "test_tracking",
+               # not runs, but seconds each (moved out of the fast tier): a model merged, 200 recipes round-tripped,
+               # the sbatch script's shell logic, fresh interpreters
+               "test_merge", "test_slurm_script", "test_recipe_roundtrip", "test_data_workers", "test_light_imports"]
+
+
+@pytest.fixture
+def renames(monkeypatch) -> list[tuple[str, int]]:
+    """(destination name, bytes moved) of every rename from here on (os.rename, os.replace, Path.rename: what
+    a UC Volume's FUSE mount turns into a server-side copy of that many bytes): test_checkpoint, test_merge."""
+    moved, rename, replace = [], os.rename, os.replace
+
+    def size(path) -> int:
+        path = Path(path)
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+    def counted(real):
+        def move(src, dst, *args, **kwargs):
+            moved.append((Path(dst).name, size(src)))
+            return real(src, dst, *args, **kwargs)
+        return move
+
+    monkeypatch.setattr(os, "rename", counted(rename))
+    monkeypatch.setattr(os, "replace", counted(replace))
+    return moved
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -13,10 +13,20 @@
          (MoE routing pinned, see RoutingReplay); otherwise the shards written so far are removed
       -> shards written as they fill (--format plain: every weight in --dtype; mxfp4: the experts
          re-quantized by ftcli.model.mxfp4, bit for bit its quantizer) + config + tokenizer + merge.json (the
-         check's numbers and the files written), into a temporary sibling that then takes the output's
-         place. `-o` is checked before anything loads: never the adapter, its run, the base or a folder
-         holding them, never a dir with files merge-lora did not write; an earlier merge is replaced only
-         with --force, once the new one has passed
+         check's numbers and the files written), in place (below). `-o` is checked before anything loads:
+         never the adapter, its run, the base or a folder holding them, never a dir with files merge-lora did
+         not write or a link; an earlier merge is replaced only with --force, once the new one has passed
+
+Written in place, no large file renamed (on a Unity Catalog Volume a rename is a server-side copy of the
+file): the output is published like a trained model's export (ftcli.artifacts.publish: `ftcli_export.json`
+says incomplete while it changes, and lists every file's size last; `locate` refuses anything else). The
+shards go straight to their final names, `model-<tag>-00001.safetensors` with a random tag and always an
+index, so a new merge's shards never collide with an earlier merge's. An earlier whole merge in `-o` stays
+published, untouched, while the new one streams and is checked: a failure, Ctrl-C, SIGTERM or a kill there
+leaves it as it was (only a kill leaves the new shards beside it, named in `.merge-lora.pending.json`; the
+next merge into `-o` removes them). Once the check passed, the earlier merge is unpublished and removed,
+and the new small files and the record are written: a failure from there on leaves no model, a kill a dir
+every reader refuses. The cost: for a while, both merges on disk (as with a temporary copy).
 
 Memory: the whole model never exists. Resident at once: one unit's base weights, PEFT's delta for it
 (fp32, the size of the adapted weight: for the experts of a gpt-oss layer, twice the unit's bf16 size),
@@ -36,7 +46,10 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
+import socket
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +60,16 @@ from ftcli.families import find_family
 from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
-from ftcli.artifacts.safe_files import entries, remove_tree
+from ftcli.artifacts.publish import EXPORT_RECORD, begin_export, export_problem, publish_export, unpublish_export
+from ftcli.config.safe_files import entries, refuse_links, remove_tree, write_atomic
 from ftcli.artifacts.tracking import first_line
 
 PROBE_TOKENS = 48
 MAX_SHARD_SIZE = "2GB"
 MERGE_REPORT = "merge.json"  # the check's numbers, and the files this merge wrote (what --force may replace)
+PENDING = ".merge-lora.pending.json"  # a merge writing into the dir: its pid, its shards' tag, then all its files
+SHARD_NAME = re.compile(r"model-([0-9a-f]{8})-\d{5}\.safetensors")  # a merge's shards: model-<tag>-00001...
+DISK_FULL = re.compile(r"No space left|Disk quota|[Ee]rrno 28\b|[Ee]rrno 122\b|os error 28|os error 122")
 # The logits check: max |merged - (base+adapter)| over the probe, relative to max(1, max |logits|),
 # with MoE routing pinned (RoutingReplay). float32 merges agree up to summation order. In bf16/fp16
 # every merged weight is rounded once (W + dW -> 8 or 11 mantissa bits); measured on an 8-layer
@@ -143,7 +160,7 @@ def is_newer_merge(out: Path, adapter: Path, dtype: str, fmt: str = "plain") -> 
         return False
     same = (isinstance(report, dict) and Path(str(report.get("adapter"))).resolve() == adapter.resolve()
             and report.get("dtype") == dtype and report.get("format", "plain") == fmt)
-    return same and done.is_file() and any(out.glob("*.safetensors")) and all(
+    return same and done.is_file() and any(out.glob("*.safetensors")) and export_problem(out) is None and all(
         done.stat().st_mtime >= p.stat().st_mtime for p in adapter.glob("adapter_model.*") if p.is_file())
 
 
@@ -151,7 +168,7 @@ def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: 
     """Where the merged model goes, checked before anything is loaded; deletes nothing. Refused: the
     adapter, its run dir, the base, any folder holding one of them, a folder inside the adapter or
     the base, and a non-empty dir that is not an earlier merge-lora output (merge.json lists the files
-    it wrote; with --force such an output is replaced, by `_put_in_place`, once the new merge passed)."""
+    it wrote; with --force such an output is replaced, by `_InPlace.publish`, once the new merge passed)."""
     out = (Path(output) if output else default_output(adapter, run_dir)).expanduser().resolve()
     for what, path in (("its run dir", run_dir), ("the adapter", adapter), ("the base model", base.path)):
         if path is None:
@@ -168,15 +185,28 @@ def _output_dir(output: Path | None, adapter: Path, run_dir: Path | None, base: 
 
 
 def _check_replaceable(out: Path, force: bool) -> None:
-    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not contents:
+    """Refuse, in one line, an output holding a link, files merge-lora did not write, a merge still running
+    into it, or (without --force) an earlier merge. A killed merge's leftovers are merge-lora's: its pending
+    record (PENDING) names them."""
+    names = [p.name for p in entries(out)]
+    if not names:
         return
-    foreign = [name for name in contents if name not in (_merged_files(out) or ())]
+    refuse_links([out / name for name in names], where="a merge-lora output", fix="remove it or pass another --output")
+    pending = _pending(out)
+    if pending is not None and pending.get("host", socket.gethostname()) != socket.gethostname():
+        raise UserError(f"{out}: a merge-lora on {pending['host']} (pid {pending['pid']}) is writing there, or was "
+                        f"killed; once it is gone, remove {out / PENDING} and {out}/model-{pending['tag']}-*.safetensors "
+                        "(or pass another --output)")
+    if pending is not None and pending["pid"] != os.getpid() and _running(pending["pid"]):
+        raise UserError(f"{out}: another merge-lora (pid {pending['pid']}) is writing there; wait for it to end, "
+                        "or pass another --output")
+    ours = (_merged_files(out) or set()) | _pending_files(out, pending) | {EXPORT_RECORD, PENDING}
+    foreign = [name for name in names if name not in ours]
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise UserError(f"{out} holds files merge-lora did not write ({shown}); merge-lora never deletes those: "
                         "pass another --output")
-    if not force:
+    if (out / MERGE_REPORT).is_file() and not force:
         raise UserError(f"{out} holds an earlier merge; pass --force to replace it, or --output DIR")
 
 
@@ -191,26 +221,132 @@ def _merged_files(out: Path) -> set[str] | None:
     return {*files, MERGE_REPORT}
 
 
-def _put_in_place(tmp: Path, out: Path, report: dict[str, Any], force: bool) -> None:
-    """List the files in merge.json, then put the finished merge in `tmp` in place of `out` (an earlier
-    merge there is removed file by file, only now that the new one is complete)."""
-    report["files"] = sorted(p.name for p in tmp.iterdir()) + [MERGE_REPORT]
-    (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    if out.is_dir():
+def _pending(out: Path) -> dict[str, Any] | None:
+    """The pending record of a merge into `out` (running, or killed), or None."""
+    try:
+        record = json.loads((out / PENDING).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(record, dict) and isinstance(record.get("pid"), int) and isinstance(record.get("tag"), str)
+          and isinstance(record.get("host", ""), str)
+          and all(isinstance(f, str) and "/" not in f for f in record.get("files", [])))
+    return record if ok else None
+
+
+def _pending_files(out: Path, pending: dict[str, Any] | None) -> set[str]:
+    """What the merge of `pending` has written or may have: its shards, and the files it listed before
+    writing them."""
+    if pending is None:
+        return set()
+    shards = {p.name for p in entries(out) if (m := SHARD_NAME.fullmatch(p.name)) and m[1] == pending["tag"]}
+    return shards | set(pending.get("files", []))
+
+
+def _whole_merge(out: Path) -> bool:
+    """`out` holds an earlier merge that is complete (its export record, or for one without it, merge.json's
+    list of files, all present)."""
+    files = _merged_files(out)
+    return (files is not None and export_problem(out) is None
+            and all((out / f).is_file() for f in files - {EXPORT_RECORD}))
+
+
+class _InPlace:
+    """The output dir while a merge writes into it (see the module docstring, "Written in place").
+
+        begin    no whole earlier merge: the dir is emptied of merge-lora's leftovers, its record says
+                 incomplete (ftcli.artifacts.publish); a whole earlier merge stays untouched and published.
+                 The pending record (pid, the shards' tag) is written.
+        shards   model-<tag>-00001.safetensors ... at their final names, beside the earlier merge's files
+        publish  (the check passed) the record says incomplete, the pending record lists every file of the
+                 new merge, the earlier merge's files go, the small files are written, then the record lists
+                 every file's size
+        abort    an error, Ctrl-C, SIGTERM: the new merge's files go; an earlier merge that was not yet being
+                 replaced stays as it was, published; otherwise the record goes last (a kill while aborting
+                 leaves a dir every reader refuses)
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.tag = out, ""
+        self.created = not out.exists()
+        self.fresh = self.replacing = False
+
+    def begin(self) -> None:
+        out = self.out
+        out.mkdir(parents=True, exist_ok=True)
+        pending = _pending(out)  # a killed merge's (_check_replaceable: not a running one)
+        self.fresh = not _whole_merge(out)
+        if self.fresh:
+            begin_export(out)  # what is left here is merge-lora's (checked): removed, the record says incomplete
+        elif pending is not None:
+            for name in sorted(_pending_files(out, pending) - _merged_files(out)):
+                remove_tree(out / name)
+        taken = {p.name for p in entries(out)}
+        self.tag = next(t for t in iter(lambda: secrets.token_hex(4), None)
+                        if not any(name.startswith(f"model-{t}-") for name in taken))
+        write_atomic(out / PENDING, json.dumps(self._pending()) + "\n")
+
+    def _pending(self) -> dict[str, Any]:
+        """The pending record: a pid means something only on its host (a Volume is shared between machines)."""
+        return {"host": socket.gethostname(), "pid": os.getpid(), "tag": self.tag}
+
+    def shard_name(self, number: int) -> str:
+        return f"model-{self.tag}-{number:05d}.safetensors"
+
+    def publish(self, small: dict[str, bytes], shards: list[str], report: dict[str, Any], force: bool) -> None:
+        out = self.out
         _check_replaceable(out, force)  # again: the dir may have changed while merging
-        for name in _merged_files(out) or ():
-            target = out / name
-            if target.is_file() or target.is_symlink():
-                target.unlink()
-        out.rmdir()
-    os.replace(tmp, out)
+        report["files"] = sorted([*small, *shards, MERGE_REPORT])
+        if not self.fresh:
+            unpublish_export(out)  # the earlier merge is unpublished before its first file goes
+        write_atomic(out / PENDING, json.dumps({**self._pending(), "files": report["files"]}) + "\n")
+        self.replacing = True
+        if not self.fresh:
+            for name in sorted((_merged_files(out) or set()) - {MERGE_REPORT, EXPORT_RECORD, PENDING}, key=str):
+                remove_tree(out / name)
+            (out / MERGE_REPORT).unlink(missing_ok=True)  # the earlier merge's list goes last
+        small = {**small, MERGE_REPORT: (json.dumps(report, indent=2) + "\n").encode()}
+        for name, data in small.items():
+            with open(out / name, "xb") as f:  # O_CREAT | O_EXCL: never through a link
+                f.write(data)
+        for path in entries(out):  # safetensors writes its files 0600: the merged model follows the umask
+            if path.is_file():
+                path.chmod(0o666 & ~_umask())
+        (out / PENDING).unlink()
+        publish_export(out)
+
+    def abort(self) -> None:
+        out = self.out
+        if not self.tag and not self.fresh:
+            return  # begin never ran
+        if self.fresh or self.replacing:
+            for path in entries(out):
+                if path.name != EXPORT_RECORD:
+                    remove_tree(path)
+            (out / EXPORT_RECORD).unlink(missing_ok=True)  # last: a kill before this leaves a refused dir
+            if self.created:
+                out.rmdir()
+            return
+        for name in _pending_files(out, {"tag": self.tag}):  # the new shards; the earlier merge stays published
+            remove_tree(out / name)
+        (out / PENDING).unlink(missing_ok=True)
+
+
+def _not_written(out: Path, e: BaseException, needed_bytes: int, kept: bool) -> UserError:
+    """The one line for a merge that a write error (a full disk, a quota) stopped, once its files are removed."""
+    problem = first_line(e)
+    space = ""
+    if DISK_FULL.search(problem):
+        where = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
+        space = (f"; it needs about {needed_bytes / 2**20:,.1f} MiB, {shutil.disk_usage(where).free / 2**20:,.1f} MiB "
+                 "are free there: free space")
+    earlier = " (the earlier merge there is intact)" if kept else ""
+    return UserError(f"merge-lora could not write the merged model to {out}: {problem}{space}; nothing half-written "
+                     f"is left{earlier}")
 
 
 # ------------------------------------------------------------------------------------------ merge
 def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = "plain") -> tuple[Path, dict[str, Any]]:
-    import tempfile
-
-    from transformers import AutoTokenizer
+    from safetensors import SafetensorError
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: use {' or '.join(FORMATS)}")
@@ -225,25 +361,22 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
     if fmt == "mxfp4" and not getattr(find_family(cfg.model_type), "mxfp4_experts", False):  # ftcli.families: gpt-oss
         raise UserError(f"--format mxfp4 writes gpt-oss expert weights; base {base_ref!r} is a '{cfg.model_type}' model")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent))
+    remove_stale_temps(out)  # an older ftcli's `.<out>.<pid>.<random>.tmp`
+    merging = _Merging.prepare(cfg, resolved, adapter, dtype, fmt)  # the adapter checked against the base
+    place = _InPlace(out)
     try:
-        with _sigterm_ends_with_cleanup():  # SIGTERM: the except below still removes tmp
-            tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the merged model follows the umask like any output
-            report = _stream_merge(cfg, resolved, adapter, tmp, dtype, fmt)
+        with _sigterm_ends_with_cleanup():  # SIGTERM: the except below still removes what this merge wrote
+            place.begin()
+            report, weight_map = merging.run(out, place.shard_name)
             report.update(adapter=str(adapter), base=base_ref, dtype=dtype, format=fmt)
-            tokenizer_src = adapter if _has_tokenizer(adapter) else base_ref
-            try:
-                AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
-            except OSError:
-                pass  # a base without tokenizer files: the merged model is still complete
-            for path in tmp.rglob("*"):  # safetensors writes its files 0600
-                if path.is_file():
-                    path.chmod(0o666 & ~_umask())
-            _put_in_place(tmp, out, report, force)
+            small = merging.small_files(out, weight_map, adapter if _has_tokenizer(adapter) else base_ref)
+            place.publish(small, sorted(set(weight_map.values())), report, force)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: one line, nothing half-written left
+        kept = not place.fresh and not place.replacing
+        place.abort()
+        raise _not_written(out, e, merging.model_bytes, kept) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        place.abort()
         raise
     return out, report
 
@@ -313,33 +446,83 @@ def _umask() -> int:
 # `merge`, as merge_and_unload would), the forward runs on the merged weights (routing replayed), and
 # the post-hook checks them (W + dW) and hands them to the shard writer before dropping them. Host
 # memory: the largest unit + one pending output shard + the adapter + what the imports take.
-def _stream_merge(cfg, resolved: BaseRef, adapter: Path, out: Path, dtype: str, fmt: str) -> dict[str, Any]:
-    import torch
+@dataclass
+class _Merging:
+    """A merge ready to stream: the base's reader, base+adapter on meta (the adapter checked against the base),
+    its units, and what it writes (see above)."""
 
-    family = find_family(cfg.model_type)
-    per_expert = family.per_expert_checkpoint if family else {}  # Qwen3-MoE: experts stored one linear each
-    reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype), per_expert)
-    model, config = _meta_peft_model(cfg, adapter, resolved.ref)
-    units = _units(model)
-    writer = _MergedShards(out, fmt, per_expert)  # `out`: the caller's fresh temporary dir
-    try:
-        report, passes = _three_forwards(model, units, reader, dtype, writer.add, config.get_text_config().vocab_size)
-    except UserError:
-        writer.discard()
-        raise
-    report.update(format=fmt, max_resident_bytes=max(p.max_resident_bytes for p in passes),  # base weights at once
-                  largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
-                                             if "lora_" not in n) for _, m in units))
-    if not report["passed"]:
-        writer.discard()
-        raise UserError(f"merge check failed: merged logits differ from base+adapter by up to {report['max_abs_diff']:.3g} "
-                        f"on {report['tokens_over_tolerance']} of {report['probe_tokens']} probe tokens "
-                        f"(tolerance {report['tolerance']:.3g}); nothing was written")
-    report.update(writer.finish())
-    _write_config(config, out, dtype, fmt)
-    if (reader.folder / "generation_config.json").is_file():
-        shutil.copyfile(reader.folder / "generation_config.json", out / "generation_config.json")
-    return report
+    reader: CheckpointReader
+    model: Any
+    config: Any
+    units: list
+    dtype: str
+    fmt: str
+    per_expert: dict
+    model_bytes: int  # the base weights in --dtype (what a plain merge writes, about)
+
+    @classmethod
+    def prepare(cls, cfg, resolved: BaseRef, adapter: Path, dtype: str, fmt: str) -> "_Merging":
+        import torch
+
+        family = find_family(cfg.model_type)
+        per_expert = family.per_expert_checkpoint if family else {}  # Qwen3-MoE: experts stored one linear each
+        reader = CheckpointReader(_base_folder(resolved), getattr(torch, dtype), per_expert)
+        model, config = _meta_peft_model(cfg, adapter, resolved.ref)
+        units = _units(model)
+        sizes = [sum(t.numel() * t.element_size() for n, t in m.state_dict().items() if "lora_" not in n)
+                 for _, m in units]
+        return cls(reader, model, config, units, dtype, fmt, per_expert, sum(sizes))
+
+    def run(self, out: Path, shard_name) -> tuple[dict[str, Any], dict[str, str]]:
+        """The three forwards, the merged shards written into `out` as `shard_name(i)`: (the check's report,
+        the weight map)."""
+        writer = _MergedShards(out, self.fmt, self.per_expert, shard_name)
+        vocab = self.config.get_text_config().vocab_size
+        try:
+            report, passes = _three_forwards(self.model, self.units, self.reader, self.dtype, writer.add, vocab)
+        except UserError:
+            writer.discard()
+            raise
+        report.update(format=self.fmt, max_resident_bytes=max(p.max_resident_bytes for p in passes),
+                      largest_unit_bytes=max(sum(t.numel() * t.element_size() for n, t in m.state_dict().items()
+                                                 if "lora_" not in n) for _, m in self.units))
+        if not report["passed"]:
+            writer.discard()
+            raise UserError(f"merge check failed: merged logits differ from base+adapter by up to "
+                            f"{report['max_abs_diff']:.3g} on {report['tokens_over_tolerance']} of "
+                            f"{report['probe_tokens']} probe tokens (tolerance {report['tolerance']:.3g}); nothing "
+                            "was written")
+        written, weight_map = writer.finish()
+        report.update(written)
+        return report, weight_map
+
+    def small_files(self, out: Path, weight_map: dict[str, str], tokenizer_src) -> dict[str, bytes]:
+        """The merged model's files besides its shards (config, index, generation config, tokenizer), in memory:
+        everything that can fail is done before an earlier merge is touched."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        from ftcli.model import mxfp4
+
+        config = self.config.to_dict()
+        config.pop("quantization_config", None)  # the dequantized weights, unless re-quantized below
+        config["dtype"] = self.dtype
+        if self.fmt == "mxfp4":
+            config = mxfp4.mxfp4_config(config)
+        index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in set(weight_map.values()))}, "weight_map": weight_map}
+        files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n",
+                 "model.safetensors.index.json": json.dumps(index, indent=2) + "\n"}
+        small = {name: text.encode() for name, text in files.items()}
+        if (self.reader.folder / "generation_config.json").is_file():
+            small["generation_config.json"] = (self.reader.folder / "generation_config.json").read_bytes()
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
+            except OSError:
+                pass  # a base without tokenizer files: the merged model is still complete
+            small.update({p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()})
+        return small
 
 
 def _three_forwards(model, units, reader: CheckpointReader, dtype: str, write, vocab_size: int):
@@ -366,10 +549,11 @@ class _MergedShards:
     """The merged tensors into safetensors shards as they come (--format mxfp4: gpt-oss experts re-quantized,
     with the quantization's error measured)."""
 
-    def __init__(self, out: Path, fmt: str, per_expert: dict[str, tuple[str, ...]] | None = None) -> None:
+    def __init__(self, out: Path, fmt: str, per_expert: dict[str, tuple[str, ...]] | None = None,
+                 shard_name=None) -> None:
         from ftcli.model import mxfp4
 
-        self.writer, self.fmt = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE)), fmt
+        self.writer, self.fmt = mxfp4.ShardWriter(out, _shard_bytes(MAX_SHARD_SIZE), shard_name), fmt
         self.per_expert = per_expert or {}  # fused expert parameters written back in the base's per-expert layout
         self.max_abs_error = self.sq_error = self.sq_weight = 0.0
 
@@ -398,25 +582,14 @@ class _MergedShards:
     def discard(self) -> None:
         self.writer.discard()
 
-    def finish(self) -> dict[str, Any]:
-        """The last shard and the index written; what the report records of them."""
-        self.writer.finish()
+    def finish(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The last shard written: (what the report records of the shards, the weight map)."""
+        weight_map = self.writer.finish()
         report: dict[str, Any] = {"largest_shard_bytes": self.writer.largest_shard_bytes}
         if self.fmt == "mxfp4":
             report["mxfp4"] = {"max_abs_error": self.max_abs_error,
                                "relative_rms_error": (self.sq_error / max(self.sq_weight, 1e-30)) ** 0.5}
-        return report
-
-
-def _write_config(config, out: Path, dtype: str, fmt: str) -> None:
-    from ftcli.model import mxfp4
-
-    config_dict = config.to_dict()
-    config_dict.pop("quantization_config", None)  # the dequantized weights, unless re-quantized below
-    config_dict["dtype"] = dtype
-    if fmt == "mxfp4":
-        config_dict = mxfp4.mxfp4_config(config_dict)
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+        return report, weight_map
 
 
 def _shard_bytes(size: str) -> int:
@@ -532,13 +705,19 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
         raise UserError(f"{adapter}: cannot read the adapter weights ({first_line(e)})") from None
     modules = {name for name, _ in base.named_modules()}
     _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})
+    _check_ranks(adapter, lora, saved)  # PEFT makes some LoRA layers on the CPU: an absurd r would allocate them
     # as PeftModel.from_pretrained would (inference mode, eval), minus the load: its weights go in below
     lora.base_model_name_or_path, lora.inference_mode = None, True  # the base is `base`, wherever it came from
-    model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
+    try:
+        with warnings.catch_warnings():  # "target_modules ... no module was matched": said below, in one line
+            warnings.simplefilter("ignore", RuntimeWarning)
+            model = get_peft_model(base, lora, low_cpu_mem_usage=True).eval()  # the LoRA layers, on meta
+    except ValueError as e:  # PEFT: no target module found at all
+        raise UserError(f"the adapter in {adapter} does not fit base {base_ref!r}: {first_line(e)}") from None
     slots = {name.replace(".default", ""): (name, p) for name, p in model.named_parameters() if "lora_" in name}
     _check_fit(adapter, base_ref, [k for k in saved if k not in slots], {  # in the model's order
         k: (list(saved[k].shape), list(p.shape)) for k, (_, p) in slots.items() if k in saved and saved[k].shape != p.shape},
-        empty=[k for k in slots if k not in saved])
+        empty=[k for k in slots if k not in saved], unselected=True)
     for key, tensor in saved.items():
         set_module_tensor_to_device(model, slots[key][0], "cpu", value=tensor.to(torch.float32))
     return model, config
@@ -551,13 +730,29 @@ def _adapted_module(key: str) -> str:
     return plain_name(key.split(".lora_")[0])
 
 
+def _check_ranks(adapter: Path, lora, saved: dict) -> None:
+    """adapter_config.json's ranks (r, rank_pattern) against its weights, before PEFT allocates anything: a
+    LoRA weight is [r, in] or [out, r], so no rank can exceed the largest dimension of any of them."""
+    largest = max((max(t.shape, default=0) for t in saved.values()), default=0)
+    ranks = {"r": lora.r, **{f"rank_pattern[{k!r}]": v for k, v in (lora.rank_pattern or {}).items()}}
+    for key, rank in ranks.items():
+        if not isinstance(rank, int) or rank > largest:
+            raise UserError(f"{adapter / 'adapter_config.json'}: {key} is {rank}, but no weight of the adapter has a "
+                            f"dimension that large (the largest is {largest}); the config does not belong to these "
+                            "weights")
+
+
 def _check_fit(adapter: Path, base_ref: str, unplaced: list[str], shapes: dict[str, tuple[list, list]],
-               empty: list[str] = ()) -> None:
-    """One line for the first misfit: adapter tensors with no place in the base, LoRA slots of the base the
-    adapter has no weights for (e.g. a deeper base whose extra layers its target_modules also match), or a
-    tensor of another shape."""
+               empty: list[str] = (), unselected: bool = False) -> None:
+    """One line for the first misfit: adapter tensors with no place in the base (or, once PEFT has made the
+    LoRA layers, `unselected`: none that target_modules / target_parameters select), LoRA slots of the base
+    the adapter has no weights for (e.g. a deeper base whose extra layers its target_modules also match), or
+    a tensor of another shape."""
     problem = None
-    if unplaced:
+    if unplaced and unselected:
+        problem = (f"{len(unplaced)} adapter tensors adapt modules that its adapter_config.json target_modules / "
+                   f"target_parameters do not select (e.g. {sorted(unplaced)[0]})")
+    elif unplaced:
         problem = f"{len(unplaced)} adapter tensors have no place in it (e.g. {sorted(unplaced)[0]})"
     elif empty:
         problem = (f"the adapter has no weights for {len(empty)} of its LoRA tensors on this base (e.g. "

@@ -39,7 +39,7 @@ from typing import Iterator
 from ftcli import __version__
 from ftcli.config.errors import UserError
 from ftcli.artifacts.resolve import BaseRef
-from ftcli.artifacts.safe_files import refuse_links
+from ftcli.config.safe_files import refuse_links
 from ftcli.artifacts.tracking import first_line
 
 

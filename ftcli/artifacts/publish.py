@@ -21,7 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.config.safe_files import write_atomic
 
 EXPORT_RECORD = "ftcli_export.json"
 
@@ -34,7 +34,7 @@ def begin_export(out_dir: Path) -> None:
     if out_dir.is_symlink():
         out_dir.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / EXPORT_RECORD, json.dumps({"complete": False}) + "\n")  # unpublished before anything goes
+    unpublish_export(out_dir)  # before anything goes
     for entry in sorted(out_dir.iterdir()):
         if entry.name == EXPORT_RECORD:
             continue
@@ -42,6 +42,11 @@ def begin_export(out_dir: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def unpublish_export(out_dir: Path) -> None:
+    """The record says incomplete: from now on every reader refuses the dir (an export about to change)."""
+    write_atomic(Path(out_dir) / EXPORT_RECORD, json.dumps({"complete": False}) + "\n")
 
 
 def publish_export(out_dir: Path) -> None:

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ftcli.artifacts.safe_files import entries, refuse_links, remove_tree
-from ftcli.artifacts.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
+from ftcli.config.safe_files import entries, refuse_links, remove_tree
+from ftcli.config.safe_files import write_atomic  # noqa: F401 - the run dir's one writer of whole files
 from ftcli.config.errors import UserError
 
 RECIPE_FILE = "recipe.yaml"
@@ -50,7 +50,7 @@ LOCK_FILE = ".ftcli.lock"  # ftcli.train.launch's one-writer lock; never counts 
 _RUN_OUTPUTS = (FINAL, BEST, RUN_JSON, METRICS_FILE, SAMPLES_FILE, "tracking.json")  # plus checkpoints/ (see _clear_outputs)
 _CHECKPOINT_NAME = re.compile(r"^(\.tmp_)?step_\d{8}$")
 # every name a run writes, renames or deletes in its dir (besides the lock file, opened with O_NOFOLLOW), the
-# temp names of the exports included: none may be a link (`check_run_dir`, ftcli.artifacts.safe_files.refuse_links)
+# temp names of the exports included: none may be a link (`check_run_dir`, ftcli.config.safe_files.refuse_links)
 _WRITTEN = (OWNER_FILE, RECIPE_FILE, "tracking.json", METRICS_FILE, SAMPLES_FILE, RUN_JSON, CHECKPOINTS, FINAL, BEST,
             "base", f".tmp_{FINAL}", f".tmp_{BEST}", f".old_{FINAL}", ".tmp_base")
 
@@ -62,8 +62,9 @@ def written_paths(run_dir: Path) -> list[Path]:
     return [run_dir / name for name in _WRITTEN] + entries(run_dir / CHECKPOINTS)
 
 
-def run_dir_of(recipe) -> Path:
-    return recipe.output_dir.expanduser().resolve()
+def run_dir_of(output_dir: Path) -> Path:
+    """A recipe's `output_dir` (output.dir with its name filled in), made absolute."""
+    return Path(output_dir).expanduser().resolve()
 
 
 def saved_recipe_name(run_dir: Path) -> str | None:
@@ -94,8 +95,9 @@ def written_by_ftcli(run_dir: Path) -> bool:
     return any((p / "meta.json").is_file() for p in _checkpoint_entries(run_dir))
 
 
-def is_own_run(run_dir: Path, recipe) -> bool:
-    return written_by_ftcli(run_dir) and saved_recipe_name(run_dir) == recipe.name
+def is_own_run(run_dir: Path, name: str) -> bool:
+    """ftcli wrote `run_dir`, for the recipe called `name`."""
+    return written_by_ftcli(run_dir) and saved_recipe_name(run_dir) == name
 
 
 def _contents(run_dir: Path) -> list[str]:
@@ -195,12 +197,13 @@ def recipe_digest(recipe) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
-    """The refusal rule (module doc). Writes nothing; returns the run dir."""
-    run_dir = run_dir_of(recipe)
-    link = dangling_link_in(recipe.output_dir)
+def check_run_dir(name: str, output_dir: Path, *, force: bool = False, resume: str | None = None) -> Path:
+    """The refusal rule (module doc) for the run of the recipe called `name` in its `output_dir`. Writes nothing;
+    returns the run dir."""
+    run_dir = run_dir_of(output_dir)
+    link = dangling_link_in(output_dir)
     if link is not None:
-        raise UserError(f"output dir {recipe.output_dir}: {link} is a symlink to {os.readlink(link)}, which does not "
+        raise UserError(f"output dir {output_dir}: {link} is a symlink to {os.readlink(link)}, which does not "
                         "exist; ftcli does not create directories through it: set output.dir elsewhere")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output dir {run_dir} is a file; set output.dir to a directory")
@@ -210,20 +213,20 @@ def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> 
         raise UserError(f"output dir {run_dir} holds files that are not an ftcli run ({shown}); ftcli never "
                         "deletes or writes there: set output.dir to a new or empty dir")
     refuse_links(written_paths(run_dir))  # before anything is written, renamed or deleted there
-    other = (saved_recipe_name(run_dir) or recipe.name) if contents else recipe.name
-    if other != recipe.name:
+    other = (saved_recipe_name(run_dir) or name) if contents else name
+    if other != name:
         if resume is not None:
-            raise UserError(f"--resume: {run_dir} is a run of recipe '{other}', not '{recipe.name}'")
+            raise UserError(f"--resume: {run_dir} is a run of recipe '{other}', not '{name}'")
         if not force:
             raise UserError(f"output dir {run_dir} holds a run of recipe '{other}'; set output.dir to another dir, "
                             "or pass --force to replace that run (deletes its checkpoints, final model and metrics)")
     elif resume is None and contents and _has_outputs(run_dir) and not force:
         resumable = any((p / "meta.json").is_file() for p in _checkpoint_entries(run_dir))
         how = "pass --resume to continue it, or --force to start over" if resumable else "pass --force to start over"
-        raise UserError(f"{run_dir} already holds a run of '{recipe.name}'; {how} "
+        raise UserError(f"{run_dir} already holds a run of '{name}'; {how} "
                         "(deletes its checkpoints, final model and metrics)")
     if resume == "latest" and not (contents and (run_dir / CHECKPOINTS).is_dir()):  # the trainer picks the one
-        raise UserError(f"--resume: {run_dir} holds no checkpoint of '{recipe.name}'; train without --resume")
+        raise UserError(f"--resume: {run_dir} holds no checkpoint of '{name}'; train without --resume")
     if resume not in (None, "latest") and not Path(resume).is_dir():
         raise UserError(f"--resume {resume}: no such checkpoint dir")
     return run_dir
@@ -232,7 +235,7 @@ def check_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> 
 def prepare_run_dir(recipe, *, force: bool = False, resume: str | None = None) -> Path:
     """`check_run_dir`, then (a fresh start with --force) clear the earlier run's outputs, and write the
     marker and <run>/recipe.yaml (output.dir made absolute). Returns the dir."""
-    run_dir = check_run_dir(recipe, force=force, resume=resume)
+    run_dir = check_run_dir(recipe.name, recipe.output_dir, force=force, resume=resume)
     if resume is None and _contents(run_dir) and _has_outputs(run_dir):  # passed the rule: --force was given
         _clear_outputs(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,13 +319,15 @@ class DataSourceRecord(_Record):
     revision: str | None = None  # hub commit, Delta table version read; None: unpinned hub data, files
     split: str | None = None
     digest: str | None = None  # of what identifies the rows (ftcli.data.sources.origin)
+    filter: str | None = None  # a Delta table's row filter (ftcli.config.rowfilter.describe_filter)
     rows_read: int = 0
     rows_kept: int = 0
 
     def describe(self) -> str:
-        """One line: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest 0123abcd...`."""
+        """One line: `delta main.sft.chats@12 where lang = "en" (train) rows 1000 read, 990 kept, digest 0123...`."""
         at = f"@{self.revision}" if self.revision else ""
-        return (f"{self.kind} {self.path or self.label}{at} ({self.split}) rows {self.rows_read} read, "
+        where = f" where {self.filter}" if self.filter else ""
+        return (f"{self.kind} {self.path or self.label}{at}{where} ({self.split}) rows {self.rows_read} read, "
                 f"{self.rows_kept} kept, digest {self.digest}")
 
 

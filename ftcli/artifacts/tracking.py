@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-from ftcli.artifacts.safe_files import write_atomic
+from ftcli.config.safe_files import write_atomic
 from ftcli.config.errors import UserError
 from ftcli.config.redact import has_masked_credentials, mask_uri, scrub_recipe, split_credentials  # no secret reaches MLflow
 
@@ -123,11 +123,12 @@ def resolve_tracking_uri(uri: str | None = None, *, recorded: str | None = None)
     return env if env and mask_uri(env) == uri else split_credentials(uri)[0]
 
 
-def export_credentials(recipe) -> None:
+def export_credentials(tracking) -> None:
     """The launcher: the workers read recipe.yaml, where the tracking URI's credentials are masked, so
     the URI with them goes to the workers as $MLFLOW_TRACKING_URI (inherited through torchrun; MLflow's
-    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI)."""
-    uri = recipe.tracking.tracking_uri
+    own variable, and the one `resolve_tracking_uri` puts in place of the masked URI). `tracking`: the recipe's
+    tracking section."""
+    uri = tracking.tracking_uri
     if uri and mask_uri(uri) != uri and not has_masked_credentials(uri):
         os.environ["MLFLOW_TRACKING_URI"] = uri
 
@@ -308,9 +309,9 @@ class MlflowTracking(NoTracking):
 
     def log_lineage(self, sources: list, recipe_digest: str, parent=None) -> None:
         """Each data source (ftcli.artifacts.rundir.DataSourceRecord) as an MLflow dataset input of this run, in
-        its context (training, eval), tagged with its split, revision and rows read and kept; the recipe digest as
-        the run's tag `ftcli.recipe_digest`; the run this one started from (`parent`, a ParentRunRecord: a DPO run's
-        SFT run) as `ftcli.parent.*` tags. The MLflow UI lists the sources under the run's "Datasets used"."""
+        its context (training, eval), tagged with its split, revision, row filter and rows read and kept; the recipe
+        digest as the run's tag `ftcli.recipe_digest`; the run this one started from (`parent`, a ParentRunRecord: a
+        DPO run's SFT run) as `ftcli.parent.*` tags. The MLflow UI lists the sources under the run's "Datasets used"."""
         def log() -> None:
             self._mlflow.set_tags({"ftcli.recipe_digest": recipe_digest, **(parent.tags() if parent else {})})
             for src in sources:
@@ -318,6 +319,8 @@ class MlflowTracking(NoTracking):
                         "ftcli.rows_kept": str(src.rows_kept), "ftcli.kind": src.kind}
                 if src.revision is not None:
                     tags["ftcli.revision"] = src.revision
+                if src.filter is not None:
+                    tags["ftcli.filter"] = src.filter
                 try:
                     self._mlflow.log_input(dataset_of(src), context=src.context, tags=tags)
                 except Exception as e:  # noqa: BLE001 - one source MLflow cannot describe: the rest is logged

@@ -207,13 +207,13 @@ def check_speed_settings(recipe, m, tf: Transformers) -> list[Check]:
 
     checked = features.checked()
     name = " and ".join(f.label for f in checked)
-    on = [f for f in checked if recipe is not None and f.applies(recipe)]
+    on = [f for f in checked if recipe is not None and f.applies(recipe.training)]
     if not on:
         return [Check(name, NA, f"the recipe uses neither {' nor '.join(f.setting for f in checked)}")]
     if m.device_type != "cuda":
         return [Check(name, NA, f"no GPU here ({'both' if len(checked) == 2 else 'they'} run on the training "
                                 "machine's GPUs)")]
-    seen = [f.check(recipe, m) for f in on]
+    seen = [f.check(recipe.training, m) for f in on]
     problems = [p for found in seen for p in found.problems]
     if problems:
         return [Check(name, FAIL, "; ".join(problems), blocks_recipe=True)]
@@ -224,7 +224,7 @@ def _grouped_expert_lora(recipe) -> bool:
     """Whether `recipe` trains MoE experts through ftcli.model.moe_lora."""
     from ftcli.estimate.fit import grouped_expert_lora
 
-    return recipe is not None and grouped_expert_lora(recipe)
+    return recipe is not None and grouped_expert_lora(recipe.model, recipe.training, recipe.lora)
 
 
 def check_expert_lora_kernels(recipe, m, tf: Transformers) -> list[Check]:
@@ -332,9 +332,11 @@ def doctor_report(recipe, m, versions: dict[str, str | None] | None = None, tf: 
         if not chosen:
             backends.append((model_type, "-", kernels.UNAVAILABLE, "no segment-aware kernels for this model_type"))
         backends += [(model_type, b.op, b.name, b.reason) for b in chosen]
-    problems = [*compat.known_bad(recipe, m), compat.matrix_check(m)]
-    if recipe is not None:
-        problems += compat.gpu_notes(recipe, m)
+    if recipe is None:
+        problems = [*compat.known_bad(None, None, m), compat.matrix_check(m)]
+    else:
+        problems = [*compat.known_bad(recipe.model, recipe.data.packing, m), compat.matrix_check(m)]
+        problems += compat.gpu_notes(recipe.model, recipe.training, recipe.compute, m)
     checks = doctor_checks(recipe, m, tf) + [Check(p.name, p.status, p.detail, p.blocks_recipe) for p in problems]
     version_based = any(c.version_based for c in checks)
     basis = tf.basis if version_based or not tf.version_based else ""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.artifacts.resolve import model_source
-from ftcli.artifacts.safe_files import check_output_path, write_output
+from ftcli.config.safe_files import check_output_path, write_output
 from ftcli.config.errors import UserError
 from ftcli.inference import (
     LoadedModel,

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ftcli.artifacts.safe_files import open_output
+from ftcli.config.safe_files import open_output
 from ftcli.config.recipe import Recipe
 
 MAX_SHOWN_TOKENS = 2000  # per block in the rich view
@@ -52,7 +52,7 @@ def run_preview(
     recipe = _preview_recipe(recipe, examples, strict)
     err = Console(stderr=True)
     out = Console()
-    tokenizer = data.load_tokenizer(recipe)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
 
     start = time.perf_counter()
     with Progress(
@@ -72,8 +72,9 @@ def run_preview(
 
     table = data_summary(recipe, packed)
     from ftcli.data.evalsplit import eval_specs
+    from ftcli.data.spec import data_spec
 
-    specs = eval_specs(recipe)
+    specs = eval_specs(data_spec(recipe), recipe.eval)
     eval_packed = {label: data.prepare_blocks(r, tokenizer) for label, r in specs.items()}
     evals = {label: data_summary(specs[label], p) for label, p in eval_packed.items()}
     summary = {**table.to_dict(), "preview_seconds": round(seconds, 3)}
@@ -89,9 +90,9 @@ def run_preview(
     from ftcli.data.checks import source_problems, source_warnings
     from ftcli.data.evalsplit import eval_problem
 
-    problems = source_problems(recipe, packed.stats)  # what `train` refuses (data.allow_empty_sources)
-    problems += source_warnings(recipe, packed.stats)  # and warns about: most rows skipped for a missing field
-    problems += [p for p in [eval_problem(recipe, eval_packed)] if p]  # and an empty eval split
+    problems = source_problems(recipe.data, packed.stats)  # what `train` refuses (data.allow_empty_sources)
+    problems += source_warnings(recipe.data, packed.stats)  # and warns about: most rows skipped for a missing field
+    problems += [p for p in [eval_problem(recipe.eval, eval_packed)] if p]  # and an empty eval split
     if as_json:
         _warn(err, problems)
         print(json.dumps(summary, indent=1))
@@ -130,10 +131,15 @@ def block_to_json(block) -> dict[str, Any]:
 def _show_summary(out: Console, summary) -> None:
     t = Table(title=f"pack-preview: {summary.recipe}", show_header=False, title_justify="left")
     t.add_column(style="bold", overflow="fold")
-    t.add_column(overflow="fold")  # fold, never cut (a cache path, a source label): tests/unit/commands/test_tables.py
+    t.add_column(overflow="fold")  # fold, never cut (a source label): tests/unit/commands/test_tables.py
     for label, value in summary.rows():
-        t.add_row(label, value)
+        if label != "cache":  # below the table, where it does not fold
+            t.add_row(label, value)
     out.print(t)
+    # the cache path on a line of its own, never broken (soft_wrap): a narrow terminal wraps it for the eye, and
+    # a copy takes it whole
+    out.print("cache (the packed blocks train reads):", highlight=False)
+    out.print(summary.cache, soft_wrap=True, highlight=False, markup=False)
     if len(summary.sources) > 1:
         out.print(_sources_table(summary))
 

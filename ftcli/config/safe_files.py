@@ -179,19 +179,23 @@ def open_lock(path: str | Path) -> tuple[int, bool]:
 
 
 # ------------------------------------------------------------------------------------ a command's --output
-def check_output_path(output: Path, force: bool, example: str) -> None:
-    """--output before anything runs: a file in an existing folder; an existing file or a symbolic link
-    (dangling or not: ftcli did not write it) only with --force, which replaces the link, not its target."""
+def check_output_path(output: Path, force: bool, example: str | None = None) -> None:
+    """A command's output file (`generate -o`, `render-workload -o`, `recipes cp DEST`, `pack-preview --dump`)
+    before anything runs: a file in an existing folder; an existing file or a symbolic link (dangling or not:
+    ftcli did not write it) only with --force, which replaces the link (`open_output`), never its target.
+    `example`: a file name to suggest when `output` is a folder."""
     if output.is_symlink():
         if not force:
             raise UserError(f"{output} is a symbolic link (to {os.readlink(output)}); pass --force to replace the "
-                            "link with the output (its target is left alone)")
+                            "link (its target is left alone)")
         return
     if output.is_dir():
-        raise UserError(f"--output {output} is a folder; pass a file path, e.g. {output / example}")
-    if not output.parent.is_dir():
-        what = "is not a folder" if output.parent.exists() else "does not exist"
-        raise UserError(f"--output {output}: the folder {output.parent} {what}; create it first")
+        raise UserError(f"{output} is a folder; give a file path{f', e.g. {output / example}' if example else ''}")
+    parent = output.parent
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"cannot write {output}: {parent} is not a folder")
+    if not parent.exists():
+        raise UserError(f"cannot write {output}: {parent} does not exist; create it first (mkdir -p {parent})")
     if output.exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it")
 
@@ -211,4 +215,4 @@ def write_output(output: Path, text: str) -> None:
         with open_output(output) as f:
             f.write(text)
     except OSError as e:
-        raise UserError(f"--output {output}: cannot write it ({e.strerror or e})") from None
+        raise UserError(f"cannot write {output}: {e.strerror or e}") from None

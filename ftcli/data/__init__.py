@@ -1,6 +1,6 @@
 """ftcli.data: the one data path both trainers and `pack-preview` use.
 
-    load_tokenizer(recipe)                   the recipe's tokenizer (+ data.chat_template override)
+    load_tokenizer(model, data)              the model section's tokenizer (+ data.chat_template override)
     DataSpec / data_spec(recipe)             what the data path reads (a recipe stands for its training data)
     prepare_blocks(spec, tokenizer)          tokenize + mask + pack, or load from the cache -> PackedDataset
     prepare(...) / open_prepared(...)        the same split for distributed runs: rank 0, barrier, others
@@ -9,7 +9,7 @@
     slice_model_inputs(block, rank, size)    one rank's slice of them (context parallelism)
     iter_examples(recipe, tokenizer)         unpacked examples (as the published gpt-oss example trains)
     data_summary(recipe, packed)             the data summary (pack-preview, train log, run.json, MLflow)
-    check_sources(recipe, packed)            refuse a source that keeps no row (ftcli.data.checks)
+    check_sources(data, packed)              refuse a source that keeps no row (ftcli.data.checks)
 
 Pure data code: no torch.distributed, MLflow or CLI imports anywhere in this package.
 """

@@ -20,7 +20,7 @@ meta.json readable, its key and the hash of its key_parts both the entry's name 
 another key, another tokenizer's, is not this one), and every .bin file of the size and CRC32 meta.json
 records (`files`, taken at commit: truncated, garbled or shuffled ids are caught). `prepare` rebuilds an
 entry that fails, with one line saying why; a dir left without meta.json is removed, never a wedge. Paths
-in the cache are never written or removed through a link (ftcli.artifacts.safe_files).
+in the cache are never written or removed through a link (ftcli.config.safe_files).
 """
 
 from __future__ import annotations

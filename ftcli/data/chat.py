@@ -97,16 +97,15 @@ _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
-def load_tokenizer(recipe):
-    """The recipe's tokenizer: `model.tokenizer`, else `model.id` at `model.revision`; `data.chat_template`
-    (a Jinja file) replaces its chat template. Paths may be `pkg://`."""
+def load_tokenizer(model, data):
+    """The tokenizer of `model` (the model section): `model.tokenizer`, else `model.id` at `model.revision`;
+    `data.chat_template` (a Jinja file) replaces its chat template. Paths may be `pkg://`."""
     from transformers import AutoTokenizer
 
     from ftcli.config.recipe import resolve_path
 
     from ftcli import hub
 
-    model = recipe.model
     name = resolve_path(model.tokenizer or model.id)
     revision = None if model.tokenizer else model.revision
     offline = hub.offline_for(name)  # no Hub: the local HF cache only, no retries
@@ -120,8 +119,8 @@ def load_tokenizer(recipe):
         raise UserError(f"cannot load tokenizer {name!r}: {_first_line(e)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"tokenizer {name!r} is not a fast tokenizer; ftcli needs character offsets to mask turns")
-    if recipe.data.chat_template:
-        path = resolve_path(recipe.data.chat_template)
+    if data.chat_template:
+        path = resolve_path(data.chat_template)
         try:
             with open(path, encoding="utf-8") as f:
                 tokenizer.chat_template = f.read()
@@ -235,9 +234,9 @@ def check_render(tokenizer, messages: list[dict], **context) -> None:
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """What `apply_chat_template` does to messages before rendering (drop None values, alias reasoning),
-    plus what every template expects and real data often differs in: text given as a list of parts
-    (`[{"type": "text", "text": ...}]`) joined into one string, and tool-call arguments given as a JSON
-    string parsed into the object the templates iterate over."""
+    plus text given as a list of parts (`[{"type": "text", "text": ...}]`) joined into one string. The
+    messages come as the row readers give them (`ftcli.data.validate.normalize_turns`, the one parser of
+    tool calls: OpenAI's JSON-string `arguments` are objects by then, as every template iterates them)."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
@@ -246,26 +245,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        if isinstance(m.get("tool_calls"), list):
-            m["tool_calls"] = [_parsed_call(c) for c in m["tool_calls"]]
         out.append(m)
     return out
-
-
-def _parsed_call(call):
-    if not isinstance(call, dict):
-        return call
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            return call
-        if isinstance(parsed, dict):
-            fn = {**fn, "arguments": parsed}
-            return {**call, "function": fn} if fn is not call and "function" in call else fn
-    return call
 
 
 def _lcp(a: str, b: str) -> int:

@@ -3,8 +3,8 @@ read) is refused in one line, before any worker starts: the rows read, the top s
 number, and the likely fix (a ShareGPT-shaped row under `data.format: messages` says "looks like ShareGPT:
 set data.format=sharegpt"). `data.allow_empty_sources: true` turns the refusal into a warning.
 
-    quick_check(recipe)                                    # launcher, first: rows only, before torch loads
-    packed = check_sources(recipe, prepare_blocks(recipe, tokenizer))      # launcher preflight, trainers
+    quick_check(data_spec(recipe))                         # launcher, first: rows only, before torch loads
+    packed = check_sources(recipe.data, prepare_blocks(spec, tokenizer))   # launcher preflight, trainers
 
 Pure data code: no torch.distributed, MLflow or CLI imports.
 """
@@ -12,8 +12,9 @@ Pure data code: no torch.distributed, MLflow or CLI imports.
 from __future__ import annotations
 
 from ftcli.config.errors import UserError
+from ftcli.config.rowfilter import describe_filter
 from ftcli.data import formats, preference, sources
-from ftcli.data.spec import data_spec
+from ftcli.data.spec import DataSpec
 from ftcli.data.stats import DataStats
 from ftcli.data.validate import BadRow
 
@@ -58,13 +59,15 @@ def _problem(data, k: int, src, st: DataStats) -> str | None:
     reasons = _reasons(st)
     line = (f"data source {src.label!r} keeps {kept} of the {read} rows read"
             + (f" ({reasons})" if reasons else "") + (f" [format {st.format}]" if st.format else ""))
+    if not read and getattr(src, "filter", None):  # a delta source's row filter that selects nothing
+        return line + f"; its filter ({describe_filter(src.filter)}) matches no row of the table: fix {key}.filter"
     hint = _hint(src, key)
     return line + (f"; {hint}" if hint else "")
 
 
-def source_problems(recipe, stats: DataStats) -> list[str]:
-    """One line per source that keeps no row, or under MIN_KEPT_FRACTION of the rows it read."""
-    data = recipe.data
+def source_problems(data, stats: DataStats) -> list[str]:
+    """One line per source of `data` (the data section) that keeps no row, or under MIN_KEPT_FRACTION of the rows
+    it read."""
     found = [_problem(data, k, src, stats.sources[src.label])
              for k, src in enumerate(data.source_list()) if src.label in stats.sources]
     return [p for p in found if p]
@@ -87,11 +90,11 @@ def _look_like(src) -> str:
     return formats.shapes(seen.items()) if len(seen) > 1 else ""
 
 
-def source_warnings(recipe, stats: DataStats) -> list[str]:
+def source_warnings(data, stats: DataStats) -> list[str]:
     """One line per source that keeps rows but skips most of those it read for a missing field: rows of
     another format than the source's (a mixed file, a folder of files in different formats), with the
     formats its rows are in and the fix."""
-    data, out = recipe.data, []
+    out = []
     for k, src in enumerate(data.source_list()):
         st = stats.sources.get(src.label)
         if st is None or src.source == "synthetic" or _source_problem_shown(data, src, st):
@@ -113,20 +116,19 @@ def _source_problem_shown(data, src, st: DataStats) -> bool:
     return not (st.examples_kept and st.examples_kept >= MIN_KEPT_FRACTION * st.examples_read)
 
 
-def _refuse(recipe, problems: list[str]) -> None:
-    if problems and not recipe.data.allow_empty_sources:
+def _refuse(data, problems: list[str]) -> None:
+    if problems and not data.allow_empty_sources:
         more = f" (and {len(problems) - 1} more source(s))" if len(problems) > 1 else ""
         # training without it is a way out only where other sources are left to train on
-        others = len(recipe.data.source_list()) > len(problems)
+        others = len(data.source_list()) > len(problems)
         raise UserError(f"{problems[0]}{more}" + ("; data.allow_empty_sources=true trains without it" if others else ""))
 
 
-def quick_check(recipe) -> None:
+def quick_check(spec: DataSpec) -> None:
     """The refusal of `check_sources` from the rows alone (no tokenizer, no torch: a second or two): a source
-    none of whose first QUICK_ROWS rows is a valid conversation in its format."""
-    data = recipe.data
+    none of whose first QUICK_ROWS rows is a valid conversation in its format (a pair, for `spec.pairs`)."""
+    data, pairs = spec.data, spec.pairs
     problems = []
-    pairs = data_spec(recipe).pairs
     for k, src in enumerate(data.source_list()):
         if src.source == "synthetic":
             continue
@@ -146,11 +148,11 @@ def quick_check(recipe) -> None:
                 st.skip(index, e.reason, e.detail)
         if st.examples_kept == 0:
             problems.append(_problem(data, k, src, st))
-    _refuse(recipe, problems)
+    _refuse(data, problems)
 
 
-def check_sources(recipe, packed):
+def check_sources(data, packed):
     """`packed` (a PackedDataset) when every source keeps rows, else UserError naming the first one that
     does not (data.allow_empty_sources: returned as is; `source_problems` gives the warnings)."""
-    _refuse(recipe, source_problems(recipe, packed.stats))
+    _refuse(data, source_problems(data, packed.stats))
     return packed

@@ -77,7 +77,14 @@ def block_to_model_inputs(block: Block, device="cpu") -> dict:
     }
 
 
-def slice_model_inputs(block: Block, rank: int, size: int, device="cpu") -> dict:
+def cp_chunks(rank: int, size: int, balanced: bool) -> tuple[int, ...]:
+    """The chunks of a block that context-parallel rank `rank` of `size` holds, in its local order: chunk `rank` of
+    `size` (contiguous), or chunks `rank` and 2 size - 1 - rank of 2 size (balanced: torchtitan's and
+    ring-flash-attn's zigzag; every rank holds one early and one late chunk, so each does the same causal work)."""
+    return (rank, 2 * size - 1 - rank) if balanced else (rank,)
+
+
+def slice_model_inputs(block: Block, rank: int, size: int, device="cpu", balanced: bool = False) -> dict:
     """This rank's slice of a block split into `size` contiguous slices (context parallelism): the model call's
     kwargs for tokens [start, end) = [rank * T/size, (rank + 1) * T/size) (the ops that look across the boundary,
     ftcli.model.kernels.cp, get the block's layout beside them). Two ranks, T = 12, one segment crossing the boundary:
@@ -92,25 +99,42 @@ def slice_model_inputs(block: Block, rank: int, size: int, device="cpu") -> dict
                                                                   first (position 5 predicts a6); the last rank
                                                                   pads one -100
 
+    `balanced` (training.context_parallel_balance): the block is cut into 2 x size chunks and the rank holds two of
+    them (`cp_chunks`), one after the other: | c0 c3 | on rank 0 and | c1 c2 | on rank 1 of 2; each chunk's last
+    position predicts the token after the chunk, so labels[1:] are the local positions' targets wherever they lie,
+    and cu_seq_lens also cuts between the two chunks.
+
     The block's `trained_positions` are re-derived for the slice, and the fla_* tensors left out (fla derives them
-    from the slice's cu_seqlens). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N positions."""
+    from the slice's cu_seqlens). A preference block's `pairs` and `num_segments` stay the block's (seq_idx holds the
+    block's segment numbers): each rank sums the log-probs of its part of every segment, and the CP group adds
+    them up (ftcli.train.preference). The loss (ftcli.train.loss.token_loss_sum) takes T/N + 1 labels for T/N
+    positions."""
     total = len(block.input_ids)
-    if total % size:
-        raise ValueError(f"a block of {total} tokens does not split into {size} equal slices")
-    n = total // size
-    start, end = rank * n, (rank + 1) * n
-    labels = np.concatenate([block.labels[start:end + 1], np.full(1 if end == total else 0, IGNORE_INDEX)])
-    cu = np.unique(np.clip(np.asarray(block.cu_seqlens, dtype=np.int64), start, end)) - start
+    chunks = cp_chunks(rank, size, balanced)
+    num_chunks = size * len(chunks)
+    if total % num_chunks:
+        raise ValueError(f"a block of {total} tokens does not split into {num_chunks} equal chunks")
+    n = total // num_chunks
+    spans = [(c * n, (c + 1) * n) for c in chunks]
+    block_cu = np.asarray(block.cu_seqlens, dtype=np.int64)
+    following = np.concatenate([block.labels, np.full(1, IGNORE_INDEX, dtype=block.labels.dtype)])  # labels[T] = -100
+    labels = np.concatenate([block.labels[spans[0][0]:spans[0][0] + 1], *(following[a + 1:b + 1] for a, b in spans)])
+    cu = np.unique(np.concatenate([np.clip(block_cu, a, b) - a + k * n for k, (a, b) in enumerate(spans)]))
+
+    def take(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[s:e] for s, e in spans])
 
     def tensor(a: np.ndarray, dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
 
     local_cu = tensor(cu, np.int32)
-    return {
-        "input_ids": tensor(block.input_ids[start:end], np.int64).unsqueeze(0),
+    pairs = {} if block.roles is None else {  # preference blocks: the block's pairs, in its segment numbers
+        "pairs": tensor(block.pairs, np.int64), "num_segments": len(block.cu_seqlens) - 1}
+    return {**pairs,
+        "input_ids": tensor(take(block.input_ids), np.int64).unsqueeze(0),
         "labels": tensor(labels, np.int64).unsqueeze(0),
-        "position_ids": tensor(block.position_ids[start:end], np.int64).unsqueeze(0),
-        "seq_idx": tensor(block.seq_idx[start:end], np.int32).unsqueeze(0),
+        "position_ids": tensor(take(block.position_ids), np.int64).unsqueeze(0),
+        "seq_idx": tensor(take(block.seq_idx), np.int32).unsqueeze(0),
         "cu_seq_lens_q": local_cu,
         "cu_seq_lens_k": local_cu,
         "max_length_q": int(np.diff(cu).max()),

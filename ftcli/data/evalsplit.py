@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from ftcli.data.sources import InvalidRow
-from ftcli.data.spec import DataSpec, Holdout, data_spec, holdout_rule
+from ftcli.data.spec import DataSpec, Holdout, holdout_rule
 from ftcli.config.errors import UserError
 
 Rows = Callable[[], Iterator[tuple[int, Any]]]  # one pass over a source: (row index, row)
@@ -60,12 +60,13 @@ def split_rows(rule: Holdout | None, rows: Rows) -> Rows:
     return kept
 
 
-def eval_specs(recipe) -> dict[str, DataSpec]:
+def eval_specs(train: DataSpec, ev) -> dict[str, DataSpec]:
     """source label -> the data spec of that source's eval rows, packed the eval way (`eval.strategy`,
-    `eval.block_len`; default the training block length). Empty without eval data."""
+    `eval.block_len`; default the training block length). `train` is the training data (`data_spec(recipe)`),
+    `ev` the eval section. Empty without eval data."""
     from ftcli.config.recipe import PackingConfig, SourceConfig
 
-    ev, data = recipe.eval, recipe.data
+    data = train.data
     if ev is None or not ev.has_data:
         return {}
     train_packing = data.packing
@@ -75,29 +76,28 @@ def eval_specs(recipe) -> dict[str, DataSpec]:
         overlong=train_packing.overlong,
     )
     out = {}
-    pairs = data_spec(recipe).pairs  # preference rows: the eval packs whole pairs too
+    pairs = train.pairs  # preference rows: the eval packs whole pairs too
     if ev.holdout is not None:
-        held_out = replace(holdout_rule(recipe), keep="eval")
+        held_out = replace(holdout_rule(ev), keep="eval")
         if any(s.source == "synthetic" for s in data.sources):
             raise UserError("eval.holdout cannot hold out synthetic rows; give eval.path or eval.sources instead")
         for src in data.sources:  # each held-out row once (weight 1), each source its own loss
             one = data.model_copy(update={"sources": [src.model_copy(update={"weight": 1.0})], "packing": packing})
-            out[src.label] = DataSpec(recipe.name, one, held_out, pairs)
+            out[src.label] = DataSpec(train.name, one, held_out, pairs)
         return out
     given = ev.sources or [SourceConfig(source=ev.source, path=ev.path, revision=ev.revision, split=ev.split)]
     for src in given:
         one = data.model_copy(update={"sources": [src], "packing": packing, "max_examples": ev.max_examples})
-        out[src.label] = DataSpec(recipe.name, one, pairs=pairs)
+        out[src.label] = DataSpec(train.name, one, pairs=pairs)
     return out
 
 
-def eval_problem(recipe, packed: dict) -> str | None:
+def eval_problem(ev, packed: dict) -> str | None:
     """Why the eval split `packed` (source label -> PackedDataset of `eval_specs`) cannot give a loss, with the
     way out, or None. Checked before launch (the launcher) and shown by pack-preview: a held-out share of a
     small dataset can be no row at all."""
     if not packed or sum(int(p.block_trained.sum()) for p in packed.values()):
         return None
-    ev = recipe.eval
     off = "or train without eval: --set eval.enabled=false"
     if ev.holdout is not None:
         rows = sum(p.stats.examples_read for p in packed.values())
@@ -107,9 +107,10 @@ def eval_problem(recipe, packed: dict) -> str | None:
     return f"the eval data ({', '.join(packed)}) has no trained token; check eval.path / eval.sources, {off}"
 
 
-def check_eval(recipe, packed: dict) -> dict:
-    """`packed` when the eval split has a trained token (or there is no eval data), else UserError."""
-    problem = eval_problem(recipe, packed)
+def check_eval(ev, packed: dict) -> dict:
+    """`packed` when the eval split (of the eval section `ev`) has a trained token (or there is no eval data), else
+    UserError."""
+    problem = eval_problem(ev, packed)
     if problem:
         raise UserError(problem)
     return packed

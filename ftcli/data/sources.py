@@ -134,9 +134,10 @@ def origin(data, holdout=None) -> dict[str, Any]:
     hashed = {**key, "holdout": vars(holdout)} if holdout is not None else key
     revision = key.get("version", data.revision if data.source == "hub" else None)
     path = key["path"] if data.source == "local" else data.path  # a local path made absolute (pkg:// resolved)
-    return {"kind": data.source, "path": path if data.source != "synthetic" else None,
-            "revision": None if revision is None else str(revision), "split": data.split,
-            "digest": hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:16]}
+    out = {"kind": data.source, "path": path if data.source != "synthetic" else None,
+           "revision": None if revision is None else str(revision), "split": data.split,
+           "digest": hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:16]}
+    return {**out, "filter": key["filter"]} if key.get("filter") else out  # a delta source's rows: those it kept
 
 
 def open_rows(data, limit: int | None = None) -> tuple[Iterator[tuple[int, Any]], int | None]:

@@ -24,9 +24,9 @@ class DataSpec:
     pairs: bool = False  # preference rows (chosen/rejected), packed as whole pairs (ftcli.data.preference)
 
 
-def holdout_rule(recipe) -> Holdout | None:
-    """The holdout of a recipe's training data: the rows `eval.holdout` does not hold out (None: every row)."""
-    ev = getattr(recipe, "eval", None)
+def holdout_rule(ev) -> Holdout | None:
+    """The holdout of the training data under `ev` (the eval section, or None): the rows `eval.holdout` does not
+    hold out (None: every row)."""
     if ev is None or ev.holdout is None:
         return None
     return Holdout(float(ev.holdout), int(ev.holdout_seed), "train")
@@ -37,4 +37,5 @@ def data_spec(recipe_or_spec) -> DataSpec:
     if isinstance(recipe_or_spec, DataSpec):
         return recipe_or_spec
     pairs = getattr(recipe_or_spec.training, "preference", None) is not None  # the preference objectives' knobs
-    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout_rule(recipe_or_spec), pairs)
+    holdout = holdout_rule(getattr(recipe_or_spec, "eval", None))
+    return DataSpec(recipe_or_spec.name, recipe_or_spec.data, holdout, pairs)

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe, resolve_path
+from typing import TYPE_CHECKING
+
+from ftcli.config.recipe import DataConfig, ModelConfig, resolve_path
+
+if TYPE_CHECKING:
+    from ftcli.data.spec import DataSpec
 
 # Token counts of hub datasets this machine cannot read offline, with where the figure comes from.
 PUBLISHED_TOKENS = {
@@ -28,16 +33,17 @@ class DataSize:
 
 
 
-def data_size(recipe: Recipe) -> DataSize:
-    """Tokens and blocks of one epoch: the pack cache when present; else, per source of `data.sources`, the
+def data_size(spec: DataSpec, model: ModelConfig) -> DataSize:
+    """Tokens and blocks of one epoch of the training data `spec` (`ftcli.data.data_spec(recipe)`; `model`, the
+    model section, names the tokenizer): the pack cache when present; else, per source of `data.sources`, the
     synthetic config, a sample of a local source, a published figure for a hub dataset, or unknown, summed over
     a mix under each source's weight."""
-    cached = _from_pack_cache(recipe)
+    cached = _from_pack_cache(spec)
     if cached:
         return cached
-    d = recipe.data
+    d = spec.data
     block = d.packing.block_len if d.packing.enabled else None
-    sizes = [(src, _source_size(recipe, src, block)) for src in d.source_list()]
+    sizes = [(src, _source_size(spec, model, src, block)) for src in d.source_list()]
     if len(sizes) == 1:
         return sizes[0][1]
     how = "; ".join(f"{src.label}: {size.source}" for src, size in sizes)
@@ -48,7 +54,7 @@ def data_size(recipe: Recipe) -> DataSize:
     return DataSize(tokens, _blocks(tokens, block, examples), f"mix of {len(sizes)} sources, x weight ({how})")
 
 
-def _source_size(recipe: Recipe, src, block: int | None) -> DataSize:
+def _source_size(spec: DataSpec, model: ModelConfig, src, block: int | None) -> DataSize:
     """One source's tokens and blocks (as if it were the only one)."""
     if src.source == "synthetic":
         syn = src.synthetic
@@ -56,12 +62,12 @@ def _source_size(recipe: Recipe, src, block: int | None) -> DataSize:
         return DataSize(tokens, _blocks(tokens, block, syn.num_examples),
                         "computed: expected length of the synthetic log-normal x num_examples")
     if src.source in ("local", "delta"):  # a Delta table is sampled like files (its row count is metadata)
-        return _sample_local(recipe, src)
+        return _sample_local(spec.data, model, src)
     published = PUBLISHED_TOKENS.get((src.path, src.split))
     if published:
         return DataSize(published[0], _blocks(published[0], block, None), published[1])
     return DataSize(None, None, f"unknown: no pack cache for {src.path} here and hub data is not read by plan "
-                                f"(`ftcli pack-preview --recipe {recipe.name}` builds the cache)")
+                                f"(`ftcli pack-preview --recipe {spec.name}` builds the cache)")
 
 
 def _blocks(tokens: int, block: int | None, examples: int | None) -> int | None:
@@ -78,15 +84,15 @@ def _clipped_lognormal_mean(mean: float, cap: float, sigma: float = 1.0) -> floa
     return math.exp(mu + sigma**2 / 2) * phi(z - sigma) + cap * (1 - phi(z))
 
 
-def _from_pack_cache(recipe: Recipe) -> DataSize | None:
+def _from_pack_cache(spec: DataSpec) -> DataSize | None:
     from ftcli.data.cache import cache_root
     from ftcli.data.pipeline import recipe_cache_parts
 
-    root = cache_root(recipe.data) / "packed"
+    root = cache_root(spec.data) / "packed"
     if not root.is_dir():
         return None
     try:
-        want = recipe_cache_parts(recipe)
+        want = recipe_cache_parts(spec)
     except (UserError, OSError):
         return None
     want = json.loads(json.dumps(want, default=str))
@@ -101,20 +107,19 @@ def _from_pack_cache(recipe: Recipe) -> DataSize | None:
     return None
 
 
-def _sample_local(recipe: Recipe, src) -> DataSize:
+def _sample_local(d: DataConfig, model: ModelConfig, src) -> DataSize:
     """Tokens of the first SAMPLE_ROWS rows of a local source (rendered with the chat template and tokenized when
     the tokenizer is a local directory; else characters / 4 + CHAT_TEMPLATE_TOKENS per message), scaled to all
     rows."""
     from ftcli.data import formats, sources
     from ftcli.data.chat import TemplateBoundExceeded
 
-    d = recipe.data
     try:
         src, _ = formats.resolve(src)  # format: auto -> the format of the first rows
         rows, total = sources.open_rows(src)
     except (UserError, OSError) as e:
         return DataSize(None, None, f"unknown: {e}")
-    count, how = _local_counter(recipe)
+    count, how = _local_counter(model, d)
     sampled = tokens = 0
     for _, row in rows:
         if sampled >= SAMPLE_ROWS:
@@ -140,10 +145,10 @@ def _sample_local(recipe: Recipe, src) -> DataSize:
     return DataSize(est, _blocks(est, block, rows_total), f"estimate: first {sampled} of {rows_total} rows, {how}")
 
 
-def _local_counter(recipe: Recipe):
-    """A function messages -> token count, and how it counts."""
-    folder = Path(resolve_path(recipe.model.tokenizer or recipe.model.id) or "")
-    template_file = resolve_path(recipe.data.chat_template) if recipe.data.chat_template else None
+def _local_counter(model: ModelConfig, data: DataConfig):
+    """A function messages -> token count, and how it counts (the model section's tokenizer, data.chat_template)."""
+    folder = Path(resolve_path(model.tokenizer or model.id) or "")
+    template_file = resolve_path(data.chat_template) if data.chat_template else None
     source, name = None, f"the chat template of {folder}"
     if template_file and Path(template_file).is_file():
         source, name = Path(template_file).read_text(), f"the chat template {template_file}"

@@ -9,7 +9,7 @@ from typing import Any
 
 from ftcli import hardware
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import LoraTraining, Recipe
+from ftcli.config.recipe import LoraConfig, LoraTraining, ModelConfig, Recipe, TrainingConfig
 from ftcli.estimate import memory
 from ftcli.objectives import objective_of
 from ftcli.families import FAMILIES, find_family
@@ -54,7 +54,7 @@ def resolved_sharding(recipe: Recipe) -> tuple[str, str]:
     if recipe.training.sharding != "auto":
         return recipe.training.sharding, "training.sharding"
     try:
-        shape = model_shape(recipe)
+        shape = model_shape(recipe.model)
     except UserError as e:
         return "ddp", f"training.sharding=auto, not sized ({e})"
     chosen = lora_sharding(recipe, shape)
@@ -71,7 +71,7 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                   tokens=block * t.per_device_batch,
                   world=world or recipe.compute.num_accelerators,
                   checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
-                  adapter_params=adapter_params(recipe, shape))
+                  adapter_params=adapter_params(t, recipe.lora, shape))
     # LoRA: adapters in float32 over a base in model.dtype; every layer checkpointed or none. Its loss term: the
     # measured points' ("trl": TRL's fused head, inside the fitted activations); LoRA trains with ftcli's chunked loss
     # since issue 40 (one chunk's fp32 logits), not measured on a GPU yet
@@ -80,11 +80,11 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
         return memory.Setting(**common, master="fp32", compute_bytes=4 if recipe.model.dtype == "float32" else 2,
                               keep=0, loss="trl", sharding=sharding,
                               expert_quant="mxfp4" if recipe.model.quantization == "mxfp4" else "none",
-                              merged_experts=merged_experts(recipe), speed=speed_settings(recipe))
+                              merged_experts=merged_experts(recipe.model, t, recipe.lora), speed=speed_settings(t))
     return memory.Setting(**common, master="fp32" if t.precision.master_dtype == "float32" else "bf16",
                           compute_bytes=4 if t.precision.param_dtype == "float32" else 2,
                           keep=t.activation_checkpointing_keep, loss=t.loss.impl, sharding="fsdp",
-                          speed=speed_settings(recipe), cp=t.context_parallel)
+                          speed=speed_settings(t), cp=t.context_parallel)
 
 
 def cp_degrees(s: memory.Setting) -> list[int]:
@@ -107,32 +107,32 @@ def smallest_cp_that_fits(shape: memory.ModelShape, s: memory.Setting, card_gb: 
     return next((n for n in cp_degrees(s) if fits_card(shape, replace(s, cp=n, keep=0), card_gb)[0]), None)
 
 
-def grouped_expert_lora(recipe: Recipe) -> bool:
+def grouped_expert_lora(model: ModelConfig, training: TrainingConfig, lora: LoraConfig) -> bool:
     """Whether a LoRA recipe's experts go through ftcli.model.moe_lora (unmerged, grouped by expert; the LoRA
     trainer installs it where this says so): its family declares its experts' layout (gpt-oss, Qwen3-MoE), and
     the base is kept in MXFP4, or lora.target_parameters trains the experts with lora.experts=grouped. Over a
     base whole per rank (ddp) and one sharded by FSDP2 alike (inside a sharded unit's forward and backward
     FSDP2 hands the module its gathered weights: tests/e2e/test_lora_fsdp.py)."""
-    if method_of(recipe.training).trains_base or getattr(find_family(recipe.model.model_type), "expert_layout", None) is None:
+    if method_of(training).trains_base or getattr(find_family(model.model_type), "expert_layout", None) is None:
         return False
-    if recipe.model.quantization == "mxfp4":
+    if model.quantization == "mxfp4":
         return True
-    return recipe.lora.experts == "grouped" and bool(recipe.lora.target_parameters)
+    return lora.experts == "grouped" and bool(lora.target_parameters)
 
 
-def merged_experts(recipe: Recipe) -> bool:
+def merged_experts(model: ModelConfig, training: TrainingConfig, lora: LoraConfig) -> bool:
     """Whether PEFT's ParamWrapper folds the expert LoRA into the weight: the experts are trained and not through
     the grouped expert LoRA (`grouped_expert_lora`)."""
-    return (bool(recipe.lora.target_parameters) and recipe.model.quantization != "mxfp4"
-            and not grouped_expert_lora(recipe))
+    return (bool(lora.target_parameters) and model.quantization != "mxfp4"
+            and not grouped_expert_lora(model, training, lora))
 
 
-def speed_settings(recipe: Recipe) -> tuple[str, ...]:
-    """A recipe's settings that change its step time but not its memory model, in the form of the
+def speed_settings(training: TrainingConfig) -> tuple[str, ...]:
+    """A training section's settings that change its step time but not its memory model, in the form of the
     step-time rows' `speed` field: each training feature's speed key (ftcli.features), in the registry's order."""
     from ftcli import features
 
-    return features.speed_keys(recipe)
+    return features.speed_keys(training)
 
 
 def fits_card(shape, s: memory.Setting, card_gb: float) -> tuple[bool, memory.Estimate]:
@@ -224,7 +224,7 @@ def no_fit_reason(shape: memory.ModelShape, s: memory.Setting, card: str) -> str
 
 def memory_on(recipe: Recipe, world: int) -> memory.Estimate:
     """Peak memory per process of the recipe on `world` GPUs (or CPU processes) of one machine."""
-    shape = model_shape(recipe)
+    shape = model_shape(recipe.model)
     return memory.estimate(shape, setting_of(recipe, shape, world))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from ftcli.config.errors import UserError
 from ftcli.config.accelerators import accelerator_name
 from ftcli.config.accelerators import parse_accelerator as parse_name
-from ftcli.config.recipe import Recipe
+from ftcli.config.recipe import ComputeConfig, Recipe, TrainingConfig
 from ftcli.estimate import memory
 from ftcli.estimate.datasize import DataSize, data_size
 from ftcli.estimate.fit import (CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason,
@@ -114,10 +114,11 @@ def parse_accelerator(accelerator: str) -> tuple[int, str]:
     return parsed.gpus_per_node, parsed.card
 
 
-def default_accelerators(recipe: Recipe) -> list[str]:
-    own = recipe.compute.accelerator_type
-    world = recipe.compute.num_accelerators
-    own_card = recipe.compute.accelerator.card
+def default_accelerators(compute: ComputeConfig) -> list[str]:
+    """The compute section's own accelerator, then each other card ftcli has figures for with as many GPUs."""
+    own = compute.accelerator_type
+    world = compute.num_accelerators
+    own_card = compute.accelerator.card
     return [own] + [accelerator_name(min(per_node, world), card) for card, per_node in GPUS_PER_NODE.items()
                     if card != own_card]
 
@@ -136,8 +137,8 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
     suggestions = () if fits else tuple(fitting_settings(shape, s, card, per_node, length_key,
                                                          recipe.training.per_device_batch, recipe.lora.r))
     why = "" if fits or suggestions else no_fit_reason(shape, s, card)
-    st = step_time(recipe, shape, s, card, world)
-    run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe, data, world)
+    st = step_time(recipe.training, shape, s, card, world)
+    run_steps = steps if world == recipe.compute.num_accelerators else _steps(recipe.training, data, world)
     wall = st.s_per_step * run_steps / 3600 if st.s_per_step is not None and run_steps is not None else None
     return CardPlan(accelerator=accelerator, card=card, gpus=world, own=accelerator == recipe.compute.accelerator_type,
                     estimate=e, usable_gib=memory.usable_gib(gb), fits=fits, keep_layers=keep,
@@ -146,8 +147,7 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
                     cp_fits=smallest_cp_that_fits(shape, s, gb))
 
 
-def _steps(recipe: Recipe, data: DataSize, world: int) -> int | None:
-    t = recipe.training
+def _steps(t: TrainingConfig, data: DataSize, world: int) -> int | None:
     if data.blocks is None:
         return t.max_steps
     data_parallel = world // getattr(t, "context_parallel", 1)  # the ranks of a CP group share each block
@@ -156,11 +156,13 @@ def _steps(recipe: Recipe, data: DataSize, world: int) -> int | None:
 
 
 def make_plan(recipe: Recipe, accelerators: list[str] | None = None) -> Plan:
-    shape = model_shape(recipe)
-    data = data_size(recipe)
-    steps = _steps(recipe, data, recipe.compute.num_accelerators)
+    from ftcli.data.spec import data_spec
+
+    shape = model_shape(recipe.model)
+    data = data_size(data_spec(recipe), recipe.model)
+    steps = _steps(recipe.training, data, recipe.compute.num_accelerators)
     own = recipe.compute.accelerator_type
-    names = default_accelerators(recipe)
+    names = default_accelerators(recipe.compute)
     if accelerators:
         for a in accelerators:
             parse_accelerator(a)  # a typo is a one-line error
@@ -183,7 +185,7 @@ def fit_check(recipe: Recipe) -> FitResult:
         return FitResult(True, f"memory fit not checked: no figures for {recipe.compute.accelerator_type} "
                                f"(cards known: {', '.join(CARDS)})", None)
     try:
-        shape = model_shape(recipe)
+        shape = model_shape(recipe.model)
     except UserError as e:
         return FitResult(True, f"memory fit not checked: {e}", None)
     c = card_plan(recipe, shape, recipe.compute.accelerator_type, DataSize(None, None, "not needed"), None)

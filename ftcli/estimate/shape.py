@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe, resolve_path
+from ftcli.config.recipe import LoraConfig, ModelConfig, TrainingConfig, resolve_path
 from ftcli.estimate import memory
 from ftcli.objectives import method_of
 
@@ -19,10 +19,9 @@ class InvalidModelConfig(UserError):
     merely not on this machine ("not checked")."""
 
 
-def model_shape(recipe: Recipe) -> memory.ModelShape:
-    """The model's shape from its config: random init reads model.config; a pretrained id reads the shipped
-    shape (ftcli/assets/models), a local directory's config.json, or the Hugging Face cache."""
-    m = recipe.model
+def model_shape(m: ModelConfig) -> memory.ModelShape:
+    """The shape of the model section `m` from its config: random init reads model.config; a pretrained id reads the
+    shipped shape (ftcli/assets/models), a local directory's config.json, or the Hugging Face cache."""
     cfg: dict[str, Any] | None = None
     if m.init == "random":
         cfg = _read_config(resolve_path(m.config) if m.config else None, "model.config")
@@ -92,11 +91,11 @@ def _hub_cached_config(model_id: str | None, revision: str | None) -> dict[str, 
     return json.loads(Path(path).read_text()) if isinstance(path, str) else None
 
 
-def adapter_params(recipe: Recipe, shape: memory.ModelShape) -> int:
+def adapter_params(training: TrainingConfig, lora: LoraConfig, shape: memory.ModelShape) -> int:
     """LoRA weights: r x (in + out) per wrapped linear of each layer, and per expert of a wrapped 3-D parameter."""
-    if method_of(recipe.training).trains_base:  # no adapter
+    if method_of(training).trains_base:  # no adapter
         return 0
-    lora, r = recipe.lora, recipe.lora.r
+    r = lora.r
     wanted = None if lora.target_modules == "all-linear" else set(lora.target_modules)
     total = 0
     for kind in shape.layer_kinds:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ftcli.config.recipe import Recipe
+from ftcli.config.recipe import TrainingConfig
 from ftcli.estimate import memory
 from ftcli.estimate.fit import CARDS
 from ftcli.objectives import Method, objective_of
@@ -22,7 +22,7 @@ class StepTime:
 
 
 
-def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card: str,
+def step_time(training: TrainingConfig, shape: memory.ModelShape, s: memory.Setting, card: str,
               world: int | None = None) -> StepTime:
     """Seconds per optimizer step on one `card` from the measured step times: the same family, width, method,
     block and checkpointing, the rows of the newest sitting (`_series`: kernels are never mixed); the recipe's
@@ -62,7 +62,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
     at_depth = [r for r in series if r["layers"] == shape.layers]
     notes = []
     if fit and not any(r.get("keep", 0) == keep for r in at_depth) and (fit.kept_layer is not None or not at_depth):
-        seconds = fit.seconds(shape.layers, keep) * recipe.training.grad_accum
+        seconds = fit.seconds(shape.layers, keep) * training.grad_accum
         used = [r for r in series if r.get("keep", 0) == fit.depth_keep or r["layers"] == fit.keep_depth]
         depth_note = fit.text(shape.layers, keep)
         layers_text = f"{' and '.join(map(str, sorted({r['layers'] for r in used})))} layers"
@@ -74,7 +74,7 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
         head = shape.vocab * shape.hidden
         layer = sum(shape.layer_params) / shape.layers
         depth = (shape.layers * layer + head) / (measured_shape.layers * layer + head)
-        seconds = row["s_per_step"] * depth * recipe.training.grad_accum
+        seconds = row["s_per_step"] * depth * training.grad_accum
         depth_note = f"{row['layers']} -> {shape.layers} layers by matmul work" if row["layers"] != shape.layers else None
         layers_text = f"{row['layers']} layers"
         measured_keep = row.get("keep", 0)
@@ -94,8 +94,8 @@ def step_time(recipe: Recipe, shape: memory.ModelShape, s: memory.Setting, card:
         seconds *= 1 + 1 / forwards
         notes.append(f"x {1 + 1 / forwards:.2f} for the reference's forward (1 of {forwards} forward-sized passes; "
                      "not measured)")
-    if recipe.training.grad_accum > 1:
-        notes.append(f"x {recipe.training.grad_accum} micro-batches")
+    if training.grad_accum > 1:
+        notes.append(f"x {training.grad_accum} micro-batches")
     measured = not notes
     gpus = f"{row['gpus']} GPU{'s' if row['gpus'] > 1 else ''}"
     point = f"{row['card']}, {gpus}, {row['model']} at {layers_text}, block {row['block_len']}, {row['date']}"

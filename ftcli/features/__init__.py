@@ -20,17 +20,23 @@ from ftcli.features.base import Feature, Found, Requirement
 FEATURES: dict[str, Feature] = {f.name: f for f in (float8.FEATURE, compile.FEATURE, loss.FEATURE, fused_ops.FEATURE)}
 
 __all__ = ["FEATURES", "Feature", "Found", "Requirement", "active", "checked", "describe", "load_recipe",
-           "packages", "preflight", "prepare_lora", "recipe_problems", "requirements", "speed_keys"]
+           "packages", "preflight", "prepare_lora", "problems", "recipe_problems", "requirements", "speed_keys"]
 
 
-def active(recipe) -> list[Feature]:
-    """The features `recipe` turns on for its training."""
-    return [f for f in FEATURES.values() if f.applies(recipe)]
+def active(training) -> list[Feature]:
+    """The features the training section `training` turns on."""
+    return [f for f in FEATURES.values() if f.applies(training)]
+
+
+def problems(model, data, training) -> list[str]:
+    """What the features refuse in a recipe's model, data and training sections beyond the schema, one line each
+    (empty: nothing)."""
+    return [problem for f in FEATURES.values() for problem in f.validate(model, data, training)]
 
 
 def recipe_problems(recipe) -> list[str]:
-    """What the features refuse in `recipe` beyond its schema, one line each (empty: nothing)."""
-    return [problem for f in FEATURES.values() for problem in f.validate(recipe)]
+    """`problems` as the schema's rule hook (`config.recipe.load_recipe(rules=...)` hands a rule the Recipe)."""
+    return problems(recipe.model, recipe.data, recipe.training)
 
 
 def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None):
@@ -40,11 +46,11 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None):
     return load_schema(name_or_path, overrides, rules=recipe_problems)
 
 
-def requirements(recipe) -> list[tuple[str, str]]:
-    """(pip requirement, why) of the features `recipe` uses, one per package (sorted by it)."""
+def requirements(training) -> list[tuple[str, str]]:
+    """(pip requirement, why) of the features the training section uses, one per package (sorted by it)."""
     uses: dict[str, list[Requirement]] = {}
     for f in FEATURES.values():
-        for req in f.requirements(recipe):
+        for req in f.requirements(training):
             uses.setdefault(req.pin, []).append(req)
     return [(pin, " ".join(filter(None, (reqs[0].kind, " and ".join(r.use for r in reqs)))))
             for pin, reqs in sorted(uses.items())]
@@ -60,26 +66,27 @@ def checked() -> list[Feature]:
     return [f for f in FEATURES.values() if f.check is not None]
 
 
-def speed_keys(recipe) -> tuple[str, ...]:
-    """The step-time rows' `speed` field for `recipe`: the speed key of each feature that applies to it."""
-    return tuple(key for f in FEATURES.values() if f.applies(recipe) and (key := f.speed_key(recipe.training)))
+def speed_keys(training) -> tuple[str, ...]:
+    """The step-time rows' `speed` field for a training section: the speed key of each feature that applies."""
+    return tuple(key for f in FEATURES.values() if f.applies(training) and (key := f.speed_key(training)))
 
 
-def describe(model, recipe) -> list[str]:
-    """What each training feature `recipe` turns on did to the built `model`: its start-up line, one each."""
-    return [line for f in active(recipe) if (line := f.describe(model, recipe)) is not None]
+def describe(model, training) -> list[str]:
+    """What each training feature `training` turns on did to the built `model`: its start-up line, one each."""
+    return [line for f in active(training) if (line := f.describe(model, training)) is not None]
 
 
-def preflight(recipe, device) -> None:
+def preflight(training, device) -> None:
     """What every worker would fail on in the same way (a missing package, a CPU for a GPU kernel): a
     UserError now."""
-    for f in active(recipe):
+    for f in active(training):
         if f.preflight is not None:
-            f.preflight(recipe, device)
+            f.preflight(training, device)
 
 
-def prepare_lora(model, recipe) -> None:
-    """What the features `recipe` turns on do to a LoRA run's PEFT-wrapped model, before TRL trains it (in place)."""
-    for f in active(recipe):
+def prepare_lora(model, training) -> None:
+    """What the features `training` turns on do to a LoRA run's PEFT-wrapped model, before TRL trains it (in
+    place)."""
+    for f in active(training):
         if f.prepare_lora is not None:
-            f.prepare_lora(model, recipe)
+            f.prepare_lora(model, training)

@@ -70,19 +70,19 @@ def _experts_compile(experts: nn.Module) -> bool:
     return implementation in ("grouped_mm", "batched_mm") and not any(p.requires_grad for p in experts.parameters())
 
 
-def compile_layer(layer: nn.Module, recipe) -> None:
+def compile_layer(layer: nn.Module, training) -> None:
     """In place: parameter names (and so checkpoints) stay the same."""
     import torch
 
-    if recipe.training.compile == "regions":
+    if training.compile == "regions":
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-        for name in compile_regions(layer, lora=not method_of(recipe.training).trains_base):
+        for name in compile_regions(layer, lora=not method_of(training).trains_base):
             layer.get_submodule(name).compile()
     else:
         layer.compile()
 
 
-def prepare_lora(model: nn.Module, recipe) -> None:
+def prepare_lora(model: nn.Module, training) -> None:
     """The LoRA path: every decoder layer of the PEFT-wrapped `model` compiled in place (`compile_layer`), and the
     packed attention's block masks built ahead of the layers (module doc)."""
     import torch
@@ -93,11 +93,11 @@ def prepare_lora(model: nn.Module, recipe) -> None:
     # a whole gpt-oss layer: sliding / full attention x a first layer whose input needs no gradient x the segment
     # count and trained-token count going dynamic, and eval's no-grad variants: past dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-    if recipe.training.compile is True:  # the attention compiles with its layer
+    if training.compile is True:  # the attention compiles with its layer
         block_masks_ahead(model)
     model.register_forward_pre_hook(_packing_metadata_dynamic, with_kwargs=True)
     for layer in decoder_layers(model):
-        compile_layer(layer, recipe)
+        compile_layer(layer, training)
 
 
 def _packing_metadata_dynamic(module, args, kwargs) -> None:
@@ -111,18 +111,18 @@ def _packing_metadata_dynamic(module, args, kwargs) -> None:
             torch._dynamo.maybe_mark_dynamic(value, 0)
 
 
-def describe(model, recipe) -> str | None:
+def describe(model, training) -> str | None:
     from ftcli.model.build import decoder_layers
 
-    layers, lora = decoder_layers(model), not method_of(recipe.training).trains_base
-    if recipe.training.compile != "regions":
+    layers, lora = decoder_layers(model), not method_of(training).trains_base
+    if training.compile != "regions":
         return f"compiled: {len(layers)} decoder layers, each whole" if lora else None
     return f"compiled regions: {len(compile_regions(layers[0], lora=lora))} in the first decoder layer"
 
 
 FEATURE = Feature(
     name="compile", label="compile", setting=SETTING,
-    applies=lambda r: bool(r.training.compile),
+    applies=lambda t: bool(t.compile),
     speed_key=lambda t: f"compile={'regions' if t.compile == 'regions' else 'layers'}" if t.compile else None,
     per_layer=compile_layer, prepare_lora=prepare_lora, describe=describe,
 )

@@ -117,21 +117,21 @@ def is_float8_linear(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- the record
-def _on(recipe) -> bool:
-    return method_of(recipe.training).runs_features and recipe.training.precision.fp8
+def _on(training) -> bool:
+    return method_of(training).runs_features and training.precision.fp8
 
 
-def validate(recipe) -> list[str]:
+def validate(model, data, training) -> list[str]:
     """The float8 GEMM needs inner dimensions that are multiples of 16; in the weight-gradient GEMM that is
     the tokens per micro-batch (padding them would copy every float8 operand of every step)."""
-    tokens = recipe.data.packing.block_len * recipe.training.per_device_batch
-    if _on(recipe) and (not recipe.data.packing.enabled or tokens % 16):  # LoRA ignores fp8 (warned)
+    tokens = data.packing.block_len * training.per_device_batch
+    if _on(training) and (not data.packing.enabled or tokens % 16):  # LoRA ignores fp8 (warned)
         return [f"{SETTING} needs packed blocks whose tokens per micro-batch (block_len x "
                 f"per_device_batch = {tokens}) are a multiple of 16"]
     return []
 
 
-def check(recipe, m) -> Found:
+def check(training, m) -> Found:
     """Torch-free: the capability and torchao of machine `m` (a ftcli.hardware.Machine)."""
     problems = []
     cap = ".".join(map(str, m.capability or (0, 0)))
@@ -143,27 +143,27 @@ def check(recipe, m) -> Found:
     return Found(tuple(problems), (f"fp8: {PACKAGE} {m.versions.get(PACKAGE)} on capability {cap}",))
 
 
-def convert(model, recipe, device) -> None:
+def convert(model, training, device) -> None:
     """Before sharding: FSDP2 then shards the swapped modules' same parameters."""
     from ftcli.model.build import decoder_layers
 
     check_fp8_device(device)
     convert_to_fp8(model, decoder_layers(model), model.config.get_text_config().hidden_size,
-                   recipe.training.precision.fp8_recipe, emulate=device.type == "cpu")
+                   training.precision.fp8_recipe, emulate=device.type == "cpu")
 
 
-def describe(model, recipe) -> str:
+def describe(model, training) -> str:
     from ftcli.model.build import decoder_layers
 
-    return (f"fp8 GEMMs (torchao float8, {recipe.training.precision.fp8_recipe}): {len(fp8_linears(model))} linears of "
+    return (f"fp8 GEMMs (torchao float8, {training.precision.fp8_recipe}): {len(fp8_linears(model))} linears of "
             f"{len(decoder_layers(model))} decoder layers; the LM head, embeddings and small projections stay in "
-            f"{recipe.training.precision.param_dtype}")
+            f"{training.precision.param_dtype}")
 
 
 FEATURE = Feature(
     name="float8", label="fp8", setting=SETTING, applies=_on, validate=validate,
-    requirements=lambda r: [Requirement(PIN, f"float8 training ({SETTING}), its Python part; the float8 GEMMs "
-                                             "are torch's own")] if _on(r) else [],
+    requirements=lambda t: [Requirement(PIN, f"float8 training ({SETTING}), its Python part; the float8 GEMMs "
+                                             "are torch's own")] if _on(t) else [],
     packages=(PACKAGE,), check=check,
     # the measured rows' key: "fp8" is tensorwise (every row so far), another recipe is its own key
     speed_key=lambda t: (("fp8" if t.precision.fp8_recipe == "tensorwise" else f"fp8={t.precision.fp8_recipe}")

@@ -155,24 +155,24 @@ def fused_module_counts(model: nn.Module) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------- the record
-def _on(recipe) -> bool:
-    return method_of(recipe.training).runs_features and bool(recipe.training.fused_ops)  # LoRA ignores them (warned)
+def _on(training) -> bool:
+    return method_of(training).runs_features and bool(training.fused_ops)  # LoRA ignores them (warned)
 
 
-def validate(recipe) -> list[str]:
+def validate(model, data, training) -> list[str]:
     from ftcli.families import fused_op_model_types  # the families whose modules name fused-op targets
 
     types = fused_op_model_types()
-    if _on(recipe) and recipe.model.model_type not in types:
+    if _on(training) and model.model_type not in types:
         return [f"{SETTING} covers the modules of model_type {', '.join(types)}; "
-                f"this recipe's model_type is {recipe.model.model_type}: set {SETTING}=[]"]
+                f"this recipe's model_type is {model.model_type}: set {SETTING}=[]"]
     return []
 
 
-def check(recipe, m) -> Found:
+def check(training, m) -> Found:
     """Torch-free: each op's package on machine `m` (a ftcli.hardware.Machine)."""
     problems, found = [], []
-    for package in dict.fromkeys(PACKAGES[op] for op in recipe.training.fused_ops):
+    for package in dict.fromkeys(PACKAGES[op] for op in training.fused_ops):
         have = m.versions.get(package) or m.versions.get(PACKAGE_ALSO_IN.get(package, ""))
         if not have:
             problems.append(f"{SETTING} needs {package}: pip install {package}")
@@ -180,23 +180,23 @@ def check(recipe, m) -> Found:
     return Found(tuple(problems), tuple(found))
 
 
-def requirements(recipe) -> list[Requirement]:
+def requirements(training) -> list[Requirement]:
     # the gated norm's fla is the Qwen3.5 family's own requirement (the workload installs it for every Qwen3.5)
-    if _on(recipe) and {"rms_norm", "swiglu"} & set(recipe.training.fused_ops):
+    if _on(training) and {"rms_norm", "swiglu"} & set(training.fused_ops):
         return [Requirement(LIGER_PIN, f"fused RMSNorm / SwiGLU ({SETTING})", LIGER_KIND)]
     return []
 
 
-def preflight(recipe, device) -> None:
-    check_fused_device(device, recipe.training.fused_ops)
-    load_kernels(recipe.training.fused_ops)
+def preflight(training, device) -> None:
+    check_fused_device(device, training.fused_ops)
+    load_kernels(training.fused_ops)
 
 
-def convert(model, recipe, device) -> None:
+def convert(model, training, device) -> None:
     """The same parameter objects under the same names: sharding and checkpoints unchanged."""
     from ftcli.model.build import decoder_layers, text_final_norm
 
-    ops = recipe.training.fused_ops
+    ops = training.fused_ops
     check_fused_device(device, ops)
     fuse_decoder_ops(model, decoder_layers(model), ops, load_kernels(ops), final_norm=text_final_norm(model))
 
@@ -206,6 +206,6 @@ FEATURE = Feature(
     requirements=requirements, packages=tuple(dict.fromkeys(PACKAGES.values())), check=check,
     speed_key=lambda t: "fused=" + "+".join(sorted(t.fused_ops)) if t.fused_ops else None,
     preflight=preflight, convert=convert,
-    describe=lambda model, recipe: "fused ops (Triton): " + ", ".join(
+    describe=lambda model, training: "fused ops (Triton): " + ", ".join(
         f"{op} x{n}" for op, n in fused_module_counts(model).items()),
 )

@@ -71,16 +71,16 @@ FUSED_LINEAR_CE = {
 }
 
 
-def _fused(recipe) -> FusedLinearCE | None:
-    return FUSED_LINEAR_CE.get(recipe.training.loss.impl)
+def _fused(training) -> FusedLinearCE | None:
+    return FUSED_LINEAR_CE.get(training.loss.impl)
 
 
 FEATURE = Feature(
     name="loss", label="fused loss", setting=SETTING,
-    applies=lambda r: method_of(r.training).runs_features and _fused(r) is not None,
+    applies=lambda t: method_of(t).runs_features and _fused(t) is not None,
     # the pin follows the setting, whichever the method
-    requirements=lambda r: [Requirement(_fused(r).pin, f"fused linear cross-entropy (loss.impl={_fused(r).impl})",
-                                        LIGER_KIND)] if _fused(r) is not None else [],
-    preflight=lambda recipe, device: _fused(recipe).load(),
+    requirements=lambda t: [Requirement(_fused(t).pin, f"fused linear cross-entropy (loss.impl={_fused(t).impl})",
+                                        LIGER_KIND)] if _fused(t) is not None else [],
+    preflight=lambda training, device: _fused(training).load(),
     off_without_gpu=f"{SETTING}=chunked",
 )

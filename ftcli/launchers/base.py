@@ -106,7 +106,7 @@ def gpu_requirements(recipe: Recipe) -> list[tuple[str, str]]:
             if not pin.hopper_only or card.upper() in _HOPPER]
     from ftcli import features
 
-    reqs += features.requirements(recipe)  # the training features' pins (ftcli.features)
+    reqs += features.requirements(recipe.training)  # the training features' pins (ftcli.features)
     return reqs + data_requirements(recipe)
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe, resolve_path
+from ftcli.config.recipe import ModelConfig, PackingConfig, resolve_path
 
 
-def _local_source(recipe: Recipe):
-    """The recipe's ModelConfig pointing at a config on this machine, or None when there is none."""
-    cfg = recipe.model
+def _local_source(cfg: ModelConfig) -> ModelConfig | None:
+    """The model section pointing at a config on this machine, or None when there is none."""
     if cfg.trust_remote_code:
         return None
     if cfg.init == "random" or Path(resolve_path(cfg.id) or "").is_dir():
@@ -52,7 +51,7 @@ def _check_override_keys(config: Any, overrides: dict[str, Any]) -> None:
                             f"ignore it{hint}")
 
 
-def check_model_config(recipe: Recipe) -> Any:
+def check_model_config(model: ModelConfig, packing: PackingConfig) -> Any:
     """The transformers config the workers will build, or None when it cannot be read offline here.
 
     Raises `UserError` (one line) when the config or the model cannot be built from it, or when
@@ -62,7 +61,7 @@ def check_model_config(recipe: Recipe) -> Any:
 
     from ftcli.model.build import auto_class, load_config, text_config
 
-    cfg = _local_source(recipe)
+    cfg = _local_source(model)
     if cfg is None:
         return None
     overrides = f" with model.config_overrides {cfg.config_overrides}" if cfg.config_overrides else ""
@@ -74,8 +73,8 @@ def check_model_config(recipe: Recipe) -> Any:
     except Exception as e:  # transformers raises ValueError, TypeError, KeyError... for bad configs
         raise UserError(f"model config {cfg.config or cfg.id}{overrides} is not valid: {_one_line(e)}") from None
     limit = getattr(text_config(config), "max_position_embeddings", None)
-    block_len = recipe.data.packing.block_len
-    if recipe.data.packing.enabled and isinstance(limit, int) and block_len > limit:
+    block_len = packing.block_len
+    if packing.enabled and isinstance(limit, int) and block_len > limit:
         raise UserError(
             f"data.packing.block_len={block_len} is over the model's max_position_embeddings={limit}; "
             "lower block_len or raise model.config_overrides.max_position_embeddings"

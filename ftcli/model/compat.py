@@ -59,10 +59,11 @@ class Problem:
     blocks_recipe: bool = False  # the recipe would train wrongly (or not at all) here
 
 
-def _applies(recipe, rule: str) -> bool:
-    """Whether known-bad `rule` concerns `recipe`'s family (ftcli.families; every rule when there is no recipe)."""
-    family = find_family(recipe.model.model_type) if recipe is not None else None
-    return recipe is None or (family is not None and family.has_rule(rule))
+def _applies(model, rule: str) -> bool:
+    """Whether known-bad `rule` concerns the family of `model` (the model section; ftcli.families; every rule when
+    there is no recipe)."""
+    family = find_family(model.model_type) if model is not None else None
+    return model is None or (family is not None and family.has_rule(rule))
 
 
 # ------------------------------------------------------------------------------------------ known bad
@@ -74,27 +75,29 @@ def sink_model_attention(here: Machine) -> str | None:
     return kernels.attention_backend(SINKS, here).name
 
 
-def known_bad(recipe, here: Machine) -> list[Problem]:
-    """The known-bad combinations for `recipe` (or for both families when None) on `here`."""
-    packed = recipe is None or recipe.data.packing.enabled
+def known_bad(model, packing, here: Machine) -> list[Problem]:
+    """The known-bad combinations for a recipe's `model` and `data.packing` sections (or for both families when
+    both are None: no recipe) on `here`."""
+    given = model is not None  # a recipe was given
+    packed = packing is None or packing.enabled
     v = here.versions
     out = []
 
     name = "transformers 5.2.0-5.8.1 (Qwen3.5 packing arguments)"
     tv = v.get("transformers")
-    if not (_applies(recipe, TRANSFORMERS_PACKING_ARGS) and packed):
+    if not (_applies(model, TRANSFORMERS_PACKING_ARGS) and packed):
         out.append(Problem(name, NA, "no packed Qwen3.5 blocks in this recipe"))
     elif tv and BAD_TRANSFORMERS[0] <= version_tuple(tv) <= BAD_TRANSFORMERS[1]:
         out.append(Problem(name, FAIL, f"transformers {tv} drops cu_seq_lens / seq_idx before Qwen3.5's gated-delta "
                            "layers: packed documents leak into each other; install transformers 5.24.0 "
-                           "(constraints/gpu-h200.txt)", blocks_recipe=recipe is not None))
+                           "(constraints/gpu-h200.txt)", blocks_recipe=given))
     else:
         out.append(Problem(name, OK, f"transformers {tv or '-'}"))
 
     name = f"Blackwell gated-delta NaN gradients ({FLA_913})"
     fla = v.get("flash-linear-attention") or v.get("fla-core")
     triton = v.get("triton")
-    qwen = _applies(recipe, BLACKWELL_GATED_DELTA)
+    qwen = _applies(model, BLACKWELL_GATED_DELTA)
     if not here.blackwell or not qwen:
         out.append(Problem(name, NA, f"capability {here.capability or '-'}" if qwen else "no gated-delta layers"))
     elif not here.fla_importable:
@@ -103,13 +106,13 @@ def known_bad(recipe, here: Machine) -> list[Problem]:
         out.append(Problem(name, FAIL, f"fla {fla} / Triton {triton} on capability {here.capability}: "
                            f"chunk_gated_delta_rule gives NaN gradients on Blackwell ({FLA_913}, reproduced with fla "
                            "0.5.0 and 0.5.1 on Triton 3.7.0); no release is confirmed to fix it: check this machine "
-                           "with benchmarks/packed_kernels_gpu.py first", blocks_recipe=recipe is not None))
+                           "with benchmarks/packed_kernels_gpu.py first", blocks_recipe=given))
     else:
         out.append(Problem(name, WARN, f"fla {fla} / Triton {triton} on Blackwell: {FLA_913} was closed without a "
                            "named fix and ftcli has not run on Blackwell; run benchmarks/packed_kernels_gpu.py once"))
 
     name = "fla on a GPU machine (Qwen3.5 gated delta)"
-    if not here.gpus or not _applies(recipe, FLA_ON_GPU):
+    if not here.gpus or not _applies(model, FLA_ON_GPU):
         out.append(Problem(name, NA, "no GPU" if not here.gpus else "no gated-delta layers"))
     elif not here.fla_importable:
         out.append(Problem(name, WARN, "flash-linear-attention is not installed: the gated-delta rule runs ftcli's "
@@ -119,14 +122,14 @@ def known_bad(recipe, here: Machine) -> list[Problem]:
 
     name = "gpt-oss packed attention keeps the sinks"
     attention = sink_model_attention(here)
-    if recipe is not None and not (_applies(recipe, SINKS_RULE) and packed):
+    if given and not (_applies(model, SINKS_RULE) and packed):
         out.append(Problem(name, NA, "no packed gpt-oss blocks in this recipe"))
     elif attention in SINK_ATTENTION:
         out.append(Problem(name, OK, f"{attention} applies the learned sinks"))
     else:
         out.append(Problem(name, FAIL, f"attention backend {attention or 'none'} has no learned sinks: "
                            "gpt-oss would train as a different model; use model.attn_implementation=auto on a "
-                           "torch with flex attention", blocks_recipe=recipe is not None))
+                           "torch with flex attention", blocks_recipe=given))
     return out
 
 
@@ -195,14 +198,13 @@ def outside_matrix(versions: dict[str, str | None], pins: dict[str, str]) -> lis
 
 
 # ---------------------------------------------------------------------------------------- can it run
-def gpu_notes(recipe, here: Machine) -> list[Problem]:
+def gpu_notes(model, training, compute, here: Machine) -> list[Problem]:
     """Type and count against compute.accelerator_type (a different card or fewer GPUs is not an error when
     the memory fits: the launcher uses the GPUs that are here)."""
-    compute = recipe.compute
     wanted_card = compute.accelerator.card
     if not here.gpus:
-        return [Problem("GPUs vs compute.accelerator_type", NA if recipe.model.init == "random" else WARN,
-                        f"no GPU: {recipe.training.cpu_processes} CPU processes instead of {compute.accelerator_type}")]
+        return [Problem("GPUs vs compute.accelerator_type", NA if model.init == "random" else WARN,
+                        f"no GPU: {training.cpu_processes} CPU processes instead of {compute.accelerator_type}")]
     name = here.gpus[0][0]
     detail = f"{len(here.gpus)} x {name} here, recipe: {compute.num_accelerators} x {wanted_card}"
     same = wanted_card in name and len(here.gpus) >= compute.gpus_per_node

@@ -98,8 +98,10 @@ class ShardWriter:
     """Safetensors shards written as they fill (host memory: at most one shard of pending tensors), then
     named like save_pretrained's: model.safetensors, or model-0000i-of-0000n.safetensors + the index."""
 
-    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
-        self.out, self.max_shard_bytes = Path(out_dir), max_shard_bytes
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 2 << 30, shard_name=None) -> None:
+        """`shard_name(i)`: write shard i (1, 2, ...) under that final name and leave the index to the caller
+        (no rename at `finish`: ftcli merge-lora's in-place output); unset: save_pretrained's names."""
+        self.out, self.max_shard_bytes, self.shard_name = Path(out_dir), max_shard_bytes, shard_name
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.written: list[tuple[str, list[str]]] = []
@@ -115,8 +117,13 @@ class ShardWriter:
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
-        fname = f"model-{len(self.written) + 1:05d}.safetensors"
-        save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        number = len(self.written) + 1
+        fname = self.shard_name(number) if self.shard_name else f"model-{number:05d}.safetensors"
+        try:
+            save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        except BaseException:
+            (self.out / fname).unlink(missing_ok=True)  # a full disk: no partial shard left
+            raise
         self.written.append((fname, list(self.pending)))
         self.largest_shard_bytes = max(self.largest_shard_bytes, self.pending_bytes)
         self.pending, self.pending_bytes = {}, 0
@@ -130,6 +137,8 @@ class ShardWriter:
     def finish(self) -> dict[str, str]:
         """Flush, name the shards, write the index; returns the weight map (tensor name -> file)."""
         self._flush()
+        if self.shard_name:
+            return {n: fname for fname, names in self.written for n in names}
         weight_map = {}
         for i, (fname, names) in enumerate(self.written):
             final = f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"

@@ -1,7 +1,7 @@
 """Model construction for the FSDP2 trainer (ftcli.train.full): the recipe's model, built on the meta device,
 made into the model that trains, then only this rank's shard materialized.
 
-    build_model(recipe, world, attn)
+    build_model(model, training, world, attn)   (the recipe's model and training sections)
         meta build                       ftcli.model.build.build_empty_model (real buffers: rotary inv_freq)
         the training features            ftcli.features: each active feature's `convert` on the meta model
                                          (module swaps of linears, norms, MLPs that keep every parameter's
@@ -89,18 +89,18 @@ def embedding_units(model: nn.Module) -> list[nn.Module]:
     return [embed, head]
 
 
-def shard_model(model: nn.Module, recipe, world) -> nn.Module:
+def shard_model(model: nn.Module, training, world) -> nn.Module:
     """Activation checkpointing and compile per layer, then `fully_shard` per decoder layer, the vision
     tower (VLM classes; frozen and never called on text data, so never all-gathered), then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    tcfg = recipe.training
+    tcfg = training
     layers = decoder_layers(model)
     set_activation_checkpointing(model, tcfg)
-    per_layer = [f.per_layer for f in features.active(recipe) if f.per_layer is not None]  # compile
+    per_layer = [f.per_layer for f in features.active(training) if f.per_layer is not None]  # compile
     for layer in layers:  # in place: parameter names (and so checkpoints) stay the same
         for apply in per_layer:
-            apply(layer, recipe)
+            apply(layer, training)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[tcfg.precision.param_dtype], reduce_dtype=DTYPES[tcfg.precision.reduce_dtype]
     )
@@ -160,17 +160,17 @@ def load_pretrained_weights(model: nn.Module, cfg, dtype: torch.dtype, world) ->
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def build_model(recipe, world, attn_implementation: str | None) -> nn.Module:
-    """Meta build -> shard -> materialize this rank's shard -> weights. Returns the FSDP2 model."""
-    cfg, tcfg = recipe.model, recipe.training
+def build_model(cfg, tcfg, world, attn_implementation: str | None) -> nn.Module:
+    """Meta build -> shard -> materialize this rank's shard -> weights, from the model section `cfg` and the training
+    section `tcfg`. Returns the FSDP2 model."""
     master_dtype = DTYPES[tcfg.precision.master_dtype]
     model = build_empty_model(cfg, master_dtype, attn_implementation)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    features.preflight(recipe, world.device)  # a missing package fails now, not after the first forward
-    for feature in features.active(recipe):  # module swaps that keep the parameter names
+    features.preflight(tcfg, world.device)  # a missing package fails now, not after the first forward
+    for feature in features.active(tcfg):  # module swaps that keep the parameter names
         if feature.convert is not None:
-            feature.convert(model, recipe, world.device)
-    shard_model(model, recipe, world)
+            feature.convert(model, tcfg, world.device)
+    shard_model(model, tcfg, world)
     model.to_empty(device=world.device)
     with torch.no_grad():
         for name, b in model.named_buffers():

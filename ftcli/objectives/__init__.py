@@ -6,8 +6,8 @@ holds and who asks it):
     methods  training.method: full | lora
 
 Adding an objective: `ftcli/objectives/<name>.py` with its `OBJECTIVE = Objective(...)`, one line in OBJECTIVES
-below, and its value (and knobs) in the schema (`ftcli/config/recipe.py`, `_Training.objective`). Importing this
-package does not import torch.
+below, and its value (and knobs) in the schema (`ftcli/config/sections/training.py`, `_Training.objective`).
+Importing this package does not import torch.
 """
 
 from __future__ import annotations

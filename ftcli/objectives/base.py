@@ -11,7 +11,7 @@ Every consumer asks the records; none branches on the names (tests/unit/test_arc
 outside this room compares `method` or `objective` to a string):
 
     consumer                               asks the Objective
-    ftcli.train.session                    units(recipe, tokenizer, first)   the packed units it trains on
+    ftcli.train.session                    units(spec, tokenizer, first)     the packed units it trains on
     ftcli.train.full, ftcli.train.lora     count(block), loss_sum(model, inputs)   the micro-batch's loss terms
     ftcli.train.evaluate                   count, loss_sum (the same terms over the held-out units)
     ftcli.estimate.memory                  sequences_per_unit, reference_model   memory terms
@@ -53,7 +53,7 @@ class Objective:
     loss_algebra: str
     metrics: tuple[str, ...]  # the step line's and MLflow's metric names beyond loss / grad norm / lr
     eval_metric: str  # the held-out metric that picks the best model ("loss": lower is better)
-    # (recipe, tokenizer, first) -> ftcli.data.PackedDataset of this objective's units; `first` is
+    # (training data: ftcli.data.DataSpec, tokenizer, first) -> ftcli.data.PackedDataset of its units; `first` is
     # ftcli.train.distributed.rank0_first (rank 0 fills the cache, then the others open it)
     units: Callable[[Any, Any, Callable], Any]
     # the loss of one micro-batch (a block of units) as two terms, so the step can normalize globally:

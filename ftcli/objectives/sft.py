@@ -21,13 +21,14 @@ S_{r,m} * W / N per micro-batch; the gradient reduction averages over the W rank
 any split of the same blocks over ranks and accumulation. A step with N = 0 is skipped on every rank."""
 
 
-def units(recipe, tokenizer, first):
-    """The packed blocks of `recipe`'s training data (`ftcli.data.prepare_blocks`): rank 0 tokenizes, masks and
-    packs into the on-disk cache first (`first`), then every rank opens it; a source that keeps no row stops here."""
+def units(spec, tokenizer, first):
+    """The packed blocks of the training data `spec` (a ftcli.data.DataSpec; `ftcli.data.prepare_blocks`): rank 0
+    tokenizes, masks and packs into the on-disk cache first (`first`), then every rank opens it; a source that keeps
+    no row stops here."""
     from ftcli import data
 
-    return first(lambda: data.check_sources(recipe, data.prepare_blocks(recipe, tokenizer)),
-                 then=lambda: data.open_prepared(recipe, tokenizer))
+    return first(lambda: data.check_sources(spec.data, data.prepare_blocks(spec, tokenizer)),
+                 then=lambda: data.open_prepared(spec, tokenizer))
 
 
 def count(block) -> int:

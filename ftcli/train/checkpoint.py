@@ -66,7 +66,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.publish import begin_export, publish_export, remove_export
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE
-from ftcli.artifacts.safe_files import write_atomic, write_new
+from ftcli.config.safe_files import write_atomic, write_new
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")  # an older ftcli's save in progress

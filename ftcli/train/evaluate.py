@@ -18,7 +18,7 @@ inside `torch.random.fork_rng`: the training RNG stream is untouched, so a run w
 like one without. Every rank evaluates its equal share of each source's blocks (`BlockStream`, padded
 with all-masked blocks), so FSDP2's collectives line up; one all-reduce adds the sums and counts.
 
-    packed = prepare_eval(recipe, tokenizer)                      rank 0 first (the data cache)
+    packed = prepare_eval(data_spec(recipe), recipe.eval, tokenizer)   rank 0 first (the data cache)
     evaluator = Evaluator(packed, rank, world_size, device)
     result = evaluator.run(model, loss_sum, step)                 loss_sum(inputs) -> summed CE (a tensor)
     tracker = EvalTracker(recipe.eval)                            best step, early stopping
@@ -47,24 +47,27 @@ from ftcli import data
 from ftcli.data.evalsplit import eval_problem, eval_specs
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.rundir import BEST, FINAL, SAMPLES_FILE
-from ftcli.artifacts.safe_files import open_append
+from ftcli.config.safe_files import open_append
 
 
-def prepare_eval(recipe, tokenizer, first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:
-    """source label -> the packed eval blocks of that source (empty without eval data). `first` is
+def prepare_eval(train: data.DataSpec, ev, tokenizer,
+                 first: Callable = lambda f, then=None: f()) -> dict[str, data.PackedDataset]:
+    """source label -> the packed eval blocks of that source (empty without eval data), for the training data
+    `train` (`ftcli.data.data_spec(recipe)`) and the eval section `ev`. `first` is
     `ftcli.train.distributed.rank0_first` under torchrun (rank 0 fills the cache, the others read it)."""
     out = {}
-    for label, r in eval_specs(recipe).items():
+    for label, r in eval_specs(train, ev).items():
         out[label] = first(lambda r=r: data.prepare_blocks(r, tokenizer), then=lambda r=r: data.open_prepared(r, tokenizer))
-    problem = eval_problem(recipe, out)  # the launcher refused it before start: a worker started by hand
+    problem = eval_problem(ev, out)  # the launcher refused it before start: a worker started by hand
     if problem:
         raise TrainingStopped(problem)  # every rank
     return out
 
 
-def eval_summaries(recipe, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
-    """The data summary of each source's eval split (pack-preview, the train log)."""
-    specs = eval_specs(recipe)
+def eval_summaries(train: data.DataSpec, ev, packed: dict[str, data.PackedDataset]) -> dict[str, data.DataSummary]:
+    """The data summary of each source's eval split (pack-preview, the train log), for the training data `train`
+    and the eval section `ev`."""
+    specs = eval_specs(train, ev)
     return {label: data.data_summary(specs[label], p) for label, p in packed.items()}
 
 
@@ -113,12 +116,37 @@ class Evaluator:
         self.packed, self.rank, self.world_size, self.device = packed, rank, world_size, device
         # what is evaluated: the objective's summed loss over its count, as in training (ftcli.objectives)
         self.objective = objective if objective is not None else OBJECTIVES["sft"]
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = 0, 1, None, False  # `split_blocks`
+
+    def split_blocks(self, cp_rank: int, cp_size: int, cp_group, balanced: bool = False) -> None:
+        """Context parallelism (training.context_parallel): the `cp_size` consecutive ranks of a group evaluate each
+        block together, each its slice (as in training: ftcli.model.kernels.cp), the group's first rank counting
+        the block. A block that does not split into slices of whole gated-delta chunks (eval.block_len, or
+        eval.strategy: none) runs whole on every rank of the group, the first one counting its loss."""
+        self.cp_rank, self.cp_size, self.cp_group, self.cp_balanced = cp_rank, cp_size, cp_group, balanced
 
     def __bool__(self) -> bool:
         return bool(self.packed)
 
     def blocks(self, label: str):
-        return data.BlockStream(self.packed[label], self.rank, self.world_size, epochs=1.0, shuffle=False)
+        """This rank's share of a source's blocks: one stream per data-parallel group (a CP group reads the same)."""
+        return data.BlockStream(self.packed[label], self.rank // self.cp_size, self.world_size // self.cp_size,
+                                epochs=1.0, shuffle=False)
+
+    def loss_terms(self, block, loss_sum: Callable[[dict], torch.Tensor]) -> tuple[float, int]:
+        """This rank's share of a block's (summed loss, count): all of it, or its slice's (context parallelism)."""
+        from ftcli.data.collate import FLA_CHUNK
+        from ftcli.model.kernels.cp import slice_of_block
+
+        first = self.cp_rank == 0
+        if self.cp_size == 1:
+            return float(loss_sum(data.block_to_model_inputs(block, self.device)).double()), self.objective.count(block)
+        chunks = self.cp_size * (2 if self.cp_balanced else 1)
+        if len(block.input_ids) % (chunks * FLA_CHUNK):  # whole on every rank of the group: the first one counts it
+            summed = float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
+            return (summed, self.objective.count(block)) if first else (0.0, 0)
+        inputs = slice_of_block(block, self.cp_rank, self.cp_size, self.cp_group, self.device, self.cp_balanced)
+        return float(loss_sum(inputs).double()), self.objective.count(block) if first else 0
 
     def run(self, model: torch.nn.Module, loss_sum: Callable[[dict], torch.Tensor], step: int) -> EvalResult:
         """The eval loss of `model` (module doc). `loss_sum(inputs)`: the summed token CE of one block's
@@ -132,8 +160,9 @@ class Evaluator:
                 for label in self.packed:
                     summed, trained = 0.0, 0
                     for block in self.blocks(label):
-                        summed += float(loss_sum(data.block_to_model_inputs(block, self.device)).double())
-                        trained += self.objective.count(block)
+                        block_sum, block_count = self.loss_terms(block, loss_sum)
+                        summed += block_sum
+                        trained += block_count
                     sums.append(summed)
                     counts.append(trained)
         finally:

@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from ftcli import data
 
 from ftcli.model import kernels
-from ftcli.model.kernels.cp import CP_KWARG, CPSlice
+from ftcli.model.kernels.cp import slice_of_block
 from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
@@ -98,11 +98,13 @@ from ftcli.train.session import RunSession
 # (ftcli.objectives.preference, ftcli.train.preference).
 #
 # Context parallelism (training.context_parallel = C) changes only what a "block of rank r" is: the C ranks
-# of a CP group hold C disjoint slices of the same block, so S_{r,m} and n_{r,m} are a slice's summed CE and
-# trained-token count (a slice's last position predicts the next slice's first token: its n counts it), the
-# slices of a block add up to the block's S and n, and the same sums over all W ranks give the same N and
-# grad(L). W stays the number of ranks FSDP averages over (all of them); the data-parallel groups (W / C) read
-# different blocks.
+# of a CP group hold C disjoint slices of the same block, so S_{r,m} is a slice's summed CE (a slice's last
+# position predicts the next slice's first token) and the slices' S add up to the block's; the block's n is
+# counted once, by the group's first rank, so the same sums over all W ranks give the same N and grad(L). A
+# preference block's pair losses need whole sequences: every rank of the group sums its part of each segment's
+# log-probs, the group adds them up (differentiably), and each rank returns S / C (ftcli.train.preference).
+# W stays the number of ranks FSDP averages over (all of them); the data-parallel groups (W / C) read different
+# blocks.
 def forward_backward(model: nn.Module, micro_batches: list[dict], global_valid_tokens: int, world_size: int,
                      loss_sum_of: Callable = OBJECTIVES["sft"].loss_sum):
     """Backward of every micro-batch with the loss scaled as above; returns this rank's summed loss. `loss_sum_of`:
@@ -274,6 +276,8 @@ class FullRun:
         self.session.open_data()  # tokenizer, the objective's units, summary, eval data; announced
         self.tokenizer, self.data_summary, self.evaluator = self.session.tokenizer, self.session.summary, \
             self.session.evaluator
+        if world.cp_size > 1:  # eval blocks in slices too: the memory of a training block is the memory of eval's
+            self.evaluator.split_blocks(world.cp_rank, world.cp_size, world.cp_group, tcfg.context_parallel_balance)
         # one stream per data-parallel group: the ranks of a CP group read the same blocks, each its slice
         self.stream = data.BlockStream(self.session.units, world.dp_rank, world.dp_size, epochs=tcfg.epochs,
                                        seed=tcfg.seed)
@@ -298,11 +302,11 @@ class FullRun:
             attn, backends = kernels.enable_packed_kernels(recipe.model.model_type, world.device,
                                                            context_parallel=world.cp_size > 1)
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
-        self.model = build_model(recipe, world, attn)
+        self.model = build_model(recipe.model, recipe.training, world, attn)
         if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
             reference, stored = None, self.objective.reference_model and tcfg.preference.reference == "precomputed"
             if self.objective.reference_model and not stored:  # the starting model again, sharded alike, frozen
-                reference = build_model(recipe, world, attn).requires_grad_(False).eval()
+                reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
                 say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy")
             attach_preference_loss(self.model, preference_config(tcfg), tcfg.loss.chunk_tokens, reference)
             if stored:  # the policy is still the starting model (a resume restores it later): it is the reference
@@ -312,7 +316,7 @@ class FullRun:
                     "no reference model")
         else:
             attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
-        for line in features.describe(self.model, recipe):  # what each training feature did, one line each
+        for line in features.describe(self.model, recipe.training):  # what each training feature did, one line each
             say(line)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         non_embedding = count_text_params(self.model)
@@ -325,14 +329,17 @@ class FullRun:
         """training.preference.reference=precomputed: the training and eval blocks with the reference's log-probs
         (ftcli.train.reference: read from their stores, or computed now by the model, still the starting one)."""
         world, tcfg = self.world, self.tcfg
+        if world.cp_size > 1:
+            raise UserError("training.preference.reference=precomputed runs each block whole on one rank: with "
+                            f"training.context_parallel={world.cp_size} set training.preference.reference=model")
 
         def logps(inputs: dict) -> torch.Tensor:
             return self.model.sequence_logps(**inputs)[0]
 
+        identity = reference_identity(self.recipe.model, tcfg, world.device.type)
         self.model.eval()
-        sets = precomputed_reference({"train": self.session.units, **self.evaluator.packed},
-                                     reference_identity(self.recipe, world.device.type), logps, rank=world.rank,
-                                     world_size=world.world_size, device=world.device, say=self.say)
+        sets = precomputed_reference({"train": self.session.units, **self.evaluator.packed}, identity, logps,
+                                     rank=world.rank, world_size=world.world_size, device=world.device, say=self.say)
         self.model.train()
         # every FSDP unit sharded again before the optimizer is built from model.parameters(): a unit left gathered
         # (the root, after this eval-mode pass) has its unsharded tensors set as the module's parameters (FSDP2's
@@ -397,14 +404,10 @@ class FullRun:
 
         # 6b. count the objective's units (N of the loss algebra: SFT's trained tokens, or pairs) and the trained
         # tokens, all ranks together, before any backward (the loss algebra above)
-        if world.cp_size > 1:  # this rank's slices (their labels hold the next slice's first target); SFT only
-            num_valid_tokens = sum(count_trained_tokens(mb["labels"]) for mb in micro_batches[:len(blocks)])
-            num_units = num_valid_tokens
-            num_seen_tokens = sum(mb["input_ids"].numel() for mb in micro_batches[:len(blocks)])
-        else:
-            num_valid_tokens = sum(count_trained_tokens(b) for b in blocks)
-            num_units = sum(self.objective.count(b) for b in blocks)
-            num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in blocks)
+        counted = blocks if world.cp_rank == 0 else []  # the ranks of a CP group share each block: the first counts it
+        num_valid_tokens = sum(count_trained_tokens(b) for b in counted)
+        num_units = sum(self.objective.count(b) for b in counted)
+        num_seen_tokens = sum(int(np.asarray(b.input_ids).size) for b in counted)
         global_valid_tokens, global_units, global_seen_tokens = map(
             int, all_reduce([num_valid_tokens, num_units, num_seen_tokens], dist.ReduceOp.SUM, world.device))
         result.steps += 1
@@ -473,9 +476,8 @@ class FullRun:
         world = self.world
         if world.cp_size == 1:
             return data.block_to_model_inputs(block, world.device)
-        inputs = data.slice_model_inputs(block, world.cp_rank, world.cp_size, world.device)
-        inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, world.cp_rank, world.cp_size, world.cp_group)
-        return inputs
+        return slice_of_block(block, world.cp_rank, world.cp_size, world.cp_group, world.device,
+                              balanced=self.tcfg.context_parallel_balance)
 
     def objective_metrics(self) -> dict[str, float]:
         """Collective: the step's objective metrics over every rank (preference: TRL's rewards/* and logps/*, means

@@ -39,7 +39,7 @@ from ftcli.train.preempt import EXIT_CODES, STOP_GRACE_S, STOP_SIGNALS, Stopped,
 from ftcli.artifacts.rundir import (CHECKPOINTS, LOCK_FILE, RECIPE_FILE, RUN_JSON, check_run_dir, is_own_run, prepare_run_dir,
                           read_run_record, recipe_differences, remove_failed_start, run_dir_of, make_dirs, remove_dirs)
 from ftcli.artifacts.tracking import export_credentials
-from ftcli.artifacts.safe_files import entries, open_lock, refuse_unsafe
+from ftcli.config.safe_files import entries, open_lock, refuse_unsafe
 
 LAUNCHER_PID = "FTCLI_LAUNCHER_PID"
 
@@ -71,7 +71,7 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
     if _inside_torchrun():
         _worker(recipe, resume=resume, force=force)
     elif resume == "latest" and (step := finished_at(recipe)) is not None:
-        print(f"{run_dir_of(recipe)} already finished at step {step} (its run.json); nothing to resume "
+        print(f"{run_dir_of(recipe.output_dir)} already finished at step {step} (its run.json); nothing to resume "
               "(--force starts over)", file=sys.stderr)
     else:
         with run_dir_lock(recipe, resume=resume, force=force):
@@ -81,8 +81,9 @@ def run_train(recipe, *, resume: str | None, force: bool) -> None:
 def finished_at(recipe) -> int | None:
     """The step a completed run of this very recipe (its run.json, the same recipe.yaml) finished at;
     None when there is none, so `--resume` goes on to the checkpoints."""
-    run_dir = run_dir_of(recipe)
-    if not (run_dir / RUN_JSON).is_file() or not is_own_run(run_dir, recipe) or recipe_differences(run_dir, recipe):
+    run_dir = run_dir_of(recipe.output_dir)
+    if (not (run_dir / RUN_JSON).is_file() or not is_own_run(run_dir, recipe.name)
+            or recipe_differences(run_dir, recipe)):
         return None
     try:
         record = read_run_record(run_dir)
@@ -150,17 +151,19 @@ def starting_model(recipe):
 
 def _launch(recipe, *, resume: str | None, force: bool) -> None:
     recipe = starting_model(recipe)  # model.id = an earlier run: the model it wrote
-    run_dir = run_dir_of(recipe)
+    run_dir = run_dir_of(recipe.output_dir)
     if resume not in (None, "latest"):
         resume = str(Path(resume).resolve())
     if resume is not None:  # before anything is written: recipe.yaml stays the run's
         check_resume(recipe, run_dir, resume, world_size=_processes_per_node(recipe)[0] * int(os.environ.get("NUM_NODES", "1")))
     from ftcli.data.checks import quick_check
+    from ftcli.data.spec import data_spec
     from ftcli.model.checks import check_model_config
 
     refuse_gpu_recipe_on_cpu(recipe)  # doctor's verdict first: a GPU recipe's data is not read here
-    quick_check(recipe)  # a source whose rows are all unreadable in its format: refused before torch is imported
-    check_model_config(recipe)  # a config that builds no model fails here, before the run dir is touched
+    quick_check(data_spec(recipe))  # a source whose rows are all unreadable in its format: refused before torch
+    # a config that builds no model fails here, before the run dir is touched
+    check_model_config(recipe.model, recipe.data.packing)
     try:
         _preflight(recipe)  # before anything in the run dir is cleared or written
     except KeyboardInterrupt:
@@ -168,7 +171,7 @@ def _launch(recipe, *, resume: str | None, force: bool) -> None:
         raise SystemExit(exit_code(signal.SIGINT)) from None
     check_context_parallel(recipe)
     run_dir = prepare_run_dir(recipe, force=force, resume=resume)
-    export_credentials(recipe)  # recipe.yaml holds the tracking URI masked
+    export_credentials(recipe.tracking)  # recipe.yaml holds the tracking URI masked
     nproc, unit = _processes_per_node(recipe)
     if unit == "CPU process":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -278,7 +281,7 @@ def check_resume(recipe, run_dir: Path, resume: str | None, *, world_size: int) 
     written_by = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
     if kind == "dcp":
         check_global_batch(checkpoint, meta, recipe.training.grad_accum, groups)
-    if is_own_run(run_dir, recipe):
+    if is_own_run(run_dir, recipe.name):
         check_resume_recipe(run_dir, recipe, warn=warn, same_global_batch=same_batch)
     if written_by is not None and written_by.resolve() != run_dir.resolve():
         if (written_by / RECIPE_FILE).is_file():
@@ -292,16 +295,17 @@ def _preflight(recipe) -> None:
     """What every worker would fail on in the same way, checked once here: one line, no torchrun noise."""
     from ftcli import data, features
 
-    if any(f.preflight for f in features.active(recipe)):  # their packages and devices (LoRA: none, warned)
+    if any(f.preflight for f in features.active(recipe.training)):  # their packages and devices (LoRA: none, warned)
         import torch
 
-        features.preflight(recipe, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = data.load_tokenizer(recipe)  # hub id / revision / path and chat template
+        features.preflight(recipe.training, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)  # hub id / revision / path and chat template
     packed = data.prepare_blocks(recipe, tokenizer)  # tokenize + pack into the on-disk cache, which the workers open
     _say_data(recipe, packed)
     from ftcli.data.evalsplit import check_eval, eval_specs
 
-    check_eval(recipe, {label: data.prepare_blocks(spec, tokenizer) for label, spec in eval_specs(recipe).items()})
+    specs = eval_specs(data.data_spec(recipe), recipe.eval)
+    check_eval(recipe.eval, {label: data.prepare_blocks(spec, tokenizer) for label, spec in specs.items()})
 
 
 def _say_data(recipe, packed) -> None:
@@ -312,10 +316,10 @@ def _say_data(recipe, packed) -> None:
     for label, st in packed.stats.sources.items():
         if st.format_why:
             print(f"data {label}: format {st.format} ({st.format_why})", file=sys.stderr)
-    check_sources(recipe, packed)
-    for problem in source_problems(recipe, packed.stats):
+    check_sources(recipe.data, packed)
+    for problem in source_problems(recipe.data, packed.stats):
         print(f"warning: {problem} (data.allow_empty_sources is on)", file=sys.stderr)
-    for problem in source_warnings(recipe, packed.stats):
+    for problem in source_warnings(recipe.data, packed.stats):
         print(f"warning: {problem}", file=sys.stderr)
 
 
@@ -331,7 +335,8 @@ def refuse_gpu_recipe_on_cpu(recipe) -> None:
     fits, detail = fit.fit_here(recipe, hardware.read("cpu"))
     if not fits:
         raise UserError(f"recipe {recipe.name} cannot run here: {detail}")
-    off = [f.off_without_gpu for f in features.active(recipe) if f.off_without_gpu]  # fused ops: their preflight
+    off = [f.off_without_gpu for f in features.active(recipe.training)
+           if f.off_without_gpu]  # fused ops: their preflight
     if off:
         raise UserError(f"recipe {recipe.name} asks for GPU kernels and this machine has no GPU: set "
                         f"{', '.join(off)} here, or run it on a GPU (ftcli render-workload --recipe {recipe.name})")
@@ -342,10 +347,11 @@ def _worker(recipe, *, resume: str | None, force: bool) -> None:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # not a caller running the command in-process
     if under_torchrun:
         _die_with_launcher()
-    run_dir = run_dir_of(recipe)
+    run_dir = run_dir_of(recipe.output_dir)
     rank = int(os.environ["RANK"])
     if os.environ.get("FTCLI_LAUNCHED") != "1" and rank == 0:
-        check_run_dir(recipe, force=force, resume=resume)  # torchrun started by hand: the launcher's checks
+        # torchrun started by hand: the launcher's checks
+        check_run_dir(recipe.name, recipe.output_dir, force=force, resume=resume)
         check_resume(recipe, run_dir, resume, world_size=int(os.environ["WORLD_SIZE"]))
         prepare_run_dir(recipe, force=force, resume=resume)
     stop_flag()  # before the trainer's imports: a SIGTERM / SIGINT from now on stops at a step boundary
@@ -395,17 +401,17 @@ def run_dir_lock(recipe, *, resume: str | None, force: bool) -> Iterator[Path]:
     so nothing writes into a dir that is unlocked. Order: a held lock is reported first, then the
     refusal rule (check_run_dir, which writes nothing), and only then are the run dir (and its missing
     parents: a failed start removes what it created) and the lock file created. The lock file is never
-    a link and never someone else's file (`ftcli.artifacts.safe_files.open_lock`: O_NOFOLLOW, a regular
+    a link and never someone else's file (`ftcli.config.safe_files.open_lock`: O_NOFOLLOW, a regular
     file holding a PID or nothing, or one created here). On a multi-node job only node 0's launcher locks
     (the run dir is shared); a filesystem without flock (some network mounts) gets a warning, not a refusal."""
     import fcntl
 
-    run_dir = run_dir_of(recipe)
+    run_dir = run_dir_of(recipe.output_dir)
     path = run_dir / LOCK_FILE
     refuse_unsafe(path)  # a link planted as the lock file: never followed, never truncated
     if path.is_file():
         _refuse_if_locked(path)
-    check_run_dir(recipe, force=force, resume=resume)
+    check_run_dir(recipe.name, recipe.output_dir, force=force, resume=resume)
     if os.environ.get("NODE_RANK", "0") != "0":
         yield run_dir
         return

@@ -123,7 +123,7 @@ def log_step(m: dict[str, Any], total_steps: int, *, say=print, metrics_path: Pa
     the tracker at `m["step"]`."""
     say(format_step(m, total_steps))
     if metrics_path is not None:
-        from ftcli.artifacts.safe_files import open_append
+        from ftcli.config.safe_files import open_append
 
         with open_append(metrics_path) as f:
             f.write(json.dumps(m) + "\n")
@@ -150,7 +150,7 @@ def truncate_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        from ftcli.artifacts.safe_files import write_atomic
+        from ftcli.config.safe_files import write_atomic
 
         write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftcli.data.packing import IGNORE_INDEX
+from ftcli.model.kernels.cp import CP_KWARG, sum_over_group
 from ftcli.objectives.preference import METRICS
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
@@ -77,10 +78,12 @@ def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     """(sum of the trained tokens' log-probs, their count) per segment, fp32 [S] each.
 
     hidden [1, T, H] after the final norm, weight [V, H] the LM head, labels [1, T] unshifted (position t
-    predicts labels[t + 1]), seq_idx [1, T] the segment of every token. Only the trained positions go through the
+    predicts labels[t + 1]; a context-parallel slice's are T + 1), seq_idx [1, T] the segment of every token. Only the trained positions go through the
     LM head, `chunk_tokens` rows at a time, each chunk checkpointed: memory is chunk x vocab, never T x vocab."""
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
-    segment = F.pad(seq_idx.to(torch.int64), (0, 1), value=0)[..., 1:].reshape(-1)
+    # a target's segment is its position's (a segment's first token is never a target: make_block masks it), which
+    # also holds for a context-parallel slice's last position (its target is the next slice's first token)
+    segment = seq_idx.to(torch.int64).reshape(-1)
     trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained)
     targets, segment = targets.index_select(0, trained), segment.index_select(0, trained)
@@ -153,17 +156,31 @@ def attach_preference_loss(model: nn.Module, cfg: PreferenceConfig, chunk_tokens
             if reference is None and adapter_off is None:  # the reference is stored: nothing to look up
                 inputs["reference_logps"] = torch.zeros(cu.numel() - 1, device=cu.device)
         stored = inputs.pop("reference_logps", None)  # precomputed (ftcli.train.reference): no reference forward
-        pairs = inputs["pairs"]
-        sums, counts = self.sequence_logps(**inputs)
+        pairs, cp = inputs["pairs"], inputs.get(CP_KWARG)
+        sums, counts = over_slices(self.sequence_logps(**inputs), cp)
         policy = SideLogps.of_block(sums, counts, pairs)
         ref = None
         if cfg.needs_reference:
-            ref = SideLogps.of_block(*(reference_logps(inputs) if stored is None else (stored, counts)), pairs)
+            ref_sums = over_slices(reference_logps(inputs), cp) if stored is None else (stored, counts)
+            ref = SideLogps.of_block(*ref_sums, pairs)
         summed, sums = pair_loss_sum(cfg, policy, ref)
-        self.preference_sums.add(sums)
-        return summed
+        if cp is None:
+            self.preference_sums.add(sums)
+            return summed
+        if cp.rank == 0:  # every rank of the CP group holds the block's pair losses: the first counts them
+            self.preference_sums.add(sums)
+        return summed / cp.size  # the group's returns add up to S; each rank's gradient is its slice's share
 
     model.loss_sum = types.MethodType(loss_sum, model)
+
+
+def over_slices(logps: tuple[torch.Tensor, torch.Tensor], cp) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's per-segment (sums, counts) as they are, or (context parallelism: `cp` a kernels.cp.CPSlice) this
+    rank's parts of them added up over the CP group, differentiably: every rank then holds the whole block's."""
+    if cp is None:
+        return logps
+    sums, counts = logps
+    return sum_over_group(torch.stack([sums, counts.to(sums.dtype)]), cp).unbind(0)
 
 
 def preference_config(training) -> PreferenceConfig:

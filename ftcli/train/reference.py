@@ -2,7 +2,7 @@
 the starting model itself, stored beside the pack cache (ftcli.data.reference), then read with every block, so that
 a full DPO/IPO run holds one model and runs one forward per block (not a frozen copy and its forward).
 
-    identity = reference_identity(recipe)               what names the reference model (the store's key part)
+    identity = reference_identity(model, training, device)  what names the reference model (the store's key part)
     sets = precomputed_reference({"train": units, **eval sets}, identity, logps_fn, rank=.., world_size=.., ...)
                                                         each set: its store checked (rank 0: sizes and CRC32), else
                                                         computed (`segment_logps`, sharded like training) and
@@ -28,7 +28,7 @@ from ftcli.data.packing import padding_block
 from ftcli.data.reference import ReferencedBlocks, num_segments, store_path, store_problem, write_store
 
 
-def reference_identity(recipe, device_type: str) -> dict[str, Any]:
+def reference_identity(model_cfg, training, device_type: str) -> dict[str, Any]:
     """What names the reference model, the starting model as it computes: its weights (a local directory's or the hub
     snapshot's files by name, size and mtime: the snapshot's path holds its commit), or for model.init=random the
     config's bytes, overrides, training.seed and the device type that drew it (a GPU draws other weights than the CPU
@@ -37,7 +37,7 @@ def reference_identity(recipe, device_type: str) -> dict[str, Any]:
     from ftcli.config.recipe import resolve_path
     from ftcli.objectives import method_of
 
-    m, t = recipe.model, recipe.training
+    m, t = model_cfg, training
     common = {"model_type": m.model_type, "model_class": m.model_class, "dtype": m.dtype,
               "quantization": m.quantization, "attn_implementation": m.attn_implementation, "method": t.method,
               "precision": t.precision.model_dump() if method_of(t.method).master_weights else None}

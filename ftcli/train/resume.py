@@ -3,8 +3,8 @@
 
     applied      where and how often the run saves, logs and evaluates, how it is tracked, where it runs
                  (APPLIED_ON_RESUME: tracking.*, compute.*, training.checkpoint cadence, training.log_every,
-                 training.cpu_processes and training.context_parallel (the checkpoint reshards), recomputation and
-                 compile settings, ...):
+                 training.cpu_processes and training.context_parallel(_balance) (the checkpoint reshards),
+                 recomputation and compile settings, ...):
                  resumed with the new values, said in one warning line
     refused      everything else. Two kinds, named in the error:
                  - the model, the data, the method, LoRA: they change parameter shapes or which blocks a step
@@ -33,6 +33,7 @@ from ftcli.config.errors import UserError
 APPLIED_ON_RESUME = (
     "name", "description", "output.", "tracking.", "compute.",
     "training.log_every", "training.max_bad_steps", "training.cpu_processes", "training.context_parallel",
+    "training.context_parallel_balance",
     "training.checkpoint.every_steps", "training.checkpoint.every_minutes", "training.checkpoint.keep_last",
     "training.checkpoint.save_final_hf", "training.checkpoint.enabled",
     "training.activation_checkpointing", "training.activation_checkpointing_keep", "training.compile",

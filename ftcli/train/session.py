@@ -62,12 +62,12 @@ class RunSession:
         from ftcli.train.evaluate import Evaluator, prepare_eval
 
         recipe = self.recipe
-        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe))
+        self.tokenizer = rank0_first(lambda: data.load_tokenizer(recipe.model, recipe.data))
         objective = objective_of(recipe.training)
-        self.units = objective.units(recipe, self.tokenizer, rank0_first)
+        self.units = objective.units(data.data_spec(recipe), self.tokenizer, rank0_first)
         self.summary = data.data_summary(recipe, self.units)
-        self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), self.rank, self.world_size,
-                                   self.device, objective)
+        eval_units = prepare_eval(data.data_spec(recipe), recipe.eval, self.tokenizer, rank0_first)
+        self.evaluator = Evaluator(eval_units, self.rank, self.world_size, self.device, objective)
         announce_data(self.recipe, self.summary, self.evaluator, say=self.say, tracker=self.tracker)
 
     def record(self, **fields: Any) -> Path:
@@ -88,9 +88,11 @@ class RunSession:
 def data_sources(recipe, summary, evaluator) -> list[DataSourceRecord]:
     """Every source the run read: the training data's, then each eval split's (eval.path / sources, or the rows
     eval.holdout kept apart), with where the rows come from and how many were read and kept."""
+    from ftcli.data import data_spec
     from ftcli.train.evaluate import eval_summaries
 
-    parts = [("training", summary), *(("eval", s) for s in eval_summaries(recipe, evaluator.packed).values())]
+    evals = eval_summaries(data_spec(recipe), recipe.eval, evaluator.packed)
+    parts = [("training", summary), *(("eval", s) for s in evals.values())]
     records = []
     for context, part in parts:
         for label, src in part.sources.items():
@@ -121,13 +123,15 @@ def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, 
                best_checkpoint: str | None = None) -> Path:
     """run.json of a completed run (rank 0), logged to MLflow with the resolved recipe; returns its path.
     `evals`: the run's EvalTracker (None without eval data)."""
+    from ftcli.data import data_spec
     from ftcli.train.evaluate import eval_summaries
 
+    evals_data = eval_summaries(data_spec(recipe), recipe.eval, evaluator.packed)
     record = new_run_record(
         recipe, method=recipe.training.method, mlflow=tracker.info, base_path=base_path, model_dir=model_dir, steps=steps,
         tokens=tokens, final_loss=final_loss, throughput=throughput, status="completed", data=summary.to_dict(),
         evals=evals.history if evals else [],
-        eval_data={k: s.to_dict() for k, s in eval_summaries(recipe, evaluator.packed).items()} or None,
+        eval_data={k: s.to_dict() for k, s in evals_data.items()} or None,
         best_step=evals.best_step if evals else None, best_eval_loss=evals.best_loss if evals else None,
         best_checkpoint=best_checkpoint, best_model_dir=best_model_dir, stopped_early=stopped_early,
         recipe_digest=recipe_digest(recipe), data_sources=data_sources(recipe, summary, evaluator),

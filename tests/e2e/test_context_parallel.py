@@ -3,10 +3,12 @@ block whole (ftcli.model.kernels.cp, ftcli.data.collate.slice_model_inputs, the 
 
     op level, no launch      the slices' inputs (labels that reach across, positions, pieces of segments), which
                              ranks carry a gated-delta state in, the loss of T/N + 1 labels
-    one 4-rank launch        tiny Qwen3.5, Llama, Gemma 3 and gpt-oss: CP=2 and CP=4 against the whole block,
-                             activation checkpointing off and on (tests/support/_cp_worker.py)
-    two training launches    2 x CP=2 on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
-                             rank (CP=1): steps 3 and 4 agree
+    one 4-rank launch        tiny Qwen3.5, Llama, Gemma 3 and gpt-oss: CP=2 and CP=4 (contiguous slices, and
+                             balanced: two chunks per rank) against the whole block,
+                             activation checkpointing off and on (tests/support/_cp_worker.py); the DPO loss with
+                             a frozen reference on pairs crossing the slice boundaries (tiny Qwen3.5)
+    two training launches    2 x CP=2 (balanced) on 4 ranks for 4 steps (checkpoint at 2), then a resume of step 2 on 1
+                             rank (CP=1): steps 3 and 4 and the eval at step 4 agree
 """
 
 from __future__ import annotations
@@ -55,6 +57,30 @@ def test_slices_keep_positions_segments_and_the_label_across_the_boundary():
     assert torch.equal(trained, whole["trained_positions"])
 
 
+def test_balanced_slices_hold_two_chunks_with_their_labels_positions_and_pieces():
+    block = a_block((5, 7, 4))  # segments [0, 5) [5, 12) [12, 16); 4 chunks of 4: rank 0 holds c0 c3, rank 1 c1 c2
+    whole = block_to_model_inputs(block)
+    first, second = (slice_model_inputs(block, r, 2, balanced=True) for r in (0, 1))
+    order = [*range(0, 4), *range(12, 16), *range(4, 12)]  # rank 0's tokens, then rank 1's, in block positions
+    for key in ("input_ids", "position_ids", "seq_idx"):
+        assert torch.cat([first[key], second[key]], 1)[0].tolist() == whole[key][0, order].tolist(), key
+    targets = [*whole["labels"][0, 1:].tolist(), IGNORE_INDEX]  # position t's target
+    assert first["labels"][0, 1:].tolist() == [targets[t] for t in order[:8]]  # c0's last predicts c1's first
+    assert second["labels"][0, 1:].tolist() == [targets[t] for t in order[8:]]
+    assert first["cu_seq_lens_q"].tolist() == [0, 4, 8] and second["cu_seq_lens_q"].tolist() == [0, 1, 4, 8]
+    cp = CPSlice.of(block.cu_seqlens, 1, 2, None, balanced=True)
+    assert cp.chunks == (1, 2) and cp.pieces() == [(0, 4, 5), (5, 5, 8), (5, 8, 12)]
+    assert [cp.continued(c) for c in range(4)] == [False, True, True, False] and cp.through(2) and not cp.through(1)
+    assert cp.block_order().tolist() == [*range(0, 4), *range(8, 16), *range(4, 8)]  # rank 0 gathers c0 c3
+
+    def causal_pairs(cp):  # (query, key) pairs of the rank's attention: its pieces' causal triangles
+        return sum((q0 - s + 1 + q1 - s) * (q1 - q0) // 2 for s, q0, q1 in cp.pieces())
+
+    one_document = [0, 1024]  # the balanced layout gives every rank the same causal work
+    assert len({causal_pairs(CPSlice.of(one_document, r, 4, None, True)) for r in range(4)}) == 1
+    assert [causal_pairs(CPSlice.of(one_document, r, 4, None)) for r in range(4)] == [32896, 98432, 163968, 229504]
+
+
 def test_state_carried_in_only_where_a_segment_crosses():
     # segments [0, 70) [70, 73) [73, 74) [74, 94) [94, 128), four slices of 32
     cp = CPSlice.of([0, 70, 73, 74, 94, 128], 0, 4, group=None)
@@ -99,6 +125,11 @@ def test_recipe_refuses_what_cannot_split():
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=3"])
     with pytest.raises(UserError, match="packing.enabled: true"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "data.packing.enabled=false"])
+    assert load_recipe("tiny-qwen-cpu", ["training.context_parallel=4", "training.context_parallel_balance=true",
+                                         "data.packing.block_len=512"]).training.context_parallel_balance
+    with pytest.raises(UserError, match="multiple of 512 .2N chunks"):
+        load_recipe("tiny-qwen-cpu", ["training.context_parallel=4", "training.context_parallel_balance=true",
+                                      "data.packing.block_len=768"])
     with pytest.raises(UserError, match="compile: regions or false"):
         load_recipe("tiny-qwen-cpu", ["training.context_parallel=2", "training.compile=true"])
 
@@ -116,7 +147,8 @@ def test_a_launch_whose_ranks_do_not_split_into_cp_groups_is_refused_before_it_s
 
 @pytest.mark.parametrize("window", [16, None])
 def test_gpt_oss_flex_attention_across_slices_equals_the_eager_reference(window):
-    """gpt-oss's CUDA path under CP (flex attention with a block-coordinate mask, then the sinks), run here on CPU
+    """gpt-oss's CUDA path under CP (flex attention with a block-coordinate mask, then the sinks; contiguous and
+    balanced slices), run here on CPU
     (forward only: flex attention has no CPU backward; benchmarks/cp_gpu.py checks its gradients on the GPU),
     against the per-piece eager reference with the sinks."""
     from transformers import GptOssConfig
@@ -132,10 +164,10 @@ def test_gpt_oss_flex_attention_across_slices_equals_the_eager_reference(window)
     q, k, v = (torch.randn(1, h, 128, 16) for h in (4, 2, 2))
     with torch.no_grad():
         module.sinks.normal_(0.0, 1.0)
-        for n in (2, 4):
+        for n, balanced in ((2, False), (4, False), (2, True), (4, True)):
             for r in range(n):
-                s = CPSlice.of([0, 70, 73, 74, 94, 128], r, n, None)
-                local = q[:, :, s.start:s.end]
+                s = CPSlice.of([0, 70, 73, 74, 94, 128], r, n, None, balanced)
+                local = q[:, :, s.positions()]
                 eager, _ = cp_ops._attention_pieces(local, k, v, s, 0.25, 0.0, window, module, True)
                 flex, _ = cp_ops._attention_flex_sinks(local, k, v, s, 0.25, window, module.sinks)
                 assert (eager - flex).abs().max() < 1e-5
@@ -189,7 +221,7 @@ def cp_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("cp")
     out = tmp / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests" / "support" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss", "off,on", "2,4"]
+           str(REPO / "tests" / "support" / "_cp_worker.py"), str(out), "qwen3_5,llama3,gemma3,gpt-oss,dpo", "off,on", "2,4,2b,4b"]
     res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(tmp / "cache"), capture_output=True, text=True,
                          timeout=400)
     assert res.returncode == 0, output_tail(res)
@@ -198,10 +230,11 @@ def cp_report(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", ["qwen3_5", "llama3", "gemma3", "gpt-oss"])
 def test_context_parallel_equals_the_whole_block(cp_report, name):
-    """Logits, summed loss and gradients (summed over the slices) of CP=2 and CP=4 equal the whole block's, with
-    and without activation checkpointing; the slices alone, without the ops across the boundary, do not."""
+    """Logits, summed loss and gradients (summed over the slices) of CP=2 and CP=4, contiguous and balanced (two
+    chunks per rank), equal the whole block's, with and without activation checkpointing; the slices alone, without
+    the ops across the boundary, do not."""
     checked = {k: v for k, v in cp_report.items() if k.startswith(name + "/")}
-    assert len(checked) == 4  # cp 2 and 4 x checkpointing off and on
+    assert len(checked) == 8  # cp 2 and 4, contiguous and balanced, x checkpointing off and on
     for key, d in checked.items():
         assert d["logits"] < LOGITS_ATOL, key
         assert d["loss"] <= 1e-5 * d["loss_value"], key
@@ -209,15 +242,33 @@ def test_context_parallel_equals_the_whole_block(cp_report, name):
         assert d["logits_slice_alone"] > LEAK, key
 
 
+def test_preference_loss_over_slices_equals_the_whole_block(cp_report):
+    """DPO with a frozen reference on a block of two pairs whose sides cross the slice boundaries: the CP group's
+    losses add up to the whole block's, the per-segment log-prob sums and token counts added over the group are the
+    block's (so SimPO's and ORPO's per-token means are too), each pair is counted once, and the gradients agree."""
+    for size in ("2", "4", "2b", "4b"):  # b: balanced
+        d = cp_report[f"dpo/qwen3_5/cp={size}"]
+        # float32: the loss is beta (0.5) x a margin of log-prob sums of ~264, each rounded to ~3e-5; measured up to
+        # 1.5e-5 on 1.79 (CP=2 balanced)
+        assert d["loss"] <= 2e-5 * d["loss_value"], size
+        assert d["logps"] <= 1e-6 * d["logps_scale"] and d["counts"] == 0 and d["pairs_counted"] == 2, size
+        assert d["simpo"] < 1e-5, size
+        # float32: the DPO gradient's noise measured up to 1.1e-5 of the largest entry (CP=2)
+        assert d["grads"] <= 2 * GRAD_RTOL * d["grad_scale"] and d["num_grads"] > 50, size
+
+
 # ------------------------------------------------------------------------------------- the training loop
 def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
-    """4 ranks as 2 data-parallel groups x CP=2 (two blocks per step, each in two slices) for 4 steps, checkpoint at
+    """4 ranks as 2 data-parallel groups x CP=2 balanced (two blocks per step, each in four chunks of 64, rank 0 of a
+    group holding chunks 0 and 3, rank 1 chunks 1 and 2) for 4 steps, checkpoint at
     step 2; the step-2 checkpoint resumed on 1 rank without CP (grad_accum 2: the same two blocks per step) trains
-    steps 3 and 4 with the same losses, grad norms and token counts."""
-    common = ["training.max_steps=4", "data.packing.block_len=256", "eval=null", "training.checkpoint.every_steps=2",
+    steps 3 and 4 with the same losses, grad norms and token counts; the eval at the end (the held-out blocks in
+    slices over each CP group) gives the same loss."""
+    common = ["training.max_steps=4", "data.packing.block_len=256", "training.checkpoint.every_steps=2",
               "training.checkpoint.save_final_hf=false", *FAST]
     cp_run = tmp_path / "cp2"
-    res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2", *common), tmp_path, env)
+    res = ftcli(train_args(cp_run, "training.cpu_processes=4", "training.context_parallel=2",
+                           "training.context_parallel_balance=true", *common), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
     assert "steps of 1 block per group of 2 context-parallel ranks" in res.stdout
     resumed = tmp_path / "cp1"
@@ -231,3 +282,6 @@ def test_cp2_training_and_a_resume_on_cp1_agree(tmp_path, env):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert (a["tokens_trained"], a["tokens_seen"]) == (b["tokens_trained"], b["tokens_seen"])
+    # the last step's eval: the held-out blocks in slices over each CP group (2 groups) == whole on 1 rank
+    assert two[3]["eval_loss"] == pytest.approx(one[1]["eval_loss"], rel=1e-5)
+    assert two[3]["eval_tokens"] == one[1]["eval_tokens"] > 0

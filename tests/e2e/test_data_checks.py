@@ -9,6 +9,7 @@ from _data_common import recipe, tokenizer, write_jsonl
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.data import check_sources, prepare_blocks
 from ftcli.data.checks import quick_check, source_problems
+from ftcli.data.spec import data_spec
 
 MESSAGES = {"messages": [{"role": "user", "content": "What is 7 plus 6?"}, {"role": "assistant", "content": "13"}]}
 SHAREGPT = {"conversations": [{"from": "human", "value": "What is 7 plus 6?"}, {"from": "gpt", "value": "13"}]}
@@ -20,9 +21,9 @@ def test_sharegpt_rows_read_as_messages_are_refused_with_the_fix(tmp_path):
     want = (f"data source '{path}' keeps 0 of the 198 rows read (messages missing 198, row 0: no 'messages' field "
             "(fields: conversations)) [format messages]; looks like ShareGPT: set data.format=sharegpt")
     with pytest.raises(UserError) as quick:
-        quick_check(r)
+        quick_check(data_spec(r))
     with pytest.raises(UserError) as full:
-        check_sources(r, prepare_blocks(r, tokenizer("qwen")))
+        check_sources(r.data, prepare_blocks(r, tokenizer("qwen")))
     assert str(quick.value) == str(full.value) == want
 
 
@@ -30,20 +31,21 @@ def test_under_auto_there_is_nothing_to_set_and_unknown_rows_say_so(tmp_path):
     path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}] * 5)
     r = recipe(tmp_path, data__path=path, data__format="auto")
     with pytest.raises(UserError) as e:
-        quick_check(r)
+        quick_check(data_spec(r))
     assert str(e.value) == (
         f"data source '{path}' keeps 0 of the 5 rows read (messages missing 5, row 0: no 'messages' field (fields: "
         "question, answer)) [format messages]; no row matches a known format (messages, sharegpt, alpaca, "
         "prompt_completion, text); see docs/data.md")
-    quick_check(recipe(tmp_path, data__path=write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 5), data__format="auto"))
+    quick_check(data_spec(recipe(tmp_path, data__path=write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT] * 5),
+                                  data__format="auto")))
 
 
 def test_a_source_keeping_under_one_percent_is_refused_after_tokenizing(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [MESSAGES] + [{"messages": []}] * 199)
     r = recipe(tmp_path, data__path=path)
-    quick_check(r)  # one row is valid: the rows alone do not decide it
+    quick_check(data_spec(r))  # one row is valid: the rows alone do not decide it
     with pytest.raises(UserError, match=r"keeps 1 of the 200 rows read \(no messages 199, row 1\) \[format messages\]$"):
-        check_sources(r, prepare_blocks(r, tokenizer("qwen")))
+        check_sources(r.data, prepare_blocks(r, tokenizer("qwen")))
 
 
 def test_a_dead_source_in_a_mix_is_refused_unless_allowed(tmp_path):
@@ -54,12 +56,12 @@ def test_a_dead_source_in_a_mix_is_refused_unless_allowed(tmp_path):
     r = recipe(tmp_path, data__sources=sources)
     with pytest.raises(UserError, match=r"^data source 'dead' keeps 0 of the 4 rows read .*; looks like ShareGPT: set "
                                         r"data\.sources\[1\]\.format=sharegpt; data\.allow_empty_sources=true"):
-        quick_check(r)
+        quick_check(data_spec(r))
     allowed = recipe(tmp_path, data__sources=sources, data__allow_empty_sources="true")
-    quick_check(allowed)
-    packed = check_sources(allowed, prepare_blocks(allowed, tokenizer("qwen")))
+    quick_check(data_spec(allowed))
+    packed = check_sources(allowed.data, prepare_blocks(allowed, tokenizer("qwen")))
     assert packed.stats.examples_kept == 4
-    assert [p.split(" (")[0] for p in source_problems(allowed, packed.stats)] == [
+    assert [p.split(" (")[0] for p in source_problems(allowed.data, packed.stats)] == [
         "data source 'dead' keeps 0 of the 4 rows read"]
 
 
@@ -74,7 +76,7 @@ def test_eval_data_without_trained_tokens_stops_every_rank_and_only_rank_0_repor
     r = load_recipe("tiny-qwen-cpu", [f"data.cache_dir={tmp_path / 'cache'}", f"data.path={train}",
                                       f"eval={{path: {bad}, source: local, split: train}}"])
     with pytest.raises(TrainingStopped) as e:
-        prepare_eval(r, tokenizer("qwen"))
+        prepare_eval(data_spec(r), r.eval, tokenizer("qwen"))
     assert str(e.value) == (f"the eval data ({bad}) has no trained token; check eval.path / eval.sources, or train "
                             "without eval: --set eval.enabled=false")
 
@@ -158,7 +160,7 @@ def test_a_holdout_row_count_holds_out_every_copy_of_its_rows(tmp_path):
     path = write_jsonl(tmp_path / "small.jsonl", SMALL)
     for count, held in ((5, 20), (20, 20), (21, 40), (200, 120)):
         r = recipe(tmp_path, data__path=path, data__format="alpaca", eval=f"{{holdout: {count}}}")
-        (ev,) = eval_specs(r).values()
+        (ev,) = eval_specs(data_spec(r), r.eval).values()
         train_ix = [ex.index for ex in iter_examples(r, tokenizer("qwen"))]
         eval_ix = [ex.index for ex in iter_examples(ev, tokenizer("qwen"))]
         assert len(eval_ix) == held and sorted(train_ix + eval_ix) == list(range(120)), count
@@ -168,7 +170,7 @@ def test_a_holdout_row_count_holds_out_every_copy_of_its_rows(tmp_path):
 def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:
-        quick_check(recipe(tmp_path, data__path="chats/nope.jsonl"))
+        quick_check(data_spec(recipe(tmp_path, data__path="chats/nope.jsonl")))
     assert str(e.value) == (f"data.path 'chats/nope.jsonl' does not exist (tried {tmp_path / 'chats' / 'nope.jsonl'}: "
                             "a relative path is read from the working directory, or from the recipe file's folder "
                             "where it is there)")

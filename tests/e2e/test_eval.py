@@ -57,18 +57,20 @@ def test_holdout_disjoint_from_training_and_stable(tmp_path):
     the held-out rows are chosen by content (the file's rows reversed: the same rows held out)."""
     from ftcli.data import load_tokenizer
     from ftcli.data.evalsplit import eval_specs
+    from ftcli.data.spec import data_spec
     from ftcli.config.recipe import load_recipe, resolve_path
 
     rows = open(resolve_path(SOURCE)).read().splitlines()[:300]
     forward, backward = tmp_path / "f.jsonl", tmp_path / "b.jsonl"
     forward.write_text("\n".join(rows) + "\n")
     backward.write_text("\n".join(reversed(rows)) + "\n")
-    tokenizer = load_tokenizer(load_recipe("tiny-qwen-cpu"))
+    qwen = load_recipe("tiny-qwen-cpu")
+    tokenizer = load_tokenizer(qwen.model, qwen.data)
     for holdout, expected in (("0.1", None), ("25", 25)):
         held = {}
         for path in (forward, backward):
             recipe = load_recipe("tiny-qwen-cpu", [f"data.path={path}", f"eval.holdout={holdout}", "eval.holdout_seed=7"])
-            (ev,) = eval_specs(recipe).values()
+            (ev,) = eval_specs(data_spec(recipe), recipe.eval).values()
             train_ix, eval_ix = _indices(recipe, tokenizer), _indices(ev, tokenizer)
             assert sorted(train_ix + eval_ix) == list(range(300))  # disjoint, and nothing lost
             assert eval_ix == _indices(ev, tokenizer)  # stable
@@ -227,6 +229,7 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     from ftcli.model import kernels
     from ftcli.data import iter_examples, load_tokenizer
     from ftcli.data.evalsplit import eval_specs
+    from ftcli.data.spec import data_spec
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.loss import attach_loss
     from ftcli.model.build import load_model
@@ -237,19 +240,19 @@ def test_per_source_eval_losses_equal_a_plain_per_example_forward(tmp_path):
     (tmp_path / "b.jsonl").write_text("\n".join(rows[150:300]) + "\n")
     sources = f'[{{name: a, source: local, path: {tmp_path / "a.jsonl"}}}, {{name: b, source: local, path: {tmp_path / "b.jsonl"}}}]'
     recipe = load_recipe("tiny-qwen-cpu", ["data.path=null", f"data.sources={sources}", "eval.holdout=12", f"data.cache_dir={tmp_path / 'c'}"])
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     torch.manual_seed(0)
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, torch.device("cpu"))
     model = load_model(recipe.model, dtype=torch.float32, attn_implementation=attn)
     attach_loss(model, "chunked", 64)
-    result = Evaluator(prepare_eval(recipe, tokenizer), 0, 1, torch.device("cpu")).run(
+    result = Evaluator(prepare_eval(data_spec(recipe), recipe.eval, tokenizer), 0, 1, torch.device("cpu")).run(
         model, lambda inputs: model.loss_sum(**inputs), step=5)
     assert list(result.sources) == ["a", "b"]
 
     plain = load_model(recipe.model.model_copy(), dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.eval()
-    for label, ev in eval_specs(recipe).items():
+    for label, ev in eval_specs(data_spec(recipe), recipe.eval).items():
         summed, count = 0.0, 0
         for ex in iter_examples(ev, tokenizer):
             with torch.no_grad():

@@ -58,14 +58,14 @@ def _load_adapter(run_dir, adapter: str):
 
 
 def _eval_in_one_process(run_dir, adapter: str) -> float:
-    from ftcli.data import load_tokenizer
+    from ftcli.data import data_spec, load_tokenizer
     from ftcli.train.evaluate import Evaluator, prepare_eval
     from ftcli.train.loss import attach_loss
 
     recipe, model = _load_adapter(run_dir, adapter)
     base = model.get_base_model()
     attach_loss(base, "chunked", 4096)
-    evaluator = Evaluator(prepare_eval(recipe, load_tokenizer(recipe)), 0, 1, torch.device("cpu"))
+    evaluator = Evaluator(prepare_eval(data_spec(recipe), recipe.eval, load_tokenizer(recipe.model, recipe.data)), 0, 1, torch.device("cpu"))
     return evaluator.run(model, lambda inputs: base.loss_sum(**inputs), 0).loss
 
 

@@ -524,11 +524,11 @@ def test_generate_output_must_be_a_file_in_an_existing_folder(model_dirs, tmp_pa
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")
     (tmp_path / "a-file").write_text("x")
     cases = [
-        (tmp_path / "missing" / "out.jsonl", f"--output {tmp_path}/missing/out.jsonl: the folder {tmp_path}/missing "
-                                              "does not exist; create it first"),
-        (tmp_path, f"--output {tmp_path} is a folder; pass a file path, e.g. {tmp_path}/completions.jsonl"),
-        (tmp_path / "a-file" / "out.jsonl", f"--output {tmp_path}/a-file/out.jsonl: the folder {tmp_path}/a-file is "
-                                            "not a folder; create it first"),
+        (tmp_path / "missing" / "out.jsonl", f"cannot write {tmp_path}/missing/out.jsonl: {tmp_path}/missing does not "
+                                              f"exist; create it first (mkdir -p {tmp_path}/missing)"),
+        (tmp_path, f"{tmp_path} is a folder; give a file path, e.g. {tmp_path}/completions.jsonl"),
+        (tmp_path / "a-file" / "out.jsonl", f"cannot write {tmp_path}/a-file/out.jsonl: {tmp_path}/a-file is not a "
+                                            "folder"),
     ]
     for out, expected in cases:
         for force in ([], ["--force"]):
@@ -550,8 +550,7 @@ def test_generate_output_through_a_symlink_is_refused_and_force_replaces_the_lin
     for out, to in ((dangling, tmp_path / "nowhere.txt"), (linked, target)):
         res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out)])
         assert res.exit_code == 2 and " ".join(res.output.split()) == (
-            f"error: {out} is a symbolic link (to {to}); pass --force to replace the link with the output (its "
-            "target is left alone)")
+            f"error: {out} is a symbolic link (to {to}); pass --force to replace the link (its target is left alone)")
     assert not (tmp_path / "nowhere.txt").exists() and target.read_text() == "keep me"
     for out in (dangling, linked):
         res = runner.invoke(cli.app, ["generate", str(model_dirs["qwen"]), "--input", str(src), "-o", str(out),

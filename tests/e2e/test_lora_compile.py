@@ -28,7 +28,7 @@ def _train(tmp_path, compile_setting: str):
                          "model.config_overrides.layer_types=[sliding_attention]")  # one layer: fewer graphs to build
     rng = np.random.default_rng(0)
     rows = [packed_row(rng, [70, 58], 0.5) for _ in range(2)]  # the same segment and trained counts: no recompile
-    kwargs = sft_config_kwargs(recipe, tmp_path)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
     kwargs.update(disable_tqdm=True, use_cpu=True, logging_steps=1)
     torch.manual_seed(0)
     model = load_model(recipe.model, attn_implementation="ftcli_eager_segments")
@@ -90,7 +90,7 @@ def test_flex_sinks_layer_compiles_without_a_break_when_masks_are_built_ahead(mo
     attn = install_backends("gpt_oss", [Backend("attention", "flex_sinks", "forward check on CPU")])
     torch.manual_seed(0)
     base = load_model(recipe.model, attn_implementation=attn)
-    model = get_peft_model(base, lora_config(recipe, base)).eval()
+    model = get_peft_model(base, lora_config(recipe.lora, recipe.model, base)).eval()
     rng = np.random.default_rng(1)
     batch = collate_blocks([packed_row(rng, [50, 30, 48], 0.5)])
     batch.pop("labels")

@@ -259,12 +259,12 @@ def test_sft_config_for_a_sharded_base():
     from ftcli.train.lora.trainer import checkpointing_arg, sft_config_kwargs
 
     recipe = load_recipe("gpt-oss-120b-h100")
-    fsdp = sft_config_kwargs(recipe, Path("/tmp/run"), "fsdp")
+    fsdp = sft_config_kwargs(recipe.training, recipe.model, recipe.name, Path("/tmp/run"), "fsdp")
     assert fsdp["fsdp"] is True and fsdp["fsdp_config"] == {
         "version": 2, "reshard_after_forward": True, "activation_checkpointing": True,
         "cpu_ram_efficient_loading": True, "state_dict_type": "SHARDED_STATE_DICT"}
     assert fsdp[checkpointing_arg()] is False and fsdp[f"{checkpointing_arg()}_kwargs"] is None
-    ddp = sft_config_kwargs(recipe, Path("/tmp/run"), "ddp")
+    ddp = sft_config_kwargs(recipe.training, recipe.model, recipe.name, Path("/tmp/run"), "ddp")
     assert "fsdp" not in ddp and ddp[checkpointing_arg()] is True
     assert {k: v for k, v in fsdp.items() if k not in ("fsdp", "fsdp_config") and "checkpointing" not in k} == {
         k: v for k, v in ddp.items() if "checkpointing" not in k}

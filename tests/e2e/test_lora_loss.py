@@ -29,7 +29,7 @@ def _trainer(tmp_path, rows, model):
 
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
-    kwargs = sft_config_kwargs(recipe, tmp_path)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
     kwargs.update(disable_tqdm=True, logging_first_step=False)
     from transformers import AutoTokenizer
 
@@ -37,7 +37,7 @@ def _trainer(tmp_path, rows, model):
 
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     return SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=block_rows(rows), data_collator=BlockCollator(rows),
-                      processing_class=tok, peft_config=lora_config(recipe, model))
+                      processing_class=tok, peft_config=lora_config(recipe.lora, recipe.model, model))
 
 
 def _reference_copy(trainer, attn):
@@ -47,7 +47,7 @@ def _reference_copy(trainer, attn):
     from ftcli.train.lora.trainer import lora_config
 
     model = tiny_model(attn=attn)
-    model = get_peft_model(model, lora_config(tiny_recipe(), model))
+    model = get_peft_model(model, lora_config(tiny_recipe().lora, tiny_recipe().model, model))
     model.load_state_dict(trainer.model.state_dict())
     return model
 

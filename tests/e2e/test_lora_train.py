@@ -212,9 +212,9 @@ def test_every_minutes_saves_on_time_and_checkpoints_carry_token_counts(tmp_path
     recipe = tiny_recipe("training.max_steps=3", "training.checkpoint.every_steps=null", "training.log_every=1",
                          "training.checkpoint.every_minutes=0.000001", "training.checkpoint.keep_last=5",
                          "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
-    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
     assert kwargs["save_strategy"] == "no"  # only the clock saves here
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     rows = training_blocks(recipe, tokenizer)
     trainer, step_log = build_trainer(recipe, tiny_model(), tokenizer, rows,
                                       SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True),
@@ -277,9 +277,9 @@ def test_lora_logs_are_the_full_paths_step_lines_and_bar(tmp_path, capfd):
     recipe = tiny_recipe("training.max_steps=3", "training.log_every=1", "training.checkpoint.enabled=false",
                          "data.max_examples=60", f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false",
                          "eval=null")
-    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
     assert kwargs["disable_tqdm"] is True
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     rows = training_blocks(recipe, tokenizer)
     capfd.readouterr()
     with warnings.catch_warnings(record=True) as caught:

@@ -136,7 +136,7 @@ def _peft_models(base, which=("peft", "grouped", "kept")):
         quantization = "mxfp4" if name == "kept" else "mxfp4_dequantize"
         model = load_model(ModelConfig(id=str(base), model_type="gpt_oss", dtype="float32", quantization=quantization))
         torch.manual_seed(0)
-        models[name] = get_peft_model(model, lora_config(tiny_recipe(), model))
+        models[name] = get_peft_model(model, lora_config(tiny_recipe().lora, tiny_recipe().model, model))
         if name != "peft":
             assert install_grouped_experts(models[name]) == 2
     if "kept" in models:
@@ -258,10 +258,11 @@ def _train_kept_and_dequantized(mxfp4_base, tmp_path, *sets: str) -> tuple[dict[
                              "tracking.enabled=false", "eval=null", "data.max_length=256",
                              "data.packing.block_len=256", *sets)  # short blocks: fast
         run_dir = tmp_path / quantization
-        tokenizer = load_tokenizer(recipe)
+        tokenizer = load_tokenizer(recipe.model, recipe.data)
+        kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, run_dir)
         trainer, _ = build_trainer(recipe, load_model(recipe.model), tokenizer, training_blocks(recipe, tokenizer),
-                                   SFTConfig(**{**sft_config_kwargs(recipe, run_dir), "disable_tqdm": True},
-                                             use_cpu=True), metrics_path=run_dir / "metrics.jsonl")
+                                   SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True),
+                                   metrics_path=run_dir / "metrics.jsonl")
         GroupedLoraMatmul.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
         try:
             trainer.train()
@@ -270,7 +271,8 @@ def _train_kept_and_dequantized(mxfp4_base, tmp_path, *sets: str) -> tuple[dict[
         steps[quantization] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         if experts == "peft":
             assert not calls  # lora.experts=peft never goes through the grouped path
-    assert sft_config_kwargs(recipe, tmp_path)["ddp_broadcast_buffers"] is False  # the same blocks on every rank
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
+    assert kwargs["ddp_broadcast_buffers"] is False  # the same blocks on every rank
     return steps, len(calls)
 
 

@@ -175,9 +175,9 @@ def test_lora_adapter_size_equals_peft(name):
     recipe = load_recipe(name, [] if name in ("tiny-gpt-oss-cpu", "tiny-qwen3-moe-cpu")
                          else ["training.method=lora", "lora.dropout=0", "training.precision={}"])
     model = load_model(recipe.model, dtype=torch.float32)
-    peft_model = get_peft_model(model, lora_config(recipe, model))
+    peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert adapter_params(recipe, model_shape(recipe)) == trainable
+    assert adapter_params(recipe.training, recipe.lora, model_shape(recipe.model)) == trainable
 
 
 def test_tiny_recipes_fit_everywhere_and_have_no_step_measurement():
@@ -187,6 +187,12 @@ def test_tiny_recipes_fit_everywhere_and_have_no_step_measurement():
         assert all(c.step.s_per_step is None and c.step.source.startswith("no measurement") for c in p.cards)
 
 
+def _data_size(recipe) -> datasize.DataSize:
+    """plan's data size of a recipe's training data."""
+    from ftcli.data import data_spec
+
+    return datasize.data_size(data_spec(recipe), recipe.model)
+
 def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     from transformers import AutoTokenizer
 
@@ -194,10 +200,10 @@ def test_sampled_token_count_is_close_to_the_pack_cache_and_the_cache_wins():
     from ftcli.config.recipe import resolve_path
 
     recipe = load_recipe("tiny-qwen-cpu")
-    sampled = datasize.data_size(recipe)
+    sampled = _data_size(recipe)
     assert sampled.source.startswith("estimate: first 300 of 3000 rows, chat template rendered")
     packed = prepare_blocks(recipe, AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer)))
-    cached = datasize.data_size(recipe)
+    cached = _data_size(recipe)
     assert cached.source.startswith("pack cache") and cached.blocks == len(packed) == 262  # eval holds out 2%
     assert cached.tokens == packed.meta["num_tokens"]
     assert abs(sampled.tokens / cached.tokens - 1) < 0.10
@@ -216,7 +222,7 @@ def test_sampled_token_count_is_the_same_for_every_row_format(tmp_path):
             f.write(json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in msgs]}) + "\n")
     head = tmp_path / "messages.jsonl"
     head.write_text("\n".join(src.read_text().splitlines()[:400]) + "\n")
-    sizes = {fmt_path: datasize.data_size(load_recipe("tiny-qwen-cpu", [f"data.path={fmt_path[1]}",
+    sizes = {fmt_path: _data_size(load_recipe("tiny-qwen-cpu", [f"data.path={fmt_path[1]}",
                                                                          f"data.format={fmt_path[0]}"])).tokens
              for fmt_path in (("messages", head), ("auto", head), ("sharegpt", sharegpt), ("auto", sharegpt))}
     assert len(set(sizes.values())) == 1 and next(iter(sizes.values())) > 0, sizes
@@ -226,7 +232,7 @@ def test_synthetic_token_count_is_the_expected_length():
     from ftcli.data.synthetic import synthetic_examples
 
     recipe = load_recipe("tiny-qwen-cpu", ["data.source=synthetic", "data.synthetic.num_examples=4000"])
-    size = datasize.data_size(recipe)
+    size = _data_size(recipe)
     drawn = sum(len(ids) for _, ids, _ in synthetic_examples(recipe.data.synthetic, 1024))
     assert size.source.startswith("computed") and abs(size.tokens / drawn - 1) < 0.03
     assert size.blocks == -(-size.tokens // 1024)
@@ -297,12 +303,12 @@ def test_a_recipe_on_an_unknown_card_is_planned_on_the_known_ones():
 def test_a_model_without_a_config_here_is_a_one_line_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError, match=r"^plan needs org/not-here's config.json: .*hf download org/not-here"):
-        model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]))
+        model_shape(load_recipe("qwen-b300", ["model.id=org/not-here"]).model)
 
 
 def test_a_local_model_directory_is_sized_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text((memory.shipped_shape_path("openai/gpt-oss-20b")).read_text())
-    shape = model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]))
+    shape = model_shape(load_recipe("gpt-oss-h100", [f"model.id={tmp_path}"]).model)
     assert shape.total_params == 20_914_757_184
 
 
@@ -321,7 +327,7 @@ def test_gpt_oss_120b_recipe_fits_8xh100_only_sharded():
     r = load_recipe("gpt-oss-120b-h100")
     assert (r.training.sharding, r.compute.accelerator_type) == ("fsdp", "GPU_8xH100")
     assert r.lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    shape = model_shape(r)
+    shape = model_shape(r.model)
     assert (shape.layers, shape.total_params, shape.expert_shapes[0][1]) == (36, 116_829_156_672, 128)
     p = plan.make_plan(r)
     h100 = cards(p)["GPU_8xH100"]
@@ -485,7 +491,7 @@ def test_kept_layers_go_with_every_suggestion_and_lora_has_none():
                                         r"belongs to training.method=full \(this recipe's is lora\): leave it out"):
         load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full", "training.activation_checkpointing_keep=4"])
     lora = load_recipe("gpt-oss-h100", ["training.activation_checkpointing=full"])
-    assert setting_of(lora, model_shape(lora)).keep == 0
+    assert setting_of(lora, model_shape(lora.model)).keep == 0
 
 
 # ------------------------------------------------------------------------------------------ kept layers
@@ -519,9 +525,9 @@ def test_a_measured_depth_and_keep_is_the_row_itself():
     from dataclasses import replace
 
     r = load_recipe("qwen-b300", BF16)
-    shape = model_shape(r).cut(4)
+    shape = model_shape(r.model).cut(4)
     for keep, seconds, command in ((14, 1.078, "--parts 32768:4:base"), (2, 1.165, "--parts 32768:4:keep2 ")):
-        st = steptime.step_time(r, shape, replace(setting_of(r, shape), keep=keep), "H200", 1)
+        st = steptime.step_time(r.training, shape, replace(setting_of(r, shape), keep=keep), "H200", 1)
         assert st.measured and st.s_per_step == seconds and command in st.command
         assert st.source == ("measured: H200, 1 GPU, Qwen/Qwen3.8-27B at 4 layers, block 32768, 2026-12-01 "
                              "13:48-13:52 UTC, kernels flash-attn 2.8.3.post2 varlen attention, causal-conv1d 1.7.0, "

@@ -1,5 +1,6 @@
 """`ftcli train` with a preference objective (the full FSDP2 loop, CPU, gloo): the tiny DPO recipe end to end,
-2 ranks x 2 micro-batches == 1 rank x 4 step by step, and a resume that continues the uninterrupted run exactly."""
+2 ranks x 2 micro-batches == 1 rank x 4 == one context-parallel group of 2 ranks step by step, and a resume that
+continues the uninterrupted run exactly."""
 
 from __future__ import annotations
 
@@ -88,6 +89,29 @@ def test_precomputed_reference_equals_the_live_reference(dpo_run, tmp_path, env)
         assert set(keys) <= set(a)
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+
+
+def test_dpo_with_context_parallel_equals_data_parallel(dpo_run, tmp_path, env):  # noqa: F811
+    """2 processes as one context-parallel group (training.context_parallel=2, grad_accum 4: the same 4 blocks per
+    step, each in two slices of 256 tokens, the frozen reference sliced alike) log the 2 x 2 run's losses, metrics and
+    grad norms, step by step, and its eval loss and accuracy (the eval blocks sliced too)."""
+    run_dir = tmp_path / "cp2"
+    res = ftcli(_args(run_dir, "training.context_parallel=2", "training.grad_accum=4",
+                      "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    assert "per group of 2 context-parallel ranks" in res.stdout
+    cp, dp = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert [m["step"] for m in cp] == [m["step"] for m in dp]
+    for a, b in zip(cp, dp):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        for k in METRICS:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+        assert (a["tokens_trained"], a["tokens_seen"]) == (b["tokens_trained"], b["tokens_seen"])
+        assert ("eval_loss" in a) == ("eval_loss" in b)
+        if "eval_loss" in a:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+            assert (a["eval_tokens"], a["eval_rewards/accuracies"]) == (b["eval_tokens"], b["eval_rewards/accuracies"])
 
 
 def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # noqa: F811

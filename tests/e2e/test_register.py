@@ -326,7 +326,7 @@ def test_qwen3_moe_expert_lora_registers_merged_with_the_adapters_logits(tmp_pat
     base = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     base.save_pretrained(run_dir / "base")
     _save_tokenizer(run_dir / "base", "tokenizer-qwen3")
-    lora = lora_config(recipe, base)
+    lora = lora_config(recipe.lora, recipe.model, base)
     lora.init_lora_weights = False  # non-zero B everywhere: the merge must move the experts too
     get_peft_model(base, lora).save_pretrained(run_dir / "final")
     _save_tokenizer(run_dir / "final", "tokenizer-qwen3")

@@ -70,7 +70,7 @@ def test_masked_uri_stands_for_the_one_in_the_environment(monkeypatch):
     real = f"https://ftcli:{SECRET}@mlflow.example.com:5000/prefix"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_tracking_uri("https://***@mlflow.example.com:5000/prefix") == "https://mlflow.example.com:5000/prefix"
-    export_credentials(load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={real}"]))
+    export_credentials(load_recipe("tiny-qwen-cpu", [f"tracking.tracking_uri={real}"]).tracking)
     assert resolve_tracking_uri("https://***@mlflow.example.com:5000/prefix") == real
     assert resolve_tracking_uri("https://***@other.example.com") == "https://other.example.com"
     assert resolve_tracking_uri(None) == real and resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
@@ -239,5 +239,5 @@ def test_masked_token_uri_stands_for_the_one_in_the_environment(monkeypatch):
     assert mask_recipe_uris(recipe.to_dict())["tracking"]["tracking_uri"] == masked  # recipe.yaml, run.json
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_tracking_uri(masked) == "https://mlflow.example.com/prefix?team=a"
-    export_credentials(recipe)
+    export_credentials(recipe.tracking)
     assert resolve_tracking_uri(masked) == real

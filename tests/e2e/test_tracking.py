@@ -136,14 +136,14 @@ def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_versi
     from ftcli.train.session import announce_data, data_sources
 
     table = tmp_path / "chats"
-    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}], "n": i}
             for i in range(12)]
     write_deltalake(str(table), pa.Table.from_pylist(rows[:8]))
     write_deltalake(str(table), pa.Table.from_pylist(rows[8:]), mode="append")
     write_deltalake(str(table), pa.Table.from_pylist(rows[:2]), mode="append")  # version 2: not read
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     recipe = data_recipe(tmp_path, data__source="delta", data__path=table, data__revision=1,
-                         tracking__tracking_uri=uri, tracking__log_system_metrics="false")
+                         data__filter='[["n", "<", 10]]', tracking__tracking_uri=uri, tracking__log_system_metrics="false")
     summary = data_summary(recipe, prepare_blocks(recipe, tokenizer("qwen")))
     tracker = start_tracking(recipe, run_dir=tmp_path / "run")
     announce_data(recipe, summary, SimpleNamespace(packed={}), say=lambda line: None, tracker=tracker)
@@ -151,7 +151,7 @@ def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_versi
 
     (source,) = data_sources(recipe, summary, SimpleNamespace(packed={}))
     assert (source.kind, source.path, source.revision, source.rows_read, source.rows_kept) == \
-        ("delta", str(table), "1", 12, 12)
+        ("delta", str(table), "1", 10, 10)
     client = MlflowClient(uri)
     run = client.get_run(tracker.info["run_id"])
     (logged,) = run.inputs.dataset_inputs
@@ -159,8 +159,8 @@ def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_versi
                                                                                        "delta_table")
     assert json.loads(logged.dataset.source) == {"path": str(table), "delta_table_version": 1}
     tags = {t.key: t.value for t in logged.tags}
-    assert tags == {"mlflow.data.context": "training", "ftcli.split": "train", "ftcli.rows_read": "12",
-                    "ftcli.rows_kept": "12", "ftcli.kind": "delta", "ftcli.revision": "1"}
+    assert tags == {"mlflow.data.context": "training", "ftcli.split": "train", "ftcli.rows_read": "10",
+                    "ftcli.rows_kept": "10", "ftcli.kind": "delta", "ftcli.revision": "1", "ftcli.filter": "n < 10"}
     assert run.data.tags["ftcli.recipe_digest"] == recipe_digest(recipe)
 
     record = RunRecord.model_validate_json(new_run_record(
@@ -171,7 +171,8 @@ def test_a_delta_source_is_logged_as_a_dataset_input_and_reaches_the_model_versi
     version = client.create_model_version("tiny", source=str(tmp_path / "model"), run_id=run.info.run_id,
                                           tags=registry.lineage_tags(record))
     got = client.get_model_version("tiny", version.version).tags
-    assert got["ftcli.data.training.0"] == f"delta {table}@1 (train) rows 12 read, 12 kept, digest {source.digest}"
+    assert got["ftcli.data.training.0"] == (f"delta {table}@1 where n < 10 (train) rows 10 read, 10 kept, digest "
+                                            f"{source.digest}")
     assert got["ftcli.data.training.count"] == "1" and got["ftcli.recipe_digest"] == recipe_digest(recipe)
     assert got["ftcli.recipe"] == "tiny-qwen-cpu" and got["ftcli.method"] == "full"
     assert got["ftcli.base"] == f"random init from {recipe.model.config}"

@@ -383,7 +383,7 @@ def test_pretrained_weights_load_into_every_shard(reference_run, tmp_path, env, 
 
     monkeypatch.setenv("FTCLI_CACHE", env["FTCLI_CACHE"])
     recipe = load_recipe("tiny-qwen-cpu", sets)
-    packed = data.prepare_blocks(recipe, data.load_tokenizer(recipe))
+    packed = data.prepare_blocks(recipe, data.load_tokenizer(recipe.model, recipe.data))
     blocks = [next(iter(data.BlockStream(packed, rank, 2, seed=recipe.training.seed))) for rank in (0, 1)]
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, "cpu")
     try:

@@ -116,3 +116,25 @@ def recipe(tmp_path: Path, name: str = "tiny-qwen-cpu", **overrides):
     if "data__sources" in overrides:  # a mix instead of the recipe's one source (its shorthand keys dropped)
         sets.insert(2, "data.path=null")
     return load_recipe(name, sets)
+
+
+# Turns for hand-written rows; BAD_ROWS: one row of each kind the reader skips, good rows between (index: why)
+U = {"role": "user", "content": "What is 7 plus 6?"}
+A = {"role": "assistant", "content": "13"}
+S = {"role": "system", "content": "Be brief."}
+
+BAD_ROWS = [
+    {"messages": [U, A]},  # 0 ok
+    '{"messages": [',  # 1 invalid JSON
+    {"conversation": [U, A]},  # 2 messages missing
+    {"messages": "hello"},  # 3 not a list
+    {"messages": [U, {"role": "robot", "content": "beep"}]},  # 4 unknown role
+    {"messages": [U, {"role": "assistant", "content": 13}]},  # 5 content not a string
+    {"messages": [U, {"role": "assistant", "content": "  "}]},  # 6 empty turn dropped: no assistant turn
+    {"messages": [S, U]},  # 7 no assistant turn
+    {"messages": [U, A, U]},  # 8 ok: the trailing user turn is dropped (counted)
+    {"messages": [U, S, A]},  # 9 system not first
+    {"messages": [S, U, A, U, A]},  # 10 ok
+    {"messages": []},  # 11 no messages
+    {"messages": [U, {"role": "robot", "content": "x"}]},  # 12 unknown role
+]

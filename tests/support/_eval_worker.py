@@ -33,8 +33,8 @@ def main(out: Path, cache: str, model_dir: str) -> None:
     world = init_distributed()
     recipe = load_recipe("tiny-qwen-cpu", base)
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
-    model = build_model(recipe, world, attn)
-    tokenizer = data.load_tokenizer(recipe)
+    model = build_model(recipe.model, recipe.training, world, attn)
+    tokenizer = data.load_tokenizer(recipe.model, recipe.data)
     variants = {
         "bfd_1024": ([], "chunked"), "bfd_2048": (["eval.block_len=2048"], "chunked"),
         "one_per_block": (["eval.strategy=none"], "chunked"), "bfd_1024_full_loss": ([], "full"),
@@ -43,7 +43,7 @@ def main(out: Path, cache: str, model_dir: str) -> None:
     for name, (sets, impl) in variants.items():
         r = load_recipe("tiny-qwen-cpu", base + sets)
         attach_loss(model, impl, 37)
-        evaluator = Evaluator(prepare_eval(r, tokenizer, rank0_first), world.rank, world.world_size, world.device)
+        evaluator = Evaluator(prepare_eval(data.data_spec(r), r.eval, tokenizer, rank0_first), world.rank, world.world_size, world.device)
         rng = torch.get_rng_state()
         res = evaluator.run(model, lambda inputs: model.loss_sum(**inputs), step=0)
         results[name] = {"loss": res.loss, "tokens": res.tokens, "rng_untouched": torch.equal(rng, torch.get_rng_state()),

@@ -93,7 +93,7 @@ def grads(out: Path) -> None:
     recipe = load_recipe("tiny-qwen-cpu", ["training.activation_checkpointing=selective"])
     world = init_distributed()
     attn, _ = kernels.enable_packed_kernels(recipe.model.model_type, world.device)
-    model = build_model(recipe, world, attn)
+    model = build_model(recipe.model, recipe.training, world, attn)
     attach_loss(model, "chunked", 37)  # an odd chunk size: chunks cross segment and block boundaries
     init = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
 

@@ -35,14 +35,14 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
             packed_row(rng, [20], 0.5), packed_row(rng, [90, 10, 50], 0.3)]
     recipe = tiny_recipe("training.grad_accum=2", "training.grad_clip=null", "tracking.enabled=false",
                          "training.checkpoint.enabled=false", "training.max_steps=1")
-    kwargs = sft_config_kwargs(recipe, out / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, out / "run")
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
     tok = AutoTokenizer.from_pretrained(resolve_path(recipe.model.tokenizer))
     model = tiny_model(attn=attn)
     trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(rows), data_collator=BlockCollator(rows), processing_class=tok,
-                         peft_config=lora_config(recipe, model))
+                         peft_config=lora_config(recipe.lora, recipe.model, model))
     normalize_loss_by_tokens(trainer)  # and ftcli's loss, as build_trainer
     from ftcli.objectives import OBJECTIVES
     from ftcli.train.lora.trainer import use_objective_loss
@@ -67,7 +67,7 @@ def main(out: Path, accepts_loss_kwargs: bool) -> None:
     trainer.train()
     if args.process_index == 0:
         base = tiny_model(attn=attn)
-        ref_model = get_peft_model(base, lora_config(recipe, base))
+        ref_model = get_peft_model(base, lora_config(recipe.lora, recipe.model, base))
         ref_model.load_state_dict(state)
         ref = _token_mean_grads(ref_model, rows)
         worst = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)

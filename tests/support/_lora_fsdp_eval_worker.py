@@ -48,14 +48,14 @@ def eval_run(out: Path, sharding: str) -> None:
                          "eval.holdout=null", "eval.path=pkg://assets/tiny_chat.jsonl", "eval.max_examples=12",
                          "eval.at_start=true", f"eval.samples={SAMPLES}", "eval.samples_max_new_tokens=5",
                          f"training.sharding={sharding}", output_dir=run_dir)
-    kwargs = sft_config_kwargs(recipe, run_dir, sharding)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, run_dir, sharding)
     kwargs.update(disable_tqdm=True, use_cpu=True, learning_rate=0.0)  # the adapter stays what the seed made it
     args = SFTConfig(**kwargs)  # also starts torch.distributed (gloo)
     run_dir.mkdir(parents=True, exist_ok=True)
     attn, _ = enable_packed_kernels("gpt_oss", "cpu")
-    tok = rank0_first(lambda: data.load_tokenizer(recipe))
+    tok = rank0_first(lambda: data.load_tokenizer(recipe.model, recipe.data))
     rows = training_blocks(recipe, tok, rank0_first)
-    evaluator = Evaluator(prepare_eval(recipe, tok, rank0_first), args.process_index, args.world_size,
+    evaluator = Evaluator(prepare_eval(data.data_spec(recipe), recipe.eval, tok, rank0_first), args.process_index, args.world_size,
                           torch.device("cpu"))
     trainer, step_log = build_trainer(recipe, tiny_model(attn=attn), tok, rows, args, evaluator=evaluator,
                                       run_dir=run_dir, metrics_path=run_dir / "metrics.jsonl" if args.process_index == 0

@@ -71,7 +71,7 @@ def step(out: Path, sharding: str, spec: str) -> None:
         f"training.sharding={sharding}", f"lora.experts={'peft' if 'peft' in flags else 'grouped'}",
         f"training.activation_checkpointing={'full' if 'ac' in flags else 'none'}",
         *(["model.dtype=bfloat16"] if dtype == "bf16" else [])])
-    kwargs = sft_config_kwargs(recipe, out / "run", sharding)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, out / "run", sharding)
     kwargs.update(disable_tqdm=True, use_cpu=True)
     args = SFTConfig(**kwargs)
     attn, _ = enable_packed_kernels(recipe.model.model_type, "cpu")

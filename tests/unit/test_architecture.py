@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ftcli
@@ -19,11 +20,17 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A module's tree, parsed once for every walk of this file (the walks only read it)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Every ftcli module `name` imports, at module level or inside a function."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,8 +93,7 @@ def test_walker_finds_a_planted_circle():
 
 # ------------------------------------------------------------------------------------------ families
 def _string_constants(path: Path) -> set[str]:
-    return {node.value for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return {node.value for node in ast.walk(_parsed(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
 def test_no_module_outside_families_names_a_model_type():
@@ -153,6 +159,25 @@ def test_estimates_and_trainers_import_no_command():
     assert {n: up for n, up in upward.items() if up} == {}
 
 
+# ------------------------------------------------------------------------------- the recipe schema's sections
+# A section may nest another section's records where its keys hold them (eval lists data sources).
+SECTION_NESTS = {"ftcli.config.sections.eval": {"ftcli.config.sections.data"}}
+
+
+def test_recipe_sections_see_no_other_section():
+    """Each recipe section (ftcli/config/sections/) imports the shared base and config's helpers, no other section:
+    a rule between sections can only be written in ftcli.config.recipe (`Recipe`), the one module that sees them
+    all, and `from ftcli.config.recipe import X` keeps naming the whole schema."""
+    modules = _modules()
+    sections = [n for n in modules if n.startswith("ftcli.config.sections.")]
+    assert {"ftcli.config.sections.training", "ftcli.config.sections.data"} <= set(sections)
+    seen = {n: {m for m in _imports(n, modules[n], set(modules)) if m.startswith("ftcli.config.sections.")}
+            - {"ftcli.config.sections.base"} - SECTION_NESTS.get(n, set()) for n in sections}
+    assert {n: sorted(m) for n, m in seen.items() if m} == {}
+    assert "ftcli.config.sections.training" in _imports("ftcli.config.recipe", modules["ftcli.config.recipe"],
+                                                         set(modules))
+
+
 # ------------------------------------------------------------------------------------- chat formats have a room
 def _code_strings(source: str) -> list[tuple[int, str]]:
     """(line, text) of every string literal of `source` that is not a docstring (docstrings teach, code acts)."""
@@ -203,9 +228,10 @@ def test_chat_marker_walker_skips_docstrings_only():
 FEATURE_WORDS = ("fp8", "float8", "torchao", "liger")
 # Where a feature's name may still be written outside ftcli/features/, and why:
 NAMING_ALLOWED = {
-    # the schema: a recipe is data validated by one typed schema, and config/ is the bottom of the house (it
-    # imports nothing above it), so the keys' declarations (fields, Literal choices, descriptions) stay there
-    "ftcli.config.recipe": ("PrecisionConfig", "LossConfig", "FullTraining", "LoraTraining"),
+    # the schema's training section: a recipe is data validated by one typed schema, and config/ is the bottom of
+    # the house (it imports nothing above it), so the keys' declarations (fields, Literal choices, descriptions)
+    # stay there
+    "ftcli.config.sections.training": ("PrecisionConfig", "LossConfig", "FullTraining", "LoraTraining"),
     # the package's import-time silencing of torchao's warnings: transformers imports torchao whenever it is
     # installed, whatever the recipe, so it is the environment's noise, not a feature's
     "ftcli": None,
@@ -257,8 +283,9 @@ def test_feature_naming_walker_sees_literals_attributes_and_docstrings():
     assert feature_mentions("ftcli.somewhere", source) == [
         "ftcli.somewhere:1: 'Uses fp8.'", "ftcli.somewhere:2: 'fp8'", "ftcli.somewhere:3: 'liger'",
         "ftcli.somewhere:6: 'liger'"]
-    assert feature_mentions("ftcli.config.recipe", source) == [
-        "ftcli.config.recipe:1: 'Uses fp8.'", "ftcli.config.recipe:2: 'fp8'", "ftcli.config.recipe:3: 'liger'"]
+    assert feature_mentions("ftcli.config.sections.training", source) == [
+        "ftcli.config.sections.training:1: 'Uses fp8.'", "ftcli.config.sections.training:2: 'fp8'",
+        "ftcli.config.sections.training:3: 'liger'"]
 
 
 # ------------------------------------------------------------------------------------------ rooms
@@ -312,9 +339,9 @@ def test_nothing_imports_a_command_but_the_cli():
 
 # ------------------------------------------------------------------ objectives and methods have a room
 # Where `method` / `objective` may still be compared with a name, and why: the schema (config/ is the bottom of the
-# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining, and a rule
-# between sections (model.quantization=mxfp4 needs LoRA).
-BRANCHING_ALLOWED = {"ftcli.config.recipe"}
+# house and imports nothing above it): the discriminator that picks FullTraining or LoraTraining (the training
+# section), and the rules between sections (model.quantization=mxfp4 needs LoRA: the recipe).
+BRANCHING_ALLOWED = {"ftcli.config.recipe", "ftcli.config.sections.training"}
 AXES = ("method", "objective")
 
 
@@ -353,3 +380,100 @@ def test_axis_walker_sees_comparisons_either_side():
     source = ('a = recipe.training.method == "lora"\nb = "full" != run.method\nc = objective in ("sft", "dpo")\n'
               'd = quant_method == "mxfp4"\ne = method_of(t).writes_adapter\n')
     assert axis_branches("m", source) == ["m:1", "m:2", "m:3"]
+
+
+# ----------------------------------------------------------------- the lower rooms take sections, not the recipe
+# torchtitan hands `parallelize_llama(model, *, parallel_dims, training, compile_config, ac_config)` only the sections
+# it uses. Here the recipe is taken apart in the commands, the launchers, the train launcher, the run session and the
+# trainers' top functions; below them a function receives the sections it reads (`data: DataConfig`,
+# `training: TrainingConfig`, ...) or small typed values. A function "takes the whole recipe" when a parameter is
+# annotated `Recipe`, or is unannotated and named after it (`recipe`, `recipe_or_spec`).
+RECIPE_ROOMS = {"commands", "launchers", "cli", "__main__"}  # where the whole recipe is at home
+RECIPE_MODULES = {  # the train room's top, where a recipe becomes its sections
+    "ftcli.train.launch", "ftcli.train.session", "ftcli.train.full", "ftcli.train.preference",
+    "ftcli.train.lora.trainer", "ftcli.train.lora.callbacks",
+}
+RECIPE_ALLOWED = {  # "module:function": why it still takes the whole recipe
+    # the recipe as a document: every key of it is read, written, logged or compared
+    "ftcli.config.recipe:load_recipe": "the schema: reads and returns a Recipe",
+    "ftcli.config.recipe:dump_recipe": "the schema: writes a whole Recipe to YAML",
+    "ftcli.artifacts.rundir:saved_recipe": "the recipe as <run>/recipe.yaml holds it (credentials masked)",
+    "ftcli.artifacts.rundir:recipe_digest": "the sha256 of the whole resolved recipe",
+    "ftcli.artifacts.rundir:recipe_differences": "every key that differs from the run's recipe.yaml",
+    "ftcli.artifacts.rundir:prepare_run_dir": "writes <run>/recipe.yaml (after check_run_dir(name, output_dir))",
+    "ftcli.artifacts.rundir:new_run_record": "run.json stores the resolved recipe",
+    "ftcli.artifacts.tracking:start_tracking": "logs the resolved recipe as the MLflow run's params",
+    "ftcli.artifacts.tracking:_start": "logs the resolved recipe as the MLflow run's params",
+    "ftcli.train.resume:check_resume_recipe": "compares every key with the run's recipe.yaml (applied / refused)",
+    "ftcli.features:recipe_problems": "the schema's rule hook (load_recipe(rules=...)); hands each feature its sections",
+    "ftcli.data.spec:data_spec": "where a recipe becomes its training DataSpec (name, data, eval holdout, pairs)",
+    # the recipe as a Recipe or run.json's dict (merge-lora --recipe, register): left while merge.py is reworked
+    "ftcli.artifacts.resolve:of": "ModelSettings of a Recipe or of run.json's recipe dict",
+    "ftcli.artifacts.merge:merge_lora": "passes --recipe (a Recipe or run.json's dict) to ModelSettings.of",
+    "ftcli.artifacts.merge:merge": "passes --recipe (a Recipe or run.json's dict) to ModelSettings.of",
+    "ftcli.artifacts.merge:_merge": "passes --recipe (a Recipe or run.json's dict) to ModelSettings.of",
+    "ftcli.artifacts.merge:_model_config": "passes --recipe (a Recipe or run.json's dict) to ModelSettings.of",
+    # estimate's entry points: a plan reads five sections (model, data, training, lora, compute) and the name;
+    # setting_of is where a recipe becomes its memory.Setting, and below it every function takes sections
+    "ftcli.estimate.fit:setting_of": "a recipe -> its memory.Setting (model, data, training, lora, compute)",
+    "ftcli.estimate.fit:lora_sharding": "training.sharding=auto: what fits the compute section's card (setting_of)",
+    "ftcli.estimate.fit:resolved_sharding": "the LoRA trainer's sharding (lora_sharding)",
+    "ftcli.estimate.fit:memory_on": "setting_of on `world` GPUs",
+    "ftcli.estimate.fit:fit_here": "memory_on against this machine, messages naming the recipe",
+    "ftcli.estimate.fit:can_run_here": "fit_here",
+    "ftcli.estimate.plan:card_plan": "setting_of on one card, its suggestions and step time",
+    "ftcli.estimate.plan:make_plan": "`ftcli plan`: card_plan per card",
+    "ftcli.estimate.plan:fit_check": "card_plan on the recipe's own card",
+}
+
+
+def _names_recipe(annotation: ast.AST) -> bool:
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return False
+    return any((isinstance(n, ast.Name) and n.id == "Recipe") or (isinstance(n, ast.Attribute) and n.attr == "Recipe")
+               for n in ast.walk(annotation))
+
+
+def recipe_takers(name: str, source: str) -> list[str]:
+    """'module:function' for each function (lambdas and methods included) of `source` with a parameter that is the
+    whole recipe: annotated `Recipe` (or "Recipe", `recipe.Recipe`), or unannotated with "recipe" in its name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(p for p in (a.vararg, a.kwarg) if p)]
+            if any(_names_recipe(p.annotation) if p.annotation is not None else "recipe" in p.arg for p in params):
+                found.append(f"{name}:{getattr(node, 'name', '<lambda>')}")
+    return found
+
+
+def recipe_takers_per_room() -> dict[str, int]:
+    """How many functions take the whole recipe, per room (the train room's top modules counted apart as
+    'train (top)'): the figure issue 40 measures."""
+    counts: dict[str, int] = {}
+    for name, path in _modules().items():
+        room = _room(name) or "ftcli"
+        room = "train (top)" if name in RECIPE_MODULES else room
+        counts[room] = counts.get(room, 0) + len(recipe_takers(name, path.read_text()))
+    return {room: n for room, n in sorted(counts.items()) if n}
+
+
+def test_lower_rooms_take_sections_not_the_recipe():
+    """Below the commands, the launchers and the train room's top, a function takes the sections it reads; the
+    allow-list names each exception with its reason, and shrinks: an entry that takes sections now must go."""
+    takers = [hit for name, path in _modules().items()
+              if _room(name) not in RECIPE_ROOMS and name not in RECIPE_MODULES
+              for hit in recipe_takers(name, path.read_text())]
+    assert [hit for hit in takers if hit not in RECIPE_ALLOWED] == [], recipe_takers_per_room()
+    assert sorted(set(RECIPE_ALLOWED) - set(takers)) == []
+
+
+def test_recipe_taker_walker_sees_annotations_names_and_lambdas():
+    source = ('def a(recipe): ...\ndef b(x: Recipe): ...\ndef c(x: "Recipe | None" = None): ...\n'
+              'def d(*, r: recipe.Recipe): ...\nf = lambda recipe_or_spec: 1\n'
+              'def e(recipe: str, training: TrainingConfig): ...\ndef g(recipe_path: str): ...\n'
+              'class K:\n    def m(self, recipe): ...\n')
+    assert recipe_takers("m", source) == ["m:a", "m:b", "m:c", "m:d", "m:<lambda>", "m:m"]

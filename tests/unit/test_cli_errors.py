@@ -258,7 +258,7 @@ def _denied(path: Path) -> PermissionError:
 
 
 def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
-    import ftcli.config.recipe
+    import ftcli.config.strict_yaml
 
     path = tmp_path / "locked.yaml"
     path.write_text(TINY_TEXT)
@@ -268,7 +268,7 @@ def test_unreadable_recipe_is_one_line(tmp_path, monkeypatch):
             raise _denied(path)
         return open(file, *args, **kwargs)
 
-    monkeypatch.setattr(ftcli.config.recipe, "open", open_denied, raising=False)  # the open read_text_file uses
+    monkeypatch.setattr(ftcli.config.strict_yaml, "open", open_denied, raising=False)  # the open read_text_file uses
     res = invoke("recipes", "show", str(path))
     assert assert_one_error(res) == f"error: cannot read recipe {path}: Permission denied\n"
 
@@ -321,11 +321,26 @@ def test_writing_into_a_missing_directory_is_refused_before_any_work(command, tm
     assert not parent.exists()
 
 
+@pytest.mark.parametrize("command,example", [
+    (["recipes", "cp", "tiny-qwen-cpu", "{out}"], None),  # cp into a folder writes {out}/<name>.yaml: a folder here
+    (["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"], None),
+    (["pack-preview", "--recipe", "tiny-qwen-cpu", "--dump", "{out}"], "blocks.jsonl"),
+])
+def test_a_folder_as_the_output_is_refused_in_the_words_generate_uses(command, example, tmp_path):
+    """One check for every command's output file (ftcli.config.safe_files.check_output_path, also `generate -o`)."""
+    out = tmp_path / "out"
+    (out / "tiny-qwen-cpu.yaml").mkdir(parents=True)
+    folder = out / "tiny-qwen-cpu.yaml" if command[0] == "recipes" else out
+    hint = f", e.g. {folder / example}" if example else ""
+    res = invoke(*[a.format(out=out) for a in command])
+    assert assert_one_error(res) == f"error: {folder} is a folder; give a file path{hint}\n"
+
+
 def test_writing_below_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "out.yaml"
     assert assert_one_error(invoke("recipes", "cp", "tiny-qwen-cpu", str(out))) == (
-        f"error: cannot write {out}: {out.parent} is not a directory; create it first (mkdir -p {out.parent})\n"
+        f"error: cannot write {out}: {out.parent} is not a folder\n"
     )
 
 
@@ -333,7 +348,7 @@ def test_writing_below_a_file_is_refused(tmp_path):
     ["recipes", "cp", "tiny-qwen-cpu", "{out}"],
     ["render-workload", "--recipe", "tiny-qwen-cpu", "-o", "{out}"],
     ["render-workload", "--recipe", "tiny-qwen-cpu", "--launcher", "slurm", "-o", "{out}"],
-    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--blocks", "1", "--dump", "{out}"],
+    ["pack-preview", "--recipe", "tiny-qwen-cpu", "--examples", "30", "--blocks", "1", "--dump", "{out}"],
 ])
 @pytest.mark.parametrize("dangling", [True, False])
 def test_a_link_is_never_written_through_and_force_replaces_it(command, dangling, tmp_path):
@@ -373,7 +388,7 @@ def test_unwritable_output_is_one_line(tmp_path, monkeypatch):
             raise _denied(out)
         return os_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "open", open_denied)  # what ftcli.cli._write calls (safe_files.open_output)
+    monkeypatch.setattr(os, "open", open_denied)  # what ftcli.config.safe_files.open_output calls
     res = invoke("render-workload", "--recipe", "tiny-qwen-cpu", "-o", str(out))
     assert assert_one_error(res) == f"error: cannot write {out}: Permission denied\n"
     assert not out.exists()

@@ -34,6 +34,12 @@ def _recipe(*sets):
     return load_recipe("tiny-qwen-cpu", list(sets))
 
 
+def _sections(*sets):
+    """The model and data sections `load_tokenizer` takes."""
+    recipe = _recipe(*sets)
+    return recipe.model, recipe.data
+
+
 def test_a_closed_port_is_no_hub_and_is_probed_once(closed_port, monkeypatch):
     calls = []
     real = socket.create_connection
@@ -47,7 +53,7 @@ def test_tokenizer_from_an_unreachable_hub_is_one_line(closed_port):
     from ftcli.data import load_tokenizer
 
     with pytest.raises(UserError) as e:
-        load_tokenizer(_recipe("model.tokenizer=someorg/not-cached"))
+        load_tokenizer(*_sections("model.tokenizer=someorg/not-cached"))
     assert str(e.value) == (f"no connection to the Hub (http://127.0.0.1:{closed_port} not reachable: Connection "
                             f"refused) and tokenizer 'someorg/not-cached' is not in the local HF cache; {ADVICE}")
 
@@ -77,5 +83,5 @@ def test_local_paths_never_probe(closed_port, monkeypatch):
     from ftcli.data import load_tokenizer
 
     monkeypatch.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("a local path probed the Hub"))
-    assert load_tokenizer(_recipe()).eos_token == "<|im_end|>"  # pkg://assets/tokenizer-qwen
+    assert load_tokenizer(*_sections()).eos_token == "<|im_end|>"  # pkg://assets/tokenizer-qwen
     assert not hub.is_hub_id("/nonexistent/tokenizer") and hub.is_hub_id("openai/gpt-oss-20b")

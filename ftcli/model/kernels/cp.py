@@ -26,6 +26,14 @@ on one rank and end on the next; every op that looks along the sequence then nee
                        all-gather; no point-to-point send, so activation checkpointing's recompute (the same
                        collectives on every rank, in the same order) and backward stay in lockstep.
 
+Load balancing (`training.context_parallel_balance`): causal attention gives the last slice the most work (its queries
+see the most keys). The balanced layout cuts the block into 2N chunks and gives rank r chunks r and 2N-1-r, one after
+the other (torchtitan's and ring-flash-attn's zigzag); every rank then computes the same causal triangle for a
+document filling the block (benchmarks/cp_balance.py: the slowest rank of Llama-3.1-8B at 128k, CP 8, does 1.61x
+the mean work with contiguous slices, 1.00x balanced). The ops above work per chunk: the gathered K/V are put back
+in block order, each chunk takes the conv halo of the chunk before it (on another rank, or its own first chunk), and
+the gated-delta scan runs over the 2N chunks in block order, the same all-gather carrying two (F, A) per rank.
+
 Every rank of the group runs the same collectives in every layer whatever its data (an all-gather even where no
 segment crosses), which FSDP's per-layer collectives need too.
 
@@ -55,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ftcli.data.collate import cp_chunks
 from ftcli.model.kernels.choose import SINKS_MODULE
 
 CP_KWARG = "ftcli_cp"
@@ -62,41 +71,84 @@ CP_KWARG = "ftcli_cp"
 
 @dataclass(frozen=True)
 class CPSlice:
-    """This rank's slice [start, end) of a block of `cu_seqlens[-1]` tokens, and its CP group."""
+    """This rank's part of a block of `cu_seqlens[-1]` tokens, and its CP group. The block is cut into chunks of
+    `chunk_len` tokens (N, or 2N when balanced); the rank holds `chunks` (ftcli.data.collate.cp_chunks), one after
+    the other in that order.
+
+        contiguous, N = 2   | c0 | c1 |              rank 0: c0         rank 1: c1
+        balanced,   N = 2   | c0 | c1 | c2 | c3 |    rank 0: c0 c3      rank 1: c1 c2"""
 
     group: Any  # torch.distributed ProcessGroup of the N ranks sharing the block
-    rank: int  # in the group; slice r is [r * T/N, (r + 1) * T/N)
+    rank: int  # in the group
     size: int
-    start: int
-    end: int
     cu_seqlens: tuple[int, ...]  # the whole block's segment boundaries
+    balanced: bool = False
 
     @classmethod
-    def of(cls, cu_seqlens, rank: int, size: int, group) -> CPSlice:
-        """Rank `rank`'s slice of a block with segment boundaries `cu_seqlens` (ints) split `size` ways."""
-        cu = tuple(int(c) for c in cu_seqlens)
-        n = cu[-1] // size
-        return cls(group, rank, size, rank * n, (rank + 1) * n, cu)
+    def of(cls, cu_seqlens, rank: int, size: int, group, balanced: bool = False) -> CPSlice:
+        """Rank `rank`'s part of a block with segment boundaries `cu_seqlens` (ints) split over `size` ranks."""
+        return cls(group, rank, size, tuple(int(c) for c in cu_seqlens), balanced)
+
+    @property
+    def chunk_len(self) -> int:
+        return self.cu_seqlens[-1] // (self.size * (2 if self.balanced else 1))
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return cp_chunks(self.rank, self.size, self.balanced)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) in block coordinates of each of this rank's chunks, in local order."""
+        n = self.chunk_len
+        return [(c * n, (c + 1) * n) for c in self.chunks]
+
+    def local(self, position: int) -> int:
+        """Where block position `position` (inside one of this rank's chunks) sits in the rank's local tokens."""
+        n = self.chunk_len
+        return self.chunks.index(position // n) * n + position % n
+
+    def positions(self, device=None) -> torch.Tensor:
+        """int64 [t]: the block position of each local token."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.spans()])
+
+    def block_order(self, device=None) -> torch.Tensor | None:
+        """int64 [T]: for each block position, its index in the all-gather of every rank's local tokens (rank after
+        rank); None when that is the block order already (contiguous)."""
+        if not self.balanced:
+            return None
+        n = self.chunk_len
+        slot = {c: i for i, c in enumerate(c for r in range(self.size) for c in cp_chunks(r, self.size, True))}
+        return torch.cat([torch.arange(slot[c] * n, (slot[c] + 1) * n, device=device) for c in range(2 * self.size)])
 
     def pieces(self) -> list[tuple[int, int, int]]:
-        """(segment start, piece start, piece end) in block coordinates for every segment meeting the slice."""
+        """(segment start, piece start, piece end) in block coordinates for every segment meeting each of this rank's
+        chunks, in local order (the pieces cover the local tokens one after another)."""
         cu = self.cu_seqlens
-        return [(s, max(s, self.start), min(e, self.end)) for s, e in zip(cu[:-1], cu[1:])
-                if e > self.start and s < self.end and e > s]
+        return [(s, max(s, a), min(e, b)) for a, b in self.spans() for s, e in zip(cu[:-1], cu[1:])
+                if e > a and s < b and e > s]
 
     def segment_start(self, position: int) -> int:
         """Start of the segment holding block position `position`."""
         return max(s for s in self.cu_seqlens[:-1] if s <= position)
 
-    def continued(self, rank: int) -> bool:
-        """Whether rank `rank`'s first token continues a segment begun on an earlier rank."""
-        start = rank * (self.end - self.start)
-        return rank > 0 and self.segment_start(start) < start
+    def continued(self, chunk: int) -> bool:
+        """Whether chunk `chunk`'s first token continues a segment begun in an earlier chunk (contiguous: chunk r is
+        rank r's slice)."""
+        start = chunk * self.chunk_len
+        return chunk > 0 and self.segment_start(start) < start
 
-    def through(self, rank: int) -> bool:
-        """Whether rank `rank`'s whole slice lies inside one segment begun on an earlier rank."""
-        n = self.end - self.start
-        return self.continued(rank) and self.segment_start((rank + 1) * n - 1) < rank * n
+    def through(self, chunk: int) -> bool:
+        """Whether chunk `chunk` lies whole inside one segment begun in an earlier chunk."""
+        n = self.chunk_len
+        return self.continued(chunk) and self.segment_start((chunk + 1) * n - 1) < chunk * n
+
+    def gathered_chunk(self, chunk: int) -> int:
+        """Index of chunk `chunk`'s piece in an all-gather of one piece per local chunk (rank after rank)."""
+        per_rank = 2 if self.balanced else 1
+        for r in range(self.size):
+            if chunk in cp_chunks(r, self.size, self.balanced):
+                return r * per_rank + cp_chunks(r, self.size, self.balanced).index(chunk)
+        raise AssertionError(chunk)
 
 
 # ---------------------------------------------------------------------------------------- communication
@@ -132,6 +184,22 @@ def gather_slices(x: torch.Tensor, cp: CPSlice, dim: int) -> torch.Tensor:
     return _GatherSlices.apply(moved, cp.group, cp.rank, cp.size).movedim(0, dim)
 
 
+def sum_over_group(x: torch.Tensor, cp: CPSlice) -> torch.Tensor:
+    """The sum of every rank's `x` (same shape on each), differentiable: each rank's gradient is the sum of the
+    gradients of every rank's copy of the result (the group's per-segment sums of a preference loss)."""
+    return gather_slices(x[None], cp, 0).sum(0)
+
+
+def slice_of_block(block, rank: int, size: int, group, device="cpu", balanced: bool = False) -> dict:
+    """The model call's kwargs for CP rank `rank`'s slice of `block` (ftcli.data.collate.slice_model_inputs; its two
+    chunks when `balanced`), with the slice's place in the block under `CP_KWARG` for the ops below."""
+    from ftcli.data.collate import slice_model_inputs
+
+    inputs = slice_model_inputs(block, rank, size, device, balanced=balanced)
+    inputs[CP_KWARG] = CPSlice.of(block.cu_seqlens, rank, size, group, balanced)
+    return inputs
+
+
 # ------------------------------------------------------------------------------------------- attention
 def _piece_mask(q0: int, q1: int, k0: int, window: int | None, device) -> torch.Tensor:
     """bool [q1 - q0, q1 - k0]: query at block position q attends key k iff k <= q (and q - k < window)."""
@@ -149,7 +217,8 @@ def _attention_pieces(query, keys, values, cp: CPSlice, scaling, dropout, window
     outs = []
     for s, q0, q1 in cp.pieces():
         mask = _piece_mask(q0, q1, s, window, query.device)
-        q = query[:, :, q0 - cp.start:q1 - cp.start]
+        local = cp.local(q0)
+        q = query[:, :, local:local + q1 - q0]
         k, v = keys[:, :, s:q1], values[:, :, s:q1]
         if sinks:
             eager = importlib.import_module(SINKS_MODULE).eager_attention_forward
@@ -204,16 +273,16 @@ def _attention_flex_sinks(query, keys, values, cp: CPSlice, scaling, window, sin
 
     cu = torch.tensor(cp.cu_seqlens, dtype=torch.long, device=query.device)
     doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=query.device), cu[1:] - cu[:-1])
-    start = cp.start
+    position = cp.positions(query.device)  # block position of each local query
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q = q_idx + start
+        q = position[q_idx]
         keep = (doc[q] == doc[kv_idx]) & (kv_idx <= q)
         if window:
             keep = keep & (q - kv_idx < window)
         return keep
 
-    t, end = query.shape[2], cp.end
+    t, end = query.shape[2], max(b for _, b in cp.spans())
     block_mask = create_block_mask(mask_mod, None, None, t, end, device=query.device,
                                    _compile=query.device.type == "cuda")
     out, lse = _flex(query, keys[:, :, :end].contiguous(), values[:, :, :end].contiguous(), block_mask, scaling)
@@ -223,11 +292,14 @@ def _attention_flex_sinks(query, keys, values, cp: CPSlice, scaling, window, sin
 
 
 def attention_across(kernel, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """An attention function's call over this rank's slice: queries [1, H, t, D] local, keys and values gathered."""
+    """An attention function's call over this rank's slice: queries [1, H, t, D] local, keys and values gathered
+    (and put in block order)."""
     cp: CPSlice = kwargs.pop(CP_KWARG)
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("context parallelism takes packed blocks (batch size 1, no attention mask)")
-    keys, values = gather_slices(torch.stack([key, value]), cp, 3).unbind(0)  # one collective for both
+    gathered = gather_slices(torch.stack([key, value]), cp, 3)  # one collective for both
+    order = cp.block_order(query.device)
+    keys, values = (gathered if order is None else gathered.index_select(3, order)).unbind(0)  # in block order
     sinks = getattr(module, "sinks", None) is not None
     window = getattr(module, "sliding_window", None) if sinks else kwargs.get("sliding_window")
     if kwargs.get("softcap") is not None:
@@ -245,25 +317,32 @@ def attention_across(kernel, module, query, key, value, attention_mask, scaling=
 
 # ---------------------------------------------------------------------------------------------- conv
 def conv_across(kernel, hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
-    """The causal conv (x [1, D, t]) of this rank's slice with the previous rank's last W-1 tokens before it."""
+    """The causal conv (x [1, D, t]) of this rank's chunks, each with the last W-1 tokens of the chunk before it
+    (the halo) put in front of it: one kernel call over | halo | chunk | (halo | chunk |), the halos' outputs dropped
+    (a chunk's first token sees its halo and nothing before it, the window being W)."""
     cp: CPSlice = kwargs.pop(CP_KWARG)
     halo = weight.shape[-1] - 1
-    t = hidden_states.shape[-1]
-    if t < halo or halo == 0:
-        raise ValueError(f"context parallelism: a slice of {t} tokens for a conv halo of {halo}")
-    tails = gather_slices(hidden_states[..., t - halo:].movedim(-1, 0), cp, 0)  # [N * halo, 1, D]
-    # rank 0 too takes a halo (the last rank's tail) under a segment id of its own, so every rank's output
-    # depends on the gathered tails and every rank joins the gather's backward (a collective)
-    before = tails[(cp.rank - 1) % cp.size * halo:][:halo].movedim(0, -1)
-    if cp.rank == 0:
-        before_idx = torch.full((halo,), -1, dtype=seq_idx.dtype, device=seq_idx.device)
-    else:
-        starts = torch.tensor(cp.cu_seqlens[:-1], dtype=torch.long)
-        positions = torch.arange(cp.start - halo, cp.start)
-        before_idx = (torch.searchsorted(starts, positions, right=True) - 1).to(seq_idx.device, seq_idx.dtype)
-    out = kernel(torch.cat([before, hidden_states], dim=-1), weight, bias, activation=activation,
-                 seq_idx=torch.cat([before_idx[None], seq_idx], dim=-1), **kwargs)
-    return out[..., halo:]
+    n = cp.chunk_len
+    if n < halo or halo == 0:
+        raise ValueError(f"context parallelism: a slice of {n} tokens for a conv halo of {halo}")
+    tails = torch.cat([hidden_states[..., (k + 1) * n - halo:(k + 1) * n] for k in range(len(cp.chunks))], dim=-1)
+    tails = gather_slices(tails.movedim(-1, 0), cp, 0)  # [chunks * halo, 1, D], one piece per chunk, rank order
+    starts = torch.tensor(cp.cu_seqlens[:-1], dtype=torch.long)
+    parts, idx_parts = [], []
+    for k, c in enumerate(cp.chunks):
+        # chunk 0 too takes a halo (the last chunk's tail) under a segment id of its own, so every rank's output
+        # depends on the gathered tails and every rank joins the gather's backward (a collective)
+        g = cp.gathered_chunk((c - 1) % (len(cp.chunks) * cp.size))
+        parts += [tails[g * halo:(g + 1) * halo].movedim(0, -1), hidden_states[..., k * n:(k + 1) * n]]
+        if c == 0:
+            before_idx = torch.full((halo,), -1, dtype=seq_idx.dtype, device=seq_idx.device)
+        else:
+            positions = torch.arange(c * n - halo, c * n)
+            before_idx = (torch.searchsorted(starts, positions, right=True) - 1).to(seq_idx.device, seq_idx.dtype)
+        idx_parts += [before_idx[None], seq_idx[:, k * n:(k + 1) * n]]
+    out = kernel(torch.cat(parts, dim=-1), weight, bias, activation=activation, seq_idx=torch.cat(idx_parts, dim=-1),
+                 **kwargs)
+    return torch.cat([out[..., k * (n + halo) + halo:(k + 1) * (n + halo)] for k in range(len(cp.chunks))], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------- gated delta
@@ -277,32 +356,43 @@ def gated_delta_across(kernel, query, key, value, g, beta, chunk_size=64, initia
     rule = functools.partial(kernel, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     out, finals = rule(query, key, value, g=g, beta=beta, output_final_state=True, cu_seqlens=cu_seqlens, **kwargs)
     heads, dk, dv = value.shape[2], key.shape[-1], value.shape[-1]
-    last_final = finals[-1].float()  # [H, dk, dv]: the last piece's state from a zero state
-    _, q0, q1 = cp.pieces()[0]
-    first_len = q1 - q0
-    transition = last_final.new_zeros(heads, dk, dk)  # the slice's transition, used where through(rank)
-    if cp.continued(cp.rank):  # the first piece's response to its initial state: v = 0, S_0 = I
-        sl = slice(0, first_len)
-        eye = torch.eye(dk, dtype=torch.float32, device=query.device).expand(1, heads, dk, dk).contiguous()
-        response, first_transition = rule(query[:, sl], key[:, sl], query.new_zeros(1, first_len, heads, dk),
-                                          g=g[:, sl], beta=beta[:, sl], initial_state=eye, output_final_state=True)
-        if cp.through(cp.rank):
-            transition = first_transition[0].float()
-    # one collective for both; every rank's output depends on it (a rank whose slice starts a segment adds 0 x
-    # the gathered states), so every rank joins its backward
-    shared = gather_slices(torch.cat([last_final, transition], dim=-1)[None], cp, 0)  # [N, H, dk, dv + dk]
-    finals_all, transitions = shared[..., :dv], shared[..., dv:]
-    if not cp.continued(cp.rank):
+    n, pieces = cp.chunk_len, cp.pieces()
+    eye = torch.eye(dk, dtype=torch.float32, device=query.device).expand(1, heads, dk, dk).contiguous()
+    shared_parts, responses = [], {}
+    for k, c in enumerate(cp.chunks):  # per local chunk: its last piece's state from a zero state (F), and the
+        last = next(i for i, (_, _, q1) in enumerate(pieces) if q1 == (c + 1) * n)  # transition where through(c) (A)
+        last_final = finals[last].float()  # [H, dk, dv]
+        transition = last_final.new_zeros(heads, dk, dk)
+        if cp.continued(c):  # the chunk's first piece's response to its initial state: v = 0, S_0 = I
+            first_len = next(q1 - q0 for _, q0, q1 in pieces if q0 == c * n)
+            sl = slice(k * n, k * n + first_len)
+            zeros = query.new_zeros(1, first_len, heads, dk)
+            response, first_transition = rule(query[:, sl], key[:, sl], zeros, g=g[:, sl], beta=beta[:, sl],
+                                              initial_state=eye, output_final_state=True)
+            responses[k] = response
+            if cp.through(c):
+                transition = first_transition[0].float()
+        shared_parts.append(torch.cat([last_final, transition], dim=-1))
+    # one collective for all; every rank's output depends on it (a rank whose chunks start segments adds 0 x the
+    # gathered states), so every rank joins its backward
+    shared = gather_slices(torch.stack(shared_parts), cp, 0)  # [N x chunks, H, dk, dv + dk], rank order
+    if not responses:
         return out + (shared.sum() * 0).to(out.dtype), None
-    state = last_final.new_zeros(heads, dk, dv)
-    for r in range(1, cp.rank + 1):
-        if not cp.continued(r):
+    states, state = {}, last_final.new_zeros(heads, dk, dv)  # the state entering each chunk, scanned in block order
+    for c in range(1, max(cp.chunks) + 1):
+        if not cp.continued(c):
             state = torch.zeros_like(state)
             continue
-        state = (transitions[r - 1] @ state if cp.through(r - 1) else 0) + finals_all[r - 1]
-    correction = torch.einsum("bthk,hkv->bthv", response.float(), state)
-    first = (out[:, :first_len].float() + correction).to(out.dtype)
-    return torch.cat([first, out[:, first_len:]], dim=1), None
+        before = shared[cp.gathered_chunk(c - 1)]
+        state = (before[..., dv:] @ state if cp.through(c - 1) else 0) + before[..., :dv]
+        states[c] = state
+    parts, at = [], 0
+    for k, response in sorted(responses.items()):
+        start = k * n
+        correction = torch.einsum("bthk,hkv->bthv", response.float(), states[cp.chunks[k]])
+        parts += [out[:, at:start], (out[:, start:start + response.shape[1]].float() + correction).to(out.dtype)]
+        at = start + response.shape[1]
+    return torch.cat([*parts, out[:, at:]], dim=1), None
 
 
 # ------------------------------------------------------------------------------------------- wrapping

@@ -33,7 +33,7 @@ from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now,
 from ftcli.artifacts.publish import begin_export, publish_export
 from ftcli.train.preference import reduced_means
 from ftcli.artifacts.rundir import BEST, FINAL
-from ftcli.artifacts.safe_files import refuse_links, remove_tree, write_atomic
+from ftcli.config.safe_files import refuse_links, remove_tree, write_atomic
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ftcli.config.errors import UserError
-from ftcli.config.recipe import Recipe
+from ftcli.config.recipe import LoraConfig as LoraSection
+from ftcli.config.recipe import ModelConfig, TrainingConfig
 
 # Vision towers of the VLM classes ftcli knows (kept out of LoRA unless lora.exclude_vision is false).
 _VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
@@ -31,9 +32,11 @@ def checkpointing_arg() -> str:
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
-def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> dict[str, Any]:
-    """The SFTConfig for a LoRA recipe (transformers 5 / TRL 1.x names). Pure: no I/O, no torch state
-    (only the installed TrainingArguments' field names decide the checkpointing keyword).
+def sft_config_kwargs(training: TrainingConfig, model_cfg: ModelConfig, run_name: str, run_dir: Path,
+                      sharding: str = "ddp") -> dict[str, Any]:
+    """The SFTConfig for a LoRA recipe's training and model sections (transformers 5 / TRL 1.x names); `run_name` is
+    the MLflow run's (`tracking.run_name`, else the recipe's name). Pure: no I/O, no torch state (only the installed
+    TrainingArguments' field names decide the checkpointing keyword).
 
     transformers 5 has no `warmup_ratio`: `warmup_steps` < 1 is read as a fraction of the total steps,
     which is exactly the recipe's convention, so `schedule.warmup` passes through unchanged.
@@ -44,12 +47,12 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
     gathered one layer at a time; the LoRA weights shard with their layers. Activation checkpointing is
     then FSDP's own (per unit; the TrainingArguments flag would all-gather every layer a second time).
     """
-    t = recipe.training
+    t = training
     opt, sched, ckpt, ac = t.optimizer, t.schedule, t.checkpoint, t.activation_checkpointing
     ac_kwargs = {"use_reentrant": False, **({"selective": True} if ac == "selective" else {})}
     fsdp = sharding == "fsdp"
     return dict(
-        output_dir=str(Path(run_dir) / "checkpoints"), run_name=recipe.tracking.run_name or recipe.name,
+        output_dir=str(Path(run_dir) / "checkpoints"), run_name=run_name,
         seed=t.seed, data_seed=t.seed,
         # schedule of steps
         num_train_epochs=t.epochs, max_steps=t.max_steps or -1,
@@ -62,14 +65,14 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
         lr_scheduler_kwargs={"min_lr_rate": sched.min_lr_ratio} if sched.name == "cosine_with_min_lr" else {},
         warmup_steps=sched.warmup if sched.warmup < 1 else int(sched.warmup),
         # precision and memory
-        bf16=recipe.model.dtype == "bfloat16", fp16=recipe.model.dtype == "float16",
+        bf16=model_cfg.dtype == "bfloat16", fp16=model_cfg.dtype == "float16",
         **{checkpointing_arg(): ac != "none" and not fsdp,
            f"{checkpointing_arg()}_kwargs": ac_kwargs if ac != "none" and not fsdp else None},
         torch_compile=False,  # training.compile: per decoder layer (ftcli.features.compile), not TRL's whole model
         # DDP: every LoRA parameter gets a gradient on every step
         ddp_find_unused_parameters=False,
         # a kept-MXFP4 base's blocks and scales are buffers, the same on every rank: not re-broadcast every step
-        **({"ddp_broadcast_buffers": False} if recipe.model.quantization == "mxfp4" else {}),
+        **({"ddp_broadcast_buffers": False} if model_cfg.quantization == "mxfp4" else {}),
         # FSDP2 (training.sharding: fsdp): the base sharded; checkpoints are per-rank shards (DCP)
         **({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
                                           "activation_checkpointing": ac != "none",
@@ -90,11 +93,10 @@ def sft_config_kwargs(recipe: Recipe, run_dir: Path, sharding: str = "ddp") -> d
     )
 
 
-def lora_config(recipe: Recipe, model):
-    """PEFT LoraConfig: target modules, expert parameters, vision tower excluded on VLM classes."""
+def lora_config(lora: LoraSection, model_cfg: ModelConfig, model):
+    """PEFT LoraConfig from the recipe's lora and model sections: target modules, expert parameters, vision tower
+    excluded on VLM classes of `model`."""
     from peft import LoraConfig
-
-    lora = recipe.lora
     if lora.target_parameters and lora.dropout:
         raise UserError(
             f"lora.dropout={lora.dropout} cannot be used with lora.target_parameters (PEFT applies no dropout to "
@@ -105,7 +107,7 @@ def lora_config(recipe: Recipe, model):
         if not any(n == target or n.endswith("." + target) for n in names):
             raise UserError(f"lora.target_parameters: no parameter named '{target}' in {type(model).__name__}")
     exclude = None
-    if lora.exclude_vision and recipe.model.model_class == "image_text_to_text":
+    if lora.exclude_vision and model_cfg.model_class == "image_text_to_text":
         towers = set()
         for name, _ in model.named_modules():
             parts = name.split(".")
@@ -117,14 +119,14 @@ def lora_config(recipe: Recipe, model):
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias, target_modules=lora.target_modules,
         target_parameters=list(lora.target_parameters) or None, exclude_modules=exclude,
-        revision=recipe.model.revision, task_type="CAUSAL_LM",
+        revision=model_cfg.revision, task_type="CAUSAL_LM",
     )
 
 
-def ignored_settings(recipe: Recipe, sharding: str = "ddp") -> list[str]:
+def ignored_settings(training: TrainingConfig, sharding: str = "ddp") -> list[str]:
     """Recipe settings that run differently than written on the LoRA path (warned at start). Full SFT's own keys
     never get here: a LoRA recipe that sets one is refused at load (ftcli.config.recipe.LoraTraining)."""
-    t, out = recipe.training, []
+    t, out = training, []
     if sharding == "fsdp" and t.activation_checkpointing == "selective":
         out.append("training.activation_checkpointing=selective runs as full with training.sharding=fsdp "
                    "(FSDP2 checkpoints whole units)")

@@ -51,9 +51,10 @@ def training_blocks(recipe: Recipe, tokenizer, first=lambda f, then=None: f()):
     `ftcli.data.prepare_blocks`), exactly what `ftcli pack-preview --dump` writes. Packing on: fixed-length packed
     blocks; off (the published gpt-oss example): one example per block, truncated to `data.max_length`.
     `first`: ftcli.train.distributed.rank0_first under torchrun (rank 0 fills the cache, then the others open it)."""
+    from ftcli.data import data_spec
     from ftcli.objectives import objective_of
 
-    return require_units(recipe.data, objective_of(recipe.training).units(recipe, tokenizer, first))
+    return require_units(recipe.data, objective_of(recipe.training).units(data_spec(recipe), tokenizer, first))
 
 
 def require_units(data_cfg, units):
@@ -271,9 +272,9 @@ def read_stored_reference(recipe: Recipe, base, session, sharding: str, device: 
         with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
             return base.sequence_logps(**inputs)[0]
 
-    sets = precomputed_reference({"train": session.units, **session.evaluator.packed},
-                                 reference_identity(recipe, device.type), logps, rank=session.rank,
-                                 world_size=session.world_size, device=device, say=session.say)
+    identity = reference_identity(recipe.model, recipe.training, device.type)
+    sets = precomputed_reference({"train": session.units, **session.evaluator.packed}, identity, logps,
+                                 rank=session.rank, world_size=session.world_size, device=device, say=session.say)
     session.units = sets.pop("train")
     session.evaluator.packed = sets
     session.say(f"{objective_of(recipe.training).label} reference: the base's log-probs, precomputed (no adapter-off "
@@ -293,7 +294,7 @@ def random_init_gpu(recipe: Recipe) -> torch.device | None:
     from ftcli.estimate.shape import model_shape
 
     gpu = local_device()
-    shape = model_shape(recipe)  # parameter counts from the config, as `ftcli plan` counts them
+    shape = model_shape(recipe.model)  # parameter counts from the config, as `ftcli plan` counts them
     need = (shape.total_params + shape.frozen_params) * DTYPES[recipe.model.dtype].itemsize
     free, _ = torch.cuda.mem_get_info(gpu)
     return gpu if need < free / 2 else None
@@ -330,16 +331,18 @@ def build_trainer(recipe: Recipe, model, tokenizer, blocks, args, *, metrics_pat
     with warnings.catch_warnings():  # TRL/PEFT read transformers' deprecated alias; nothing for a user to change
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer = SFTTrainer(model=model, args=args, train_dataset=block_rows(blocks), data_collator=BlockCollator(blocks),
-                             processing_class=tokenizer, peft_config=lora_config(recipe, model))
-    if grouped_expert_lora(recipe):  # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
+                             processing_class=tokenizer, peft_config=lora_config(recipe.lora, recipe.model, model))
+    # PEFT's adapter on the experts, ftcli's unmerged grouped expert GEMMs
+    if grouped_expert_lora(recipe.model, recipe.training, recipe.lora):
         from ftcli.model.moe_lora import install_grouped_experts
 
         grouped = install_grouped_experts(trainer.model)
         if grouped and args.process_index == 0:
             print(f"expert LoRA: grouped, unmerged ({grouped} experts modules, ftcli.model.moe_lora)", flush=True)
-    features.prepare_lora(trainer.model, recipe)  # training.compile: each decoder layer, in place (names unchanged)
+    # training.compile: each decoder layer, in place (names unchanged)
+    features.prepare_lora(trainer.model, recipe.training)
     if args.process_index == 0:
-        for line in features.describe(trainer.model, recipe):
+        for line in features.describe(trainer.model, recipe.training):
             print(line, flush=True)
     if args.fsdp:
         fsdp_on_cpu_processes(trainer, args)
@@ -370,7 +373,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.train.preempt import Stopped
     from ftcli.train.session import RunSession
     from ftcli.artifacts.rundir import METRICS_FILE
-    from ftcli.artifacts.safe_files import refuse_links
+    from ftcli.config.safe_files import refuse_links
 
     run_dir = Path(run_dir)
     if not method_of(recipe.training).writes_adapter:
@@ -383,9 +386,11 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     if sharding == "fsdp" and device.type == "cuda":  # as `accelerate launch`: from_pretrained reads the base on
         os.environ["ACCELERATE_USE_FSDP"] = "true"     # rank 0 only (CPU processes: every rank reads its small base)
     # also initializes torch.distributed (accelerate: NCCL on GPUs, gloo for CPU processes)
-    args = SFTConfig(**sft_config_kwargs(recipe, run_dir, sharding), use_cpu=device.type == "cpu")
+    run_name = recipe.tracking.run_name or recipe.name
+    args = SFTConfig(**sft_config_kwargs(recipe.training, recipe.model, run_name, run_dir, sharding),
+                     use_cpu=device.type == "cpu")
     if args.process_index == 0:
-        for message in ignored_settings(recipe, sharding):
+        for message in ignored_settings(recipe.training, sharding):
             print(f"warning: {message}", flush=True)
 
     # tracking, tokenizer, data, eval data and run.json: the run session every trainer shares (ftcli.train.session);

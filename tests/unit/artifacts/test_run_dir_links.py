@@ -49,16 +49,15 @@ def test_planted_lock_symlink_is_refused_and_its_target_untouched(tmp_path, dang
 
 def test_a_dir_holding_only_a_planted_lock_link_is_not_empty(tmp_path):
     from ftcli.artifacts.rundir import check_run_dir
-    from ftcli.config.recipe import load_recipe
 
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / ".ftcli.lock").symlink_to(_victim(tmp_path))
     with pytest.raises(UserError, match=r"holds files that are not an ftcli run \(\.ftcli\.lock\)"):
-        check_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={shared}"]))
+        check_run_dir("tiny-qwen-cpu", shared)
     (shared / ".ftcli.lock").unlink()
     (shared / ".ftcli.lock").write_text("123\n")  # a regular lock file a failed start left: still empty
-    assert check_run_dir(load_recipe("tiny-qwen-cpu", [f"output.dir={shared}"])) == shared
+    assert check_run_dir("tiny-qwen-cpu", shared) == shared
 
 
 def test_lock_file_with_foreign_text_or_hard_links_is_never_truncated(tmp_path):
@@ -93,7 +92,7 @@ def test_run_files_refuse_links_and_leave_their_targets(tmp_path, dangling):
     """metrics.jsonl (appended), run.json (replaced), samples.jsonl: a link in their place is one UserError;
     a link planted as write_atomic's temp file is removed, not followed."""
     from ftcli.artifacts.rundir import RunRecord, write_run_record
-    from ftcli.artifacts.safe_files import write_atomic
+    from ftcli.config.safe_files import write_atomic
     from ftcli.train.metrics import log_step
 
     run_dir = tmp_path / "run"
@@ -207,7 +206,7 @@ def test_removing_and_replacing_never_follow_a_link(tmp_path):
     """What every writer uses when a link turns up after the launcher's check: remove_tree unlinks a link
     (dangling or not) and leaves its target; replace_dir puts the new dir in place of a link, never into it,
     and refuses a temp dir that is a link."""
-    from ftcli.artifacts.safe_files import remove_tree, replace_dir
+    from ftcli.config.safe_files import remove_tree, replace_dir
 
     victim = tmp_path / "victim"
     victim.mkdir()

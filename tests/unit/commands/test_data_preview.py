@@ -23,7 +23,7 @@ def test_pack_preview_json_numbers_equal_block_stream(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)  # nothing but JSON on stdout
     r = recipe(tmp_path, data__max_examples=120)
-    packed = prepare_blocks(r, load_tokenizer(r))
+    packed = prepare_blocks(r, load_tokenizer(r.model, r.data))
     assert packed.from_cache  # the preview filled the cache training reads
     blocks = list(BlockStream(packed, 0, 1))
     assert summary["blocks"] == len(blocks) == 12
@@ -43,7 +43,7 @@ def test_pack_preview_dump_equals_block_stream(tmp_path):
     assert res.exit_code == 0, res.output
     assert "segment" in res.stdout and "trained tokens" in res.stdout and "fill" in res.stdout
     r = recipe(tmp_path, data__max_examples=60)
-    packed = prepare_blocks(r, load_tokenizer(r))
+    packed = prepare_blocks(r, load_tokenizer(r.model, r.data))
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     blocks = list(BlockStream(packed, 0, 1))
     assert len(rows) == len(blocks) == 6
@@ -81,7 +81,7 @@ def test_pack_preview_marks_trained_tokens_in_plain_text_without_colour(tmp_path
     res = _invoke(tmp_path, "--examples", "4", "--blocks", "1")
     assert res.exit_code == 0, res.output
     r = recipe(tmp_path, data__max_examples=4)
-    tokenizer = load_tokenizer(r)
+    tokenizer = load_tokenizer(r.model, r.data)
     block = next(iter(BlockStream(prepare_blocks(r, tokenizer), 0, 1)))
     assert f"block 0 in training order (packed block #{block.index} in the cache)" in " ".join(res.stdout.split())
     assert "trained tokens are marked «...»" in res.stdout

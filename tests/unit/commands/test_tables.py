@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from _data_common import write_jsonl
@@ -90,3 +91,6 @@ def test_pack_preview_headers_whole(width, tmp_path, monkeypatch, capsys):
     run_preview(r, blocks=1, examples=30, as_json=False, dump=None, strict=False)
     out = capsys.readouterr().out
     _assert_whole(out, PACK_PREVIEW, width)
+    # the cache path (longer than 80 columns here) on a line of its own, whole: it can be copied (issue 46, item 5)
+    cache = [line for line in out.splitlines() if line.startswith(str(tmp_path / "cache"))]
+    assert len(cache) == 1 and len(cache[0]) > 80 and (Path(cache[0]) / "meta.json").is_file(), out

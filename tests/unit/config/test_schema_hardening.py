@@ -40,6 +40,13 @@ def _tiny_with(tmp_path: Path, section: str, key: str, raw_value: str) -> Path:
     return _file(tmp_path, text)
 
 
+def _check_model_config(recipe):
+    """ftcli.model.checks.check_model_config on a recipe's model and packing sections."""
+    from ftcli.model.checks import check_model_config
+
+    return check_model_config(recipe.model, recipe.data.packing)
+
+
 # ---------------------------------------------------------------------------------- finite floats
 @pytest.mark.parametrize("override,key,shown", [
     ("training.optimizer.lr=.inf", "training.optimizer.lr", "inf"),
@@ -220,10 +227,8 @@ def test_block_len_of_hub_model_is_not_checked_offline():
 
 # ------------------------------------------------------------------------------- model config check
 def test_config_override_that_builds_no_model_is_one_line():
-    from ftcli.model.checks import check_model_config
-
     with pytest.raises(UserError) as err:
-        check_model_config(load_recipe(TINY, ["model.config_overrides.hidden_act=nope"]))  # sizes: test_recipe
+        _check_model_config(load_recipe(TINY, ["model.config_overrides.hidden_act=nope"]))  # sizes: test_recipe
     assert str(err.value) == (
         "model config pkg://assets/tiny-qwen3_5.json with model.config_overrides {'hidden_act': 'nope'} does not "
         "build a model: 'nope'"
@@ -231,10 +236,8 @@ def test_config_override_that_builds_no_model_is_one_line():
 
 
 def test_config_override_of_the_wrong_type_is_one_line():
-    from ftcli.model.checks import check_model_config
-
     with pytest.raises(UserError) as err:
-        check_model_config(load_recipe("tiny-gpt-oss-cpu", ["model.config_overrides.vocab_size=abc"]))
+        _check_model_config(load_recipe("tiny-gpt-oss-cpu", ["model.config_overrides.vocab_size=abc"]))
     msg = str(err.value)
     assert msg.startswith("model config pkg://assets/tiny-gpt-oss.json with model.config_overrides "
                           "{'vocab_size': 'abc'} ")
@@ -245,18 +248,14 @@ def test_config_override_of_the_wrong_type_is_one_line():
     ("tiny-qwen-cpu", "Qwen3_5TextConfig", 64), ("tiny-gpt-oss-cpu", "GptOssConfig", 64),
 ])
 def test_valid_model_configs_pass_the_check(name, config_class, hidden):
-    from ftcli.model.checks import check_model_config
-
-    config = check_model_config(load_recipe(name, [f"model.config_overrides.hidden_size={hidden}"]))
+    config = _check_model_config(load_recipe(name, [f"model.config_overrides.hidden_size={hidden}"]))
     assert type(config).__name__ == config_class and config.hidden_size == hidden
 
 
 def test_hub_models_not_in_the_cache_are_skipped(monkeypatch, tmp_path):
-    from ftcli.model.checks import check_model_config
-
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    assert check_model_config(load_recipe("qwen-b300")) is None
+    assert _check_model_config(load_recipe("qwen-b300")) is None
 
 
 # ------------------------------------------------------------------------------------------ names
@@ -288,10 +287,8 @@ def test_dumped_recipe_has_no_aliases_and_loads_back(tmp_path):
     ("rope_theta", "; did you mean 'rope_parameters'?"),  # moved in transformers 5: would be ignored
 ])
 def test_config_override_the_model_would_ignore_is_refused(key, hint):
-    from ftcli.model.checks import check_model_config
-
     with pytest.raises(UserError) as err:
-        check_model_config(load_recipe(TINY, [f"model.config_overrides.{key}=64"]))
+        _check_model_config(load_recipe(TINY, [f"model.config_overrides.{key}=64"]))
     assert str(err.value) == (
         f"model.config_overrides.{key}: Qwen3_5TextConfig has no such key, the model would ignore it{hint}"
     )
@@ -308,18 +305,16 @@ def _fake_hub_cache(root: Path, repo_id: str, config: dict) -> None:
 
 
 def test_hub_model_in_the_local_cache_is_checked_offline(monkeypatch, tmp_path):
-    from ftcli.model.checks import check_model_config
-
     config = json.loads((Path(__file__).parents[3] / "ftcli/assets/tiny-gpt-oss.json").read_text())
     _fake_hub_cache(tmp_path, "openai/gpt-oss-20b", config)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    assert check_model_config(load_recipe("gpt-oss-h100")).hidden_size == config["hidden_size"]
+    assert _check_model_config(load_recipe("gpt-oss-h100")).hidden_size == config["hidden_size"]
     with pytest.raises(UserError) as err:
-        check_model_config(load_recipe("gpt-oss-h100", ["model.config_overrides.rope_parameters={rope_type: nope}"]))
+        _check_model_config(load_recipe("gpt-oss-h100", ["model.config_overrides.rope_parameters={rope_type: nope}"]))
     assert str(err.value) == (f"model config {tmp_path}/models--openai--gpt-oss-20b/snapshots/{'0' * 40} with "
                               "model.config_overrides {'rope_parameters': {'rope_type': 'nope'}} does not build a "
                               "model: 'nope'")
     with pytest.raises(UserError) as err:  # the cached config's limit applies to block_len as well
-        check_model_config(load_recipe("gpt-oss-h100", ["data.packing.block_len=8192"]))
+        _check_model_config(load_recipe("gpt-oss-h100", ["data.packing.block_len=8192"]))
     assert str(err.value) == ("data.packing.block_len=8192 is over the model's max_position_embeddings=4096; lower "
                               "block_len or raise model.config_overrides.max_position_embeddings")

@@ -1,6 +1,7 @@
 """`source: delta` (ftcli.data.delta): rows from Delta tables the tests write with deltalake (no mock of the
 table): every row format packs exactly as the same rows in a JSONL file, a version or a timestamp pins what is
-read, a schema change between versions, the version in the pack cache key."""
+read, a schema change between versions, the version in the pack cache key; a row filter reads exactly its rows,
+prunes partitions, and is in the cache key and the lineage."""
 
 from __future__ import annotations
 
@@ -126,12 +127,126 @@ def test_delta_source_keys_are_checked_in_the_recipe(tmp_path, monkeypatch):
 def test_plan_sizes_a_delta_source_from_its_rows_as_it_does_files(tmp_path):
     """`ftcli plan`'s data size reads a Delta table's first rows and its row count like a JSONL file's: the same
     estimate for the same rows."""
+    from ftcli.data import data_spec
     from ftcli.estimate.datasize import data_size
+
+    def size(r):
+        return data_size(data_spec(r), r.model)
 
     rows = [FORMATS["messages"](i) for i in range(40)]
     _write(tmp_path / "table", rows)
     jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
-    by_table = data_size(recipe(tmp_path / "d", data__source="delta", data__path=tmp_path / "table"))
-    by_file = data_size(recipe(tmp_path / "f", data__path=jsonl))
+    by_table = size(recipe(tmp_path / "d", data__source="delta", data__path=tmp_path / "table"))
+    by_file = size(recipe(tmp_path / "f", data__path=jsonl))
     assert by_table.tokens == by_file.tokens > 0 and by_table.blocks == by_file.blocks
     assert by_table.source.startswith("estimate: first 40 of 40 rows")
+
+
+# ------------------------------------------------------------------------------------------- data.filter
+def _chat(i, lang):
+    return {"messages": [U, {"role": "assistant", "content": f"answer {i}"}], "lang": lang, "score": i % 5}
+
+
+def test_a_row_filter_reads_exactly_its_rows_and_prunes_partitions(tmp_path, monkeypatch):
+    """A table partitioned by lang, written in 3 appends (9 files): a conjunction, an OR of conjunctions and a
+    filter on a column `columns` leaves out read exactly the rows Python's filter keeps, in the unfiltered
+    order; deltalake prunes the other partitions' files (only lang=en's 3 files are opened); the row count is
+    the filtered one. A table with deletion vectors (deltalake's own engine) gives the same rows."""
+    import datetime
+
+    from ftcli.data import delta, sources
+
+    langs = ["en", "de", "fr"]
+    rows = [{**_chat(i, langs[i % 3]), "day": datetime.date(2026, 1, 1 + i % 7)} for i in range(60)]
+    table, dv_table = tmp_path / "table", tmp_path / "dv"
+    for part in (rows[:20], rows[20:40], rows[40:]):
+        _write(table, part, mode="append", partition_by=["lang"])
+        _write(dv_table, part, mode="append", configuration={"delta.enableDeletionVectors": "true"})
+    opened = []
+    real_order = delta._in_commit_order
+    monkeypatch.setattr(delta, "_in_commit_order", lambda t, ds: opened.append(
+        sorted(f.path.split("/")[0] for f in ds.get_fragments())) or real_order(t, ds))
+
+    def read(where, path=table, columns=None):
+        src = recipe(tmp_path, data__source="delta", data__path=path, data__filter=json.dumps(where),
+                     **({"data__columns": json.dumps(columns)} if columns else {})).data.source_list()[0]
+        got, total = sources.open_rows(src)
+        return [row for _, row in got], total
+
+    def answers(kept):
+        return [r["messages"][1]["content"] for r in kept]
+
+    everything, _ = read([["score", ">=", 0]])
+    order = answers(everything)  # the unfiltered order (every score is >= 0)
+    cases = {
+        '[["lang", "=", "en"], ["score", ">=", 3]]': lambda r: r["lang"] == "en" and r["score"] >= 3,
+        '[[["lang", "in", ["de", "fr"]], ["day", "<", "2026-01-03"]], [["score", "=", 4]]]':
+            lambda r: (r["lang"] in ("de", "fr") and r["day"] < datetime.date(2026, 1, 3)) or r["score"] == 4,
+        '[["lang", "not in", ["en"]], ["score", "!=", "2"]]': lambda r: r["lang"] != "en" and r["score"] != 2,
+    }
+    for where, keep in cases.items():
+        opened.clear()
+        kept, total = read(json.loads(where))
+        want = [f"answer {r['messages'][1]['content'].split()[1]}" for r in rows if keep(r)]
+        assert answers(kept) == [a for a in order if a in want] and sorted(answers(kept)) == sorted(want), where
+        assert total == len(want) > 0
+        dv, dv_total = read(json.loads(where), path=dv_table)
+        assert sorted(answers(dv)) == sorted(want) and dv_total is None  # the engine's order, no cheap count
+        if where.startswith('[["lang", "="'):
+            assert opened == [["lang=en"] * 3]  # pruned: the de and fr files are never opened
+    kept, _ = read([["score", "<", 1]], columns=["messages"])  # a filter on a column not read
+    assert [set(r) for r in kept] == [{"messages"}] * 12 and answers(kept) == [a for a in order if int(a.split()[1]) % 5 == 0]
+    dv, _ = read([["score", "<", 1]], path=dv_table, columns=["messages"])
+    assert [set(r) for r in dv] == [{"messages"}] * 12
+
+
+def test_a_row_filter_is_in_the_cache_key_and_the_lineage_and_bad_ones_are_one_line(tmp_path):
+    """The filter (in one spelling: a conjunction or its DNF, `==` or `=`) is part of the pack cache key and of
+    the recorded origin (run.json, MLflow: `where lang = "en"`); a column the table lacks, a value its column's
+    type cannot hold, an unknown op, an `in` without a list, and a filter on a non-delta source are one line each
+    (the table's checks run with the cache key, before any launch)."""
+    from ftcli.artifacts.rundir import DataSourceRecord
+    from ftcli.data import sources
+
+    table = tmp_path / "table"
+    _write(table, [_chat(i, "en" if i % 2 else "de") for i in range(8)])
+
+    def src(where):
+        return recipe(tmp_path, data__source="delta", data__path=table,
+                      **({"data__filter": json.dumps(where)} if where is not None else {})).data.source_list()[0]
+
+    plain, en = sources.fingerprint(src(None)), sources.fingerprint(src([["lang", "=", "en"]]))
+    assert "filter" not in plain and en == {**plain, "filter": 'lang = "en"'}
+    assert sources.fingerprint(src([[["lang", "==", "en"]]])) == en  # DNF and ==: the same rows, the same key
+    parts = [recipe_cache_parts(recipe(tmp_path, data__source="delta", data__path=table, data__filter=json.dumps(w)))
+             for w in ([["lang", "=", "en"]], [["lang", "=", "de"]])]
+    assert parts[0]["sources"][0]["rows"]["filter"] == 'lang = "en"' and parts[0] != parts[1]
+    origin = sources.origin(src([["lang", "=", "en"], ["score", ">", 1]]))
+    assert origin["filter"] == 'lang = "en" AND score > 1' and origin["digest"] != sources.origin(src(None))["digest"]
+    record = DataSourceRecord(label="t", rows_read=4, rows_kept=4, **origin)
+    assert record.describe().startswith(f'delta {table}@0 where lang = "en" AND score > 1 (train) rows 4 read')
+    assert "filter" not in sources.origin(src(None))
+
+    at = f"Delta table {table} (version 0)"
+    with pytest.raises(UserError) as err:
+        sources.fingerprint(src([["lng", "=", "en"]]))
+    assert str(err.value) == f"data.filter: {at} has no column lng (it has messages, lang, score); fix data.filter"
+    with pytest.raises(UserError, match=r"^data.filter: 'high' cannot be compared with column score of .* a int64 "
+                                        r"column \(.*\); fix data.filter$"):
+        sources.fingerprint(src([["score", ">", "high"]]))
+    for where, message in (([["lang", "~", "en"]], r"data.filter.0.0.1: Input should be '=', '!=', '<', '<=', '>', "
+                                                   r"'>=', 'in' or 'not in' \(got '~'\)"),
+                           ([["lang", "in", "en"]], r"\[lang, in, 'en'\]: 'in' takes a non-empty list of values"),
+                           ([], "give at least one \\[column, op, value\\] condition")):
+        with pytest.raises(RecipeError, match=message):
+            src(where)
+    with pytest.raises(RecipeError, match=r"filter is for source=delta \(a Delta table's row filter\), not "
+                                          "source=local"):
+        recipe(tmp_path, data__path=tmp_path, data__filter='[["lang", "=", "en"]]')
+
+    from ftcli.data.checks import source_problems
+
+    nothing = recipe(tmp_path, data__source="delta", data__path=table, data__filter='[["lang", "=", 3]]')
+    assert source_problems(nothing, prepare_blocks(nothing, tokenizer("qwen")).stats) == [
+        f"data source '{table}' keeps 0 of the 0 rows read [format messages]; its filter (lang = 3) matches no row "
+        "of the table: fix data.filter"]

@@ -249,9 +249,9 @@ def test_a_source_losing_most_rows_to_a_missing_field_says_what_its_rows_are(tmp
     r = recipe(tmp_path, data__path=path, data__format="messages")
     packed = prepare_blocks(r, tokenizer("qwen"))
     assert packed.stats.examples_kept == 30
-    assert source_warnings(r, packed.stats) == [
+    assert source_warnings(r.data, packed.stats) == [
         f"data source '{path}' skips 90 of the 120 rows read for a missing field (messages missing 90, row 1: no "
         "'messages' field (fields: conversations)) [format messages]; its rows are 30 OpenAI messages, 30 ShareGPT, "
         "30 Alpaca, 30 prompt/completion: set data.format=auto to read each row in its own format"]
     auto = recipe(tmp_path, data__path=path, data__format="auto")
-    assert source_warnings(auto, prepare_blocks(auto, tokenizer("qwen")).stats) == []
+    assert source_warnings(auto.data, prepare_blocks(auto, tokenizer("qwen")).stats) == []

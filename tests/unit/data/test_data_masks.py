@@ -28,6 +28,7 @@ from _data_common import ASSETS
 from _mask_oracle import FAMILY, _header_oracle, _tokenizer, oracle
 
 from ftcli.data.chat import ChatEncoder, normalize_messages
+from ftcli.data.validate import normalize_turns
 
 CORPUS = corpus()
 # Conversations each template renders (the rest it refuses with its own raise_exception, e.g. Qwen3.8
@@ -49,11 +50,13 @@ def test_corpus_has_at_least_40_shapes():
 
 # ------------------------------------------------------------------------------------------- tests
 def _cases(name):
-    """(case name, messages, tools, ftcli ids, ftcli mask) of every conversation the template renders."""
+    """(case name, messages, tools, ftcli ids, ftcli mask) of every conversation the template renders; the
+    messages as the row readers give them to the encoder (`normalize_turns`: tool-call arguments parsed)."""
     tok = _tokenizer(name)
     enc = ChatEncoder(tok, date=datetime.now())  # the HF comparison renders today's date
     out = []
     for case, messages, tools in CORPUS:
+        messages = normalize_turns(messages)
         try:
             ids, mask = enc.encode(messages, tools=tools)
         except Exception as e:  # noqa: BLE001 - the template's own raise_exception
@@ -170,7 +173,6 @@ def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
     """A ShareGPT or Alpaca row becomes the messages it says before the template sees it: the same ids
     as the messages row, and a mask equal to the oracle's, token for token."""
     from ftcli.data.formats import conversation
-    from ftcli.data.validate import normalize_turns
 
     convert = {"sharegpt": as_sharegpt, "alpaca": as_alpaca}[fmt]
     tok = _tokenizer(name)
@@ -189,7 +191,7 @@ def test_rows_of_every_format_mask_equal_structural_oracle(name, fmt):
         except Exception:  # noqa: BLE001 - the template's own raise_exception, as for the messages rows
             continue
         rendered += 1
-        assert ids.tolist() == enc.encode(messages, tools=tools)[0].tolist(), case
+        assert ids.tolist() == enc.encode(normalize_turns(messages), tools=tools)[0].tolist(), case
         assert (mask == oracle(name, tok, ids.tolist())).all(), case
     assert said == IN_FORMAT[fmt]
     assert rendered == FORMAT_RENDERED[fmt].get(name, IN_FORMAT[fmt])

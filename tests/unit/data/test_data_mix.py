@@ -97,7 +97,7 @@ def test_pack_preview_shows_per_source_rows_tokens_and_trained_tokens(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     r = _mix(tmp_path, sources)
-    packed = prepare_blocks(r, load_tokenizer(r))
+    packed = prepare_blocks(r, load_tokenizer(r.model, r.data))
     assert packed.from_cache
     blocks = list(BlockStream(packed, 0, 1))
     assert {k: (v["rows_read"], v["kept"], v["skipped_by_reason"]) for k, v in summary["sources"].items()} == {

@@ -9,34 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _data_common import ASSETS, recipe, tokenizer, write_jsonl
+from _data_common import ASSETS, BAD_ROWS, A, S, U, recipe, tokenizer, write_jsonl
 
 from ftcli.data import iter_examples, open_prepared, prepare, prepare_blocks
 from ftcli.data import pipeline
 from ftcli.data.cache import BlockWriter
 from ftcli.data.stats import DataStats
 from ftcli.config.errors import UserError
-
-U = {"role": "user", "content": "What is 7 plus 6?"}
-A = {"role": "assistant", "content": "13"}
-S = {"role": "system", "content": "Be brief."}
-
-BAD_ROWS = [
-    {"messages": [U, A]},  # 0 ok
-    '{"messages": [',  # 1 invalid JSON
-    {"conversation": [U, A]},  # 2 messages missing
-    {"messages": "hello"},  # 3 not a list
-    {"messages": [U, {"role": "robot", "content": "beep"}]},  # 4 unknown role
-    {"messages": [U, {"role": "assistant", "content": 13}]},  # 5 content not a string
-    {"messages": [U, {"role": "assistant", "content": "  "}]},  # 6 empty turn dropped: no assistant turn
-    {"messages": [S, U]},  # 7 no assistant turn
-    {"messages": [U, A, U]},  # 8 ok: the trailing user turn is dropped (counted)
-    {"messages": [U, S, A]},  # 9 system not first
-    {"messages": [S, U, A, U, A]},  # 10 ok
-    {"messages": []},  # 11 no messages
-    {"messages": [U, {"role": "robot", "content": "x"}]},  # 12 unknown role
-]
-
 
 def test_bad_rows_are_counted_by_reason_with_first_indices(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
@@ -413,20 +392,6 @@ def test_hub_source_streams_rows_like_a_local_file(tmp_path):
     with pytest.raises(UserError, match="cannot load hub dataset"):
         missing = recipe(tmp_path, data__source="hub", data__path=tmp_path / "nope", data__streaming="true")
         list(iter_examples(missing, tok))
-
-
-def test_num_workers_give_the_same_blocks_and_counts(tmp_path):
-    rows = BAD_ROWS * 3 + [json.loads(x) for x in (ASSETS / "tiny_chat.jsonl").read_text().splitlines()[:300]]
-    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    tok = tokenizer("qwen")
-    serial = prepare_blocks(recipe(tmp_path / "a", data__path=path, data__packing__block_len=256), tok)
-    parallel = prepare_blocks(recipe(tmp_path / "b", data__path=path, data__packing__block_len=256,
-                                     data__num_workers=2), tok)
-    assert parallel.stats.skipped == serial.stats.skipped and parallel.stats.first_skipped == serial.stats.first_skipped
-    assert len(parallel) == len(serial) == 114
-    for i in range(len(serial)):
-        assert parallel.block(i).input_ids.tolist() == serial.block(i).input_ids.tolist()
-        assert parallel.block(i).labels.tolist() == serial.block(i).labels.tolist()
 
 
 def test_a_fifo_or_device_as_data_path_is_named_for_what_it_is(tmp_path):

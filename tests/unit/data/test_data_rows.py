@@ -11,6 +11,7 @@ from _data_common import recipe, runs, tokenizer, write_jsonl
 from ftcli.data import chat, iter_examples, pipeline, prepare, prepare_blocks
 from ftcli.data.chat import ChatEncoder
 from ftcli.data.stats import DataStats
+from ftcli.data.validate import normalize_turns
 from ftcli.config.errors import UserError
 
 U = {"role": "user", "content": "What is 7 plus 6?"}
@@ -79,7 +80,7 @@ def test_tools_column_is_passed_to_the_template(tmp_path):
             {"messages": [U, CALL, TOOL, A], "functions": TOOLS}]
     examples, _ = _examples(tmp_path, rows)
     tok = tokenizer("qwen")
-    want_ids, want_mask = ChatEncoder(tok).encode([U, CALL, TOOL, A], tools=TOOLS)
+    want_ids, want_mask = ChatEncoder(tok).encode(normalize_turns([U, CALL, TOOL, A]), tools=TOOLS)  # as rows read
     assert examples[0].input_ids == examples[1].input_ids == want_ids.tolist()
     assert '"name": "add"' in tok.decode(examples[0].input_ids) and "# Tools" in tok.decode(examples[0].input_ids)
     assert "# Tools" not in tok.decode(examples[2].input_ids)  # not the tools field

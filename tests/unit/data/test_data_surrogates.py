@@ -23,7 +23,7 @@ def test_lone_surrogate_row_is_skipped_and_counted(tmp_path, bad):
     lines = [json.dumps(GOOD)] * 3 + [bad] + [json.dumps(GOOD)] * 2
     path.write_text("\n".join(lines) + "\n")
     recipe = load_recipe("tiny-qwen-cpu", [f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "eval=null"])
-    stats = data.prepare_blocks(recipe, data.load_tokenizer(recipe)).stats
+    stats = data.prepare_blocks(recipe, data.load_tokenizer(recipe.model, recipe.data)).stats
     assert (stats.examples_read, stats.examples_kept, dict(stats.skipped)) == (6, 5, {"lone surrogate": 1})
 
 

@@ -194,7 +194,7 @@ def test_prepare_packs_pairs_and_counts_every_row(tmp_path):
     rows = [FORMS[0][1], FORMS[1][1], FORMS[3][1], BAD[0][0], BAD[3][0],
             {"prompt": [USER], "chosen": [say(long)], "rejected": [say(long + "x")]}]
     recipe = _recipe(tmp_path, rows, **{"data.packing.overlong": "drop"})
-    tok = load_tokenizer(recipe)
+    tok = load_tokenizer(recipe.model, recipe.data)
     ds = pipeline.prepare_blocks(DataSpec(recipe.name, recipe.data, pairs=True), tok)
     st = ds.stats
     assert st.examples_read == 6 and st.pairs == 3 and ds.paired
@@ -220,11 +220,11 @@ def test_no_usable_pair_stops_in_one_line(tmp_path):
 
     recipe = _recipe(tmp_path, [BAD[0][0], BAD[3][0]])
     with pytest.raises(UserError) as e:
-        pipeline.prepare(DataSpec(recipe.name, recipe.data, pairs=True), load_tokenizer(recipe))
+        pipeline.prepare(DataSpec(recipe.name, recipe.data, pairs=True), load_tokenizer(recipe.model, recipe.data))
     assert str(e.value) == (f"no usable preference pair in the data (2 rows read; 1 {IDENTICAL}; 1 {EMPTY})")
     sft_rows = _recipe(tmp_path, [{"messages": [USER, say("13.")]}])
     with pytest.raises(UserError, match="needs .prompt, chosen, rejected. rows"):
-        pipeline.prepare(DataSpec(recipe.name, sft_rows.data, pairs=True), load_tokenizer(recipe))
+        pipeline.prepare(DataSpec(recipe.name, sft_rows.data, pairs=True), load_tokenizer(recipe.model, recipe.data))
 
 
 def test_pack_preview_names_each_segments_pair_and_side(tmp_path):

@@ -135,7 +135,7 @@ def test_a_precomputed_reference_holds_no_model_and_adds_no_forward():
     assert memory.estimate(shape, stored) == memory.estimate(shape, sft)
     assert memory.estimate(shape, live).params - memory.estimate(shape, sft).params == pytest.approx(
         (shape.total_params + shape.frozen_params) * 2 / 8 / memory.GiB)
-    seconds = {k: steptime.step_time(recipe, shape, s, "H200") for k, s in
+    seconds = {k: steptime.step_time(recipe.training, shape, s, "H200") for k, s in
                (("live", live), ("stored", stored), ("sft", sft))}
     assert seconds["live"].s_per_step == pytest.approx(1.25 * seconds["sft"].s_per_step)
     assert seconds["stored"].s_per_step == seconds["sft"].s_per_step

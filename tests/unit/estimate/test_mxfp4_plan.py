@@ -25,7 +25,7 @@ def test_kept_base_holds_expert_weights_at_4_25_bits():
     from ftcli.model import mxfp4_lora
 
     assert memory.DEQUANT_CHUNK_BYTES == mxfp4_lora.DEQUANT_CHUNK_BYTES
-    shape = model_shape(load_recipe("gpt-oss-120b-1gpu"))
+    shape = model_shape(load_recipe("gpt-oss-120b-1gpu").model)
     assert memory.expert_weight_params(shape) == EXPERTS_120B
     s = memory.Setting(method="lora", tokens=4096, world=1, compute_bytes=2, checkpointing="full", loss="trl",
                        adapter_params=536_809_472, sharding="ddp")
@@ -90,7 +90,8 @@ def test_grouped_expert_lora_is_the_default_over_an_fsdp_base_too(name, layers, 
     from ftcli.estimate.fit import grouped_expert_lora, memory_on, merged_experts
 
     recipe = load_recipe(name)
-    assert recipe.training.sharding == "fsdp" and grouped_expert_lora(recipe) and not merged_experts(recipe)
+    assert (recipe.training.sharding == "fsdp" and grouped_expert_lora(recipe.model, recipe.training, recipe.lora)
+            and not merged_experts(recipe.model, recipe.training, recipe.lora))
     totals = {}
     for how in ("grouped", "peft"):
         for ac in ("full", "none"):

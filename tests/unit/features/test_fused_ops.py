@@ -252,7 +252,7 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     world = types.SimpleNamespace(mesh=None)
     model = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's own patching: the old value comes back
-        parallelize.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]), world)
+        parallelize.shard_model(model, load_recipe("tiny-qwen-cpu", ["training.compile=regions"]).training, world)
         assert torch._dynamo.config.recompile_limit == 64
     names = {id(m): n for n, m in model.named_modules()}
     assert [names[id(m)] for m in compiled] == [f"model.layers.{i}.{r}" for i, layer in enumerate(model.model.layers)
@@ -261,5 +261,5 @@ def test_shard_model_compiles_exactly_the_regions_and_raises_the_recompile_limit
     compiled.clear()
     whole = tiny_qwen()
     with torch._dynamo.config.patch(recompile_limit=8):
-        parallelize.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]), world)
+        parallelize.shard_model(whole, load_recipe("tiny-qwen-cpu", ["training.compile=true"]).training, world)
         assert compiled == list(whole.model.layers) and torch._dynamo.config.recompile_limit == 8

@@ -37,7 +37,8 @@ def cpu(ram_gib=24) -> Machine:
 
 
 def check(recipe, here, name_start) -> compat.Problem:
-    found = [p for p in compat.known_bad(recipe, here) if p.name.startswith(name_start)]
+    sections = (recipe.model, recipe.data.packing) if recipe is not None else (None, None)
+    found = [p for p in compat.known_bad(*sections, here) if p.name.startswith(name_start)]
     assert len(found) == 1
     return found[0]
 
@@ -132,9 +133,9 @@ def test_gpu_memory_here_against_the_plan():
     [one] = fit.can_run_here(qwen, gpu(H200, n=1))  # one GPU holds the whole sharded state
     assert one.startswith("qwen-b300 needs 432.9") and "on 1 GPU(s)" in one
     assert fit.can_run_here(load_recipe("gpt-oss-h100"), gpu(H100)) == []
-    notes = compat.gpu_notes(qwen, gpu(H200))
+    notes = compat.gpu_notes(qwen.model, qwen.training, qwen.compute, gpu(H200))
     assert notes[0].status == WARN and notes[0].detail == "8 x NVIDIA H200 here, recipe: 8 x B300"
-    assert compat.gpu_notes(qwen, gpu(B300, capability=(10, 3)))[0].status == OK
+    assert compat.gpu_notes(qwen.model, qwen.training, qwen.compute, gpu(B300, capability=(10, 3)))[0].status == OK
 
 
 # ------------------------------------------------------------------------- this machine, without torch

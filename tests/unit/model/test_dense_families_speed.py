@@ -127,9 +127,9 @@ def shard_tiny_llama(split: bool, monkeypatch, keep_last: bool = True, impl: str
         activation_checkpointing="full", activation_checkpointing_keep=0, method="full", compile=False,
         fused_ops=[], precision=SimpleNamespace(param_dtype="float32", reduce_dtype="float32", fp8=False),
         loss=SimpleNamespace(impl="chunked")))
-    monkeypatch.setattr(parallelize.features, "active", lambda recipe: [])
+    monkeypatch.setattr(parallelize.features, "active", lambda training: [])
     world = SimpleNamespace(mesh=init_device_mesh("cpu", (1,)))
-    parallelize.shard_model(model, recipe, world)
+    parallelize.shard_model(model, recipe.training, world)
     attach_loss(model, impl, 16)
     units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     return model, units

@@ -69,7 +69,7 @@ def _lora_models():
         torch.manual_seed(0)
         model = load_model(recipe.model)
         torch.manual_seed(0)
-        models[name] = get_peft_model(model, lora_config(recipe, model))
+        models[name] = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
         if name == "grouped":
             assert install_grouped_experts(models[name]) == 2
     torch.manual_seed(3)
@@ -135,6 +135,7 @@ def test_grouped_expert_lora_refuses_a_gate_it_does_not_compute():
                                   num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, head_dim=16, vocab_size=64, hidden_act="gelu")
     model = AutoModelForCausalLM.from_config(config)
-    peft_model = get_peft_model(model, lora_config(load_recipe("tiny-qwen3-moe-cpu", []), model))
+    recipe = load_recipe("tiny-qwen3-moe-cpu", [])
+    peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
     with pytest.raises(UserError, match="lora.experts=peft"):
         install_grouped_experts(peft_model)

@@ -18,7 +18,8 @@ def test_gpt_oss_h100_sft_config_is_the_reference():
     from ftcli.config.recipe import load_recipe
     from ftcli.train.lora.trainer import sft_config_kwargs
 
-    kw = sft_config_kwargs(load_recipe("gpt-oss-h100"), RUN)
+    r = load_recipe("gpt-oss-h100")
+    kw = sft_config_kwargs(r.training, r.model, r.name, RUN)
     assert kw == {
         "output_dir": "/runs/x/checkpoints",
         "run_name": "gpt-oss-h100",
@@ -71,7 +72,8 @@ def test_tiny_sft_config_builds_and_keeps_values():
 
     from ftcli.train.lora.trainer import sft_config_kwargs
 
-    kw = sft_config_kwargs(tiny_recipe(), RUN)
+    r = tiny_recipe()
+    kw = sft_config_kwargs(r.training, r.model, r.name, RUN)
     assert {k: kw[k] for k in ("optim", "learning_rate", "warmup_steps", "lr_scheduler_kwargs", "bf16", "fp16",
                                "activation_checkpointing", "activation_checkpointing_kwargs", "logging_steps",
                                "save_steps", "save_total_limit", "gradient_accumulation_steps")} == {
@@ -99,7 +101,8 @@ def test_tiny_sft_config_builds_and_keeps_values():
 def test_sft_config_follows_recipe_knobs(overrides, expected):
     from ftcli.train.lora.trainer import sft_config_kwargs
 
-    kw = sft_config_kwargs(tiny_recipe(*overrides), RUN)
+    r = tiny_recipe(*overrides)
+    kw = sft_config_kwargs(r.training, r.model, r.name, RUN)
     assert {k: kw[k] for k in expected} == expected
 
 
@@ -108,7 +111,7 @@ def _lora_targets(recipe, model):
 
     from ftcli.train.lora.trainer import lora_config
 
-    peft_model = get_peft_model(model, lora_config(recipe, model))
+    peft_model = get_peft_model(model, lora_config(recipe.lora, recipe.model, model))
     return sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in peft_model.named_parameters()
                    if "lora_" in n})
 
@@ -128,9 +131,9 @@ def test_target_parameters_with_dropout_is_a_one_line_error():
     from ftcli.train.lora.trainer import lora_config
 
     with pytest.raises(UserError, match="lora.dropout=0.05 cannot be used with lora.target_parameters"):
-        lora_config(tiny_recipe("lora.dropout=0.05"), tiny_model())
+        lora_config(tiny_recipe("lora.dropout=0.05").lora, tiny_recipe().model, tiny_model())
     with pytest.raises(UserError, match="no parameter named 'mlp.experts.nope'"):
-        lora_config(tiny_recipe("lora.target_parameters=[mlp.experts.nope]"), tiny_model())
+        lora_config(tiny_recipe("lora.target_parameters=[mlp.experts.nope]").lora, tiny_recipe().model, tiny_model())
 
 
 def test_vision_tower_excluded_on_vlm_classes():
@@ -219,8 +222,9 @@ def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_pa
     steps = 30
     recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
                          f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
-    tokenizer = load_tokenizer(recipe)
-    args = SFTConfig(**{**sft_config_kwargs(recipe, tmp_path / "run"), "disable_tqdm": True}, use_cpu=True)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
+    args = SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True)
     trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_blocks(recipe, tokenizer), args)
     trainer.create_optimizer_and_scheduler(num_training_steps=steps)
     peak = recipe.training.optimizer.lr

@@ -33,7 +33,7 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     overrides = ["data.packing.enabled=false", "data.max_length=96"] if packing == "unpacked" else []
     recipe = _recipe(tmp_path, *overrides, "tracking.enabled=false")
     dumped = _dump(recipe, tmp_path / "dump.jsonl")
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe.model, recipe.data)
     blocks = training_blocks(recipe, tokenizer)
     assert len(blocks) == len(dumped) > 10
     if packing == "unpacked":
@@ -54,11 +54,11 @@ def test_trl_batches_are_the_pack_preview_blocks(tmp_path, packing):
     # TRL's dataset holds block indices only; what its data loader yields (shuffled) is the same multiset of blocks
     rows = block_rows(blocks)
     assert rows.column_names == ["block"]
-    kwargs = sft_config_kwargs(recipe, tmp_path / "run")
+    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
     kwargs.update(disable_tqdm=True)
     model = tiny_model()
     trainer = SFTTrainer(model=model, args=SFTConfig(**kwargs), train_dataset=rows, data_collator=BlockCollator(blocks),
-                         processing_class=tokenizer, peft_config=lora_config(recipe, model))
+                         processing_class=tokenizer, peft_config=lora_config(recipe.lora, recipe.model, model))
     batches = list(trainer.get_train_dataloader())
     assert len(batches) == len(dumped)
     seen = sorted(tuple(b["input_ids"][0].tolist()) + tuple(b["labels"][0].tolist()) for b in batches)

@@ -2,11 +2,13 @@
 torchrun worker loads) and a rendered AI Runtime workload's `parameters` (what the job's workers load). A key
 that a dump dropped would be silently off in every worker (issue 40, item 5: a `training.*` key missing from a
 hand-kept key list). The walk is over the schema itself, so a key added later is covered without editing this file.
+In tests/e2e/ (not the fast tier): 200-odd recipes, each written, dumped and loaded back, are most of a minute.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import types
 import typing
 from typing import Any, Literal
@@ -25,6 +27,7 @@ HAND_VALUES: dict[str, list[Any]] = {
     "data.columns": [["messages"]],  # with data.source=delta
     "data.sources.0.columns": [["messages"]],
     "eval.sources.0.columns": [["messages"]],
+    **{f"{k}.filter": [[[["lang", "=", "en"], ["score", ">=", 3]]]] for k in ("data", "data.sources.0", "eval.sources.0")},
     "model.id": ["org/other-model"],
     "model.revision": ["0123456789abcdef0123456789abcdef01234567"],
     "model.tokenizer": ["pkg://assets/tokenizers/qwen"],
@@ -49,6 +52,9 @@ WITH = {
     "data.columns": {"data.source": "delta", "data.path": "main.sft.chats"},  # columns: a Delta table's
     "data.sources.0.columns": {"data.sources.0.source": "delta", "data.sources.0.path": "main.sft.chats"},
     "eval.sources.0.columns": {"eval.sources.0.source": "delta", "eval.sources.0.path": "main.sft.chats"},
+    "data.filter": {"data.source": "delta", "data.path": "main.sft.chats"},  # filter: a Delta table's rows
+    "data.sources.0.filter": {"data.sources.0.source": "delta", "data.sources.0.path": "main.sft.chats"},
+    "eval.sources.0.filter": {"eval.sources.0.source": "delta", "eval.sources.0.path": "main.sft.chats"},
     "eval.export": {"training.checkpoint.keep_best": True},
     "training.activation_checkpointing_keep": {"training.activation_checkpointing": "full"},
     "compute.permissions.0.group_name": {"compute.permissions.0.user_name": None},
@@ -161,8 +167,22 @@ def _set(data: dict, key: str, value: Any) -> None:
     data[int(last) if last.isdigit() else last] = value
 
 
+# The test's own YAML reads and writes through libyaml where PyYAML has it (what ftcli writes and reads stays ftcli's)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_LOADER)
+
+
+@functools.cache
+def _base(method: str) -> dict:
+    return load_recipe(BASE[method]).to_dict()
+
+
 def _varied(method: str, key: str, annotation: Any, default: Any) -> tuple[Recipe, Any] | None:
-    base = load_recipe(BASE[method]).to_dict()
+    base = copy.deepcopy(_base(method))
     if key.startswith("eval.") or key in ("training.checkpoint.keep_best", "eval.export"):
         base["eval"] = {**(base.get("eval") or {}), **EVAL}
     listed = next((k for k in LIST_ITEMS if key.startswith(k + ".")), None)
@@ -176,8 +196,8 @@ def _varied(method: str, key: str, annotation: Any, default: Any) -> tuple[Recip
     if given != _plain(default):  # the base recipe already holds a value other than the default: that one
         return Recipe.model_validate(base), given
     for value in HAND_VALUES.get(key) or _candidates(annotation, default):
-        data = yaml.safe_load(yaml.safe_dump(base))
-        _set(data, key, value)
+        data = copy.deepcopy(base)
+        _set(data, key, copy.deepcopy(value))
         try:
             recipe = Recipe.model_validate(data)
         except Exception:
@@ -229,8 +249,8 @@ def test_every_schema_key_round_trips_through_run_recipe_and_workload(method, ke
     in_tmp = recipe.model_copy(update={"output": recipe.output.model_copy(update={"dir": str(tmp_path / "run")})})
     run_dir = prepare_run_dir(in_tmp)
     reloaded = load_recipe(str(run_dir / "recipe.yaml"))
-    parameters = yaml.safe_load(yaml.safe_dump(build_workload(recipe)))["parameters"]
-    shown = Recipe.model_validate(yaml.safe_load(dump_recipe(recipe)))  # `ftcli recipes show`
+    parameters = _yaml(yaml.dump(build_workload(recipe), Dumper=_DUMPER))["parameters"]
+    shown = Recipe.model_validate(_yaml(dump_recipe(recipe)))  # `ftcli recipes show`
     if key in DROPS_SECTION:
         assert _attr(recipe, DROPS_SECTION[key]) is None
         assert [_attr(r, DROPS_SECTION[key]) for r in (reloaded, Recipe.model_validate(parameters), shown)] == [None] * 3
