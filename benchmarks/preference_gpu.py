@@ -23,6 +23,9 @@ The same start on both sides:
 TRL as its users run it: bf16=True (autocast over fp32 weights), gradient_checkpointing=True, padding (its
 `padding_free` is switched off in 1.16), the reference a copy of the model (full) or the adapter off (LoRA), and
 with --trl-precompute its `precompute_ref_log_probs=True` (the reference pass timed separately, then added).
+With --ftcli-precompute, ftcli's side also runs with training.preference.reference=precomputed (full cases): one
+model (no frozen copy), its log-probs per segment computed once before the steps (that pass's seconds logged), then
+steps without a reference forward; its step-1 loss must stay log 2 and its logps/chosen equal the live side's.
 
 Figures: trained tokens/s = completion tokens the loss trains / step time (median over the steps after --warmup);
 input tokens/s counts every token the model runs (TRL: padding included); peak GiB = torch.cuda.max_memory_allocated
@@ -33,6 +36,7 @@ same way. A side that runs out of memory prints OOM.
 
 H200 (one call; each case builds its init once):
     python benchmarks/preference_gpu.py --cases llama4 llama8 qwen4 qwen8 gptoss --steps 8 --warmup 3
+    python benchmarks/preference_gpu.py --cases llama8 qwen8 --ftcli-precompute --steps 8 --warmup 3   (live vs stored)
 CPU logic check (tiny models of ftcli/assets, 512-token blocks, float32, GPU-only settings dropped):
     python benchmarks/preference_gpu.py --tiny --cases llama4 qwen4 gptoss --steps 3 --warmup 1
 """
@@ -142,7 +146,35 @@ def ftcli_recipe(case: str, init_dir: Path, tiny: bool, block_len: int):
     return load_recipe("tiny-dpo-cpu", sets)
 
 
-def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world) -> dict:
+def precompute_reference(model, blocks, device) -> tuple[list, float]:
+    """training.preference.reference=precomputed as `ftcli train` runs it (ftcli.train.full.read_stored_reference):
+    the starting model's per-segment log-probs of every block, in eval mode, then every FSDP unit sharded again;
+    returns the blocks carrying them (copies) and the pass's seconds (once per dataset, not per step)."""
+    import dataclasses
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from ftcli.data.collate import block_to_model_inputs
+
+    _sync(device)
+    t0 = time.perf_counter()
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for b in blocks:
+            inputs = block_to_model_inputs(b["block"], device)
+            inputs.pop("pairs")
+            logps = model.sequence_logps(**inputs)[0].float().cpu().numpy()
+            out.append({**b, "block": dataclasses.replace(b["block"], reference_logps=logps)})
+    model.train()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world, precompute=False) -> dict:
     from ftcli.data.collate import block_to_model_inputs
     from ftcli.model import kernels
     from ftcli.model.parallelize import build_model
@@ -156,8 +188,12 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world) -> 
     method = CASES[case][3]
     if method == "full":
         model = build_model(recipe.model, recipe.training, world, attn)
-        reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
+        reference = None if precompute else build_model(recipe.model, recipe.training, world,
+                                                        attn).requires_grad_(False).eval()
         attach_preference_loss(model, cfg, recipe.training.loss.chunk_tokens, reference)
+        if precompute:  # no second model: the blocks carry the starting model's log-probs
+            blocks, reference_pass_s = precompute_reference(model, blocks, device)
+            log(f"{case}: reference pass over {len(blocks)} blocks {reference_pass_s:.2f} s")
         optimizer = build_optimizer(model, recipe, device)
         trained = model
     else:  # LoRA on a bf16 base, the reference the adapter off
@@ -196,7 +232,8 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world) -> 
         seen.append(len(blk.input_ids))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     kernels.disable_packed_kernels()
-    return _figures("ftcli", times, trained_tokens, seen, warmup, peak, loss1, logp1)
+    return _figures("ftcli precomputed" if precompute else "ftcli", times, trained_tokens, seen, warmup, peak, loss1,
+                    logp1)
 
 
 # ------------------------------------------------------------------------------------------- TRL side
@@ -305,6 +342,8 @@ def main() -> None:
     ap.add_argument("--block-len", type=int, default=None, help="ftcli's block (default 8192; --tiny 512)")
     ap.add_argument("--trl-batch", type=int, default=None, help="TRL pairs per step (default: ftcli's mean)")
     ap.add_argument("--trl-precompute", action="store_true", help="also TRL with precompute_ref_log_probs (full)")
+    ap.add_argument("--ftcli-precompute", action="store_true", help="also ftcli with training.preference.reference="
+                    "precomputed (full): one model, the reference pass timed once (logged), not per step")
     ap.add_argument("--tiny", action="store_true", help="CPU logic check on the tiny models")
     a = ap.parse_args()
 
@@ -333,6 +372,9 @@ def main() -> None:
                                                  world))]
             sides.append(("TRL", lambda: run_trl(case, tmp / "init", pairs, blocks, a.steps, a.warmup, a.tiny, batch,
                                                  False, tmp, world.device)))
+            if a.ftcli_precompute and method == "full":
+                sides.append(("ftcli precomputed", lambda: run_ftcli(case, tmp / "init", blocks, a.steps, a.warmup,
+                                                                     a.tiny, block_len, world, precompute=True)))
             if a.trl_precompute and method == "full":
                 sides.append(("TRL precompute", lambda: run_trl(case, tmp / "init", pairs, blocks, a.steps, a.warmup,
                                                                 a.tiny, batch, True, tmp, world.device)))

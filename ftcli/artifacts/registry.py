@@ -168,8 +168,9 @@ MAX_SOURCE_TAGS = 20
 def lineage_tags(run) -> dict[str, str]:
     """A model version's lineage tags from the training run's record (RunRecord; None: no run, none): the recipe
     (name, digest), the base it trained from, and each data source it read, one tag per source
-    (`ftcli.data.training.0`: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest ...`). With the
-    version's run (its MLflow dataset inputs), the registry answers which data, which recipe, which base."""
+    (`ftcli.data.training.0`: `delta main.sft.chats@12 (train) rows 1000 read, 990 kept, digest ...`), and the run
+    it started from (`ftcli.parent.*`: a DPO run's SFT run). With the version's run (its MLflow dataset inputs), the
+    registry answers which data, which recipe, which base, which parent run."""
     if run is None:
         return {}
     tags = {"ftcli.recipe": str(run.recipe.get("name", "")), "ftcli.method": run.method}
@@ -185,6 +186,8 @@ def lineage_tags(run) -> dict[str, str]:
         if n < MAX_SOURCE_TAGS:
             tags[f"ftcli.data.{src.context}.{n}"] = src.describe()[:MAX_TAG_VALUE]
     tags.update({f"ftcli.data.{context}.count": str(n) for context, n in counts.items()})
+    if run.parent_run is not None:  # the run this one started from (a DPO run's SFT run)
+        tags.update({k: v[:MAX_TAG_VALUE] for k, v in run.parent_run.tags().items()})
     return {k: v for k, v in tags.items() if v}
 
 

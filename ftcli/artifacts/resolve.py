@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ftcli.artifacts.publish import export_problem
-from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE, RUN_JSON, RunRecord, read_run_record
+from ftcli.artifacts.rundir import (CHECKPOINTS, RECIPE_FILE, RUN_JSON, MlflowRecord, ParentRunRecord, RunRecord,
+                                   read_run_record)
 from ftcli.config.errors import UserError
 from ftcli.objectives import method_of
 
@@ -92,6 +93,25 @@ class Target:
 def run_dir_holding(path: Path) -> Path | None:
     """The training run `path` is (a dir with run.json) or sits in (`<run>/final`), else None."""
     return next((d for d in (path, path.parent) if (d / RUN_JSON).is_file()), None)
+
+
+def parent_run_of(model_cfg) -> ParentRunRecord | None:
+    """The ftcli run `model.id` names the model of (its dir's final/ or best/, as ftcli.train.launch.starting_model
+    resolves it), as its run.json records it; None for any other model (a hub id, a plain directory, random init)."""
+    from ftcli.config.recipe import resolve_path
+
+    if model_cfg.init != "pretrained" or not model_cfg.id:
+        return None
+    path = Path(resolve_path(model_cfg.id)).expanduser()
+    run_dir = run_dir_holding(path.resolve()) if path.is_dir() else None
+    if run_dir is None:
+        return None
+    run = read_run_record(run_dir)
+    model_dir = path.resolve().name if path.resolve() != run_dir else run.model_dir  # the run dir itself: its model
+    mlflow = run.mlflow or MlflowRecord()
+    return ParentRunRecord(run_dir=str(run_dir), model_dir=model_dir or ".", recipe=run.recipe.get("name"),
+                           recipe_digest=run.recipe_digest, method=run.method, objective=run.objective,
+                           mlflow_run_id=mlflow.run_id, mlflow_experiment_id=mlflow.experiment_id)
 
 
 def locate(path: Path, *, checkpoint: Literal["last", "best"] = "last", completed: bool = False) -> Target:

@@ -331,6 +331,29 @@ class DataSourceRecord(_Record):
                 f"{self.rows_kept} kept, digest {self.digest}")
 
 
+class ParentRunRecord(_Record):
+    """The ftcli run whose model this run started from (model.id = that run's dir, final/ or best/: a DPO run's SFT
+    run), as its run.json says: run.json's `parent_run`, the MLflow run's and (`register`) the model version's
+    `ftcli.parent.*` tags (`tags`)."""
+
+    run_dir: str  # absolute
+    model_dir: str  # the model this run started from, relative to run_dir (final, best)
+    recipe: str | None = None  # its recipe's name
+    recipe_digest: str | None = None
+    method: str | None = None
+    objective: str | None = None
+    mlflow_run_id: str | None = None  # None: it ran without tracking
+    mlflow_experiment_id: str | None = None
+
+    def tags(self) -> dict[str, str]:
+        """The lineage tags of a child (its MLflow run, its registered model version), the empty ones left out."""
+        tags = {"ftcli.parent.run_dir": self.run_dir, "ftcli.parent.model_dir": self.model_dir,
+                "ftcli.parent.recipe": self.recipe, "ftcli.parent.recipe_digest": self.recipe_digest,
+                "ftcli.parent.objective": self.objective, "ftcli.parent.run_id": self.mlflow_run_id,
+                "ftcli.parent.experiment_id": self.mlflow_experiment_id}
+        return {k: v for k, v in tags.items() if v}
+
+
 class RunRecord(_Record):
     """run.json: the one typed record of a training run. Both trainers write it; merge-lora, register and
     generate read it (through `read_run_record`), never as a raw dict."""
@@ -357,6 +380,7 @@ class RunRecord(_Record):
     stopped_early: str | None = None  # why eval.early_stop ended the run
     recipe_digest: str | None = None  # `recipe_digest`: the same recipe (wherever its output dir) has the same
     data_sources: list[DataSourceRecord] = Field(default_factory=list)  # what the run read (training, then eval)
+    parent_run: ParentRunRecord | None = None  # the ftcli run whose model this run started from (an SFT run)
 
     def best_model_path(self, run_dir: Path) -> Path | None:
         return Path(run_dir) / self.best_model_dir if self.best_model_dir else None

@@ -316,7 +316,7 @@ class NoTracking:
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
         pass
 
-    def log_lineage(self, sources: list, recipe_digest: str) -> None:
+    def log_lineage(self, sources: list, recipe_digest: str, parent=None) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:
@@ -361,12 +361,13 @@ class MlflowTracking(NoTracking):
         columns = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
         self._call(self._mlflow.log_table, data=columns, artifact_file=artifact_file)
 
-    def log_lineage(self, sources: list, recipe_digest: str) -> None:
+    def log_lineage(self, sources: list, recipe_digest: str, parent=None) -> None:
         """Each data source (ftcli.artifacts.rundir.DataSourceRecord) as an MLflow dataset input of this run, in
-        its context (training, eval), tagged with its split, revision, row filter and rows read and kept; the recipe digest as
-        the run's tag `ftcli.recipe_digest`. The MLflow UI lists them under the run's "Datasets used"."""
+        its context (training, eval), tagged with its split, revision, row filter and rows read and kept; the recipe
+        digest as the run's tag `ftcli.recipe_digest`; the run this one started from (`parent`, a ParentRunRecord: a
+        DPO run's SFT run) as `ftcli.parent.*` tags. The MLflow UI lists the sources under the run's "Datasets used"."""
         def log() -> None:
-            self._mlflow.set_tag("ftcli.recipe_digest", recipe_digest)
+            self._mlflow.set_tags({"ftcli.recipe_digest": recipe_digest, **(parent.tags() if parent else {})})
             for src in sources:
                 tags = {"ftcli.split": str(src.split), "ftcli.rows_read": str(src.rows_read),
                         "ftcli.rows_kept": str(src.rows_kept), "ftcli.kind": src.kind}

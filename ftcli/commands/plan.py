@@ -9,7 +9,7 @@ import re
 from ftcli.config.accelerators import parse_accelerator
 from ftcli.config.recipe import Recipe
 from ftcli.estimate.plan import Plan, make_plan
-from ftcli.objectives import method_of
+from ftcli.objectives import method_of, objective_of
 
 
 # ------------------------------------------------------------------------------------------- render
@@ -34,6 +34,8 @@ def print_plan(plan: Plan) -> None:
                   f"{f' (keep {s.keep})' if s.keep else ''}{master}, loss {s.loss}"
                   f"{f', {s.tokens // s.cp:,} per rank over {s.cp} context-parallel ranks' if s.cp > 1 else ''}",
                   highlight=False)
+    if objective_of(s.objective).reference_model:
+        console.print(f"{objective_of(s.objective).label} reference: {reference_text(s)}", highlight=False)
     tokens = f"{plan.data.tokens:,} tokens, {plan.data.blocks:,} blocks" if plan.data.tokens is not None else "?"
     console.print(f"data: {tokens} ({plan.data.source}); optimizer steps on the recipe's GPUs: "
                   f"{plan.steps if plan.steps is not None else '?'}", highlight=False)
@@ -91,6 +93,16 @@ def print_plan(plan: Plan) -> None:
     for number, text in enumerate(notes, 1):
         console.print(f"[{number}] {text}", style="dim" if text.startswith("measured by ") else None,
                       highlight=False, markup=False)
+
+
+def reference_text(s) -> str:
+    """How the plan counts an objective's reference (ftcli.estimate.memory, ftcli.estimate.steptime)."""
+    if s.reference == "precomputed":
+        return ("precomputed, no second model and no reference forward in the step (one forward pass over the blocks "
+                "before step 1, not in s/step)")
+    if method_of(s.method).master_weights:
+        return "a frozen copy of the starting model, in params (sharded alike), and its forward per block in s/step"
+    return "the base with the adapter off (no memory), and its forward per block in s/step"
 
 
 def _measured_by(command: str) -> str:

@@ -78,17 +78,25 @@ def file_crc32(path: Path, chunk_bytes: int = 1 << 24) -> int:
     return crc
 
 
-def entry_problem(path: Path, *, checksums: bool = True) -> str | None:
-    """Why the cache entry at `path` cannot be trusted (module doc), or None. `checksums=False`: sizes only
-    (the ranks that open what rank 0 has just checked)."""
+def read_meta(path: Path, version: int, kind: str = "data") -> tuple[dict[str, Any], None] | tuple[None, str]:
+    """(the meta.json of the entry at `path`, None), or (None, why it cannot be read as `kind` format `version`)."""
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return "it has no meta.json"
+        return None, "it has no meta.json"
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        return f"its meta.json is unreadable ({e})"
-    if not isinstance(meta, dict) or meta.get("format_version") != DATA_FORMAT_VERSION:
-        return f"its meta.json is not data format {DATA_FORMAT_VERSION}"
+        return None, f"its meta.json is unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("format_version") != version:
+        return None, f"its meta.json is not {kind} format {version}"
+    return meta, None
+
+
+def entry_problem(path: Path, *, checksums: bool = True) -> str | None:
+    """Why the cache entry at `path` cannot be trusted (module doc), or None. `checksums=False`: sizes only
+    (the ranks that open what rank 0 has just checked)."""
+    meta, problem = read_meta(path, DATA_FORMAT_VERSION)
+    if meta is None:
+        return problem
     parts = meta.get("key_parts")
     if meta.get("key") != path.name or not isinstance(parts, dict) or cache_key(parts) != path.name:
         return "it was written for other data or another tokenizer (its key_parts do not hash to its name)"
@@ -240,6 +248,11 @@ class PackedDataset:
         """Real segment lengths of block i (without the padding segment)."""
         s = self._arrays["block_segs"]
         return np.asarray(self._arrays["seg_lens"][s[i] : s[i + 1]])
+
+    @property
+    def segment_offsets(self) -> np.ndarray:
+        """int64 [N+1]: where each block's real segments start in the entry's segment order (`segments`)."""
+        return self._arrays["block_segs"]
 
     def num_tokens(self, i: int) -> int:
         t = self._arrays["block_tokens"]

@@ -60,6 +60,8 @@ def block_to_model_inputs(block: Block, device="cpu") -> dict:
     cu = tensor(block.cu_seqlens, np.int32)
     pairs = {} if block.roles is None else {  # preference blocks: which segments are each pair's two sides
         "pairs": tensor(block.pairs, np.int64), "num_segments": len(block.cu_seqlens) - 1}
+    if block.reference_logps is not None:  # precomputed reference (ftcli.data.reference): no reference forward
+        pairs["reference_logps"] = tensor(block.reference_logps, np.float32)
     return {**pairs,
         "input_ids": tensor(block.input_ids, np.int64).unsqueeze(0),
         "labels": tensor(block.labels, np.int64).unsqueeze(0),

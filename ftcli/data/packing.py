@@ -78,6 +78,8 @@ class Block:
     num_trained_tokens: int  # labels[1:] != -100: the tokens the loss averages over
     index: int = -1  # position in the packed dataset; -1 for a rank-balancing padding block
     roles: np.ndarray | None = None  # int8 [S] for preference blocks: 0 chosen, 1 rejected, -1 padding
+    reference_logps: np.ndarray | None = None  # float32 [S]: the reference's summed log-prob of every segment,
+    # when precomputed (ftcli.data.reference; training.preference.reference=precomputed)
 
     @property
     def pairs(self) -> np.ndarray:

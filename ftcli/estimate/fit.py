@@ -66,7 +66,9 @@ def setting_of(recipe: Recipe, shape: memory.ModelShape, world: int | None = Non
                sharding: str | None = None) -> memory.Setting:
     t = recipe.training
     block = recipe.data.packing.block_len if recipe.data.packing.enabled else (recipe.data.max_length or 2048)
-    common = dict(method=t.method, objective=t.objective, tokens=block * t.per_device_batch,
+    common = dict(method=t.method, objective=t.objective,
+                  reference=t.preference.reference if t.preference is not None else "model",
+                  tokens=block * t.per_device_batch,
                   world=world or recipe.compute.num_accelerators,
                   checkpointing=t.activation_checkpointing, chunk_tokens=t.loss.chunk_tokens,
                   adapter_params=adapter_params(t, recipe.lora, shape))

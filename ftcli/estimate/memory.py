@@ -134,6 +134,7 @@ class Setting:
 
     method: str = "full"  # full | lora
     objective: str = "sft"  # training.objective (ftcli.objectives): its memory terms (a frozen reference model)
+    reference: str = "model"  # training.preference.reference: model (a frozen copy, full) | precomputed (none held)
     tokens: int = 32768  # per micro-batch: block_len x per_device_batch
     world: int = 8
     master: str = "fp32"  # fp32 | bf16 (full SFT)
@@ -263,8 +264,9 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     p, w = shape.total_params, s.world
     # an objective with a frozen reference model (ftcli.objectives: `reference_model`) keeps it beside the trained
     # model, in the compute dtype, sharded like it (an adapter's reference is its base with the adapter off: nothing
-    # more). Not measured yet; SFT has none
-    reference = (p + shape.frozen_params) * s.compute_bytes if objective_of(s.objective).reference_model else 0
+    # more; a precomputed reference: none, its log-probs are read with the blocks). Not measured yet; SFT has none
+    reference = (p + shape.frozen_params) * s.compute_bytes \
+        if objective_of(s.objective).reference_model and s.reference == "model" else 0
     bf16_grads = 2 * shape.root_params if s.master == "bf16" else 0
     reduce_phase = 4 * shape.root_params + bf16_grads
     step_phase = activations + loss + bf16_grads

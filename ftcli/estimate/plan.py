@@ -88,7 +88,8 @@ class Plan:
                 "frozen_params": self.frozen_params,
                 "setting": {"tokens_per_micro_batch": s.tokens, "master": s.master, "checkpointing": s.checkpointing,
                             "keep": s.keep, "loss": s.loss, "compute_bytes": s.compute_bytes,
-                            "adapter_params": s.adapter_params, "sharding": s.sharding, "context_parallel": s.cp},
+                            "adapter_params": s.adapter_params, "sharding": s.sharding, "context_parallel": s.cp,
+                            "objective": s.objective, "reference": s.reference},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
                 "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
 

@@ -10,7 +10,7 @@ from typing import Any
 from ftcli.config.recipe import TrainingConfig
 from ftcli.estimate import memory
 from ftcli.estimate.fit import CARDS
-from ftcli.objectives import Method
+from ftcli.objectives import Method, objective_of
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,13 @@ def step_time(training: TrainingConfig, shape: memory.ModelShape, s: memory.Sett
         notes.append(depth_note)
     if method.keeps_layers and measured_keep != keep:
         notes.append(f"measured with keep {measured_keep} (recipe: keep {s.keep}, not counted)")
+    if objective_of(s.objective).reference_model and s.reference == "model":
+        # the measured rows are SFT's: one more forward per block for the reference's log-probs (a frozen copy, or the
+        # base with the adapter off), of the step's forward + backward (2 forwards) + recomputation (full checkpointing)
+        forwards = 4 if s.checkpointing == "full" else 3
+        seconds *= 1 + 1 / forwards
+        notes.append(f"x {1 + 1 / forwards:.2f} for the reference's forward (1 of {forwards} forward-sized passes; "
+                     "not measured)")
     if training.grad_accum > 1:
         notes.append(f"x {training.grad_accum} micro-batches")
     measured = not notes

@@ -113,7 +113,7 @@ def load_model(
     if cfg.quantization == "mxfp4":  # experts kept in MXFP4 (LoRA): ftcli.model.mxfp4_lora reads the shards
         from ftcli.model.mxfp4_lora import load_kept_mxfp4
 
-        return load_kept_mxfp4(cls, _local_snapshot(cfg), load_config(cfg), dtype=dtype, device=device or "cpu",
+        return load_kept_mxfp4(cls, local_snapshot(cfg), load_config(cfg), dtype=dtype, device=device or "cpu",
                                attn=attn)
     kwargs = {"revision": cfg.revision, "dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_cache": False}
     if attn:
@@ -170,7 +170,7 @@ def damaged_safetensors(model_dir: Path | str) -> tuple[str, str] | None:
     return None
 
 
-def _local_snapshot(cfg: ModelConfig) -> Path:
+def local_snapshot(cfg: ModelConfig) -> Path:
     """A local directory, or the hub id's snapshot (downloaded, or from the cache when offline) of its safetensors."""
     source = resolve_path(cfg.id)
     if Path(source).is_dir():

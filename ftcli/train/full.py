@@ -47,6 +47,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ftcli import data
 
@@ -63,6 +64,7 @@ from ftcli import features
 from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
+from ftcli.train.reference import precomputed_reference, reference_identity
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -302,11 +304,16 @@ class FullRun:
             say("packed kernels: " + "; ".join(f"{b.op}={b.name}" for b in backends))
         self.model = build_model(recipe.model, recipe.training, world, attn)
         if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
-            reference = None
-            if self.objective.reference_model:  # the starting model again, sharded alike, frozen
+            reference, stored = None, self.objective.reference_model and tcfg.preference.reference == "precomputed"
+            if self.objective.reference_model and not stored:  # the starting model again, sharded alike, frozen
                 reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
                 say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy")
             attach_preference_loss(self.model, preference_config(tcfg), tcfg.loss.chunk_tokens, reference)
+            if stored:  # the policy is still the starting model (a resume restores it later): it is the reference
+                self.read_stored_reference()
+            elif tcfg.preference.reference == "precomputed":
+                say(f"warning: training.preference.reference=precomputed has no effect: {self.objective.label} has "
+                    "no reference model")
         else:
             attach_loss(self.model, tcfg.loss.impl, tcfg.loss.chunk_tokens, loss_fn=loss_fn)
         for line in features.describe(self.model, recipe.training):  # what each training feature did, one line each
@@ -317,6 +324,34 @@ class FullRun:
         # are not counted: model FLOPs, not hardware FLOPs)
         self.meter = StepMetrics(6 * non_embedding, world.device, world.world_size)
         return trainable, non_embedding
+
+    def read_stored_reference(self) -> None:
+        """training.preference.reference=precomputed: the training and eval blocks with the reference's log-probs
+        (ftcli.train.reference: read from their stores, or computed now by the model, still the starting one)."""
+        world, tcfg = self.world, self.tcfg
+        if world.cp_size > 1:
+            raise UserError("training.preference.reference=precomputed runs each block whole on one rank: with "
+                            f"training.context_parallel={world.cp_size} set training.preference.reference=model")
+
+        def logps(inputs: dict) -> torch.Tensor:
+            return self.model.sequence_logps(**inputs)[0]
+
+        identity = reference_identity(self.recipe.model, tcfg, world.device.type)
+        self.model.eval()
+        sets = precomputed_reference({"train": self.session.units, **self.evaluator.packed}, identity, logps,
+                                     rank=world.rank, world_size=world.world_size, device=world.device, say=self.say)
+        self.model.train()
+        # every FSDP unit sharded again before the optimizer is built from model.parameters(): a unit left gathered
+        # (the root, after this eval-mode pass) has its unsharded tensors set as the module's parameters (FSDP2's
+        # to_unsharded), and a 2-rank run's step 2 then differed from the live reference's (tests/e2e)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        self.session.units = sets.pop("train")
+        self.evaluator.packed = sets
+        self.stream = data.BlockStream(self.session.units, world.dp_rank, world.dp_size, epochs=tcfg.epochs,
+                                       seed=tcfg.seed)
+        self.say(f"{self.objective.label} reference: the starting model's log-probs, precomputed (no second model)")
 
     # ---- 6. the loop -------------------------------------------------------------------------------
     def train(self, batches: Iterable[data.Block] | None = None) -> TrainResult:

@@ -134,14 +134,15 @@ def attach_preference_loss(model: nn.Module, cfg: PreferenceConfig, chunk_tokens
     sums to `model.preference_sums` (the loop reads and resets them per step). The reference's log-probs come from
     `reference` (a frozen model sharded like the policy: method full), else from the same model inside
     `adapter_off()` (PEFT's `disable_adapter` of the model's PeftModel: the base with the adapter off, no copy: method
-    lora); reference-free losses ask for none."""
+    lora), or, for blocks that carry them (`reference_logps` [S], training.preference.reference=precomputed:
+    ftcli.train.reference), from the store; reference-free losses ask for none."""
     attach_sequence_logps(model, chunk_tokens)
     if reference is not None:
         attach_sequence_logps(reference, chunk_tokens)
-    assert reference is not None or adapter_off is not None or not cfg.needs_reference, "no reference for " + cfg.loss
     model.preference_sums = PreferenceSums()
 
     def reference_logps(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        assert reference is not None or adapter_off is not None, f"{cfg.loss}: no reference model and none stored"
         with torch.no_grad():
             if reference is not None:
                 return reference.sequence_logps(**inputs)
@@ -152,9 +153,16 @@ def attach_preference_loss(model: nn.Module, cfg: PreferenceConfig, chunk_tokens
         if "pairs" not in inputs:  # a rank-balancing padding block: no pair, still every collective
             cu = inputs["cu_seq_lens_q"]
             inputs = {**inputs, "pairs": cu.new_zeros((0, 2), dtype=torch.int64), "num_segments": cu.numel() - 1}
+            if reference is None and adapter_off is None:  # the reference is stored: nothing to look up
+                inputs["reference_logps"] = torch.zeros(cu.numel() - 1, device=cu.device)
+        stored = inputs.pop("reference_logps", None)  # precomputed (ftcli.train.reference): no reference forward
         pairs, cp = inputs["pairs"], inputs.get(CP_KWARG)
-        policy = SideLogps.of_block(*over_slices(self.sequence_logps(**inputs), cp), pairs)
-        ref = SideLogps.of_block(*over_slices(reference_logps(inputs), cp), pairs) if cfg.needs_reference else None
+        sums, counts = over_slices(self.sequence_logps(**inputs), cp)
+        policy = SideLogps.of_block(sums, counts, pairs)
+        ref = None
+        if cfg.needs_reference:
+            ref_sums = over_slices(reference_logps(inputs), cp) if stored is None else (stored, counts)
+            ref = SideLogps.of_block(*ref_sums, pairs)
         summed, sums = pair_loss_sum(cfg, policy, ref)
         if cp is None:
             self.preference_sums.add(sums)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ftcli.artifacts.resolve import parent_run_of
 from ftcli.artifacts.rundir import (RECIPE_FILE, DataSourceRecord, new_run_record, recipe_digest,
                                    write_run_record)
 
@@ -112,7 +113,8 @@ def announce_data(recipe, summary, evaluator, *, say: Callable[[str], Any], trac
             f"{int(p.block_trained.sum())} trained, {len(p)} blocks")
     tracker.log_metrics(summary.metrics(), step=0)
     if tracker.info is not None:  # rank 0 with tracking on
-        tracker.log_lineage(data_sources(recipe, summary, evaluator), recipe_digest(recipe))
+        tracker.log_lineage(data_sources(recipe, summary, evaluator), recipe_digest(recipe),
+                            parent_run_of(recipe.model))
 
 
 def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, int],
@@ -133,6 +135,7 @@ def record_run(recipe, run_dir: Path, *, tracker, steps: int, tokens: dict[str, 
         best_step=evals.best_step if evals else None, best_eval_loss=evals.best_loss if evals else None,
         best_checkpoint=best_checkpoint, best_model_dir=best_model_dir, stopped_early=stopped_early,
         recipe_digest=recipe_digest(recipe), data_sources=data_sources(recipe, summary, evaluator),
+        parent_run=parent_run_of(recipe.model),
     )
     path = write_run_record(run_dir, record)
     tracker.log_artifact(path)

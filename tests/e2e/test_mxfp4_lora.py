@@ -238,10 +238,10 @@ def test_kept_mxfp4_needs_lora_and_a_pretrained_base():
         load_recipe("gpt-oss-120b-1gpu", ["lora.experts=peft"])
 
 
-def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantized_base(mxfp4_base, tmp_path):
-    """ftcli's LoRA trainer (TRL SFTTrainer + PEFT, build_trainer) with model.quantization=mxfp4 routes the experts
-    through the grouped expert LoRA and logs, step for step, the losses of PEFT's folded ParamWrapper over
-    model.quantization=mxfp4_dequantize with lora.experts=peft (float32 on CPU: to 1e-5 relative)."""
+def _train_kept_and_dequantized(mxfp4_base, tmp_path, *sets: str) -> tuple[dict[str, list[dict]], int]:
+    """ftcli's LoRA trainer (TRL SFTTrainer + PEFT, build_trainer) in this process, 3 steps on short blocks, over
+    model.quantization=mxfp4_dequantize with lora.experts=peft, then over the kept base (mxfp4, grouped): each run's
+    metrics.jsonl lines, and how often the grouped expert LoRA ran (never in the first run)."""
     from trl import SFTConfig
 
     from ftcli.data import load_tokenizer
@@ -249,14 +249,14 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
     from ftcli.model.moe_lora import GroupedLoraMatmul
     from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
 
-    losses, calls = {}, []
+    steps, calls = {}, []
     forward = GroupedLoraMatmul.forward
     for quantization, experts in (("mxfp4_dequantize", "peft"), ("mxfp4", "grouped")):
         recipe = tiny_recipe("model.init=pretrained", f"model.id={mxfp4_base}", f"model.quantization={quantization}",
                              f"lora.experts={experts}", "training.max_steps=3", "training.log_every=1",
-                             "training.checkpoint.enabled=false", "data.max_examples=60",
-                             f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false", "eval=null",
-                             "data.max_length=256", "data.packing.block_len=256")  # short blocks: fast
+                             "training.checkpoint.enabled=false", f"data.cache_dir={tmp_path / 'cache'}",
+                             "tracking.enabled=false", "eval=null", "data.max_length=256",
+                             "data.packing.block_len=256", *sets)  # short blocks: fast
         run_dir = tmp_path / quantization
         tokenizer = load_tokenizer(recipe.model, recipe.data)
         kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, run_dir)
@@ -268,12 +268,41 @@ def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantiz
             trainer.train()
         finally:
             GroupedLoraMatmul.forward = staticmethod(forward)
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        losses[quantization] = [json.loads(line)["loss"] for line in lines]
+        steps[quantization] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         if experts == "peft":
             assert not calls  # lora.experts=peft never goes through the grouped path
-    assert calls and len(losses["mxfp4"]) == 3
     kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path)
     assert kwargs["ddp_broadcast_buffers"] is False  # the same blocks on every rank
+    return steps, len(calls)
+
+
+def test_lora_trainer_over_kept_mxfp4_logs_the_losses_of_peft_over_the_dequantized_base(mxfp4_base, tmp_path):
+    """ftcli's LoRA trainer with model.quantization=mxfp4 routes the experts through the grouped expert LoRA and logs,
+    step for step, the losses of PEFT's folded ParamWrapper over model.quantization=mxfp4_dequantize with
+    lora.experts=peft (float32 on CPU: to 1e-5 relative)."""
+    steps, calls = _train_kept_and_dequantized(mxfp4_base, tmp_path, "data.max_examples=60")
+    losses = {k: [m["loss"] for m in v] for k, v in steps.items()}
+    assert calls and len(losses["mxfp4"]) == 3
     torch.testing.assert_close(torch.tensor(losses["mxfp4"]), torch.tensor(losses["mxfp4_dequantize"]),
                                rtol=1e-5, atol=0)
+
+
+def test_dpo_over_kept_mxfp4_is_log_2_at_step_1_and_trains_as_over_the_dequantized_base(mxfp4_base, tmp_path):
+    """training.objective=dpo on the kept-MXFP4 base (gpt-oss-120b's setting, experts kept at 4.25 bits and run
+    through the grouped expert LoRA): the reference is the same base with the adapter off (PEFT's disable_adapter, no
+    copy), so step 1 (a fresh adapter, B = 0) is log 2 with zero margins; the steps after it train, and every step's
+    loss, log-probs and reward margin equal DPO over the dequantized base with PEFT's folded expert LoRA (float32: 1e-5
+    relative, the margins 1e-5 absolute)."""
+    import math
+
+    steps, calls = _train_kept_and_dequantized(mxfp4_base, tmp_path, "training.objective=dpo", "data.format=preference",
+                                               "data.path=pkg://assets/tiny_prefs.jsonl", "data.max_examples=40")
+    kept, dequantized = steps["mxfp4"], steps["mxfp4_dequantize"]
+    assert calls and [m["step"] for m in kept] == [m["step"] for m in dequantized] == [1, 2, 3]
+    assert kept[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and kept[0]["rewards/margins"] == 0.0
+    assert kept[-1]["rewards/margins"] != 0.0 and kept[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    # the margins (~0.05) are beta x differences of summed log-probs many times larger: compared absolutely
+    for key, rtol, atol in (("loss", 1e-5, 0), ("logps/chosen", 1e-5, 0), ("logps/rejected", 1e-5, 0),
+                            ("rewards/margins", 0, 1e-5)):
+        torch.testing.assert_close(torch.tensor([m[key] for m in kept]), torch.tensor([m[key] for m in dequantized]),
+                                   rtol=rtol, atol=atol)

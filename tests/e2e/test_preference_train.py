@@ -72,6 +72,25 @@ def test_dpo_loss_same_for_1_and_2_ranks(dpo_run, tmp_path, env):  # noqa: F811
         assert a["tokens_trained"] == b["tokens_trained"]
 
 
+def test_precomputed_reference_equals_the_live_reference(dpo_run, tmp_path, env):  # noqa: F811
+    """training.preference.reference=precomputed (the starting model's log-probs stored once beside the pack cache, no
+    second model): the live-reference run's losses, grad norms, TRL metrics and evals, step by step (1e-6)."""
+    run_dir = tmp_path / "precomputed"
+    res = ftcli(_args(run_dir, "training.preference.reference=precomputed", "training.checkpoint.enabled=false",
+                      "training.checkpoint.save_final_hf=false"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    out = res.stdout + res.stderr
+    assert "DPO reference: the starting model's log-probs, precomputed (no second model)" in out
+    assert "frozen copy" not in out and "reference log-probs (train): " in out
+    stored, live = metrics(run_dir), metrics(dpo_run["run_dir"])
+    assert [m["step"] for m in stored] == [m["step"] for m in live] == list(range(1, STEPS + 1))
+    for a, b in zip(stored, live):
+        keys = ["loss", "grad_norm", *METRICS, *(k for k in b if k.startswith("eval_") and k != "eval_tokens")]
+        assert set(keys) <= set(a)
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+
+
 def test_dpo_with_context_parallel_equals_data_parallel(dpo_run, tmp_path, env):  # noqa: F811
     """2 processes as one context-parallel group (training.context_parallel=2, grad_accum 4: the same 4 blocks per
     step, each in two slices of 256 tokens, the frozen reference sliced alike) log the 2 x 2 run's losses, metrics and
@@ -114,19 +133,76 @@ def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # 
 def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811
     """training.method=lora (TRL + PEFT, the reference the adapter off): 2 processes x 2 micro-batches and 1 x 4 give
     the same losses and preference metrics step by step (the step normalizes by its global pair count), and step 1
-    is log 2 (a fresh adapter: policy == reference)."""
+    is log 2 (a fresh adapter: policy == reference). The 1-process run reads the reference's log-probs precomputed
+    by the base (training.preference.reference=precomputed: no adapter-off forward), the 2-process run computes them
+    live, so the two also agree that the stored reference is the live one."""
     lora = ["training.method=lora", "training.precision={}", "training.checkpoint.enabled=false",
             "training.optimizer.lr=1.0e-2", "eval.every_steps=4"]
-    runs = {}
-    for name, sets in (("two", ["training.grad_accum=2"]), ("one", ["training.cpu_processes=1",
-                                                                    "training.grad_accum=4"])):
+    runs, outputs = {}, {}
+    for name, sets in (("two", ["training.grad_accum=2"]),
+                       ("one", ["training.cpu_processes=1", "training.grad_accum=4",
+                                "training.preference.reference=precomputed"])):
         res = ftcli(_args(tmp_path / name, *lora, *sets), tmp_path, env)
         assert res.returncode == 0, output_tail(res)
-        runs[name] = metrics(tmp_path / name)
+        runs[name], outputs[name] = metrics(tmp_path / name), res.stdout + res.stderr
+    assert "DPO reference: the base's log-probs, precomputed (no adapter-off forward)" in outputs["one"]
+    assert "reference log-probs" not in outputs["two"]
     assert [m["step"] for m in runs["one"]] == [m["step"] for m in runs["two"]] == list(range(1, STEPS + 1))
     assert runs["two"][0]["loss"] == pytest.approx(0.693147, abs=1e-5)
     for a, b in zip(runs["one"], runs["two"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+    assert runs["one"][-1]["eval_loss"] == pytest.approx(runs["two"][-1]["eval_loss"], rel=1e-5)
     assert runs["two"][-1]["loss"] < 0.69 and "eval_rewards/accuracies" in runs["two"][-1]
     assert (tmp_path / "two" / "final" / "adapter_config.json").is_file()
+
+
+def _one_rank(run_dir, *sets):
+    return _args(run_dir, "training.cpu_processes=1", "training.grad_accum=1", "eval.enabled=false",
+                 "training.checkpoint.enabled=false", "training.checkpoint.save_final_hf=false", *sets)
+
+
+def test_ipo_step_1_is_the_squared_target_margin(dpo_run, tmp_path, env):  # noqa: F811
+    """training.objective=ipo through `ftcli train`, started from the DPO run (model.id = its run dir): at step 1 the
+    policy is the reference, every pair's per-token log-ratio margin h is 0, so the loss is (0 - 1 / (2 beta))^2 = 25
+    at beta 0.1; step 2's is below (h moved up). run.json and the MLflow run name the run it started from."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = ftcli(_one_rank(tmp_path / "ipo", "training.objective=ipo", "training.max_steps=2", "model.init=pretrained",
+                          f"model.id={dpo_run['run_dir']}", "tracking.enabled=true", f"tracking.tracking_uri={uri}",
+                          "tracking.log_system_metrics=false"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    parent_json = json.loads((dpo_run["run_dir"] / "run.json").read_text())
+    run = json.loads((tmp_path / "ipo" / "run.json").read_text())
+    assert run["parent_run"] == {
+        "run_dir": str(dpo_run["run_dir"].resolve()), "model_dir": "final", "recipe": "tiny-dpo-cpu",
+        "recipe_digest": parent_json["recipe_digest"], "method": "full", "objective": "dpo", "mlflow_run_id": None,
+        "mlflow_experiment_id": None}  # the DPO run ran without tracking
+    tags = MlflowClient(uri).get_run(run["mlflow"]["run_id"]).data.tags
+    assert (tags["ftcli.parent.run_dir"], tags["ftcli.parent.recipe_digest"], tags["ftcli.parent.objective"]) == \
+        (str(dpo_run["run_dir"].resolve()), parent_json["recipe_digest"], "dpo")
+    steps = metrics(tmp_path / "ipo")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["loss"] == pytest.approx((0 - 1 / (2 * 0.1)) ** 2, rel=1e-6)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[1]["loss"] < steps[0]["loss"] and steps[1]["rewards/margins"] > 0
+    assert "IPO reference: a frozen copy of the starting model" in res.stdout + res.stderr
+
+
+def test_simpo_step_1_follows_from_its_logged_mean_logps(tmp_path, env):  # noqa: F811
+    """training.objective=simpo through `ftcli train`, no reference: one pair (data.max_examples=1), so step 1's loss
+    is -logsigmoid(beta * (avg_c - avg_r) - gamma) of its logged per-token mean log-probs, and its rewards
+    beta * avg."""
+    import math
+
+    res = ftcli(_one_rank(tmp_path / "simpo", "training.objective=simpo", "data.max_examples=1",
+                          "training.preference.beta=2.0", "training.preference.simpo_gamma=0.3"), tmp_path, env)
+    assert res.returncode == 0, output_tail(res)
+    (step,) = metrics(tmp_path / "simpo")
+    c, r = step["logps/chosen"], step["logps/rejected"]
+    assert -20 < c < 0 and -20 < r < 0 and c != r
+    z = 2.0 * (c - r) - 0.3
+    assert step["loss"] == pytest.approx(math.log1p(math.exp(-z)), rel=1e-5)  # -logsigmoid(z)
+    assert (step["rewards/chosen"], step["rewards/rejected"]) == (pytest.approx(2.0 * c), pytest.approx(2.0 * r))
+    assert "reference:" not in res.stdout + res.stderr and "reference log-probs" not in res.stdout + res.stderr

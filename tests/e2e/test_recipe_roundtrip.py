@@ -62,7 +62,7 @@ WITH = {
     "data.format": {"training.objective": "dpo", "data.format": "preference", "data.packing.strategy": "bfd"},
     **{f"training.preference.{k}": {"training.objective": "dpo", "data.format": "preference",
                                     "data.packing.strategy": "bfd"}
-       for k in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda")},
+       for k in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "reference")},
     "training.objective": {"data.format": "preference", "data.packing.strategy": "bfd"},
 }
 # Keys with one allowed value so far (a second objective or optimizer adds the next): checked to load back

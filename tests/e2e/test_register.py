@@ -44,6 +44,9 @@ DATA_SOURCES = [  # run.json's lineage, as ftcli.train.session.data_sources writ
      "revision": None, "split": "validation", "digest": "eeeeffff00001111", "rows_read": 8, "rows_kept": 8},
 ]
 
+PARENT_RUN = {  # run.json's parent_run: the SFT run a DPO run started from (ftcli.artifacts.resolve.parent_run_of)
+    "run_dir": "/runs/tiny-sft", "model_dir": "final", "recipe": "tiny-qwen-cpu", "recipe_digest": "fedcba9876543210",
+    "method": "full", "objective": "sft", "mlflow_run_id": "0a1b2c3d4e5f", "mlflow_experiment_id": "7"}
 
 # ------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(autouse=True)
@@ -121,7 +124,7 @@ def _write_run_json(run_dir: Path, method: str, recipe: dict, mlflow_info: dict 
         "ftcli_version": "0.1.0", "method": method, "recipe": recipe, "model_dir": "final",
         "base_model": base_model, "mlflow": mlflow_info, "steps": 3, "tokens": {"trained": 300, "seen": 900},
         "final_loss": 2.5, "throughput": {"tokens_per_s": 1000.0, "s_per_step": 0.3}, "status": "completed",
-        "recipe_digest": RECIPE_DIGEST, "data_sources": DATA_SOURCES,
+        "recipe_digest": RECIPE_DIGEST, "data_sources": DATA_SOURCES, "parent_run": PARENT_RUN,
     }
     (run_dir / "run.json").write_text(json.dumps(run))
 
@@ -429,6 +432,11 @@ def test_alias_is_moved_only_with_force(tmp_path, tiny_full_final, sqlite_uri):
         "ftcli.data.training.count": "1", "ftcli.data.eval.count": "1",
         "ftcli.recipe": "tiny-qwen-cpu", "ftcli.recipe_digest": RECIPE_DIGEST, "ftcli.base": "random init (qwen3_5_text)",
     }
+    # the run it started from (a DPO run's SFT run): run dir, model, recipe and digest, MLflow run
+    assert {k: v for k, v in version.tags.items() if k.startswith("ftcli.parent.")} == {
+        "ftcli.parent.run_dir": "/runs/tiny-sft", "ftcli.parent.model_dir": "final",
+        "ftcli.parent.recipe": "tiny-qwen-cpu", "ftcli.parent.recipe_digest": "fedcba9876543210",
+        "ftcli.parent.objective": "sft", "ftcli.parent.run_id": "0a1b2c3d4e5f", "ftcli.parent.experiment_id": "7"}
 
 
 # ------------------------------------------------------------------------------ errors, no MLflow

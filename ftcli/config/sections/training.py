@@ -92,6 +92,12 @@ class PreferenceSection(Section):
                                    "flipped (conservative DPO).")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin.")
     orpo_lambda: float = Field(0.1, gt=0, description="orpo: the weight of the odds-ratio term beside the SFT term.")
+    reference: Literal["model", "precomputed"] = Field(
+        "model", description="dpo/ipo: where the reference's log-probs come from. model: a frozen copy of the "
+        "starting model beside the policy (method full) or the base with the adapter off (lora), one more forward "
+        "per block; precomputed: one pass of the starting model (lora: the base, training.sharding=ddp) over the "
+        "packed blocks before step 1, stored beside the pack cache (keyed by the blocks and the reference model), "
+        "then no second model and no reference forward.")
 
 
 class _Training(Section):

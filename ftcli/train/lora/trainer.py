@@ -104,7 +104,10 @@ def collate_blocks(blocks: list) -> dict[str, Any]:
     trained = np.concatenate([np.asarray(b.labels) != IGNORE_INDEX for b in blocks])
     seg_lens = [int(n) for b in blocks for n in np.diff(np.asarray(b.cu_seqlens))]
     roles = None if blocks[0].roles is None else np.concatenate([b.roles for b in blocks])  # preference pairs
-    return block_to_model_inputs(make_block(input_ids, trained, seg_lens, len(input_ids), pad_id=0, roles=roles))
+    block = make_block(input_ids, trained, seg_lens, len(input_ids), pad_id=0, roles=roles)
+    if blocks[0].reference_logps is not None:  # precomputed reference: one per segment, padding segments included
+        block.reference_logps = np.concatenate([b.reference_logps for b in blocks])
+    return block_to_model_inputs(block)
 
 
 # ------------------------------------------------------------------------------- loss and sharding
@@ -251,6 +254,34 @@ def load_base(recipe: Recipe, run_dir: Path, device: torch.device, attn: str | N
     return load_model(recipe.model, attn_implementation=attn, device=device)
 
 
+def read_stored_reference(recipe: Recipe, base, session, sharding: str, device: torch.device):
+    """training.preference.reference=precomputed: the session's training and eval blocks with the reference's
+    log-probs (ftcli.train.reference), read from their stores or computed now by `base`, which has no adapter yet (the
+    reference of a LoRA run is its base), in the autocast training runs it in (sft_config_kwargs: bf16 or fp16 as
+    model.dtype). Returns the training blocks. A base that only accelerate's FSDP2 makes whole is refused."""
+    from ftcli.train.preference import attach_sequence_logps
+    from ftcli.train.reference import precomputed_reference, reference_identity
+
+    if sharding != "ddp":
+        raise UserError(f"training.preference.reference=precomputed needs a whole base per process (training.sharding="
+                        f"ddp; this run's is {sharding}): set training.preference.reference=model")
+    attach_sequence_logps(base, recipe.training.loss.chunk_tokens)
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(recipe.model.dtype)
+
+    def logps(inputs: dict) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+            return base.sequence_logps(**inputs)[0]
+
+    identity = reference_identity(recipe.model, recipe.training, device.type)
+    sets = precomputed_reference({"train": session.units, **session.evaluator.packed}, identity, logps,
+                                 rank=session.rank, world_size=session.world_size, device=device, say=session.say)
+    session.units = sets.pop("train")
+    session.evaluator.packed = sets
+    session.say(f"{objective_of(recipe.training).label} reference: the base's log-probs, precomputed (no adapter-off "
+                "forward)")
+    return session.units
+
+
 def random_init_gpu(recipe: Recipe) -> torch.device | None:
     """Where FSDP's random-init base (kept on the CPU until accelerate shards it) is drawn: this process's GPU
     when the base takes under half its free memory, else None (the CPU). The CPU draws ~0.1B parameters/s
@@ -387,6 +418,9 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             print(f"random-init base: drawn in {built:.1f} s, saved to {run_dir / 'base'} in "
                   f"{time.perf_counter() - started - built:.1f} s", flush=True)
 
+        pref = recipe.training.preference
+        if pref is not None and pref.reference == "precomputed" and objective_of(recipe.training).reference_model:
+            blocks = read_stored_reference(recipe, model, session, sharding, device)
         trainer, step_log = build_trainer(recipe, model, tokenizer, blocks, args, metrics_path=run_dir / METRICS_FILE,
                                           tracker=tracker, evaluator=evaluator, run_dir=run_dir)
         if args.process_index == 0:

@@ -70,7 +70,34 @@ def test_new_run_record_fills_the_common_part_and_reads_back(tmp_path):
     assert list(saved) == ["ftcli_version", "method", "objective", "recipe", "model_dir", "base_model", "mlflow", "steps", "tokens",
                            "final_loss", "throughput", "status", "data", "eval_data", "evals", "best_step",
                            "best_eval_loss", "best_checkpoint", "best_model_dir", "stopped_early", "recipe_digest",
-                           "data_sources"]
+                           "data_sources", "parent_run"]
     assert (saved["data"], saved["evals"], saved["best_step"], saved["best_model_dir"]) == (None, [], None, None)
     full = new_run_record(load_recipe("tiny-qwen-cpu"), method="full", mlflow=None, model_dir=None)
     assert full.base_model.path is None and full.mlflow is None and full.model_path(tmp_path) is None
+
+
+def test_a_run_started_from_an_ftcli_run_names_it_as_its_parent(tmp_path):
+    """model.id = an earlier run's final/ (what ftcli.train.launch.starting_model makes of its run dir) or best/: that
+    run's dir, model, recipe, digest and MLflow run, from its run.json (`parent_run_of`); a plain model dir, a hub id
+    or random init: none."""
+    from ftcli.artifacts.resolve import parent_run_of
+    from ftcli.artifacts.rundir import new_run_record, write_run_record
+    from ftcli.config.recipe import load_recipe
+
+    sft = tmp_path / "sft"
+    (sft / "final").mkdir(parents=True)
+    (sft / "best").mkdir()
+    mlflow = {"tracking_uri": "sqlite:///x.db", "experiment_id": "3", "run_id": "abc123"}
+    write_run_record(sft, new_run_record(load_recipe("tiny-llama3-cpu"), method="full", mlflow=mlflow,
+                                         recipe_digest="d1g3st"))
+    for model_dir in ("final", "best"):
+        recipe = load_recipe("tiny-dpo-cpu", ["model.init=pretrained", f"model.id={sft / model_dir}"])
+        parent = parent_run_of(recipe.model)
+        assert parent.model_dump() == {
+            "run_dir": str(sft.resolve()), "model_dir": model_dir, "recipe": "tiny-llama3-cpu", "recipe_digest": "d1g3st",
+            "method": "full", "objective": "sft", "mlflow_run_id": "abc123", "mlflow_experiment_id": "3"}
+        assert parent.tags()["ftcli.parent.run_id"] == "abc123"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for sets in (["model.init=pretrained", f"model.id={plain}"], ["model.init=pretrained", "model.id=org/model"], []):
+        assert parent_run_of(load_recipe("tiny-dpo-cpu", sets).model) is None

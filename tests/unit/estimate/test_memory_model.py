@@ -118,6 +118,31 @@ def test_a_reference_model_objective_adds_a_frozen_copy_sharded_like_the_model(m
     assert memory.estimate(g, replace(lora, objective="with_reference")) == memory.estimate(g, lora)
 
 
+def test_a_precomputed_reference_holds_no_model_and_adds_no_forward():
+    """training.preference.reference: model (full: a frozen copy in params; a forward per block in the step time, x 1.25
+    with full checkpointing, of the SFT rows) | precomputed (neither: its log-probs come with the blocks)."""
+    from dataclasses import replace
+
+    from ftcli.config.recipe import load_recipe
+    from ftcli.estimate import fit, steptime
+
+    recipe = load_recipe("qwen-b300-dpo")
+    shape = memory.shipped_shape(recipe.model.id)
+    live = fit.setting_of(recipe, shape)
+    stored = fit.setting_of(load_recipe("qwen-b300-dpo", ["training.preference.reference=precomputed"]), shape)
+    assert (live.reference, stored.reference, live.checkpointing) == ("model", "precomputed", "full")
+    sft = replace(live, objective="sft")
+    assert memory.estimate(shape, stored) == memory.estimate(shape, sft)
+    assert memory.estimate(shape, live).params - memory.estimate(shape, sft).params == pytest.approx(
+        (shape.total_params + shape.frozen_params) * 2 / 8 / memory.GiB)
+    seconds = {k: steptime.step_time(recipe.training, shape, s, "H200") for k, s in
+               (("live", live), ("stored", stored), ("sft", sft))}
+    assert seconds["live"].s_per_step == pytest.approx(1.25 * seconds["sft"].s_per_step)
+    assert seconds["stored"].s_per_step == seconds["sft"].s_per_step
+    assert "x 1.25 for the reference's forward" in seconds["live"].source
+    assert "reference" not in seconds["stored"].source
+
+
 def test_lora_keeps_the_whole_base_on_every_gpu():
     g = memory.shipped_shape("openai/gpt-oss-20b")
     s = memory.Setting(method="lora", tokens=4096, checkpointing="none", loss="trl", adapter_params=3_981_312)
