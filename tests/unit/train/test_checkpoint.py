@@ -139,36 +139,14 @@ def test_disk_full_during_a_save_is_one_line_and_the_last_checkpoint_survives(tm
     assert "Traceback" not in capsys.readouterr().err
 
 
-def _count_renames(monkeypatch) -> list[tuple[str, int]]:
-    """(destination name, bytes moved) of every rename from here on (os.rename, os.replace, Path.rename: what
-    a UC Volume's FUSE mount turns into a server-side copy of that many bytes)."""
-    import os
-
-    moved, rename, replace = [], os.rename, os.replace
-
-    def size(path) -> int:
-        path = Path(path)
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-
-    def counted(real):
-        def move(src, dst, *args, **kwargs):
-            moved.append((Path(dst).name, size(src)))
-            return real(src, dst, *args, **kwargs)
-        return move
-
-    monkeypatch.setattr(os, "rename", counted(rename))
-    monkeypatch.setattr(os, "replace", counted(replace))
-    return moved
-
-
-def test_a_commit_renames_only_its_two_small_markers(tmp_path, one_rank, monkeypatch):
+def test_a_commit_renames_only_its_two_small_markers(tmp_path, one_rank, renames):
     """Shards are written at their final paths; a commit renames DCP's .metadata and ftcli's meta.json (written
     last) and nothing else: the bytes renamed per checkpoint are those two files' sizes, whatever the model size.
     Rotation (keep_last) removes the oldest only after the newest is committed."""
     from ftcli.train.checkpoint import list_checkpoints
 
     root = tmp_path / "checkpoints"
-    moved = _count_renames(monkeypatch)
+    moved = renames
     first = _save(root, 1)
     assert sorted(name for name, _ in moved) == [".metadata", "meta.json"]
     markers = (first / ".metadata").stat().st_size + (first / "meta.json").stat().st_size
@@ -321,7 +299,7 @@ def test_disk_full_during_the_hf_export_is_one_line_and_leaves_no_partial_export
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_hf_export_is_written_in_place_and_published_by_its_record(tmp_path, one_rank, monkeypatch):
+def test_the_hf_export_is_written_in_place_and_published_by_its_record(tmp_path, one_rank, renames):
     """The export renames only its small record (ftcli_export.json: "incomplete" first, the file list last); an
     earlier export at that path is unpublished before its files go; a reader (`locate`) refuses an export whose
     record says incomplete or whose file has another size, and reads a dir without a record as before."""
@@ -341,7 +319,8 @@ def test_the_hf_export_is_written_in_place_and_published_by_its_record(tmp_path,
     out = tmp_path / "final"
     out.mkdir()
     (out / "model-00009-of-00009.safetensors").write_bytes(b"an earlier export's shard")
-    moved = _count_renames(monkeypatch)
+    moved = renames
+    moved.clear()
     save_hf_checkpoint(model, lambda: build_empty_model(recipe.model, torch.float32), load_tokenizer(recipe),
                        out, torch.float32)
     assert {name for name, _ in moved} == {EXPORT_RECORD}
