@@ -335,7 +335,7 @@ class FullRun:
         self.meter.start_window()  # the first step line's window starts here, not at the model build
         self.save_schedule.mark_saved()  # so do the clocks of time-based saves and evals
         self.eval_schedule.mark_saved()
-        try:
+        with self.session.running(cleanup=self.progress.stop):  # an error or a stop: the run ends KILLED / FAILED
             self.progress.start()
             if self.evaluator and self.eval_cfg.at_start and self.result.steps == 0:
                 self.log_eval(self.evaluate())
@@ -358,10 +358,6 @@ class FullRun:
                     self.say(f"[yellow]{self.stop_reason}[/]")
                     break
             return self.finish()
-        except BaseException as e:
-            self.progress.stop()
-            self.session.end(e)
-            raise
 
     def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None,
              eval_by_time: bool = False) -> bool:

@@ -19,7 +19,8 @@ none of it:
                               run.json's best_model_dir
     session.record(...)       run.json (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data,
                               every eval, the best one and where its model is), logged with recipe.yaml (rank 0)
-    session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED
+    session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED; `with
+                              session.running(cleanup):` around the steps ends it on any exception
 
 A trainer plugs in callables (save a checkpoint, export the model it holds, export the best eval's) and the session
 decides when they run: no trainer class hierarchy.
@@ -27,9 +28,10 @@ decides when they run: no trainer class hierarchy.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from ftcli.artifacts.rundir import (RECIPE_FILE, DataSourceRecord, new_run_record, recipe_digest,
                                    write_run_record)
@@ -79,6 +81,18 @@ class RunSession:
         self.evaluator = Evaluator(prepare_eval(recipe, self.tokenizer, rank0_first), self.rank, self.world_size,
                                    self.device, objective)
         announce_data(self.recipe, self.summary, self.evaluator, say=self.say, tracker=self.tracker)
+
+    @contextmanager
+    def running(self, cleanup: Callable[[], Any] = lambda: None) -> Iterator[RunSession]:
+        """Around the trainer's steps and finish: an exception out of them (`Stopped` by a signal included) runs
+        `cleanup` (the progress bar gives the terminal back), ends the tracked run with its status (`end`: KILLED or
+        FAILED) and propagates."""
+        try:
+            yield self
+        except BaseException as e:
+            cleanup()
+            self.end(e)
+            raise
 
     def stop_signal(self, device=None) -> int:
         """Collective, at a step boundary: the stop signal any rank got (ftcli.train.preempt.StopFlag.agreed; the

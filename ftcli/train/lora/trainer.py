@@ -365,7 +365,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
     step_log = None
-    try:
+    # an error or a stop: the progress bar gives the terminal back, the tracked run ends KILLED / FAILED
+    with session.running(cleanup=lambda: step_log is not None and step_log.close()):
         attn = _attn_implementation(recipe, device)
         session.open_data()  # rank 0 fills the caches, then the others open them
         tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe.data, session.units), session.evaluator
@@ -410,11 +411,6 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             session.stop(step, stop.signum, lambda save: saved if saved.is_dir() else None)
         finish(recipe, run_dir, trainer, step_log, session=session, sharding=sharding)
         session.end()
-    except BaseException as e:
-        if step_log is not None:
-            step_log.close()  # the progress bar gives the terminal back
-        session.end(e)
-        raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
         # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
