@@ -97,7 +97,7 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
 @pytest.fixture
 def renames(monkeypatch) -> list[tuple[str, int]]:
     """(destination name, bytes moved) of every rename from here on (os.rename, os.replace, Path.rename: what
-    a UC Volume's FUSE mount turns into a server-side copy of that many bytes): test_checkpoint, test_merge."""
+    a UC Volume's FUSE mount turns into a server-side copy of that many bytes); `.clear()` it where counting starts."""
     moved, rename, replace = [], os.rename, os.replace
 
     def size(path) -> int:

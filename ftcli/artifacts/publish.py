@@ -10,7 +10,8 @@ rename is a server-side copy whose cost scales with the bytes moved, so the old 
 rename it to `final/`) copied the whole model once more. An earlier export at the same path loses its
 record first, then its files: a kill at any point leaves a dir whose record says incomplete, which every
 reader refuses (`export_problem`), never a mix that looks whole. A dir without the record (an older ftcli,
-a model from elsewhere) is read as before.
+a model from elsewhere) is read as before. A whole export is published at another path by copying
+(`copy_export`: LoRA's best adapter becoming the final one), never by renaming its dir.
 
 Pure file code: no torch, no MLflow.
 """
@@ -21,7 +22,8 @@ import json
 import shutil
 from pathlib import Path
 
-from ftcli.config.safe_files import write_atomic
+from ftcli.config.errors import UserError
+from ftcli.config.safe_files import refuse_links, write_atomic
 
 EXPORT_RECORD = "ftcli_export.json"
 
@@ -55,6 +57,31 @@ def publish_export(out_dir: Path) -> None:
     files = {p.relative_to(out_dir).as_posix(): p.stat().st_size for p in sorted(out_dir.rglob("*"))
              if p.is_file() and p.name != EXPORT_RECORD and not p.name.startswith(f".{EXPORT_RECORD}")}
     write_atomic(out_dir / EXPORT_RECORD, json.dumps({"complete": True, "files": files}, indent=1) + "\n")
+
+
+def copy_export(src: Path, out_dir: Path) -> None:
+    """`src`, a whole export, published again at `out_dir` by the same protocol: `out_dir` unpublished first, the
+    files `src`'s record lists (every file of a dir without one) copied in place, the record last. Checked before
+    anything at `out_dir` goes: `src` is whole (`export_problem`) and no file to copy is a link. A copy moves the
+    bytes once, as a rename on a Volume does, but a kill midway leaves `out_dir` unpublished, never half of one;
+    a write error removes what was copied (`remove_export`) and propagates."""
+    src, out_dir = Path(src), Path(out_dir)
+    refuse_links([src], where="an export", fix="export it again")
+    if (problem := export_problem(src)) is not None:
+        raise UserError(f"{src} is not a whole export, so it is not copied to {out_dir}: {problem}")
+    record = src / EXPORT_RECORD
+    names = sorted(json.loads(record.read_text(encoding="utf-8"))["files"]) if record.is_file() else \
+        [p.relative_to(src).as_posix() for p in sorted(src.rglob("*")) if p.is_file() or p.is_symlink()]
+    refuse_links([*(src / name for name in names)], where="an export", fix="export it again")
+    begin_export(out_dir)
+    try:
+        for name in names:
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, out_dir / name)
+    except OSError:
+        remove_export(out_dir)  # a full disk: nothing half-copied left as if whole; `src` untouched
+        raise
+    publish_export(out_dir)
 
 
 def remove_export(out_dir: Path) -> None:

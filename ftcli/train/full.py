@@ -53,13 +53,13 @@ from ftcli import data
 
 from ftcli.model import kernels
 from ftcli.model.kernels.cp import slice_of_block
-from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint, load_model_weights,
+from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
 from ftcli.train.distributed import World, all_reduce, init_distributed
+from ftcli.train.export import best_from_checkpoint
 from ftcli.config.errors import TrainingStopped, UserError
-from ftcli.train.evaluate import (EvalResult, EvalTracker, best_model_location, evaluate_now, publish_eval,
-                                  sample_now, samples_due)
+from ftcli.train.evaluate import EvalResult, EvalTracker, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli import features
 from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
@@ -68,9 +68,8 @@ from ftcli.train.reference import precomputed_reference, reference_identity
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
-from ftcli.train.preempt import Stopped, stop_flag
 from ftcli.train.schedule import lr_factor
-from ftcli.artifacts.rundir import BEST, CHECKPOINTS, FINAL, METRICS_FILE
+from ftcli.artifacts.rundir import CHECKPOINTS, FINAL, METRICS_FILE
 from ftcli.train.session import RunSession
 
 # ================================================================================ loss algebra
@@ -168,6 +167,18 @@ def _padding_inputs(like: dict | None, device: torch.device) -> dict:
     }
 
 
+# ======================================================================================== exports
+def export_hf(model: nn.Module, model_cfg, tokenizer) -> Callable[[Path], None]:
+    """Collective: `export(out_dir)` writes `model` as it is now, a Hugging Face dir in recipe.model's dtype
+    (ftcli.train.checkpoint.save_hf_checkpoint: in place, its record last). `model_cfg`: recipe.model."""
+    dtype = DTYPES[model_cfg.dtype]
+
+    def export(out_dir: Path) -> None:
+        save_hf_checkpoint(model, lambda: build_empty_model(model_cfg, dtype), tokenizer, out_dir, dtype)
+
+    return export
+
+
 @dataclass
 class TrainResult:
     steps: int = 0  # data steps (windows of grad_accum blocks per rank), skipped ones included
@@ -210,15 +221,17 @@ class FullRun:
             run.step(blocks, num_micro_batches)                 count -> all-reduce -> forward/backward
                                                                 -> clip -> step or skip -> log
             run.maybe_checkpoint(save_by_time)
-            run.stop(signum)  (at a step boundary, after SIGTERM / SIGINT on any rank: checkpoint, `Stopped`)
         run.finish()                                     7    last checkpoint, HF export, run.json
+
+    The run session (ftcli.train.session) owns what every trainer's run has: tracking, data, eval data, a stop at a
+    step boundary after SIGTERM / SIGINT (with `stop_checkpoint`), which model final/ and best/ get (with
+    `export_hf`), run.json.
 
     The attributes are the run's state; `result` is what `train` returns (and what a checkpoint keeps)."""
 
     def __init__(self, recipe, run_dir: Path, resume: str | None, world: World, *,
                  loss_fn: Callable = token_loss_sum):
         self.recipe, self.run_dir, self.world = recipe, run_dir, world
-        self.stop_flag = stop_flag()  # SIGTERM / SIGINT from here on: stop at the next step boundary
         tcfg = self.tcfg = recipe.training
         self.objective = objective_of(tcfg)  # what the steps minimize: its count and summed loss (ftcli.objectives)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -361,14 +374,14 @@ class FullRun:
         self.meter.start_window()  # the first step line's window starts here, not at the model build
         self.save_schedule.mark_saved()  # so do the clocks of time-based saves and evals
         self.eval_schedule.mark_saved()
-        try:
+        with self.session.running(cleanup=self.progress.stop):  # an error or a stop: the run ends KILLED / FAILED
             self.progress.start()
             if self.evaluator and self.eval_cfg.at_start and self.result.steps == 0:
                 self.log_eval(self.evaluate())
                 self.new_best = False  # nothing to keep: the weights of step 0 are the init
             while self.result.steps < self.total_steps:
-                if signum := self.stop_flag.agreed(self.world.device):  # SIGTERM / SIGINT on any rank
-                    self.stop(signum)
+                if signum := self.session.stop_signal():  # SIGTERM / SIGINT on any rank: checkpoint, `Stopped`
+                    self.session.stop(self.result.steps, signum, self.stop_checkpoint)
                 step_start = time.perf_counter()
                 # 6a. this rank's blocks for the step; all ranks agree on the number of micro-batches
                 blocks = list(islice(batches, self.tcfg.grad_accum))
@@ -384,10 +397,6 @@ class FullRun:
                     self.say(f"[yellow]{self.stop_reason}[/]")
                     break
             return self.finish()
-        except BaseException as e:
-            self.progress.stop()
-            self.session.end(e)
-            raise
 
     def step(self, blocks: list[data.Block], num_micro_batches: int, *, started: float | None = None,
              eval_by_time: bool = False) -> bool:
@@ -518,12 +527,12 @@ class FullRun:
         self.say(f"checkpoint: {path}")
         return path
 
-    def stop(self, signum: int) -> None:
-        """Collective, at a step boundary, after a SIGTERM / SIGINT on any rank (ftcli.train.preempt): a checkpoint
-        of this step (unless it has one, or checkpoints are off), then `Stopped` on every rank."""
-        if self.tcfg.checkpoint.enabled and self.last_save_step != self.result.steps:
+    def stop_checkpoint(self, save: bool) -> str | None:
+        """Collective, when the session stops the run (ftcli.train.session.RunSession.stop): the newest checkpoint,
+        after a checkpoint of this step when `save` and the step has none yet."""
+        if save and self.last_save_step != self.result.steps:
             self.say(f"checkpoint: {self.save()}")
-        raise Stopped(self.result.steps, signum, self.result.checkpoint)
+        return self.result.checkpoint
 
     def restore(self, path: Path) -> None:
         """Model, optimizer, scheduler, data position, RNG and the step accounting that `save` wrote; the
@@ -580,21 +589,11 @@ class FullRun:
         best_step = self.evals.best_step if self.evals is not None else None
         best = best_checkpoint(self.run_dir / CHECKPOINTS, best_step) if tcfg.checkpoint.keep_best else None
         best_model_dir = None
-        if tcfg.checkpoint.save_final_hf:
-            def export(out_dir: Path) -> None:
-                save_hf_checkpoint(
-                    self.model, lambda: build_empty_model(recipe.model, DTYPES[recipe.model.dtype]), self.tokenizer,
-                    out_dir, DTYPES[recipe.model.dtype],
-                )
-
-            if best is not None:
-                best_model_dir = best_model_location(best_step, result.steps, self.eval_cfg.export)
-            if best_model_dir == FINAL and best_step != result.steps:  # export: best, the best is not the last
-                load_model_weights(best, self.model)
-            export(final_dir)
-            if best_model_dir == BEST:  # export: last, and a best model beside it
-                load_model_weights(best, self.model)
-                export(self.run_dir / BEST)
+        if tcfg.checkpoint.save_final_hf:  # final/ (and best/): the session decides which model goes where
+            export = export_hf(self.model, recipe.model, self.tokenizer)
+            best_model_dir = self.session.export_models(
+                best_step if best is not None else None, result.steps, export_last=export,
+                export_best=best_from_checkpoint(best, self.model, export))
             if best is not None:
                 self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
                          f"{self.run_dir / best_model_dir}")

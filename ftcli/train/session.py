@@ -8,19 +8,30 @@ none of it:
                               then every rank opens it), the data summary, the evaluator of every eval split, and
                               the lines a run starts with about them (`announce_data`, summary metrics at step 0)
     ...                       the trainer's own steps, evals and checkpoints
+    session.stop_signal()     at each step boundary: the SIGTERM / SIGINT any rank got (ftcli.train.preempt;
+                              collective); when one came,
+    session.stop(step, signum, checkpoint)
+                              the trainer's checkpoint of this step when checkpoints are on (`checkpoint(save)`),
+                              then `Stopped` on every rank (the launcher's exit code and resume line)
+    session.export_models(best_step, last_step, export_last=.., export_best=..)
+                              final/ and best/ (ftcli.train.export: which model goes where, written in place by
+                              the trainer's callables or copied from the best/ it kept, no dir renamed); returns
+                              run.json's best_model_dir
     session.record(...)       run.json (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data,
                               every eval, the best one and where its model is), logged with recipe.yaml (rank 0)
-    session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED
+    session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED; `with
+                              session.running(cleanup):` around the steps ends it on any exception
 
-The best-eval model's place (`final/` or `best/`) is decided once, by ftcli.train.evaluate.best_model_location;
-each trainer moves its own weights there (DCP checkpoint -> HF export, or the TRL checkpoint's adapter).
+A trainer plugs in callables (save a checkpoint, export the model it holds, export the best eval's) and the session
+decides when they run: no trainer class hierarchy.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NoReturn
 
 from ftcli.artifacts.resolve import parent_run_of
 from ftcli.artifacts.rundir import (RECIPE_FILE, DataSourceRecord, new_run_record, recipe_digest,
@@ -49,7 +60,9 @@ class RunSession:
         """MLflow (rank 0): ftcli.artifacts.tracking starts or attaches to the run (MLFLOW_RUN_ID, or this run dir's
         tracking.json on resume) and logs the recipe."""
         from ftcli.artifacts.tracking import start_tracking
+        from ftcli.train.preempt import stop_flag
 
+        stop_flag()  # SIGTERM / SIGINT from here on (if the worker has not already): stop at a step boundary
         tracker = start_tracking(recipe, run_dir=run_dir, rank=rank, resume=resume)
         return cls(recipe, Path(run_dir), rank, world_size, device, tracker, say)
 
@@ -69,6 +82,52 @@ class RunSession:
         eval_units = prepare_eval(data.data_spec(recipe), recipe.eval, self.tokenizer, rank0_first)
         self.evaluator = Evaluator(eval_units, self.rank, self.world_size, self.device, objective)
         announce_data(self.recipe, self.summary, self.evaluator, say=self.say, tracker=self.tracker)
+
+    @contextmanager
+    def running(self, cleanup: Callable[[], Any] = lambda: None) -> Iterator[RunSession]:
+        """Around the trainer's steps and finish: an exception out of them (`Stopped` by a signal included) runs
+        `cleanup` (the progress bar gives the terminal back), ends the tracked run with its status (`end`: KILLED or
+        FAILED) and propagates."""
+        try:
+            yield self
+        except BaseException as e:
+            cleanup()
+            self.end(e)
+            raise
+
+    def stop_signal(self, device=None) -> int:
+        """Collective, at a step boundary: the stop signal any rank got (ftcli.train.preempt.StopFlag.agreed; the
+        largest number when several), 0 for none. `device`: where the all-reduce runs (default: the session's)."""
+        from ftcli.train.preempt import stop_flag
+
+        return stop_flag().agreed(self.device if device is None else device)
+
+    @property
+    def checkpoint_on_stop(self) -> bool:
+        """Whether a stop saves a checkpoint of its step first (training.checkpoint.enabled)."""
+        return bool(self.recipe.training.checkpoint.enabled)
+
+    def stop(self, step: int, signum: int, checkpoint: Callable[[bool], str | Path | None]) -> NoReturn:
+        """Collective, after `stop_signal` gave `signum`: `checkpoint(save)` is the trainer's newest checkpoint after
+        it saved one of this step when `save` (`checkpoint_on_stop`; a step that has one is not saved again), then
+        every rank raises `Stopped`, which the worker turns into the launcher's exit code and resume line."""
+        from ftcli.train.preempt import Stopped
+
+        saved = checkpoint(self.checkpoint_on_stop)
+        raise Stopped(step, signum, str(saved) if saved is not None else None)
+
+    def export_models(self, best_step: int | None, last_step: int, *, export_last: Callable[[Path], None],
+                      export_best: Callable[[Path], None] | None = None) -> str | None:
+        """Collective: <run>/final and <run>/best as ftcli.train.export.export_models decides (eval.export), from the
+        trainer's `export_last` and `export_best` (None: the trainer kept its best model in best/ during training);
+        returns run.json's best_model_dir."""
+        from ftcli.objectives import method_of
+        from ftcli.train.export import export_models
+
+        export = self.recipe.eval.export if self.recipe.eval is not None else None
+        what = "adapter" if method_of(self.recipe.training).writes_adapter else "model"
+        return export_models(self.run_dir, best_step, last_step, export, export_last=export_last,
+                             export_best=export_best, what=what, is_main=self.rank == 0, device=self.device)
 
     def record(self, **fields: Any) -> Path:
         """run.json of the completed run (rank 0); `fields`: what `record_run` takes beyond the session's own."""

@@ -112,26 +112,3 @@ def test_lora_samples_equal_sample_greedy_on_the_final_adapter(runs):
     recipe, model = _load_adapter(run_dir, "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert rows[-1]["completion"] == sample_greedy(model, tokenizer, recipe.eval.sample_conversations(), 6)[0]
-
-
-def test_export_best_keeps_final_until_best_is_in_place(tmp_path):
-    """export: best moves <run>/best to <run>/final; with best/ missing (removed by hand before a resume) the
-    last adapter stays and the error is one line."""
-    import pytest
-
-    from ftcli.config.errors import UserError
-    from ftcli.train.lora.callbacks import export_best
-
-    final, best = tmp_path / "final", tmp_path / "best"
-    final.mkdir()
-    (final / "adapter_config.json").write_text('{"last": true}')
-    with pytest.raises(UserError) as e:
-        export_best(tmp_path, "best", best_step=2, last_step=4)
-    assert str(e.value) == (f"export: best needs the best eval's adapter in {best}, which is missing; the last "
-                            f"adapter stays in {final}")
-    assert (final / "adapter_config.json").read_text() == '{"last": true}'
-    best.mkdir()
-    (best / "adapter_config.json").write_text('{"best": true}')
-    assert export_best(tmp_path, "best", best_step=2, last_step=4) == "final"
-    assert (final / "adapter_config.json").read_text() == '{"best": true}'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]

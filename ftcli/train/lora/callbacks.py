@@ -6,7 +6,7 @@
     TimedSave      training.checkpoint.every_minutes (`every_steps` is TRL's own `save_steps`)
     EvalCallback   recipe.eval through `ftcli.train.evaluate`, the functions the full loop calls: the eval loss in
                    the step line, the best adapter in <run>/best, early stopping, greedy samples
-    StopOnSignal   SIGTERM / SIGINT (`ftcli.train.preempt`): checkpoint and stop at the end of the step
+    StopOnSignal   SIGTERM / SIGINT (the run session's `stop_signal`): checkpoint and stop at the end of the step
     Checksums      after every save (last of all): each file's size and CRC32s in the checkpoint-N
                    (`ftcli.train.checkpoint.record_trl_checksums`), checked before a resume
 
@@ -28,12 +28,11 @@ from transformers import TrainerCallback
 
 from ftcli.train.checkpoint import CheckpointSchedule, record_trl_checksums
 from ftcli.train.distributed import all_reduce, local_device, rank0_decides
-from ftcli.config.errors import UserError
-from ftcli.train.evaluate import EvalTracker, best_model_location, evaluate_now, publish_eval, sample_now, samples_due
+from ftcli.train.evaluate import EvalTracker, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.artifacts.publish import begin_export, publish_export
 from ftcli.train.preference import reduced_means
-from ftcli.artifacts.rundir import BEST, FINAL
-from ftcli.config.safe_files import refuse_links, remove_tree, write_atomic
+from ftcli.artifacts.rundir import BEST
+from ftcli.config.safe_files import write_atomic
 
 TOKENS_FILE = "ftcli_tokens.json"  # in every checkpoint-N: the run's token counts, so a resume keeps counting
 EVALS_FILE = "ftcli_evals.json"  # in every checkpoint-N: the evals so far (best step, early stopping)
@@ -82,26 +81,6 @@ def save_adapter(model, tokenizer, out: Path) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         model.save_pretrained(str(out), state_dict=state)
         tokenizer.save_pretrained(str(out))
-
-
-def export_best(run_dir: Path, export: str, best_step: int, last_step: int) -> str:
-    """Rank 0, after the final save: where the best eval's adapter is (relative to the run dir,
-    `ftcli.train.evaluate.best_model_location`). <run>/best moves to <run>/final for export=best; the best being the
-    last model, final/ is it already."""
-    where = best_model_location(best_step, last_step, export)
-    if best_step == last_step:
-        remove_tree(run_dir / BEST)
-    elif where == FINAL:
-        if not (run_dir / BEST / "adapter_config.json").is_file():  # checked before final/ goes
-            raise UserError(f"export: best needs the best eval's adapter in {run_dir / BEST}, which is missing; "
-                            f"the last adapter stays in {run_dir / FINAL}")
-        aside = run_dir / f".old_{FINAL}"
-        refuse_links([run_dir / FINAL, run_dir / BEST])  # renamed here: a link would be moved, not its target
-        remove_tree(aside)
-        (run_dir / FINAL).rename(aside)
-        (run_dir / BEST).rename(run_dir / FINAL)
-        remove_tree(aside)
-    return where
 
 
 def attach_loss_sum(model, chunk_tokens: int, objective=None, training=None) -> None:
@@ -374,19 +353,17 @@ class EvalCallback(TrainerCallback):
 
 
 class StopOnSignal(TrainerCallback):
-    """SIGTERM / SIGINT (`ftcli.train.preempt`): at the end of the step in progress, every rank agrees on the flag (one
-    all-reduce MAX), saves checkpoint-N through TRL (`save`: checkpoints enabled) and stops; `train` then
-    raises `Stopped`. `.signum`: the agreed signal (0: none)."""
+    """SIGTERM / SIGINT, as the run session decides (`ftcli.train.session.RunSession.stop_signal`): at the end of the
+    step in progress every rank agrees on the flag, TRL saves checkpoint-N (`checkpoint_on_stop`) and stops; `train`
+    then hands the stop to the session (`RunSession.stop`). `.signum`: the agreed signal (0: none)."""
 
-    def __init__(self, save: bool) -> None:
-        from ftcli.train.preempt import stop_flag
-
-        self.flag, self.signum, self.save = stop_flag(), 0, save
+    def __init__(self, session) -> None:
+        self.session, self.signum = session, 0
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.signum = self.flag.agreed(args.device)
+        self.signum = self.session.stop_signal(args.device)
         if self.signum:
-            control.should_save = control.should_save or self.save
+            control.should_save = control.should_save or self.session.checkpoint_on_stop
             control.should_training_stop = True
 
 

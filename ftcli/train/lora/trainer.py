@@ -39,7 +39,7 @@ from ftcli import features
 from ftcli.config.errors import UserError
 from ftcli.objectives import method_of, objective_of
 from ftcli.train.lora.callbacks import TOKENS_FILE  # noqa: F401 (a checkpoint's token counts, named here too)
-from ftcli.train.lora.callbacks import Checksums, EvalCallback, ObjectiveLoss, StepLog, StopOnSignal, TimedSave, export_best
+from ftcli.train.lora.callbacks import Checksums, EvalCallback, ObjectiveLoss, StepLog, StopOnSignal, TimedSave
 from ftcli.train.lora.callbacks import route_loss_through_forward, save_adapter
 from ftcli.train.lora.config import checkpointing_arg, ignored_settings, lora_config, sft_config_kwargs  # noqa: F401
 from ftcli.config.recipe import Recipe
@@ -370,7 +370,6 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     from ftcli.train.distributed import local_device
     from ftcli.train.metrics import truncate_metrics
     from ftcli.estimate.fit import resolved_sharding
-    from ftcli.train.preempt import Stopped
     from ftcli.train.session import RunSession
     from ftcli.artifacts.rundir import METRICS_FILE
     from ftcli.config.safe_files import refuse_links
@@ -402,7 +401,8 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
     if checkpoint is not None and args.process_index == 0:
         truncate_metrics(run_dir / METRICS_FILE, checkpoint_step(checkpoint))  # those steps are trained again
     step_log = None
-    try:
+    # an error or a stop: the progress bar gives the terminal back, the tracked run ends KILLED / FAILED
+    with session.running(cleanup=lambda: step_log is not None and step_log.close()):
         attn = _attn_implementation(recipe, device)
         session.open_data()  # rank 0 fills the caches, then the others open them
         tokenizer, blocks, evaluator = session.tokenizer, require_units(recipe.data, session.units), session.evaluator
@@ -431,7 +431,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
                   f"run dir {run_dir}", flush=True)
 
         step_log.load(checkpoint)  # the token counts and the evals so far of a resumed run
-        stop = StopOnSignal(recipe.training.checkpoint.enabled)
+        stop = StopOnSignal(session)  # SIGTERM / SIGINT: the session decides (ftcli.train.session)
         trainer.add_callback(stop)
         try:
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
@@ -446,15 +446,10 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             raise not_saved from None
         if stop.signum and trainer.state.global_step < trainer.state.max_steps:
             step = trainer.state.global_step
-            saved = Path(args.output_dir) / f"checkpoint-{step}"
-            raise Stopped(step, stop.signum, str(saved) if saved.is_dir() else None)
+            saved = Path(args.output_dir) / f"checkpoint-{step}"  # TRL saved it at the step end when the session asked
+            session.stop(step, stop.signum, lambda save: saved if saved.is_dir() else None)
         finish(recipe, run_dir, trainer, step_log, session=session, sharding=sharding)
         session.end()
-    except BaseException as e:
-        if step_log is not None:
-            step_log.close()  # the progress bar gives the terminal back
-        session.end(e)
-        raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
         # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
@@ -487,18 +482,18 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
 
 
 def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, session, sharding: str) -> None:
-    """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it, run.json."""
+    """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it (the session
+    decides: ftcli.train.export), run.json."""
     from ftcli.artifacts.rundir import FINAL
 
-    save_final_adapter(trainer, run_dir / FINAL, sharding)
-    if trainer.args.process_index != 0:
-        return
     evals = step_log.eval_callback
     tracked = evals.evals if evals is not None else None
-    best_step = tracked.best_step if tracked is not None else None
-    best_model_dir = None
-    if recipe.training.checkpoint.keep_best and best_step is not None:
-        best_model_dir = export_best(run_dir, recipe.eval.export, best_step, trainer.state.global_step)
+    best_step = tracked.best_step if tracked is not None and recipe.training.checkpoint.keep_best else None
+    # the best adapter is already whole in best/ (EvalCallback.save_best): the session copies it where it goes
+    best_model_dir = session.export_models(best_step, trainer.state.global_step,
+                                           export_last=lambda out_dir: save_final_adapter(trainer, out_dir, sharding))
+    if trainer.args.process_index != 0:
+        return
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     session.record(steps=trainer.state.global_step, tokens={"trained": step_log.trained, "seen": step_log.seen},
                    final_loss=losses[-1] if losses else None,
