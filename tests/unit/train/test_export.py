@@ -65,7 +65,7 @@ def test_full_best_to_final_renames_only_the_export_records(tmp_path, one_rank, 
         for p in model.parameters():
             p.add_(0.25)  # the last model differs from the best everywhere
     last_state = {k: v.clone() for k, v in model.state_dict().items()}
-    export = export_hf(model, recipe.model, load_tokenizer(recipe))
+    export = export_hf(model, recipe.model, load_tokenizer(recipe.model, recipe.data))
 
     def weights(model_dir):
         exported = load_file(model_dir / "model.safetensors")
