@@ -352,7 +352,7 @@ def _merge(adapter_dir: Path, *, base, output, dtype, recipe, force, fmt: str = 
         raise UserError(f"--format {fmt}: use {' or '.join(FORMATS)}")
     adapter, run_dir, run = resolve_adapter(adapter_dir)
     read_adapter_config(adapter)  # readable and LoRA's, and the weights are there, before anything loads
-    if not any((adapter / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+    if not (adapter / "adapter_model.safetensors").is_file():  # (only a pickled adapter_model.bin: refused by locate)
         raise UserError(f"{adapter} has no adapter_model.safetensors; pass the adapter dir that training wrote")
     resolved = resolve_base(adapter, run_dir, run, base)
     base_ref = resolved.ref
@@ -701,7 +701,7 @@ def _meta_peft_model(cfg, adapter: Path, base_ref: str):
         raise UserError(f"{adapter / 'adapter_config.json'}: not a LoRA config PEFT can use ({first_line(e)})") from None
     try:
         saved = load_peft_weights(str(adapter), device="cpu")
-    except Exception as e:  # noqa: BLE001 - a truncated safetensors file, a .bin that does not unpickle
+    except Exception as e:  # noqa: BLE001 - a truncated safetensors file
         raise UserError(f"{adapter}: cannot read the adapter weights ({first_line(e)})") from None
     modules = {name for name, _ in base.named_modules()}
     _check_fit(adapter, base_ref, [k for k in saved if _adapted_module(k) not in modules], {})

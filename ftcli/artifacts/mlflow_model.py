@@ -418,12 +418,15 @@ def _adapter_model(adapter_dir: Path, base: BaseRef, *, dtype: str, model_class:
     from peft import PeftModel
     from transformers import AutoConfig
 
-    from ftcli.model.build import DTYPES, auto_class
+    from ftcli.model.build import DTYPES, auto_class, refuse_pickled_weights
 
+    refuse_pickled_weights(adapter_dir, "LoRA adapter", "adapter")  # before the base loads: PEFT would unpickle it
     torch_dtype = DTYPES.get(dtype, torch.bfloat16)
     cls = auto_class(model_class)
     if base.local:
-        model = cls.from_pretrained(str(base.path), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        refuse_pickled_weights(base.path, f"the base {base}")
+        model = cls.from_pretrained(str(base.path), dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                    use_safetensors=True)
     else:
         try:
             config = AutoConfig.from_pretrained(base.id, revision=base.revision, trust_remote_code=trust_remote_code)

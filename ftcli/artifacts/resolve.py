@@ -145,7 +145,12 @@ def locate(path: Path, *, checkpoint: Literal["last", "best"] = "last", complete
 
 
 def _whole(target: Target) -> Target:
-    """`target` when its model dir is a whole export (ftcli.artifacts.publish), else one UserError."""
+    """`target` when its model dir is a whole export (ftcli.artifacts.publish) and an adapter's weights are not only
+    a pickle (adapter_model.bin: PEFT would unpickle it), else one UserError."""
+    if target.kind == "adapter":
+        from ftcli.model.build import refuse_pickled_weights
+
+        refuse_pickled_weights(target.model_dir, "LoRA adapter", "adapter")
     problem = export_problem(target.model_dir)
     if problem is not None:
         raise UserError(f"{target.model_dir} is not a whole model export: {problem}; export it again (or resume "

@@ -143,13 +143,21 @@ def load_model(
         raise UserError(f"model.id {cfg.id!r}: cannot load weights: {why}; export or download it again") from None
 
 
-def refuse_pickled_weights(source: str, what: str) -> None:
-    """A local model dir whose weights are only pickles (pytorch_model*.bin, no *.safetensors): one UserError,
-    before anything reads them."""
+# what a dir's weights are, by kind: (its pickles, its safetensors); PEFT and transformers read a pickle only where no
+# safetensors file of that kind is beside it
+WEIGHT_FILES = {"model": ("pytorch_model*.bin", "*.safetensors"),
+                "adapter": ("adapter_model*.bin", "adapter_model*.safetensors")}
+
+
+def refuse_pickled_weights(source: str | Path, what: str, weights: str = "model") -> None:
+    """A local model dir (weights="model": pytorch_model*.bin) or LoRA adapter dir (weights="adapter":
+    adapter_model.bin) whose weights are only pickles, no safetensors: one UserError, before anything reads them.
+    Every loader of a base or an adapter calls it (transformers and PEFT would unpickle them)."""
     path = Path(source)
-    if not path.is_dir() or any(path.glob("*.safetensors")):
+    pickled, safe = WEIGHT_FILES[weights]
+    if not path.is_dir() or any(path.glob(safe)):
         return
-    pickles = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    pickles = sorted(p.name for p in path.glob(pickled))
     if pickles:
         raise UserError(f"{what}: {path / pickles[0]} is a pickle and there are no safetensors weights; ftcli never "
                         "unpickles a weights file (loading one can run code): convert it to safetensors where you "

@@ -67,6 +67,7 @@ from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.artifacts.publish import begin_export, publish_export, remove_export
 from ftcli.artifacts.rundir import CHECKPOINTS, RECIPE_FILE, ran_a_step
 from ftcli.config.safe_files import write_atomic, write_new
+from ftcli.model.build import refuse_pickled_weights
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_STEP_DIR = re.compile(r"^\.tmp_step_(\d{8})$")  # an older ftcli's save in progress
@@ -113,7 +114,8 @@ def resolve_resume(run_dir: Path, resume: str | None, kind: Literal["dcp", "trl"
     resume: None | "latest" (the newest under <run>/checkpoints) | a checkpoint dir | a folder of them
     (e.g. a run's checkpoints/: its newest). kind: "dcp" for the full path's step_XXXXXXXX dirs (this
     module), "trl" for the LoRA path's checkpoint-N dirs (transformers' Trainer). A path that is not a
-    complete checkpoint of that kind is one UserError."""
+    complete checkpoint of that kind is one UserError, and so is a "trl" checkpoint whose adapter is only a pickle
+    (adapter_model.bin: transformers' resume would have PEFT unpickle it)."""
     if resume is None:
         return None
     newest, marker, none_found, not_one = _RESUME_KINDS[kind]
@@ -122,12 +124,14 @@ def resolve_resume(run_dir: Path, resume: str | None, kind: Literal["dcp", "trl"
         path = newest(root)
         if path is None:
             raise UserError(none_found.format(root=root))
-        return path
-    path = Path(resume)
-    if not (path / marker).is_file():
-        path = newest(path) or path  # a run dir's checkpoints/ folder is accepted too
-    if not (path / marker).is_file():
-        raise UserError(not_one.format(resume=resume))
+    else:
+        path = Path(resume)
+        if not (path / marker).is_file():
+            path = newest(path) or path  # a run dir's checkpoints/ folder is accepted too
+        if not (path / marker).is_file():
+            raise UserError(not_one.format(resume=resume))
+    if kind == "trl":
+        refuse_pickled_weights(path, "--resume", "adapter")
     return path
 
 

@@ -248,6 +248,14 @@ class FullRun:
                                         device=world.device, resume=resume is not None, say=say)
         self.tracker = self.session.tracker
 
+        # every error from here on (no packed block, a model that does not build, a checkpoint that does not load)
+        # ends the tracked run FAILED, as one in the steps does
+        with self.session.running():
+            self.prepare(resume, loss_fn)
+
+    def prepare(self, resume: str | None, loss_fn: Callable) -> None:
+        """Steps 2-5: data, model, optimizer and schedule, resume; the run's first line."""
+        recipe, run_dir, world, tcfg, say = self.recipe, self.run_dir, self.world, self.tcfg, self.say
         # ---- 2. data: rank 0 tokenizes + packs into the on-disk cache first, then every rank reads it
         self.prepare_data()
         # ---- 3. model: meta -> shard -> materialize this rank's shard
@@ -585,7 +593,6 @@ class FullRun:
             self.sample()  # the end's samples (an early stop, or the data ended first)
         if tcfg.checkpoint.enabled and self.last_save_step != result.steps:
             self.say(f"checkpoint: {self.save()}")
-        final_dir = self.run_dir / FINAL
         best_step = self.evals.best_step if self.evals is not None else None
         best = best_checkpoint(self.run_dir / CHECKPOINTS, best_step) if tcfg.checkpoint.keep_best else None
         best_model_dir = None
@@ -594,18 +601,10 @@ class FullRun:
             best_model_dir = self.session.export_models(
                 best_step if best is not None else None, result.steps, export_last=export,
                 export_best=best_from_checkpoint(best, self.model, export))
-            if best is not None:
-                self.say(f"best eval: step {best_step}, eval loss {self.evals.best_loss:.4f}, model in "
-                         f"{self.run_dir / best_model_dir}")
-        if world.is_main:
-            self.session.record(steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
-                                final_loss=result.final_loss, throughput=self.meter.throughput(), evals=self.evals,
-                                best_model_dir=best_model_dir, stopped_early=self.stop_reason,
-                                model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
-                                best_checkpoint=str(best) if best is not None else None)
-            self.session.end()
-            where = f", model in {final_dir}" if tcfg.checkpoint.save_final_hf else ""
-            loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
-            self.say(f"done: {result.steps} steps, final loss {loss}{where}")
+        self.session.complete(steps=result.steps, tokens={"trained": result.tokens_trained, "seen": result.tokens_seen},
+                              final_loss=result.final_loss, throughput=self.meter.throughput(), evals=self.evals,
+                              best_model_dir=best_model_dir, stopped_early=self.stop_reason,
+                              model_dir=FINAL if tcfg.checkpoint.save_final_hf else None,
+                              best_checkpoint=str(best) if best is not None else None)
         dist.barrier()  # leave together: a rank that tears down its process group early aborts the others
         return result

@@ -17,10 +17,12 @@ none of it:
                               final/ and best/ (ftcli.train.export: which model goes where, written in place by
                               the trainer's callables or copied from the best/ it kept, no dir renamed); returns
                               run.json's best_model_dir
-    session.record(...)       run.json (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data,
-                              every eval, the best one and where its model is), logged with recipe.yaml (rank 0)
+    session.complete(...)     the run's end, the same for every trainer: the best eval's line, run.json
+                              (ftcli.artifacts.rundir.RunRecord: steps, tokens, loss, throughput, data, every eval,
+                              the best one and where its model is) logged with recipe.yaml (rank 0), the tracked run
+                              FINISHED, the `done:` line
     session.end(error)        the tracked run's status: FINISHED, KILLED (a stop signal) or FAILED; `with
-                              session.running(cleanup):` around the steps ends it on any exception
+                              session.running(cleanup):` around everything after `start` ends it on any exception
 
 A trainer plugs in callables (save a checkpoint, export the model it holds, export the best eval's) and the session
 decides when they run: no trainer class hierarchy.
@@ -129,10 +131,25 @@ class RunSession:
         return export_models(self.run_dir, best_step, last_step, export, export_last=export_last,
                              export_best=export_best, what=what, is_main=self.rank == 0, device=self.device)
 
-    def record(self, **fields: Any) -> Path:
-        """run.json of the completed run (rank 0); `fields`: what `record_run` takes beyond the session's own."""
-        return record_run(self.recipe, self.run_dir, tracker=self.tracker, summary=self.summary,
-                          evaluator=self.evaluator, **fields)
+    def complete(self, *, steps: int, final_loss: float | None, evals, best_model_dir: str | None,
+                 model_dir: str | None, **fields: Any) -> None:
+        """After the exports, the run's end on every rank: the best eval's line (when a best model was exported), then
+        on rank 0 run.json (`record_run`; `fields`: what it takes beyond these and the session's own), the tracked run
+        FINISHED and the last line, `done: N steps, final loss L, <model> in <run>/final`."""
+        from ftcli.objectives import method_of
+
+        if best_model_dir is not None:
+            self.say(f"best eval: step {evals.best_step}, eval loss {evals.best_loss:.4f}, model in "
+                     f"{self.run_dir / best_model_dir}")
+        if self.rank != 0:
+            return
+        record_run(self.recipe, self.run_dir, tracker=self.tracker, summary=self.summary, evaluator=self.evaluator,
+                   steps=steps, final_loss=final_loss, evals=evals, best_model_dir=best_model_dir,
+                   model_dir=model_dir, **fields)
+        self.end()
+        what = "adapter" if method_of(self.recipe.training).writes_adapter else "model"
+        where = f", {what} in {self.run_dir / model_dir}" if model_dir is not None else ""
+        self.say(f"done: {steps} steps, final loss {f'{final_loss:.4f}' if final_loss is not None else 'n/a'}{where}")
 
     def end(self, error: BaseException | None = None) -> None:
         """The tracked run's status: finished, or KILLED by a stop signal (ftcli.train.preempt.Stopped), or FAILED."""

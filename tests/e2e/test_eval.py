@@ -166,6 +166,9 @@ def test_early_stop_keep_best_and_export_best(eval_run):
     best = weights_from_dcp(run_dir / "checkpoints" / "step_00000003")
     final = _safetensors(run_dir / "final")
     assert all(torch.equal(best[k], final[k]) for k in final) and best.keys() >= final.keys()
+    final_dir = run_dir / "final"
+    assert f"best eval: step 3, eval loss {record['best_eval_loss']:.4f}, model in {final_dir}" in eval_run["stdout"]
+    assert f"done: 4 steps, final loss {record['final_loss']:.4f}, model in {final_dir}" in eval_run["stdout"]
 
 
 def test_samples_equal_sample_greedy_on_the_saved_model(eval_run):

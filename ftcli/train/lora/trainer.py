@@ -448,8 +448,7 @@ def train(recipe: Recipe, run_dir: Path, resume: str | None) -> None:
             step = trainer.state.global_step
             saved = Path(args.output_dir) / f"checkpoint-{step}"  # TRL saved it at the step end when the session asked
             session.stop(step, stop.signum, lambda save: saved if saved.is_dir() else None)
-        finish(recipe, run_dir, trainer, step_log, session=session, sharding=sharding)
-        session.end()
+        finish(recipe, trainer, step_log, session=session, sharding=sharding)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # run.json is written before any rank exits
         # and leave together: a process that exits with the group (and FSDP2's checkpoint threads) still up
@@ -481,9 +480,9 @@ def save_final_adapter(trainer, final: Path, sharding: str) -> None:
         publish_export(final)
 
 
-def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, session, sharding: str) -> None:
+def finish(recipe: Recipe, trainer, step_log, *, session, sharding: str) -> None:
     """After the last step: the adapter in <run>/final, the best eval's where `eval.export` puts it (the session
-    decides: ftcli.train.export), run.json."""
+    decides: ftcli.train.export), then the run's end (`RunSession.complete`: run.json, the last lines)."""
     from ftcli.artifacts.rundir import FINAL
 
     evals = step_log.eval_callback
@@ -492,13 +491,10 @@ def finish(recipe: Recipe, run_dir: Path, trainer, step_log, *, session, shardin
     # the best adapter is already whole in best/ (EvalCallback.save_best): the session copies it where it goes
     best_model_dir = session.export_models(best_step, trainer.state.global_step,
                                            export_last=lambda out_dir: save_final_adapter(trainer, out_dir, sharding))
-    if trainer.args.process_index != 0:
-        return
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    session.record(steps=trainer.state.global_step, tokens={"trained": step_log.trained, "seen": step_log.seen},
-                   final_loss=losses[-1] if losses else None,
-                   throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
-                   evals=tracked, best_model_dir=best_model_dir,
-                   stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
-                   base_path="base" if recipe.model.init == "random" else None)
-    print(f"done: {trainer.state.global_step} steps, adapter in {run_dir / FINAL}", flush=True)
+    session.complete(steps=trainer.state.global_step, tokens={"trained": step_log.trained, "seen": step_log.seen},
+                     final_loss=losses[-1] if losses else None,
+                     throughput=step_log.meter.throughput(),  # of this invocation (a resumed run: after the checkpoint)
+                     evals=tracked, best_model_dir=best_model_dir,
+                     stopped_early=evals.stop_reason if evals is not None else None, model_dir=FINAL,
+                     base_path="base" if recipe.model.init == "random" else None)

@@ -1,6 +1,8 @@
 """ftcli.model.build loads weights from safetensors only: a pickled pytorch_model.bin is refused in one line and
 never unpickled, and a safetensors file whose header lies is one line naming it (generate, train and plan's
-model loads all go through `load_model`)."""
+model loads all go through `load_model`). A LoRA adapter whose weights are only a pickled adapter_model.bin is refused
+the same way before PEFT could read it, wherever an adapter is loaded: the resolver (generate, chat, merge-lora,
+register), register's logging (and its local base) and a LoRA --resume."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _rewrite_header(src: Path, dst: Path, edit) -> None:
 
 
 def _copy(model_dir: Path, dst: Path) -> Path:
-    dst.mkdir()
+    dst.mkdir(parents=True)
     for f in model_dir.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
@@ -78,34 +80,128 @@ def test_a_safetensors_header_that_lies_is_one_line_naming_the_file(model_dir, t
     assert message.endswith("); export or download it again") and "\n" not in message
 
 
-def test_a_pickled_pytorch_model_bin_is_refused_and_never_unpickled(model_dir, tmp_path, monkeypatch):
-    """The pickle would run code when unpickled (its reduce calls a function that records it): it never runs, and
-    neither torch.load nor pickle is asked to read it."""
+RAN: list[str] = []  # what a Payload's unpickling ran: stays empty
+
+
+class Payload:
+    """Unpickling it runs code (its reduce calls a function that records it)."""
+
+    def __reduce__(self):
+        return (RAN.append, ("unpickled",))
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """torch.load and pickle.load fail the test when asked to read anything; nothing a Payload runs is recorded."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weights pickle was read")
+
+    RAN.clear()
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    yield
+    assert RAN == []
+
+
+def _pickle_at(path: Path, state: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump({"state": state, "payload": Payload()}, f)
+
+
+def _refusal(what: str, pickled: Path) -> str:
+    return (f"{what}: {pickled} is a pickle and there are no safetensors weights; ftcli never unpickles a weights "
+            "file (loading one can run code): convert it to safetensors where you trust it (save_pretrained(..., "
+            "safe_serialization=True)), then point at that")
+
+
+def test_a_pickled_pytorch_model_bin_is_refused_and_never_unpickled(model_dir, tmp_path, no_unpickling):
     from safetensors.torch import load_file
 
     from ftcli.model.build import load_model
 
-    ran = []
-
-    class Payload:
-        def __reduce__(self):
-            return (ran.append, ("unpickled",))
-
     pickled = _copy(model_dir, tmp_path / "pickled")
     state = load_file(str(pickled / "model.safetensors"))
     (pickled / "model.safetensors").unlink()
-    with open(pickled / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"state": state, "payload": Payload()}, f)
-
-    def no_unpickling(*args, **kwargs):
-        raise AssertionError("a weights pickle was read")
-
-    monkeypatch.setattr(torch, "load", no_unpickling)
-    monkeypatch.setattr(pickle, "load", no_unpickling)
+    _pickle_at(pickled / "pytorch_model.bin", state)
     with pytest.raises(UserError) as err:
         load_model(_cfg(pickled))
-    assert str(err.value) == (
-        f"model.id '{pickled}': {pickled / 'pytorch_model.bin'} is a pickle and there are no safetensors weights; "
-        "ftcli never unpickles a weights file (loading one can run code): convert it to safetensors where you trust "
-        "it (save_pretrained(..., safe_serialization=True)), then point at that")
-    assert ran == []
+    assert str(err.value) == _refusal(f"model.id '{pickled}'", pickled / "pytorch_model.bin")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    """A LoRA adapter of the tiny model, saved as safetensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    out = tmp_path_factory.mktemp("adapter") / "a"
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(out, safe_serialization=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(model_dir)}))
+    return out
+
+
+def _pickled_adapter(adapter_dir: Path, dst: Path) -> Path:
+    from safetensors.torch import load_file
+
+    pickled = _copy(adapter_dir, dst)
+    state = load_file(str(pickled / "adapter_model.safetensors"))
+    (pickled / "adapter_model.safetensors").unlink()
+    _pickle_at(pickled / "adapter_model.bin", state)
+    return pickled
+
+
+def test_a_pickled_adapter_is_refused_by_the_resolver_of_every_command(adapter_dir, tmp_path, no_unpickling):
+    """generate and chat (model_source), merge-lora and register (locate): one line, before the base loads."""
+    from ftcli.artifacts.merge import merge_lora
+    from ftcli.artifacts.resolve import locate, model_source
+
+    assert locate(adapter_dir).kind == "adapter"  # the safetensors adapter resolves
+    pickled = _pickled_adapter(adapter_dir, tmp_path / "pickled")
+    expected = _refusal("LoRA adapter", pickled / "adapter_model.bin")
+    for resolve in (locate, lambda p: model_source(str(p)), lambda p: merge_lora(p, output=tmp_path / "merged")):
+        with pytest.raises(UserError) as err:
+            resolve(pickled)
+        assert str(err.value) == expected
+    assert not (tmp_path / "merged").exists()
+
+
+def test_register_logging_refuses_a_pickled_adapter_and_a_pickled_local_base(model_dir, adapter_dir, tmp_path,
+                                                                               no_unpickling):
+    """MLflow logging builds the PEFT model itself (`_adapter_model`): the adapter and a local base are checked
+    there too, before transformers or PEFT reads either."""
+    from safetensors.torch import load_file
+
+    from ftcli.artifacts.mlflow_model import _adapter_model
+    from ftcli.artifacts.resolve import BaseRef
+
+    pickled = _pickled_adapter(adapter_dir, tmp_path / "pickled")
+    with pytest.raises(UserError) as err:
+        _adapter_model(pickled, BaseRef(path=model_dir), dtype="float32", model_class="causal_lm",
+                       trust_remote_code=False)
+    assert str(err.value) == _refusal("LoRA adapter", pickled / "adapter_model.bin")
+
+    base = _copy(model_dir, tmp_path / "base")
+    state = load_file(str(base / "model.safetensors"))
+    (base / "model.safetensors").unlink()
+    _pickle_at(base / "pytorch_model.bin", state)
+    with pytest.raises(UserError) as err:
+        _adapter_model(adapter_dir, BaseRef(path=base), dtype="float32", model_class="causal_lm",
+                       trust_remote_code=False)
+    assert str(err.value) == _refusal(f"the base {base}", base / "pytorch_model.bin")
+
+
+def test_a_lora_resume_from_a_checkpoint_with_a_pickled_adapter_is_refused(adapter_dir, tmp_path, no_unpickling):
+    from ftcli.train.checkpoint import resolve_resume
+
+    run = tmp_path / "run"
+    checkpoint = _pickled_adapter(adapter_dir, run / "checkpoints" / "checkpoint-3")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    for resume in ("latest", str(checkpoint), str(run / "checkpoints")):
+        with pytest.raises(UserError) as err:
+            resolve_resume(run, resume, kind="trl")
+        assert str(err.value) == _refusal("--resume", checkpoint / "adapter_model.bin")
+    (checkpoint / "adapter_model.bin").unlink()
+    (checkpoint / "adapter_model.safetensors").write_bytes((adapter_dir / "adapter_model.safetensors").read_bytes())
+    assert resolve_resume(run, "latest", kind="trl") == checkpoint
