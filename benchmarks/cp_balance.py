@@ -1,12 +1,7 @@
 """Context parallelism's causal imbalance: the forward FLOPs of each rank of a CP group on one packed block, with
-contiguous slices and with the balanced (zigzag) layout (training.context_parallel_balance), counted from the same
-`CPSlice.pieces()` the attention kernels run over. CPU only, arithmetic, no model built.
-
-    dense        2 x (non-embedding parameters + LM head) per token: the same on every rank (T / N tokens each)
-    gated delta  Qwen3.5's linear-attention layers, per token and value head: 6 dk dv (state update and readout) +
-                 2 x 64 (dk + dv) (the chunked kernel's in-chunk terms, chunk 64): the same on every rank
-    attention    4 x query width per (query, key) pair a full-attention layer computes, pairs = the causal triangle
-                 of each segment piece of the rank's queries against the keys of its segment before them
+contiguous slices and with the balanced (zigzag) layout (training.context_parallel_balance), by
+ftcli.estimate.cpbalance (the arithmetic `ftcli plan` says: dense, gated-delta and attention FLOPs per rank, the
+attention pairs counted over the pieces `CPSlice.pieces()` gives the attention kernels). CPU only, no model built.
 
 Per rank: the sum; `max / mean` is the slowest rank against a perfect split (what the step waits for, compute only:
 no communication, no recomputation). Blocks: one document filling the block (the worst case: long-context data) and
@@ -27,45 +22,18 @@ import common
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ftcli.estimate import memory  # noqa: E402
-from ftcli.model.kernels.cp import CPSlice  # noqa: E402
+from ftcli.estimate import cpbalance, memory  # noqa: E402
 
 MODELS = {"Qwen3.8-27B": "Qwen/Qwen3.8-27B", "Llama-3.1-8B": "meta-llama/Llama-3.1-8B-Instruct"}
-GDN_CHUNK = 64
-
-
-def config_of(model_id: str) -> dict:
-    cfg = json.loads(memory.shipped_shape_path(model_id).read_text())
-    return cfg.get("text_config", cfg)
-
-
-def causal_pairs(cp: CPSlice) -> int:
-    """(query, key) pairs of this rank's queries: per piece, queries q0..q1-1 see keys s..q."""
-    total = 0
-    for s, q0, q1 in cp.pieces():
-        a, b = q0 - s + 1, q1 - s
-        total += (a + b) * (b - a + 1) // 2
-    return total
 
 
 def rank_flops(model_id: str, tokens: int, doc: int, n: int, balanced: bool) -> tuple[list[float], float]:
     """Forward FLOPs of each of the n ranks, and the attention share of the whole block's FLOPs."""
-    cfg, shape = config_of(model_id), memory.shipped_shape(model_id)
-    kinds = shape.layer_kinds or ("full_attention",) * shape.layers
-    full = sum(1 for k in kinds if k == "full_attention")
-    linear = len(kinds) - full
-    q_dim, _ = memory.attention_dims(shape)
-    dense_per_token = 2 * (sum(shape.layer_params) + shape.hidden * shape.vocab)
-    if linear:
-        dk, dv, heads = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_num_value_heads"]
-        dense_per_token += linear * heads * (6 * dk * dv + 2 * GDN_CHUNK * (dk + dv))
-    cu = sorted({*range(0, tokens, doc), tokens})
-    out, attention = [], 0.0
-    for r in range(n):
-        attn = full * 4 * q_dim * causal_pairs(CPSlice.of(cu, r, n, None, balanced))
-        attention += attn
-        out.append(dense_per_token * tokens / n + attn)
-    return out, attention / sum(out)
+    cfg = json.loads(memory.shipped_shape_path(model_id).read_text())
+    cfg = cfg.get("text_config", cfg)
+    linear = (cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_num_value_heads"]) \
+        if "linear_key_head_dim" in cfg else None
+    return cpbalance.rank_flops(memory.shipped_shape(model_id), tokens, n, balanced, doc, linear)
 
 
 def main() -> int:

@@ -153,15 +153,17 @@ def _hf_offline() -> bool:
 
 # ------------------------------------------------------------------------------ what is uploaded
 # The files a model needs, by name: MLflow copies a checkpoint dir as a whole, so register hands it
-# a dir holding only these (anything else in final/ - notes, keys, logs - stays on this machine).
+# a dir holding only these (anything else in final/ - notes, keys, logs - stays on this machine). Weights are
+# safetensors only: a pickle (pytorch_model*.bin, adapter_model.bin) would be unpickled by whatever serves the model,
+# so it never leaves (a dir whose only weights are pickles is refused by the resolver: refuse_pickled_weights).
 MODEL_FILE_PATTERNS = (
     "config.json", "generation_config.json",  # the model
-    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",  # weights
+    "*.safetensors", "*.safetensors.index.json",  # weights
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",  # the tokenizer
     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "*.tiktoken",
     "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",  # chat templates
     "preprocessor_config.json", "processor_config.json",  # a vision-language model's processor
-    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",  # a LoRA adapter
+    "adapter_config.json", "adapter_model.safetensors",  # a LoRA adapter
     "merge.json",  # ftcli's own metadata (merge-lora's report)
 )
 
@@ -233,12 +235,12 @@ def missing_files(model_dir: Path, *, adapter: bool) -> list[str]:
     if adapter:
         if not (d / "adapter_config.json").is_file():
             missing.append("adapter_config.json")
-        if not any((d / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        if not (d / "adapter_model.safetensors").is_file():
             missing.append("adapter_model.safetensors")
     else:
         if not (d / "config.json").is_file():
             missing.append("config.json")
-        if not any(any(d.glob(g)) for g in ("*.safetensors", "pytorch_model*.bin")):
+        if not any(d.glob("*.safetensors")):
             missing.append("model weights (*.safetensors)")
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         missing.append("tokenizer (tokenizer.json)")

@@ -14,7 +14,8 @@
     -> `ModelSettings.of(recipe)`: the typed model settings of the run's saved recipe (or --recipe)
 
 Each command keeps its own rules on top (generate wants a completed run, merge-lora an adapter, register
-warns on an unfinished run); what a path *is* is decided here only. Nothing is loaded: these are file checks.
+warns on an unfinished run); what a path *is* is decided here only. Nothing is loaded: these are file checks. A model
+or adapter dir whose only weights are a pickle (pytorch_model*.bin, adapter_model.bin) is refused in one line here.
 """
 
 from __future__ import annotations
@@ -145,12 +146,15 @@ def locate(path: Path, *, checkpoint: Literal["last", "best"] = "last", complete
 
 
 def _whole(target: Target) -> Target:
-    """`target` when its model dir is a whole export (ftcli.artifacts.publish) and an adapter's weights are not only
-    a pickle (adapter_model.bin: PEFT would unpickle it), else one UserError."""
-    if target.kind == "adapter":
-        from ftcli.model.build import refuse_pickled_weights
+    """`target` when its model dir is a whole export (ftcli.artifacts.publish) and its weights are not only a pickle
+    (adapter_model.bin, pytorch_model*.bin: PEFT or transformers would unpickle it here, a serving endpoint after
+    register), else one UserError."""
+    from ftcli.model.build import refuse_pickled_weights
 
+    if target.kind == "adapter":
         refuse_pickled_weights(target.model_dir, "LoRA adapter", "adapter")
+    else:
+        refuse_pickled_weights(target.model_dir, "model", "model")
     problem = export_problem(target.model_dir)
     if problem is not None:
         raise UserError(f"{target.model_dir} is not a whole model export: {problem}; export it again (or resume "

@@ -79,6 +79,8 @@ def print_plan(plan: Plan) -> None:
         fits = ", ".join(f"{c.accelerator} {c.cp_fits if c.cp_fits is not None else 'none'}" for c in plan.cards)
         console.print(f"context parallel, the fewest ranks per block that fit {s.tokens:,} tokens: {fits} (recipe: "
                       f"training.context_parallel={s.cp})", highlight=False)
+    if plan.cp_balance is not None:
+        console.print(plan.cp_balance.text(), highlight=False)
     if method_of(plan.method).picks_sharding:
         console.print("LoRA base: " + ", ".join(f"{c.accelerator} {c.sharding}" for c in plan.cards)
                       + " (ddp: a whole base per GPU; fsdp: sharded over the GPUs)", highlight=False)

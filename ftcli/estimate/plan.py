@@ -13,7 +13,8 @@ then fits / does not; the settings that would fit when it does not (ftcli.estima
 keep their activations when it fits with room; and s/step, wall time and GPU-hours for the recipe's data
 (ftcli.estimate.datasize) from the step times measured in ftcli/assets/measured.json (ftcli.estimate.steptime;
 "no measurement" where there is none); for full SFT, the fewest context-parallel ranks per block
-(`training.context_parallel`) with which the recipe's block length fits each card.
+(`training.context_parallel`) with which the recipe's block length fits each card, and with context parallelism the
+slowest rank's share of the causal attention, contiguous and balanced (ftcli.estimate.cpbalance).
 
 Pure data + arithmetic: no torch, no model code (model shapes come from the shipped or local config.json; token
 counts from the pack cache, the synthetic config, or a sample of a local source). `ftcli.commands.plan` renders
@@ -31,6 +32,7 @@ from ftcli.config.accelerators import accelerator_name
 from ftcli.config.accelerators import parse_accelerator as parse_name
 from ftcli.config.recipe import ComputeConfig, Recipe, TrainingConfig
 from ftcli.estimate import memory
+from ftcli.estimate.cpbalance import CPBalance, cp_balance
 from ftcli.estimate.datasize import DataSize, data_size
 from ftcli.estimate.fit import (CARDS, GPUS_PER_NODE, Suggestion, fits_card, fitting_settings, no_fit_reason,
                                 setting_of, smallest_cp_that_fits)
@@ -81,6 +83,7 @@ class Plan:
     steps: int | None
     cards: tuple[CardPlan, ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = ()
+    cp_balance: CPBalance | None = None  # training.context_parallel > 1: each rank's causal attention work
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setting
@@ -91,7 +94,8 @@ class Plan:
                             "adapter_params": s.adapter_params, "sharding": s.sharding, "context_parallel": s.cp,
                             "objective": s.objective, "reference": s.reference},
                 "data": {"tokens": self.data.tokens, "blocks": self.data.blocks, "source": self.data.source},
-                "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes)}
+                "steps": self.steps, "cards": [c.to_dict() for c in self.cards], "notes": list(self.notes),
+                "context_parallel_balance": None if self.cp_balance is None else self.cp_balance.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,8 @@ def card_plan(recipe: Recipe, shape: memory.ModelShape, accelerator: str, data: 
 def _steps(t: TrainingConfig, data: DataSize, world: int) -> int | None:
     if data.blocks is None:
         return t.max_steps
-    data_parallel = world // getattr(t, "context_parallel", 1)  # the ranks of a CP group share each block
+    # the ranks of a CP group share each block (fewer GPUs than a group, as a CPU recipe's compute section: one group)
+    data_parallel = max(1, world // getattr(t, "context_parallel", 1))
     steps = math.ceil(data.blocks * t.epochs / (data_parallel * t.per_device_batch * t.grad_accum))
     return min(steps, t.max_steps) if t.max_steps else steps
 
@@ -172,9 +177,12 @@ def make_plan(recipe: Recipe, accelerators: list[str] | None = None) -> Plan:
         names.remove(own)
         notes.append(f"no memory figures for the recipe's {own}: cards known: {', '.join(CARDS)}")
     cards = tuple(card_plan(recipe, shape, a, data, steps) for a in names)
+    t = recipe.training
+    cp = getattr(t, "context_parallel", 1)
+    balance = cp_balance(recipe.data.packing.block_len, cp, t.context_parallel_balance) if cp > 1 else None
     return Plan(recipe=recipe.name, method=recipe.training.method, model=recipe.model.id or str(recipe.model.config),
                 params=shape.total_params, frozen_params=shape.frozen_params, setting=setting_of(recipe, shape),
-                data=data, steps=steps, cards=cards, notes=tuple(notes))
+                data=data, steps=steps, cards=cards, notes=tuple(notes), cp_balance=balance)
 
 
 def fit_check(recipe: Recipe) -> FitResult:

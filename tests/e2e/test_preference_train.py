@@ -1,10 +1,12 @@
 """`ftcli train` with a preference objective (the full FSDP2 loop, CPU, gloo): the tiny DPO recipe end to end,
-2 ranks x 2 micro-batches == 1 rank x 4 == one context-parallel group of 2 ranks step by step, and a resume that
-continues the uninterrupted run exactly."""
+2 ranks x 2 micro-batches == 1 rank x 4 == one context-parallel group of 2 ranks step by step, the precomputed
+reference == the live one, and a resume (of the precomputed run: its reference store read again, no reference forward)
+that continues the uninterrupted run exactly."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -72,17 +74,26 @@ def test_dpo_loss_same_for_1_and_2_ranks(dpo_run, tmp_path, env):  # noqa: F811
         assert a["tokens_trained"] == b["tokens_trained"]
 
 
-def test_precomputed_reference_equals_the_live_reference(dpo_run, tmp_path, env):  # noqa: F811
-    """training.preference.reference=precomputed (the starting model's log-probs stored once beside the pack cache, no
-    second model): the live-reference run's losses, grad norms, TRL metrics and evals, step by step (1e-6)."""
-    run_dir = tmp_path / "precomputed"
-    res = ftcli(_args(run_dir, "training.preference.reference=precomputed", "training.checkpoint.enabled=false",
-                      "training.checkpoint.save_final_hf=false"), tmp_path, env)
+@pytest.fixture(scope="module")
+def precomputed_run(tmp_path_factory, env):  # noqa: F811
+    """dpo_run with training.preference.reference=precomputed (the starting model's log-probs stored once beside the
+    pack cache, no second model), checkpoints at steps 2 and 4."""
+    cwd = tmp_path_factory.mktemp("precomputed")
+    res = ftcli(_args(cwd / "run", PRECOMPUTED, "training.checkpoint.every_steps=2"), cwd, env)
     assert res.returncode == 0, output_tail(res)
-    out = res.stdout + res.stderr
+    return {"cwd": cwd, "run_dir": cwd / "run", "stdout": res.stdout + res.stderr}
+
+
+PRECOMPUTED = "training.preference.reference=precomputed"
+
+
+def test_precomputed_reference_equals_the_live_reference(dpo_run, precomputed_run):
+    """training.preference.reference=precomputed: the live-reference run's losses, grad norms, TRL metrics and evals,
+    step by step (1e-6)."""
+    out = precomputed_run["stdout"]
     assert "DPO reference: the starting model's log-probs, precomputed (no second model)" in out
     assert "frozen copy" not in out and "reference log-probs (train): " in out
-    stored, live = metrics(run_dir), metrics(dpo_run["run_dir"])
+    stored, live = metrics(precomputed_run["run_dir"]), metrics(dpo_run["run_dir"])
     assert [m["step"] for m in stored] == [m["step"] for m in live] == list(range(1, STEPS + 1))
     for a, b in zip(stored, live):
         keys = ["loss", "grad_norm", *METRICS, *(k for k in b if k.startswith("eval_") and k != "eval_tokens")]
@@ -114,20 +125,31 @@ def test_dpo_with_context_parallel_equals_data_parallel(dpo_run, tmp_path, env):
             assert (a["eval_tokens"], a["eval_rewards/accuracies"]) == (b["eval_tokens"], b["eval_rewards/accuracies"])
 
 
-def test_dpo_resume_continues_the_uninterrupted_run(dpo_run, tmp_path, env):  # noqa: F811
-    """The run dir as it was at its step-2 checkpoint, resumed: steps 3 and 4 as the uninterrupted run logged them
-    (the reference is rebuilt as the starting model, not the resumed policy)."""
+def test_dpo_resume_continues_the_uninterrupted_run(precomputed_run, tmp_path, env):  # noqa: F811
+    """The precomputed-reference run dir as it was at its step-2 checkpoint, resumed: the reference store the first
+    run wrote is read again (the starting model's, not the resumed policy's: its key names the starting model), no
+    reference forward runs and no frozen copy is built, and steps 3 and 4 are the uninterrupted run's (#41)."""
     run_dir = tmp_path / "run"
     # what the run dir held after its step-2 save: no step-4 checkpoint, no final model, no run.json (written at the end)
-    shutil.copytree(dpo_run["run_dir"], run_dir, ignore=shutil.ignore_patterns("step_00000004", "final", "run.json"))
-    res = ftcli([*_args(run_dir, "training.checkpoint.every_steps=2"), "--resume", "latest"], tmp_path, env)
+    shutil.copytree(precomputed_run["run_dir"], run_dir,
+                    ignore=shutil.ignore_patterns("step_00000004", "final", "run.json"))
+    res = ftcli([*_args(run_dir, PRECOMPUTED, "training.checkpoint.every_steps=2"), "--resume", "latest"], tmp_path,
+                env)
     assert res.returncode == 0, output_tail(res)
-    resumed, full = metrics(run_dir), metrics(dpo_run["run_dir"])
-    assert "resumed from" in res.stdout + res.stderr and (run_dir / "final" / "config.json").is_file()
+    out = res.stdout + res.stderr
+    written = re.findall(r"^(reference log-probs \(.+\)): \d+ blocks, \d+ sequences in [\d.]+ s, stored in (\S+)$",
+                         precomputed_run["stdout"], re.M)
+    assert [label for label, _ in written] == ["reference log-probs (train)",  # the train set, the eval set (its data)
+                                               "reference log-probs (pkg://assets/tiny_prefs.jsonl)"]
+    assert re.findall(r"^reference log-probs .*$", out, re.M) == [f"{label}: read from {path}" for label, path in written]
+    assert "frozen copy" not in out
+    resumed, full = metrics(run_dir), metrics(precomputed_run["run_dir"])
+    assert "resumed from" in out and (run_dir / "final" / "config.json").is_file()
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed[2:], full[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["rewards/chosen"] == pytest.approx(b["rewards/chosen"], rel=1e-5, abs=1e-8)
+    assert resumed[3]["eval_loss"] == pytest.approx(full[3]["eval_loss"], rel=1e-6)  # the eval store, read again
 
 
 def test_lora_dpo_loss_same_for_1_and_2_ranks(tmp_path, env):  # noqa: F811

@@ -2,7 +2,8 @@
 never unpickled, and a safetensors file whose header lies is one line naming it (generate, train and plan's
 model loads all go through `load_model`). A LoRA adapter whose weights are only a pickled adapter_model.bin is refused
 the same way before PEFT could read it, wherever an adapter is loaded: the resolver (generate, chat, merge-lora,
-register), register's logging (and its local base) and a LoRA --resume."""
+register), register's logging (and its local base) and a LoRA --resume. register never uploads a pickle: a full model
+dir whose only weights are pytorch_model*.bin is refused by the resolver, and a pickle beside safetensors stays here."""
 
 from __future__ import annotations
 
@@ -205,3 +206,35 @@ def test_a_lora_resume_from_a_checkpoint_with_a_pickled_adapter_is_refused(adapt
     (checkpoint / "adapter_model.bin").unlink()
     (checkpoint / "adapter_model.safetensors").write_bytes((adapter_dir / "adapter_model.safetensors").read_bytes())
     assert resolve_resume(run, "latest", kind="trl") == checkpoint
+
+
+def test_register_refuses_a_full_model_dir_whose_only_weights_are_a_pickle(model_dir, tmp_path, no_unpickling):
+    """`ftcli register` of a full model dir with only pytorch_model.bin: one line, before MLflow (a serving endpoint
+    would unpickle it); beside safetensors, the pickle is not among the files register uploads."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ftcli.artifacts.mlflow_model import missing_files, select_model_files
+    from ftcli.cli import app
+
+    pickled = _copy(model_dir, tmp_path / "pickled")
+    state = load_file(str(pickled / "model.safetensors"))
+    (pickled / "model.safetensors").unlink()
+    _pickle_at(pickled / "pytorch_model.bin", state)
+    (pickled / "tokenizer.json").write_text("{}")
+    (pickled / "chat_template.jinja").write_text("{{ messages }}")
+    store = tmp_path / "mlruns"
+    res = CliRunner().invoke(app, ["register", str(pickled), "--name", "m", "--tracking-uri", f"file:{store}"])
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error: " + _refusal("model", pickled / "pytorch_model.bin")
+    assert not store.exists()  # refused before MLflow was reached
+    assert missing_files(pickled, adapter=False) == ["model weights (*.safetensors)"]
+
+    (pickled / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    (pickled / "pytorch_model.bin.index.json").write_text("{}")
+    (pickled / "adapter_model.bin").write_bytes(b"")
+    assert missing_files(pickled, adapter=False) == []
+    files = select_model_files(pickled, pickled)
+    assert files.keep == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                          "tokenizer.json"]
+    assert files.skipped == ["adapter_model.bin", "pytorch_model.bin", "pytorch_model.bin.index.json"]
