@@ -89,8 +89,8 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
                "test_data_checks", "test_preference_train", "test_tracking",
-               # not runs, but a TRL trainer built per test (TRL's import alone is seconds per worker)
-               "test_preference_trl_oracle",
+               # not runs, but a TRL trainer or config built per test (TRL's import alone is seconds per worker)
+               "test_preference_trl_oracle", "test_lora_trl_build",
                # not runs, but seconds each (moved out of the fast tier): a model merged, 200 recipes round-tripped,
                # the sbatch script's shell logic, fresh interpreters
                "test_merge", "test_slurm_script", "test_recipe_roundtrip", "test_data_workers", "test_light_imports"]
