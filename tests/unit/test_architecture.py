@@ -219,17 +219,6 @@ def test_no_module_outside_chat_formats_names_a_chat_marker():
     assert len(words) >= 15  # the walk had something to look for
 
 
-def test_chat_formats_are_pure_string_code():
-    """ftcli.data (no torch) and ftcli.inference share the chat formats: importing them loads no torch, transformers
-    or numpy."""
-    import subprocess
-    import sys
-
-    probe = "import sys, ftcli.chat_formats; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
 def test_chat_marker_walker_skips_docstrings_only():
     source = 'def f(x):\n    """Splits at </think>."""\n    return x.split("</think>")\n'
     assert format_mentions("m", source, {"</think>"}) == ["m:3: '</think>'"]
