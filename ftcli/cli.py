@@ -170,7 +170,7 @@ def recipes_list() -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("method", no_wrap=True)
     table.add_column("compute", no_wrap=True)
-    table.add_column("model", overflow="fold")  # fold, never cut (tests/unit/commands/test_tables.py)
+    table.add_column("model", overflow="fold")  # fold, never cut (tests/e2e/test_cli_real_process.py)
     for name in builtin_recipe_names():
         r = load_recipe(name)
         model = r.model.id or f"tiny {r.model.model_type} (random)"

@@ -45,6 +45,15 @@ def one_rank(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def recipe_corpus(tmp_path_factory) -> Path:
+    """The malformed-recipe corpus (tests/support/_recipe_corpus.py) written out, one <case>.yaml per recipe
+    (tests/unit/test_cli_errors, tests/e2e/test_cli_real_process)."""
+    from _recipe_corpus import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run dir (run.json + final/ adapter on attention and experts) over a tiny MXFP4 base
     (tests/e2e/test_merge, test_merge_stream, tests/unit/artifacts/test_data_loss)."""
@@ -89,9 +98,12 @@ HEAVY_FIRST = ["test_slurm_e2e", "test_train_full", "test_context_parallel", "te
                "test_families", "test_generate", "test_launch", "test_lora_loss", "test_lora_compile",
                "test_distributed", "test_plan", "test_worker_failures", "test_merge_stream", "test_doctor",
                "test_data_checks", "test_preference_train", "test_tracking",
+               # not runs, but a TRL trainer or config built per test (TRL's import alone is seconds per worker)
+               "test_preference_trl_oracle", "test_lora_trl_build",
                # not runs, but seconds each (moved out of the fast tier): a model merged, 200 recipes round-tripped,
                # the sbatch script's shell logic, fresh interpreters
-               "test_merge", "test_slurm_script", "test_recipe_roundtrip", "test_data_workers", "test_light_imports"]
+               "test_merge", "test_slurm_script", "test_recipe_roundtrip", "test_data_workers", "test_light_imports",
+               "test_cli_real_process"]
 
 
 @pytest.fixture

@@ -371,7 +371,7 @@ def run_doctor(recipe=None, as_json: bool = False, deep: bool = False) -> int:
 
     console = Console()
     table = Table(title="Versions", title_justify="left")
-    table.add_column("package", overflow="fold")  # fold, never cut, at any width (80 columns: test_tables)
+    table.add_column("package", overflow="fold")  # fold, never cut, at any width (80 columns: test_cli_real_process)
     table.add_column("version", overflow="fold")
     for dist, found in versions.items():
         shown = found or "-"

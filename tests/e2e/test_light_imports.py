@@ -1,6 +1,7 @@
 """`ftcli --help`, a bad `train` and `render-workload` import no torch, transformers, datasets, MLflow, TRL or PEFT
-(house style 8: heavy imports happen inside the commands that need them). Each case starts a fresh interpreter
-(about 1.5 s), so they live here rather than in the fast tier."""
+(house style 8: heavy imports happen inside the commands that need them), and the modules that light code reads
+(the hardware probe, the memory model, the feature registry, the chat formats) import no torch. Each case starts a
+fresh interpreter (about 1.5 s), so they live here rather than in the fast tier (beside their rooms' tests)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,38 @@ def test_render_workload_imports_no_heavy_modules(argv):
     code, stderr, heavy = _run(argv)
     assert code == 0, stderr
     assert heavy == []
+
+
+# ------------------------------------------------------------------------ light modules, imported alone
+def test_torch_cuda_build_is_read_without_importing_torch():
+    import torch
+
+    code = "import json, sys; from ftcli import hardware; print(json.dumps([hardware.torch_cuda_build(), 'torch' in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [torch.version.cuda, False]
+
+
+def test_memory_model_imports_no_torch():
+    code = "import sys, ftcli.estimate.memory; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_importing_the_registry_imports_no_torch():
+    code = "import sys, ftcli.features, ftcli.commands.doctor; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_reading_the_cpu_machine_imports_no_torch_and_keeps_the_callers_packages():
+    code = ("import sys; from ftcli import hardware; m = hardware.read('cpu', ('mlflow',)); "
+            "print('torch' in sys.modules, m.device_type, 'mlflow' in m.versions, 'transformers' in m.versions)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "cpu", "True", "True"]
+
+
+def test_chat_formats_are_pure_string_code():
+    """ftcli.data (no torch) and ftcli.inference share the chat formats: importing them loads no torch, transformers
+    or numpy."""
+    probe = "import sys, ftcli.chat_formats; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -15,9 +15,11 @@ WORDS = "the capital of Kenya is Nairobi count from one to nine river quiet ligh
 
 @lru_cache(maxsize=None)
 def template(name: str) -> str:
-    import trl
+    """TRL's shipped chat template `name`, read from TRL's package dir without importing TRL (seconds per process)."""
+    import importlib.util
 
-    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+    (trl_dir,) = importlib.util.find_spec("trl").submodule_search_locations
+    return (Path(trl_dir) / "chat_templates" / f"{name}.jinja").read_text()
 
 
 @lru_cache(maxsize=None)

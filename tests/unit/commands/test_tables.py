@@ -1,59 +1,20 @@
 """Every table command reads at 80 columns (a pipe, a narrow terminal) and at 200: no header cell is cut
-(rich cuts with "…"), and no cell either: long cells fold onto more lines, long provenance goes to notes."""
+(rich cuts with "…"), and no cell either: long cells fold onto more lines, long provenance goes to notes. `plan` and
+`pack-preview` here, in-process; `recipes list` and `doctor` through a real process and rich's real console at
+COLUMNS: tests/e2e/test_cli_real_process.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _data_common import write_jsonl
+from _tables_common import WIDTHS, assert_whole
 
-WIDTHS = (80, 200)
-RECIPES_LIST = ("name", "method", "compute", "model")
-DOCTOR = ("package", "version", "model_type", "op", "backend", "why", "check", "status", "detail")
 PLAN = ("accelerator", "GPUs", "nodes", "params", "grads", "optim", "activ", "loss", "other", "total", "limit", "fits",
         "keep", "s/step", "wall", "GPU-h", "from")
 PACK_PREVIEW = ("segment", "tokens", "length", "position_ids", "trained", "source", "format", "rows", "kept",
                 "skipped", "trained tokens", "trained lost", "skipped by reason", "split", "blocks", "packing")
-
-
-def _assert_whole(output: str, headers: tuple[str, ...], width: int) -> None:
-    assert "…" not in output, next(line for line in output.splitlines() if "…" in line)
-    words = set(output.split())
-    missing = [h for h in headers if not set(h.split()) <= words]
-    assert not missing, (width, missing)
-
-
-def _ftcli(args: list[str], width: int) -> str:
-    env = {**os.environ, "COLUMNS": str(width), "PYTHONPATH": os.pathsep.join(sys.path)}
-    res = subprocess.run([sys.executable, "-m", "ftcli", *args], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode in (0, 1), res.stderr  # doctor exits 1 where the recipe cannot run (this CPU machine)
-    return res.stdout
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-def test_recipes_list_headers_whole(width):
-    _assert_whole(_ftcli(["recipes", "list"], width), RECIPES_LIST, width)
-
-
-def test_recipes_list_is_one_line_per_recipe_at_80_columns():
-    """138 lines with words split mid-word before: now a row per recipe, every model id whole."""
-    from ftcli.config.recipe import builtin_recipe_names, load_recipe
-
-    lines = _ftcli(["recipes", "list"], 80).splitlines()
-    names = builtin_recipe_names()
-    assert len(lines) == len(names) + 3 and all(len(line) <= 80 for line in lines)  # header, rule, rows, the hint
-    for name, line in zip(names, lines[2:]):
-        r = load_recipe(name)
-        assert line.split()[:2] == [name, r.training.method] and (r.model.id or r.model.model_type) in line
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-def test_doctor_headers_whole(width):
-    _assert_whole(_ftcli(["doctor", "--recipe", "tiny-qwen-cpu"], width), DOCTOR, width)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -64,7 +25,7 @@ def test_plan_headers_whole_gpus_per_row_and_provenance_in_notes(width, monkeypa
     monkeypatch.setenv("COLUMNS", str(width))
     plan.print_plan(plan.make_plan(load_recipe("qwen-b300")))
     out = capsys.readouterr().out
-    _assert_whole(out, PLAN, width)
+    assert_whole(out, PLAN, width)
     rows = [line.split() for line in out.splitlines() if line.startswith("GPU_") and " fit" not in line]
     assert [r[:3] for r in rows[:4]] == [["GPU_8xB300", "8", "1"], ["GPU_8xH100", "8", "1"], ["GPU_8xH200", "8", "1"],
                                          ["GPU_1xA10", "1", "8"]]
@@ -90,7 +51,7 @@ def test_pack_preview_headers_whole(width, tmp_path, monkeypatch, capsys):
                                       "name: shipped, format: auto}]", "eval.holdout=0.2"])
     run_preview(r, blocks=1, examples=30, as_json=False, dump=None, strict=False)
     out = capsys.readouterr().out
-    _assert_whole(out, PACK_PREVIEW, width)
+    assert_whole(out, PACK_PREVIEW, width)
     # the cache path (longer than 80 columns here) on a line of its own, whole: it can be copied (issue 46, item 5)
     cache = [line for line in out.splitlines() if line.startswith(str(tmp_path / "cache"))]
     assert len(cache) == 1 and len(cache[0]) > 80 and (Path(cache[0]) / "meta.json").is_file(), out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -197,9 +196,3 @@ def test_benchmark_script_prints_the_package_model(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| 32k | fp32 | full | liger | 50.2 | 31.3 | 81.5 | no | yes | yes |" in out
     assert "| fp32 | 0 | 4 | 17 |" in out
-
-
-def test_memory_model_imports_no_torch():
-    code = "import sys, ftcli.estimate.memory; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"

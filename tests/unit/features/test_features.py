@@ -106,11 +106,3 @@ def test_a_compiled_lora_recipe_plans_with_the_compiled_step_time():
         shape = memory.shipped_shape(recipe.model.id)
         st = steptime.step_time(recipe.training, shape, fit.setting_of(recipe, shape), "H200")
         assert st.s_per_step == pytest.approx(seconds), st.source
-
-
-def test_importing_the_registry_imports_no_torch():
-    import subprocess
-    import sys
-
-    code = "import sys, ftcli.features, ftcli.commands.doctor; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -172,17 +171,6 @@ def test_nvidia_smi_listing_nothing_or_failing(tmp_path, monkeypatch):
     monkeypatch.undo()
     _fake_nvidia_smi(tmp_path / "failing", monkeypatch, "No devices were found\\n", code=6)
     assert hardware.nvidia_smi_gpus() is None
-
-
-def test_torch_cuda_build_is_read_without_importing_torch():
-    import subprocess
-    import sys
-
-    import torch
-
-    code = "import json, sys; from ftcli import hardware; print(json.dumps([hardware.torch_cuda_build(), 'torch' in sys.modules]))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out) == [torch.version.cuda, False]
 
 
 def test_the_tested_matrix_names_the_file_that_pins_a_version():

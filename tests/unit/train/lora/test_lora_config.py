@@ -1,4 +1,5 @@
-"""Recipe -> SFTConfig and recipe -> PEFT LoraConfig for the LoRA path (exact values)."""
+"""Recipe -> SFTConfig kwargs and recipe -> PEFT LoraConfig for the LoRA path (exact values). A real SFTConfig and
+TRL trainer built from them: tests/e2e/test_lora_trl_build.py."""
 
 from __future__ import annotations
 
@@ -63,30 +64,6 @@ def test_gpt_oss_h100_sft_config_is_the_reference():
         "save_total_limit": 2,
         "report_to": "none",  # (ref: mlflow) ftcli's tracker logs the metrics, as in the full path
     }
-
-
-def test_tiny_sft_config_builds_and_keeps_values():
-    """The tiny recipe's kwargs build a real SFTConfig here (CPU, float32) and the values survive
-    TrainingArguments' post-init (e.g. the warmup ratio and the deprecated gradient_checkpointing alias)."""
-    from trl import SFTConfig
-
-    from ftcli.train.lora.trainer import sft_config_kwargs
-
-    r = tiny_recipe()
-    kw = sft_config_kwargs(r.training, r.model, r.name, RUN)
-    assert {k: kw[k] for k in ("optim", "learning_rate", "warmup_steps", "lr_scheduler_kwargs", "bf16", "fp16",
-                               "activation_checkpointing", "activation_checkpointing_kwargs", "logging_steps",
-                               "save_steps", "save_total_limit", "gradient_accumulation_steps")} == {
-        "optim": "adamw_torch", "learning_rate": 3e-3, "warmup_steps": 0.03,
-        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "bf16": False, "fp16": False,
-        "activation_checkpointing": False, "activation_checkpointing_kwargs": None, "logging_steps": 10,
-        "save_steps": 50, "save_total_limit": 2, "gradient_accumulation_steps": 1,
-    }
-    args = SFTConfig(**kw)
-    assert args.warmup_steps == 0.03 and args.get_warmup_steps(200) == 6
-    assert args.gradient_checkpointing is False and args.bf16 is False
-    assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
-    assert args.average_tokens_across_devices is True and args.dataset_kwargs == {"skip_prepare_dataset": True}
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
@@ -203,43 +180,3 @@ def test_training_is_typed_by_method_and_dumps_load_back():
         load_recipe("tiny-gpt-oss-cpu", ["training.lr=1"])
     with pytest.raises(UserError, match=r"training.method: Input should be 'full' or 'lora' \(got 'qlora'\)$"):
         load_recipe("tiny-gpt-oss-cpu", ["training.method=qlora"])
-
-
-@pytest.mark.parametrize("schedule", [
-    "{name: cosine, warmup: 0.1, min_lr_ratio: 0.1}",  # the issue's case: TRL's cosine ignored min_lr_ratio
-    "{name: cosine_with_min_lr, warmup: 3, min_lr_ratio: 0.2}",
-    "{name: linear, warmup: 0, min_lr_ratio: 0.5}",
-])
-def test_lora_and_full_schedules_give_the_same_lr_at_every_step(schedule, tmp_path):
-    """The LoRA trainer's scheduler (what TRL steps) and the full path's (a LambdaLR over lr_factor, as
-    FullRun builds it) give the same lr at every step of a recipe, warmup and min_lr_ratio included."""
-    from trl import SFTConfig
-
-    from ftcli.data import load_tokenizer
-    from ftcli.train.full import lr_factor
-    from ftcli.train.lora.trainer import build_trainer, sft_config_kwargs, training_blocks
-
-    steps = 30
-    recipe = tiny_recipe(f"training.schedule={schedule}", f"training.max_steps={steps}", "data.max_examples=20",
-                         f"data.cache_dir={tmp_path / 'cache'}", "tracking.enabled=false")
-    tokenizer = load_tokenizer(recipe.model, recipe.data)
-    kwargs = sft_config_kwargs(recipe.training, recipe.model, recipe.name, tmp_path / "run")
-    args = SFTConfig(**{**kwargs, "disable_tqdm": True}, use_cpu=True)
-    trainer, _ = build_trainer(recipe, tiny_model(), tokenizer, training_blocks(recipe, tokenizer), args)
-    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
-    peak = recipe.training.optimizer.lr
-    full = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak),
-                                             lambda s: lr_factor(s, steps, recipe.training.schedule))
-    lora_lrs, full_lrs = [], []
-    for _ in range(steps):
-        lora_lrs.append(trainer.lr_scheduler.get_last_lr()[0])
-        full_lrs.append(full.get_last_lr()[0])
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        full.optimizer.step()
-        full.step()
-    assert lora_lrs == full_lrs
-    ratio = recipe.training.schedule.min_lr_ratio  # decays to it (transformers' cosine: to ~0)
-    assert peak * ratio * (1 - 1e-9) <= min(lora_lrs) == lora_lrs[-1] < peak * ratio * 1.05
-    warmup = [lr for lr in lora_lrs if lr < lora_lrs[-1]]
-    assert all(lr > 0 for lr in lora_lrs) and warmup == sorted(warmup)  # warmup starts above 0
