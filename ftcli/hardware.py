@@ -8,8 +8,6 @@
     read_here(deep)  the machine as `ftcli doctor` reports it: nvidia-smi first, torch only when a GPU driver
                      is present (or `deep`)
     CARDS            name -> Card: peak dense bf16 FLOP/s (MFU), memory as sold and GPUs per node (`ftcli plan`)
-    ACCELERATOR_TYPES  Databricks AI Runtime's `compute.accelerator_type` names -> (card, GPUs per node), checked
-                     against databricks-sdk-air's `AcceleratorType` when it is installed (tests/unit/test_hardware.py)
 
 Importing this module does not import torch. Low in the house: it imports nothing of ftcli's but config/.
 """
@@ -56,17 +54,6 @@ CARDS: dict[str, Card] = {c.name: c for c in (
     Card("L40S", 362e12),
     Card("L4", 121e12),
 )}
-
-
-# The accelerator types AI Runtime serves (`compute.accelerator_type`, the `air` CLI's case-sensitive names;
-# databricks-sdk-air's `databricks.air.compute.AcceleratorType`): name -> (its card in CARDS, GPUs per node).
-# A test fails when the vendor's enum has a type this table lacks, or another GPU count for one.
-ACCELERATOR_TYPES: dict[str, tuple[str, int]] = {
-    "GPU_1xA10": ("A10", 1),
-    "GPU_1xH100": ("H100", 1),
-    "GPU_8xH100": ("H100", 8),
-    "GPU_8xB300": ("B300", 8),
-}
 
 
 def card_of(device_name: str) -> Card | None:
