@@ -263,12 +263,10 @@ def validate_workload(data: Any) -> list[str]:
 def check_workload_file(path: str | Path) -> list[str]:
     """Read a workload YAML and return one line per problem (empty list: valid)."""
     try:
-        data = parse_yaml(read_text_file(Path(path), "workload"))
-    except UserError as e:  # unreadable, binary, not YAML (duplicate keys, aliases, deep nesting included)
+        text = read_text_file(Path(path), "workload")
+    except UserError as e:  # unreadable, binary
         return [str(e)]
-    if data is None:
-        return ["the file is empty; a workload needs experiment_name, compute and command"]
-    return validate_workload(data)
+    return check_workload_text(text)
 
 
 # ------------------------------------------------------------------------------------------- render
@@ -405,9 +403,10 @@ def render_workload(recipe: Recipe, *, fit_check: bool = True) -> str:
 
 
 def check_workload_text(text: str) -> list[str]:
+    """A workload's text, one line per problem (empty list: valid)."""
     try:
         data = parse_yaml(text)
-    except UserError as e:
+    except UserError as e:  # not YAML (duplicate keys, aliases, deep nesting included)
         return [str(e)]
     if data is None:
         return ["the file is empty; a workload needs experiment_name, compute and command"]
