@@ -60,7 +60,8 @@ from ftcli.families import find_family
 from ftcli.objectives import method_of
 from ftcli.artifacts.resolve import BaseRef, ModelSettings, locate, read_adapter_config, resolve_base, run_dir_holding
 from ftcli.artifacts.rundir import RunRecord, read_run_record
-from ftcli.artifacts.publish import EXPORT_RECORD, begin_export, export_problem, publish_export, unpublish_export
+from ftcli.artifacts.publish import (EXPORT_RECORD, begin_export, export_problem, publish_export, remove_export,
+                                     unpublish_export)
 from ftcli.config.safe_files import entries, refuse_links, remove_tree, write_atomic
 from ftcli.artifacts.tracking import first_line
 
@@ -319,12 +320,7 @@ class _InPlace:
         if not self.tag and not self.fresh:
             return  # begin never ran
         if self.fresh or self.replacing:
-            for path in entries(out):
-                if path.name != EXPORT_RECORD:
-                    remove_tree(path)
-            (out / EXPORT_RECORD).unlink(missing_ok=True)  # last: a kill before this leaves a refused dir
-            if self.created:
-                out.rmdir()
+            remove_export(out, keep_dir=not self.created)  # the record last: a kill midway leaves a refused dir
             return
         for name in _pending_files(out, {"tag": self.tag}):  # the new shards; the earlier merge stays published
             remove_tree(out / name)

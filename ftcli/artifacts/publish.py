@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from ftcli.config.errors import UserError
-from ftcli.config.safe_files import refuse_links, write_atomic
+from ftcli.config.safe_files import entries, refuse_links, remove_tree, write_atomic
 
 EXPORT_RECORD = "ftcli_export.json"
 
@@ -37,13 +37,9 @@ def begin_export(out_dir: Path) -> None:
         out_dir.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     unpublish_export(out_dir)  # before anything goes
-    for entry in sorted(out_dir.iterdir()):
-        if entry.name == EXPORT_RECORD:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+    for entry in entries(out_dir):
+        if entry.name != EXPORT_RECORD:
+            remove_tree(entry)
 
 
 def unpublish_export(out_dir: Path) -> None:
@@ -84,13 +80,24 @@ def copy_export(src: Path, out_dir: Path) -> None:
     publish_export(out_dir)
 
 
-def remove_export(out_dir: Path) -> None:
-    """An export that failed: its record first (so what is left is never taken as whole), then the dir."""
-    if Path(out_dir).is_symlink():
-        Path(out_dir).unlink()
+def remove_export(out_dir: Path, *, keep_dir: bool = False) -> None:
+    """An export that failed (its record says incomplete since `begin_export`): every other file first, the record
+    last, so a kill or an error midway leaves a dir every reader refuses, never files without a record (read as an
+    older ftcli's whole export); then the dir itself unless `keep_dir`. A cleanup that fails stops quietly (the
+    error that made it is the one to report)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        out_dir.unlink()
         return
-    (Path(out_dir) / EXPORT_RECORD).unlink(missing_ok=True)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        for entry in entries(out_dir):
+            if entry.name != EXPORT_RECORD:
+                remove_tree(entry)
+        (out_dir / EXPORT_RECORD).unlink(missing_ok=True)
+        if not keep_dir and out_dir.is_dir():
+            out_dir.rmdir()
+    except OSError:
+        pass
 
 
 def export_problem(model_dir: Path) -> str | None:
