@@ -135,3 +135,14 @@ def exit_worker(code: int = 0) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def reshard_all(model) -> None:
+    """Free what FSDP2 left gathered after forwards outside backward (the root's parameters after an eval-mode
+    pass, the LM head's after generation): every unit sharded again (`FSDPModule.reshard`, a no-op on a sharded
+    one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

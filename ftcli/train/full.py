@@ -47,7 +47,6 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ftcli import data
 
@@ -56,7 +55,7 @@ from ftcli.model.kernels.cp import slice_of_block
 from ftcli.train.checkpoint import (CheckpointSchedule, best_checkpoint, load_checkpoint,
                               remove_interrupted_saves, resolve_resume, rng_state, save_checkpoint,
                               save_hf_checkpoint, set_rng_state, step_dir_name)
-from ftcli.train.distributed import World, all_reduce, init_distributed
+from ftcli.train.distributed import World, all_reduce, init_distributed, reshard_all
 from ftcli.train.export import best_from_checkpoint
 from ftcli.config.errors import TrainingStopped, UserError
 from ftcli.train.evaluate import EvalResult, EvalTracker, evaluate_now, publish_eval, sample_now, samples_due
@@ -64,7 +63,7 @@ from ftcli import features
 from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
-from ftcli.train.reference import precomputed_reference, reference_identity
+from ftcli.train.reference import use_stored_reference
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -357,19 +356,13 @@ class FullRun:
         def logps(inputs: dict) -> torch.Tensor:
             return self.model.sequence_logps(**inputs)[0]
 
-        identity = reference_identity(self.recipe.model, tcfg, world.device.type)
         self.model.eval()
-        sets = precomputed_reference({"train": self.session.units, **self.evaluator.packed}, identity, logps,
-                                     rank=world.rank, world_size=world.world_size, device=world.device, say=self.say)
+        use_stored_reference(self.session, self.recipe.model, tcfg, logps, world.device)
         self.model.train()
         # every FSDP unit sharded again before the optimizer is built from model.parameters(): a unit left gathered
         # (the root, after this eval-mode pass) has its unsharded tensors set as the module's parameters (FSDP2's
         # to_unsharded), and a 2-rank run's step 2 then differed from the live reference's (tests/e2e)
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        self.session.units = sets.pop("train")
-        self.evaluator.packed = sets
+        reshard_all(self.model)
         self.stream = data.BlockStream(self.session.units, world.dp_rank, world.dp_size, epochs=tcfg.epochs,
                                        seed=tcfg.seed)
         self.say(f"{self.objective.label} reference: the starting model's log-probs, precomputed (no second model)")

@@ -114,3 +114,14 @@ def precomputed_reference(sets: dict[str, PackedDataset], identity: dict[str, An
             torch.distributed.barrier()
         out[label] = ReferencedBlocks(packed, path)
     return out
+
+
+def use_stored_reference(session, model_cfg, training, logps_fn: Callable[[dict], torch.Tensor], device) -> None:
+    """Collective, both trainers: the session's training and eval blocks replaced by the same blocks with their
+    reference log-probs (`precomputed_reference`: read from their stores, or computed now with `logps_fn`, the
+    reference's forward)."""
+    identity = reference_identity(model_cfg, training, device.type)
+    sets = precomputed_reference({"train": session.units, **session.evaluator.packed}, identity, logps_fn,
+                                 rank=session.rank, world_size=session.world_size, device=device, say=session.say)
+    session.units = sets.pop("train")
+    session.evaluator.packed = sets

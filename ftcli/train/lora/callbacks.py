@@ -27,7 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 from ftcli.train.checkpoint import CheckpointSchedule, record_trl_checksums
-from ftcli.train.distributed import all_reduce, local_device, rank0_decides
+from ftcli.train.distributed import all_reduce, local_device, rank0_decides, reshard_all
 from ftcli.train.evaluate import EvalTracker, evaluate_now, publish_eval, sample_now, samples_due
 from ftcli.artifacts.publish import begin_export, publish_export
 from ftcli.train.preference import reduced_means
@@ -160,16 +160,6 @@ class ObjectiveLoss(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         attach_loss_sum(model, self.chunk_tokens, self.objective, self.training)
-
-
-def _reshard(model) -> None:
-    """Free what FSDP2 left gathered after forwards outside backward (the root's parameters, the LM head's after
-    generation): every unit sharded again (`FSDPModule.reshard`, a no-op on a sharded one)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 class StepLog(TrainerCallback):
@@ -306,7 +296,7 @@ class EvalCallback(TrainerCallback):
         if new_best and self.keep_best:
             self.save_best()
         self.stop_reason = self.evals.stop_reason()
-        _reshard(self.model)
+        reshard_all(self.model)
         return result
 
     def save_best(self) -> None:
@@ -345,7 +335,7 @@ class EvalCallback(TrainerCallback):
         if samples_due(self.cfg, step, len(self.evals.history), evaluated, last or bool(self.stop_reason)):
             sample_now(self.model, self.tokenizer, self.cfg, step, run_dir=self.run_dir, is_main=self.is_main,
                        tracker=self.tracker)
-            _reshard(self.model)
+            reshard_all(self.model)
 
     def on_save(self, args, state, control, **kwargs):
         if (ckpt := _checkpoint_dir(args, state)) is not None:

@@ -260,7 +260,7 @@ def read_stored_reference(recipe: Recipe, base, session, sharding: str, device: 
     reference of a LoRA run is its base), in the autocast training runs it in (sft_config_kwargs: bf16 or fp16 as
     model.dtype). Returns the training blocks. A base that only accelerate's FSDP2 makes whole is refused."""
     from ftcli.train.preference import attach_sequence_logps
-    from ftcli.train.reference import precomputed_reference, reference_identity
+    from ftcli.train.reference import use_stored_reference
 
     if sharding != "ddp":
         raise UserError(f"training.preference.reference=precomputed needs a whole base per process (training.sharding="
@@ -272,11 +272,7 @@ def read_stored_reference(recipe: Recipe, base, session, sharding: str, device: 
         with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
             return base.sequence_logps(**inputs)[0]
 
-    identity = reference_identity(recipe.model, recipe.training, device.type)
-    sets = precomputed_reference({"train": session.units, **session.evaluator.packed}, identity, logps,
-                                 rank=session.rank, world_size=session.world_size, device=device, say=session.say)
-    session.units = sets.pop("train")
-    session.evaluator.packed = sets
+    use_stored_reference(session, recipe.model, recipe.training, logps, device)
     session.say(f"{objective_of(recipe.training).label} reference: the base's log-probs, precomputed (no adapter-off "
                 "forward)")
     return session.units
