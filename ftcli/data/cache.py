@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ftcli.config.safe_files import refuse_links, remove_tree
-from ftcli.config.errors import UserError
+from ftcli.config.safe_files import refuse_links, remove_tree, replace_dir
 from ftcli.data.packing import Block, make_block, num_trained
 from ftcli.data.stats import DataStats
 
@@ -187,8 +186,7 @@ class BlockWriter:
             if entry_problem(self.final, checksums=False) is None:
                 remove_tree(self.tmp)  # another rank/process won the race: same bytes
                 return
-        remove_tree(self.final)  # a damaged entry (no meta.json, ...) in the way: never a wedge
-        os.rename(self.tmp, self.final)
+        replace_dir(self.tmp, self.final)  # a damaged entry (no meta.json, ...) in the way: never a wedge
 
     def _close(self) -> None:
         """Close every file, also when one close fails (a full disk fails at the flush): the first error raised."""

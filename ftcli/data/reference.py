@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ftcli.config.safe_files import refuse_links, remove_tree
+from ftcli.config.safe_files import refuse_links, remove_tree, replace_dir
 from ftcli.data.cache import PackedDataset, file_crc32, read_meta
 
 REFERENCE_FORMAT_VERSION = 1
@@ -82,9 +82,7 @@ def write_store(path: Path, packed: PackedDataset, identity: dict[str, Any], log
                 "num_segments": int(logps.size),
                 "files": {LOGPS_FILE: [(tmp / LOGPS_FILE).stat().st_size, file_crc32(tmp / LOGPS_FILE)]}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
-        if os.path.lexists(path):
-            remove_tree(path)
-        os.rename(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         remove_tree(tmp)
         raise

@@ -11,7 +11,6 @@ from ftcli import hardware
 from ftcli.config.errors import UserError
 from ftcli.config.recipe import LoraConfig, LoraTraining, ModelConfig, Recipe, TrainingConfig
 from ftcli.estimate import memory
-from ftcli.objectives import objective_of
 from ftcli.families import FAMILIES, find_family
 from ftcli.estimate.shape import InvalidModelConfig, adapter_params, model_shape
 from ftcli.features.loss import FUSED_LINEAR_CE
