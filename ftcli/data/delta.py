@@ -4,8 +4,10 @@
       source: delta
       path: /Volumes/main/sft/raw/chats      a table dir: local, a Volume, s3:// abfss:// gs:// ...
             main.sft.chats                   or a Unity Catalog name (catalog.schema.table)
-      revision: 12                           the table version to read, or a timestamp (2026-12-01T00:00:00Z);
-                                             unset: the newest version, resolved once and recorded
+      revision: 12                           the table version to read, or a timestamp (2026-12-01T00:00:00Z):
+                                             the newest version committed by then (deltalake dates a commit by
+                                             its log file's modification time); unset: the newest version,
+                                             resolved once and recorded
       columns: [messages, tools]             read only these (unset: every column)
       filter: [[lang, "=", en], [score, ">=", 3]]
                                              read only the rows where it holds (ftcli.config.rowfilter:
