@@ -74,17 +74,20 @@ def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 
 def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor,
-                   num_segments: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_segments: int, chunk_tokens: int, trained_positions: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the trained tokens' log-probs, their count) per segment, fp32 [S] each.
 
     hidden [1, T, H] after the final norm, weight [V, H] the LM head, labels [1, T] unshifted (position t
     predicts labels[t + 1]; a context-parallel slice's are T + 1), seq_idx [1, T] the segment of every token. Only the trained positions go through the
-    LM head, `chunk_tokens` rows at a time, each chunk checkpointed: memory is chunk x vocab, never T x vocab."""
+    LM head, `chunk_tokens` rows at a time, each chunk checkpointed: memory is chunk x vocab, never T x vocab.
+    `trained_positions` (int64 [N], ftcli.data.collate: the t whose target is trained, found on the host) spares the
+    device-to-host sync of finding them here; nothing in this function waits for the device."""
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     # a target's segment is its position's (a segment's first token is never a target: make_block masks it), which
     # also holds for a context-parallel slice's last position (its target is the next slice's first token)
     segment = seq_idx.to(torch.int64).reshape(-1)
-    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(1) if trained_positions is None else trained_positions
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained)
     targets, segment = targets.index_select(0, trained), segment.index_select(0, trained)
     parts = []
@@ -96,7 +99,8 @@ def sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         parts.append(_token_logps(rows, weight, targets))
     token_logps = torch.cat(parts)
     sums = token_logps.new_zeros(num_segments).index_add(0, segment, token_logps)
-    counts = torch.bincount(segment, minlength=num_segments).to(torch.float32)
+    # index_add, not bincount: bincount's output size waits for the device
+    counts = token_logps.new_zeros(num_segments).index_add(0, segment, torch.ones_like(token_logps))
     return sums, counts
 
 
@@ -110,14 +114,15 @@ def attach_sequence_logps(model: nn.Module, chunk_tokens: int) -> None:
     head = model.lm_head
     own_unit = isinstance(head, FSDPModule) and head is not model
 
-    def head_logps(self, hidden, labels, seq_idx, num_segments):
-        return sequence_logps(hidden, self.weight, labels, seq_idx, num_segments, chunk_tokens)
+    def head_logps(self, hidden, labels, seq_idx, num_segments, trained_positions=None):
+        return sequence_logps(hidden, self.weight, labels, seq_idx, num_segments, chunk_tokens, trained_positions)
 
     def call(self, input_ids, labels, seq_idx, num_segments, trained_positions=None, pairs=None, **inputs):
         hidden = self.model(input_ids=input_ids, seq_idx=seq_idx, use_cache=False, **inputs).last_hidden_state
         if own_unit:
-            return self.lm_head.head_logps(hidden, labels, seq_idx, num_segments)
-        return sequence_logps(hidden, self.lm_head.weight, labels, seq_idx, num_segments, chunk_tokens)
+            return self.lm_head.head_logps(hidden, labels, seq_idx, num_segments, trained_positions)
+        return sequence_logps(hidden, self.lm_head.weight, labels, seq_idx, num_segments, chunk_tokens,
+                              trained_positions)
 
     if own_unit:
         head.head_logps = types.MethodType(head_logps, head)
@@ -253,20 +258,31 @@ def pair_losses(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps |
 @dataclass
 class PreferenceSums:
     """What micro-batches add to a step: the pairs' summed loss, their count, and the summed metrics (divide by
-    `pairs` to log)."""
+    `pairs` to log). The loss and metrics stay on the device (detached tensors, added there) until `means()` or
+    `values()` reads them, once per logged line: a step adds them without waiting for the device."""
 
-    loss: float = 0.0
+    loss: torch.Tensor | float = 0.0
     pairs: int = 0
-    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRICS, 0.0))
+    metrics: dict[str, torch.Tensor | float] = field(default_factory=lambda: dict.fromkeys(METRICS, 0.0))
 
     def add(self, other: PreferenceSums) -> None:
-        self.loss += other.loss
+        self.loss = self.loss + other.loss
         self.pairs += other.pairs
         for k, v in other.metrics.items():
-            self.metrics[k] += v
+            self.metrics[k] = self.metrics[k] + v
+
+    def values(self) -> list[float]:
+        """[loss, *metrics] as Python numbers (one device-to-host copy)."""
+        parts = [self.loss, *self.metrics.values()]
+        tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+        if not tensors:
+            return [float(p) for p in parts]
+        ref = tensors[0]
+        return torch.stack([torch.as_tensor(p, dtype=torch.float32, device=ref.device).reshape(())
+                            for p in parts]).tolist()
 
     def means(self) -> dict[str, float]:
-        return {k: v / max(self.pairs, 1) for k, v in self.metrics.items()}
+        return {k: v / max(self.pairs, 1) for k, v in zip(self.metrics, self.values()[1:])}
 
     def take(self) -> PreferenceSums:
         """A copy of the sums so far, and start over (in place: the model's loss keeps adding to this object)."""
@@ -282,7 +298,7 @@ def reduced_means(model: nn.Module, device, prefix: str = "") -> dict[str, float
     if sums is None:
         return {}
     taken = sums.take()
-    values = [taken.pairs, *taken.metrics.values()]
+    values = [taken.pairs, *taken.values()[1:]]
     if torch.distributed.is_initialized():
         from ftcli.train.distributed import all_reduce
 
@@ -295,6 +311,6 @@ def pair_loss_sum(cfg: PreferenceConfig, policy: SideLogps, reference: SideLogps
     """S: the summed loss of a micro-batch's pairs (the step scales it by W / P, module docstring), and its sums."""
     losses, metrics = pair_losses(cfg, policy, reference)
     summed = losses.sum()
-    sums = PreferenceSums(loss=float(summed.detach()), pairs=int(losses.numel()),
-                          metrics={k: float(v.sum()) for k, v in metrics.items()})
+    sums = PreferenceSums(loss=summed.detach(), pairs=losses.numel(),
+                          metrics={k: v.sum() for k, v in metrics.items()})
     return summed, sums

@@ -90,14 +90,17 @@ def _one_block(pairs):
     return block
 
 
-def packed_logps(model, model_type, blk, chunk=CHUNK):
+def packed_logps(model, model_type, blk, chunk=CHUNK, host_positions=False):
+    """Per-segment (sums, counts) of a packed block; `host_positions`: with the collated trained_positions (what
+    the loop passes) instead of finding them on the device."""
     attn, _ = kernels.enable_packed_kernels(model_type, "cpu")
     model.set_attn_implementation(attn)
     inputs = block_to_model_inputs(blk)
     labels, seq_idx = inputs.pop("labels"), inputs["seq_idx"]
-    inputs.pop("trained_positions")
+    positions = inputs.pop("trained_positions")
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
-    return sequence_logps(hidden, model.lm_head.weight, labels, seq_idx, len(blk.cu_seqlens) - 1, chunk)
+    return sequence_logps(hidden, model.lm_head.weight, labels, seq_idx, len(blk.cu_seqlens) - 1, chunk,
+                          positions if host_positions else None)
 
 
 def separate_logps(model, stock, blk):

@@ -40,6 +40,8 @@ def test_packed_pair_logps_equal_separate(model_type):
     with torch.no_grad():
         sums, counts = packed_logps(model, model_type, blk)
         want, want_counts = separate_logps(model, stock, blk)
+        host_sums, host_counts = packed_logps(model, model_type, blk, host_positions=True)
+    assert torch.equal(host_sums, sums) and torch.equal(host_counts, counts)  # the loop's host-found positions
     assert counts[:-1].tolist() == want_counts and counts[-1] == 0  # padding trains nothing
     assert want.abs().min() > 5.0  # log-probs of a size where a leak between segments would show
     assert ((sums[:-1] - want).abs() / want.abs()).max().item() <= LOGP_RTOL, (sums[:-1] - want).tolist()
