@@ -27,6 +27,9 @@ With --ftcli-precompute, ftcli's side also runs with training.preference.referen
 model (no frozen copy), its log-probs per segment computed once before the steps (that pass's seconds logged), then
 steps without a reference forward; its step-1 loss must stay log 2 and its logps/chosen equal the live side's.
 
+On CUDA the last ftcli step runs under torch's sync debug mode and prints a `syncs:` line: how many calls in its
+forward + backward waited for the device, and where (the loss is written to wait nowhere).
+
 Figures: trained tokens/s = completion tokens the loss trains / step time (median over the steps after --warmup);
 input tokens/s counts every token the model runs (TRL: padding included); peak GiB = torch.cuda.max_memory_allocated
 (reset per side); step-1 loss = each side's loss on ftcli's first block's pairs with the initial weights
@@ -44,6 +47,7 @@ CPU logic check (tiny models of ftcli/assets, 512-token blocks, float32, GPU-onl
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -221,7 +225,12 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world, pre
         _sync(device)
         t0 = time.perf_counter()
         inputs = block_to_model_inputs(blk, device)
-        (model.loss_sum(**inputs) / len(blk.pairs)).backward()
+        if k == steps - 1 and device.type == "cuda":  # the last step also counts where it waits for the device
+            where = count_syncs(lambda: (model.loss_sum(**inputs) / len(blk.pairs)).backward())
+            print(f"syncs: {case} {'precomputed' if precompute else 'live'}: {len(where)} synchronizing calls in one "
+                  f"forward + backward {dict(collections.Counter(where))}", flush=True)
+        else:
+            (model.loss_sum(**inputs) / len(blk.pairs)).backward()
         grad_norm_and_clip(trained, CLIP) if method == "full" else torch.nn.utils.clip_grad_norm_(
             [p for p in trained.parameters() if p.requires_grad], CLIP)
         optimizer.step()
@@ -324,6 +333,20 @@ def _trl_row(p) -> dict:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def count_syncs(fn) -> list[str]:
+    """Run fn() with torch's CUDA sync debug mode warning; the file:line of each call that waited for the device."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
 
 
 def _figures(side, times, trained, seen, warmup, peak, loss1, logp1) -> dict:

@@ -25,7 +25,7 @@ part() {  # name timeout command...
   timeout "$t" "$@" > "$OUT/cur.log" 2>&1
   local rc=$?
   echo "exit $rc after $((SECONDS - t0)) s" | tee -a "$SUM"
-  grep -E '^\||^device|OOM|Error|error:' "$OUT/cur.log" | grep -v 'it/s' | tee -a "$SUM"
+  grep -E '^\||^device|^syncs:|OOM|Error|error:' "$OUT/cur.log" | grep -v 'it/s' | tee -a "$SUM"
   [ "$rc" -eq 0 ] || grep -E '^\[ *[0-9.]+s\]' "$OUT/cur.log" | tail -n 12 | tee -a "$SUM"
   cat "$OUT/cur.log" >> "$LOG"
 }
