@@ -137,7 +137,7 @@ def ftcli_recipe(case: str, init_dir: Path, tiny: bool, block_len: int):
     from ftcli.config.recipe import load_recipe
 
     _, _, model_type, method, tokenizer = CASES[case]
-    sets = [f"model.init=pretrained", f"model.id={init_dir}", f"model.model_type={model_type}",
+    sets = ["model.init=pretrained", f"model.id={init_dir}", f"model.model_type={model_type}",
             f"model.tokenizer=pkg://assets/{tokenizer}", "model.model_class=causal_lm",
             f"data.packing.block_len={block_len}", "training.activation_checkpointing=full",
             f"training.optimizer.lr={LR}", "training.optimizer.weight_decay=0.0", f"training.grad_clip={CLIP}",
