@@ -53,7 +53,7 @@ from ftcli.config.rowfilter import describe_filter
 
 BATCH_ROWS = 1024
 UC_NAME = re.compile(r"^[A-Za-z0-9_`-]+\.[A-Za-z0-9_`-]+\.[A-Za-z0-9_`-]+$")
-_RESOLVED: dict[tuple[str, str | None], int] = {}  # (table URI, revision) -> the version this process reads
+_OPENED: dict[tuple[str, str | None], Any] = {}  # (table URI, revision) -> the DeltaTable this process reads
 _LOCATIONS: dict[str, tuple[str, dict[str, str] | None]] = {}  # data.path -> (URI, options): one catalog call
 
 
@@ -126,9 +126,9 @@ def open_table(data):
         _LOCATIONS[data.path] = table_location(data.path)
     uri, options = _LOCATIONS[data.path]
     key = (uri, None if data.revision is None else str(data.revision))
+    if key in _OPENED:  # one log replay per table and revision: the version is resolved once, then kept
+        return _OPENED[key]
     try:
-        if key in _RESOLVED:
-            return deltalake.DeltaTable(uri, version=_RESOLVED[key], storage_options=options)
         pin = parse_delta_revision(data.revision)
         table = deltalake.DeltaTable(uri, version=pin if isinstance(pin, int) else None, storage_options=options)
         if isinstance(pin, datetime):
@@ -139,7 +139,7 @@ def open_table(data):
         first = (str(e).strip() or type(e).__name__).splitlines()[0]
         at = f" at revision {data.revision}" if data.revision is not None else ""
         raise UserError(f"cannot read Delta table {data.path}{at}: {first}") from None
-    _RESOLVED[key] = table.version()
+    _OPENED[key] = table
     return table
 
 

@@ -91,7 +91,7 @@ def test_version_and_timestamp_pin_the_rows_across_a_schema_change(tmp_path):
     assert set(v0[0]) == {"messages"} and key0["version"] == 0
     v1, _, key1 = read(1)
     assert sorted(r["messages"][1]["content"] for r in v1) == [f"answer {i}" for i in range(5)]
-    delta._RESOLVED.clear()
+    delta._OPENED.clear()
     assert read("2026-02-15T00:00:00Z")[2]["version"] == 1
     newest, total, key = read()
     assert key["version"] == 2 and total == 4
