@@ -436,14 +436,22 @@ def test_loss_with_collated_trained_positions_equals_device_search(impl):
         assert (a - b).abs().max().item() <= 1e-5
 
 
-def test_flex_sinks_forward_equals_separate_gpt_oss():
-    """The CUDA gpt-oss path (document + window BlockMask, sinks through the LSE), forward on CPU."""
+def test_flex_sinks_forward_equals_separate_gpt_oss(monkeypatch):
+    """The CUDA gpt-oss path (document + window BlockMask, sinks through the LSE), forward on CPU. The block's
+    boundaries are read off the tensor once for all layers (on CUDA each read waits for the device)."""
+    from ftcli.model.kernels import ops
+
     model, blk = gpt_oss(), block()
     separate, _ = run_separate(model, "eager", blk, backward=False)
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(tuple(t.shape)) or tolist(t))
+    monkeypatch.setattr(ops, "_BLOCK_MASKS", {})
     with torch.no_grad():
         packed, _ = run_packed(model, "gpt_oss", blk, backward=False,
                                backends=[kernels.Backend("attention", "flex_sinks", "forward check on CPU")])
     assert (packed - separate).abs().max().item() <= LOGITS_ATOL
+    cu_shape = tuple(blk["cu_seq_lens_q"].shape)
+    assert model.config.num_hidden_layers >= 2 and reads.count(cu_shape) == 1, reads
 
 
 # ------------------------------------------------------------------------------------------ decisions
