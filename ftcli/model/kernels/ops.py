@@ -336,8 +336,8 @@ def _document_block_mask(cu: torch.Tensor, n: int, window: int | None, device):
 
     key = (_boundaries(cu), n, window, str(device))
     if key not in _BLOCK_MASKS:
-        cu = cu.to(device=device, dtype=torch.long)
-        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu[1:] - cu[:-1])
+        bounds = torch.tensor(key[0], dtype=torch.long)  # the segment of every token, made on the host, then copied
+        doc = torch.repeat_interleave(torch.arange(bounds.numel() - 1), bounds[1:] - bounds[:-1]).to(device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             keep = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
