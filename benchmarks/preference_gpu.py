@@ -184,6 +184,7 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world, pre
     from ftcli.model.parallelize import build_model
     from ftcli.train.full import build_optimizer, grad_norm_and_clip
     from ftcli.train.preference import attach_preference_loss, preference_config
+    from ftcli.train.reference import frozen_copy_training
 
     recipe = ftcli_recipe(case, init_dir, tiny, block_len)
     device = world.device
@@ -192,8 +193,8 @@ def run_ftcli(case, init_dir, blocks, steps, warmup, tiny, block_len, world, pre
     method = CASES[case][3]
     if method == "full":
         model = build_model(recipe.model, recipe.training, world, attn)
-        reference = None if precompute else build_model(recipe.model, recipe.training, world,
-                                                        attn).requires_grad_(False).eval()
+        held = frozen_copy_training(recipe.model, recipe.training)  # as `ftcli train` holds it: compute dtype
+        reference = None if precompute else build_model(recipe.model, held, world, attn).requires_grad_(False).eval()
         attach_preference_loss(model, cfg, recipe.training.loss.chunk_tokens, reference)
         if precompute:  # no second model: the blocks carry the starting model's log-probs
             blocks, reference_pass_s = precompute_reference(model, blocks, device)

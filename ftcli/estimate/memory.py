@@ -264,7 +264,9 @@ def estimate(shape: ModelShape, s: Setting, stored_layer_bytes: float | None = N
     p, w = shape.total_params, s.world
     # an objective with a frozen reference model (ftcli.objectives: `reference_model`) keeps it beside the trained
     # model, in the compute dtype, sharded like it (an adapter's reference is its base with the adapter off: nothing
-    # more; a precomputed reference: none, its log-probs are read with the blocks). Not measured yet; SFT has none
+    # more; a precomputed reference: none, its log-probs are read with the blocks); SFT has none. On the H200
+    # (BENCHMARKS.md, DPO against TRL) the copy then held in fp32 masters took 11.8 GiB at the Llama-8B width with 8
+    # layers; it is held in the compute dtype now (ftcli.train.reference.frozen_copy_training), what this counts
     reference = (p + shape.frozen_params) * s.compute_bytes \
         if objective_of(s.objective).reference_model and s.reference == "model" else 0
     bf16_grads = 2 * shape.root_params if s.master == "bf16" else 0

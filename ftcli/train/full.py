@@ -63,7 +63,7 @@ from ftcli import features
 from ftcli.objectives import OBJECTIVES, objective_of
 from ftcli.train.loss import IGNORE_INDEX, attach_loss, count_trained_tokens, token_loss_sum
 from ftcli.train.preference import attach_preference_loss, preference_config, reduced_means
-from ftcli.train.reference import use_stored_reference
+from ftcli.train.reference import frozen_copy_training, use_stored_reference
 from ftcli.train.metrics import StepMetrics, log_step, truncate_metrics
 from ftcli.model.build import DTYPES, build_empty_model, count_text_params
 from ftcli.model.parallelize import build_model
@@ -326,8 +326,10 @@ class FullRun:
         if tcfg.preference is not None:  # preference pairs: the pair loss (and its reference) instead of token CE
             reference, stored = None, self.objective.reference_model and tcfg.preference.reference == "precomputed"
             if self.objective.reference_model and not stored:  # the starting model again, sharded alike, frozen
-                reference = build_model(recipe.model, recipe.training, world, attn).requires_grad_(False).eval()
-                say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy")
+                held = frozen_copy_training(recipe.model, recipe.training)
+                reference = build_model(recipe.model, held, world, attn).requires_grad_(False).eval()
+                say(f"{self.objective.label} reference: a frozen copy of the starting model, sharded like the policy, "
+                    f"in {held.precision.master_dtype}")
             attach_preference_loss(self.model, preference_config(tcfg), tcfg.loss.chunk_tokens, reference)
             if stored:  # the policy is still the starting model (a resume restores it later): it is the reference
                 self.read_stored_reference()

@@ -1,4 +1,5 @@
-"""training.preference.reference=precomputed: the reference's per-segment log-probs, computed once before step 1 by
+"""A preference objective's reference: the frozen copy's build (`frozen_copy_training`) and, for
+training.preference.reference=precomputed, the reference's per-segment log-probs, computed once before step 1 by
 the starting model itself, stored beside the pack cache (ftcli.data.reference), then read with every block, so that
 a full DPO/IPO run holds one model and runs one forward per block (not a frozen copy and its forward).
 
@@ -26,6 +27,17 @@ import torch
 from ftcli.data.cache import PackedDataset
 from ftcli.data.packing import padding_block
 from ftcli.data.reference import ReferencedBlocks, num_segments, store_path, store_problem, write_store
+
+
+def frozen_copy_training(model_cfg, training):
+    """The training section a frozen copy of the starting model (training.preference.reference=model, method full)
+    is built with: its weights held in the compute dtype (precision.param_dtype), not in fp32 masters. FSDP casts
+    every weight to that dtype for each forward anyway, so the forward is the same and the copy holds half the
+    memory. A random init keeps the master dtype (its draws in another dtype need not round to the policy's)."""
+    p = training.precision
+    if model_cfg.init != "pretrained" or p.master_dtype == p.param_dtype:
+        return training
+    return training.model_copy(update={"precision": p.model_copy(update={"master_dtype": p.param_dtype})})
 
 
 def reference_identity(model_cfg, training, device_type: str) -> dict[str, Any]:

@@ -117,3 +117,21 @@ def test_a_lora_run_over_a_sharded_base_refuses_a_precomputed_reference_in_one_l
                                         r"\(training.sharding=ddp; this run's is fsdp\): set "
                                         r"training.preference.reference=model$"):
         read_stored_reference(recipe, None, None, "fsdp", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("init, master, param, held", [
+    ("pretrained", "float32", "bfloat16", "bfloat16"),  # the shipped DPO recipes: the copy holds bf16, half of fp32
+    ("pretrained", "float32", "float32", "float32"),
+    ("pretrained", "bfloat16", "bfloat16", "bfloat16"),
+    ("random", "float32", "bfloat16", "float32"),  # a random init draws in the master dtype, as the policy does
+])
+def test_the_frozen_reference_is_held_in_the_compute_dtype(tmp_path, init, master, param, held):
+    from ftcli.config.recipe import load_recipe
+    from ftcli.train.reference import frozen_copy_training
+
+    recipe = load_recipe("tiny-dpo-cpu", [f"model.init={init}", f"model.id={tmp_path}",
+                                          f"training.precision.master_dtype={master}",
+                                          f"training.precision.param_dtype={param}"])
+    training = frozen_copy_training(recipe.model, recipe.training)
+    assert training.precision.master_dtype == held and recipe.training.precision.master_dtype == master
+    assert training.model_dump(exclude={"precision"}) == recipe.training.model_dump(exclude={"precision"})
