@@ -187,12 +187,14 @@ def _one_rank(run_dir, *sets):
 def test_ipo_step_1_is_the_squared_target_margin(dpo_run, tmp_path, env):  # noqa: F811
     """training.objective=ipo through `ftcli train`, started from the DPO run (model.id = its run dir): at step 1 the
     policy is the reference, every pair's per-token log-ratio margin h is 0, so the loss is (0 - 1 / (2 beta))^2 = 25
-    at beta 0.1; step 2's is below (h moved up). run.json and the MLflow run name the run it started from."""
+    at beta 0.1; step 2's is below (h moved up). run.json and the MLflow run name the run it started from. Compute in
+    bf16 over fp32 masters: the frozen copy is held in bf16 and its forward is the policy's, bit for bit (margin 0)."""
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     res = ftcli(_one_rank(tmp_path / "ipo", "training.objective=ipo", "training.max_steps=2", "model.init=pretrained",
-                          f"model.id={dpo_run['run_dir']}", "tracking.enabled=true", f"tracking.tracking_uri={uri}",
+                          f"model.id={dpo_run['run_dir']}", "training.precision.param_dtype=bfloat16",
+                          "tracking.enabled=true", f"tracking.tracking_uri={uri}",
                           "tracking.log_system_metrics=false"), tmp_path, env)
     assert res.returncode == 0, output_tail(res)
     parent_json = json.loads((dpo_run["run_dir"] / "run.json").read_text())
@@ -207,9 +209,9 @@ def test_ipo_step_1_is_the_squared_target_margin(dpo_run, tmp_path, env):  # noq
     steps = metrics(tmp_path / "ipo")
     assert [m["step"] for m in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx((0 - 1 / (2 * 0.1)) ** 2, rel=1e-6)
-    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["rewards/margins"] == 0.0 and steps[0]["rewards/chosen"] == 0.0
     assert steps[1]["loss"] < steps[0]["loss"] and steps[1]["rewards/margins"] > 0
-    assert "IPO reference: a frozen copy of the starting model" in res.stdout + res.stderr
+    assert "IPO reference: a frozen copy of the starting model, sharded like the policy, in bfloat16" in res.stdout
 
 
 def test_simpo_step_1_follows_from_its_logged_mean_logps(tmp_path, env):  # noqa: F811
