@@ -27,6 +27,7 @@ import torch
 from ftcli.data.cache import PackedDataset
 from ftcli.data.packing import padding_block
 from ftcli.data.reference import ReferencedBlocks, num_segments, store_path, store_problem, write_store
+from ftcli.train.distributed import all_reduce
 
 
 def frozen_copy_training(model_cfg, training):
@@ -109,10 +110,8 @@ def precomputed_reference(sets: dict[str, PackedDataset], identity: dict[str, An
         if problem is not None and os.path.lexists(path) and rank == 0:
             say(f"note: the reference store {path} is not used: {problem}; rebuilding it")
         build = problem is not None
-        if dist:
-            flag = torch.tensor([int(build)], device=device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            build = bool(flag.item())
+        if dist:  # any rank without a usable store: every rank computes (the pass is collective)
+            build = bool(all_reduce([float(build)], torch.distributed.ReduceOp.MAX, device)[0])
         if build:
             started = time.perf_counter()
             logps = segment_logps(logps_fn, packed, rank, world_size, device)
