@@ -123,21 +123,25 @@ class RunSession:
         """Collective: <run>/final and <run>/best as ftcli.train.export.export_models decides (eval.export), from the
         trainer's `export_last` and `export_best` (None: the trainer kept its best model in best/ during training);
         returns run.json's best_model_dir."""
-        from ftcli.objectives import method_of
         from ftcli.train.export import export_models
 
         export = self.recipe.eval.export if self.recipe.eval is not None else None
-        what = "adapter" if method_of(self.recipe.training).writes_adapter else "model"
         return export_models(self.run_dir, best_step, last_step, export, export_last=export_last,
-                             export_best=export_best, what=what, is_main=self.rank == 0, device=self.device)
+                             export_best=export_best, what=self.model_word, is_main=self.rank == 0,
+                             device=self.device)
+
+    @property
+    def model_word(self) -> str:
+        """What the run writes, in its lines: "adapter" (a method that writes one) or "model"."""
+        from ftcli.objectives import method_of
+
+        return "adapter" if method_of(self.recipe.training).writes_adapter else "model"
 
     def complete(self, *, steps: int, final_loss: float | None, evals, best_model_dir: str | None,
                  model_dir: str | None, **fields: Any) -> None:
         """After the exports, the run's end on every rank: the best eval's line (when a best model was exported), then
         on rank 0 run.json (`record_run`; `fields`: what it takes beyond these and the session's own), the tracked run
         FINISHED and the last line, `done: N steps, final loss L, <model> in <run>/final`."""
-        from ftcli.objectives import method_of
-
         if best_model_dir is not None:
             self.say(f"best eval: step {evals.best_step}, eval loss {evals.best_loss:.4f}, model in "
                      f"{self.run_dir / best_model_dir}")
@@ -147,8 +151,7 @@ class RunSession:
                    steps=steps, final_loss=final_loss, evals=evals, best_model_dir=best_model_dir,
                    model_dir=model_dir, **fields)
         self.end()
-        what = "adapter" if method_of(self.recipe.training).writes_adapter else "model"
-        where = f", {what} in {self.run_dir / model_dir}" if model_dir is not None else ""
+        where = f", {self.model_word} in {self.run_dir / model_dir}" if model_dir is not None else ""
         self.say(f"done: {steps} steps, final loss {f'{final_loss:.4f}' if final_loss is not None else 'n/a'}{where}")
 
     def end(self, error: BaseException | None = None) -> None:
