@@ -37,9 +37,7 @@ def begin_export(out_dir: Path) -> None:
         out_dir.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     unpublish_export(out_dir)  # before anything goes
-    for entry in entries(out_dir):
-        if entry.name != EXPORT_RECORD:
-            remove_tree(entry)
+    _remove_all_but_record(out_dir)
 
 
 def unpublish_export(out_dir: Path) -> None:
@@ -90,14 +88,18 @@ def remove_export(out_dir: Path, *, keep_dir: bool = False) -> None:
         out_dir.unlink()
         return
     try:
-        for entry in entries(out_dir):
-            if entry.name != EXPORT_RECORD:
-                remove_tree(entry)
+        _remove_all_but_record(out_dir)
         (out_dir / EXPORT_RECORD).unlink(missing_ok=True)
         if not keep_dir and out_dir.is_dir():
             out_dir.rmdir()
     except OSError:
         pass
+
+
+def _remove_all_but_record(out_dir: Path) -> None:
+    for entry in entries(out_dir):
+        if entry.name != EXPORT_RECORD:
+            remove_tree(entry)
 
 
 def export_problem(model_dir: Path) -> str | None:
